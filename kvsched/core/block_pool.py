@@ -1,0 +1,140 @@
+"""The block pool: mechanism only. Knows blocks, reference counts and the cache map; nothing of
+requests or queues.
+
+Free blocks sit in one doubly linked list ordered for eviction:
+
+    head -> [uncached free blocks] [cached free blocks, least recently used first] <- tail
+
+`allocate` takes from the head (an evicted cached block loses its hash); `free` puts a block
+whose ref count reaches zero at the tail if it holds a cached prefix (most recently used), else
+at the head (it has no value). `touch` takes a cached free block back out in O(1) on a hit.
+"""
+
+from __future__ import annotations
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        # Linked list over block ids; index num_blocks is the sentinel.
+        s = num_blocks
+        self._next = [*range(1, num_blocks + 1), 0]
+        self._prev = [s, *range(num_blocks)]
+        if num_blocks == 0:
+            self._next, self._prev = [s], [s]
+        self._next[s] = 0 if num_blocks else s
+        self._prev[s] = num_blocks - 1 if num_blocks else s
+        self.num_free = num_blocks
+
+    # ---- free list primitives -------------------------------------------------------------
+    def _unlink(self, b: int) -> None:
+        p, n = self._prev[b], self._next[b]
+        self._next[p] = n
+        self._prev[n] = p
+        self.num_free -= 1
+
+    def _link_after(self, p: int, b: int) -> None:
+        n = self._next[p]
+        self._prev[b], self._next[b] = p, n
+        self._next[p] = b
+        self._prev[n] = b
+        self.num_free += 1
+
+    def free_order(self) -> list[int]:
+        """Free block ids in eviction order (head first). O(free blocks): tests only."""
+        s, out, b = self.num_blocks, [], self._next[self.num_blocks]
+        while b != s:
+            out.append(b)
+            b = self._next[b]
+        return out
+
+    # ---- public API -----------------------------------------------------------------------
+    def allocate(self, num: int) -> list[int] | None:
+        """Take `num` blocks from the head of the free list, each with ref count 1; a taken
+        cached block is evicted (loses its hash). Returns None, changing nothing, if too few."""
+        if num > self.num_free:
+            return None
+        s, nxt, ref, hashes = self.num_blocks, self._next, self.ref_cnt, self.block_hash
+        out = []
+        for _ in range(num):
+            b = nxt[s]
+            self._unlink(b)
+            ref[b] = 1
+            h = hashes[b]
+            if h is not None:
+                hashes[b] = None
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+            out.append(b)
+        return out
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block, in the order given (pass a table reversed so
+        chain tails are evicted before their parents). Blocks reaching zero become free."""
+        s, ref, hashes = self.num_blocks, self.ref_cnt, self.block_hash
+        for b in block_ids:
+            ref[b] -= 1
+            if ref[b] == 0:
+                self._link_after(self._prev[s] if hashes[b] is not None else s, b)
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Add a reference to each block (a prefix hit); a free one leaves the free list."""
+        ref = self.ref_cnt
+        for b in block_ids:
+            if ref[b] == 0:
+                self._unlink(b)
+            ref[b] += 1
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> bool:
+        """Register a written, full block under its hash. False (nothing changes) if caching is
+        off or another block already holds that content."""
+        if not self.enable_caching or block_hash in self.cached:
+            return False
+        self.cached[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
+        return True
+
+    def reset_cache(self) -> int:
+        """Forget every cached hash (in-use blocks stay owned). Returns how many were dropped."""
+        n = len(self.cached)
+        for b in self.cached.values():
+            self.block_hash[b] = None
+        self.cached.clear()
+        return n
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks if self.num_blocks else 0.0
+
+    def check_integrity(self, owners: dict[int, int] | None = None) -> None:
+        """Assert the pool's invariants; with `owners` (block -> number of tables holding it),
+        also that ref counts equal owners and free xor owned."""
+        free = self.free_order()
+        assert len(free) == self.num_free, "free list length != num_free"
+        free_set = set(free)
+        assert len(free_set) == len(free), "a block is twice in the free list"
+        for b in range(self.num_blocks):
+            assert (b in free_set) == (self.ref_cnt[b] == 0), f"block {b}: free xor owned broken"
+            assert self.ref_cnt[b] >= 0, f"block {b}: negative ref count"
+            if owners is not None:
+                assert self.ref_cnt[b] == owners.get(b, 0), (
+                    f"block {b}: ref count {self.ref_cnt[b]} != owners {owners.get(b, 0)}"
+                )
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h, f"block {b}: cache map and block hash disagree"
+        n_hashed = sum(1 for h in self.block_hash if h is not None)
+        assert n_hashed == len(self.cached), "a block carries a hash not in the cache map"
+        # Uncached free blocks precede cached ones.
+        seen_cached = False
+        for b in free:
+            if self.block_hash[b] is not None:
+                seen_cached = True
+            else:
+                assert not seen_cached, f"uncached free block {b} after a cached one"

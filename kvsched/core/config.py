@@ -1,0 +1,168 @@
+"""Typed, validated configuration of one instance's scheduler.
+
+Every check names the field and its allowed range, so a bad TOML file or flag is fixed at once.
+The server builds these objects from TOML, then `KVSCHED_*` environment, then flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import Enum, StrEnum
+from typing import Any
+
+from kvsched.core.errors import ConfigError
+
+
+class Role(StrEnum):
+    MIXED = "mixed"  # prefill and decode on the same instance
+    PREFILL = "prefill"  # prefill only, then hand the KV to a decode instance
+    DECODE = "decode"  # receives prefilled requests and decodes them
+
+
+class QueuePolicy(StrEnum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"  # lower value first, then arrival
+
+
+def _check_range(section: str, name: str, value: float, lo: float, hi: float | None = None) -> None:
+    if value < lo or (hi is not None and value > hi):
+        upper = "inf" if hi is None else hi
+        raise ConfigError(f"{section}.{name} = {value!r} is out of range [{lo}, {upper}]")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    num_gpu_blocks: int = 4096
+    enable_prefix_caching: bool = True
+    # Decode headroom (the seed's enc_dec_block_num / prealloc_dec_block_slot_num_threshold):
+    # when a decoding request's free token slots fall to `prealloc_threshold`, append
+    # `prealloc_blocks` blocks so the worker can decode many steps without asking.
+    prealloc_blocks: int = 2
+    prealloc_threshold: int = 12
+    # Admission reserve (the seed's FD_RESERVE_*_OUTPUT_BLOCK_NUM): admit a prefill only if free
+    # blocks cover its chunk plus reserve_blocks x running; decays per scheduled step.
+    reserve_blocks: int = 0
+    reserve_decay: float = 0.0
+    reserve_min: int = 0
+
+    def validate(self) -> None:
+        s = "cache"
+        _check_range(s, "block_size", self.block_size, 1, 4096)
+        _check_range(s, "num_gpu_blocks", self.num_gpu_blocks, 1, 1 << 31)
+        _check_range(s, "prealloc_blocks", self.prealloc_blocks, 1, 1024)
+        _check_range(s, "prealloc_threshold", self.prealloc_threshold, 0, 1 << 20)
+        _check_range(s, "reserve_blocks", self.reserve_blocks, 0, 1 << 20)
+        _check_range(s, "reserve_decay", self.reserve_decay, 0.0, 1 << 20)
+        _check_range(s, "reserve_min", self.reserve_min, 0, self.reserve_blocks or 0)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 131072
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap per step
+    disable_chunked_prefill: bool = False
+    disable_chunked_mm_input: bool = False
+    max_num_encoder_tokens: int = 0  # multimodal tokens admitted per step; 0: unlimited
+    policy: QueuePolicy = QueuePolicy.FCFS
+    priority_preemption: bool = False  # priority policy: a waiting request may preempt lower ones
+    max_preemptions: int = 0  # 0: unlimited; else a request preempted this often is kept
+    max_waiting: int = 65536
+
+    def validate(self) -> None:
+        s = "scheduler"
+        _check_range(s, "max_num_seqs", self.max_num_seqs, 1, 1 << 20)
+        _check_range(s, "max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
+        _check_range(s, "max_model_len", self.max_model_len, 2, 1 << 24)
+        _check_range(s, "long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _check_range(s, "max_num_encoder_tokens", self.max_num_encoder_tokens, 0)
+        _check_range(s, "max_preemptions", self.max_preemptions, 0)
+        _check_range(s, "max_waiting", self.max_waiting, 1)
+        try:
+            self.policy = QueuePolicy(self.policy)
+        except ValueError:
+            raise ConfigError(
+                f"scheduler.policy = {self.policy!r}; expected one of "
+                f"{[p.value for p in QueuePolicy]}"
+            ) from None
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int = 0  # k: each decode step may verify k drafts (budget k + 1)
+
+    def validate(self) -> None:
+        _check_range("speculative", "num_speculative_tokens", self.num_speculative_tokens, 0, 64)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    role: Role = Role.MIXED
+
+    def validate(self) -> EngineConfig:
+        self.cache.validate()
+        self.scheduler.validate()
+        self.speculative.validate()
+        try:
+            self.role = Role(self.role)
+        except ValueError:
+            raise ConfigError(
+                f"role = {self.role!r}; expected one of {[r.value for r in Role]}"
+            ) from None
+        budget = self.scheduler.max_num_batched_tokens
+        per_decode = 1 + self.speculative.num_speculative_tokens
+        if budget < per_decode:
+            raise ConfigError(
+                f"scheduler.max_num_batched_tokens = {budget} must be >= 1 + "
+                f"speculative.num_speculative_tokens = {per_decode}"
+            )
+        if self.scheduler.disable_chunked_prefill and budget < self.scheduler.max_model_len:
+            raise ConfigError(
+                "scheduler.disable_chunked_prefill needs scheduler.max_num_batched_tokens "
+                f"({budget}) >= scheduler.max_model_len ({self.scheduler.max_model_len}), "
+                "or a long prompt could never be admitted"
+            )
+        return self
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """Build from nested plain data (a TOML table); unknown keys are errors."""
+        sections: dict[str, Any] = {
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "speculative": SpeculativeConfig,
+        }
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key == "role":
+                kwargs["role"] = value
+            elif key in sections:
+                kwargs[key] = _section(sections[key], key, value)
+            else:
+                raise ConfigError(f"unknown config key {key!r}; expected role or {list(sections)}")
+        return cls(**kwargs).validate()
+
+
+def _section(kind: Any, name: str, values: dict[str, Any]) -> Any:
+    known = {f.name: f for f in fields(kind)}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown key {name}.{key}; known: {sorted(known)}")
+        default = getattr(kind(), key)
+        if isinstance(default, Enum):
+            expected: type | tuple[type, ...] = str
+        elif isinstance(default, float):
+            expected = (int, float)
+        else:
+            expected = type(default)
+        if isinstance(default, bool) != isinstance(value, bool) or not isinstance(value, expected):
+            raise ConfigError(
+                f"{name}.{key} = {value!r} has type {type(value).__name__}; "
+                f"expected {type(default).__name__}"
+            )
+    return kind(**values)

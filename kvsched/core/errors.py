@@ -1,0 +1,34 @@
+"""Typed errors raised at the core's boundary. The server maps each to one gRPC status code."""
+
+from __future__ import annotations
+
+
+class KvschedError(Exception):
+    """Base of every error kvsched raises on purpose."""
+
+
+class ConfigError(KvschedError, ValueError):
+    """A configuration value is out of range; the message names the field and the allowed range."""
+
+
+class InvalidRequest(KvschedError, ValueError):
+    """A request cannot be accepted as given (INVALID_ARGUMENT)."""
+
+
+class RequestNotFound(KvschedError, KeyError):
+    """No live request has this id (NOT_FOUND)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "request not found"
+
+
+class CapacityExceeded(KvschedError):
+    """The waiting queue is full (RESOURCE_EXHAUSTED)."""
+
+
+class ProtocolError(KvschedError):
+    """A worker broke the protocol: unknown handle, report for a step never sent (FAILED_PRECONDITION)."""
+
+
+class Unavailable(KvschedError):
+    """The daemon or instance is not accepting work now: draining, no instance ready (UNAVAILABLE)."""

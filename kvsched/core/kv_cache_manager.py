@@ -1,0 +1,147 @@
+"""Per-request block tables and the prefix cache, over a BlockPool.
+
+A block's hash chains its parent's hash, its token ids and its extra keys, so equal hashes mean
+equal prefixes:
+
+    h[i] = blake2b(h[i-1] | tokens[i*bs : (i+1)*bs] | extra_keys(i))
+    extra_keys(i) = LoRA name, cache_salt (block 0 only), and for every multimodal range
+                    overlapping the block: (content hash, block start - range offset)
+
+Only full blocks are hashed, and a block is registered in the cache only after the worker has
+reported writing it (`cache_reported`), never when it is merely scheduled: a reader put into
+the same step as the writer would read KV that is not there yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from kvsched.core.block_pool import BlockPool
+from kvsched.core.request import Request
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        # Prefix-cache statistics, in tokens (as vLLM's prefix_cache_queries / _hits).
+        self.num_queries = 0
+        self.num_hits = 0
+
+    # ---- hashing --------------------------------------------------------------------------
+    def block_extra_keys(self, req: Request, i: int) -> bytes:
+        bs = self.block_size
+        start, end = i * bs, (i + 1) * bs
+        parts = []
+        if req.lora_name:
+            parts.append(f"lora={req.lora_name}")
+        if i == 0 and req.cache_salt:
+            parts.append(f"salt={req.cache_salt}")
+        for r in req.mm_ranges:
+            if r.offset < end and r.offset + r.length > start:
+                parts.append(f"mm={r.content_hash}@{start - r.offset}")
+        return "\x1f".join(parts).encode()
+
+    def hash_block(self, parent: bytes, tokens: list[int], extra: bytes) -> bytes:
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(array("q", tokens).tobytes())
+        h.update(extra)
+        return h.digest()
+
+    def ensure_hashes(self, req: Request, num_blocks: int) -> None:
+        """Extend req.block_hashes to cover its first `num_blocks` full blocks (tokens known)."""
+        bs, hashes = self.block_size, req.block_hashes
+        num_blocks = min(num_blocks, req.num_tokens // bs)
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else b""
+            tokens = req.token_ids(i * bs, (i + 1) * bs)
+            hashes.append(self.hash_block(parent, tokens, self.block_extra_keys(req, i)))
+
+    # ---- lookup and allocation ------------------------------------------------------------
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Blocks of the longest cached prefix of req's tokens. A full hit is capped so at least
+        the last token is computed (the worker needs its logits). Counts queries and hits."""
+        if not self.enable_caching:
+            return []
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        self.ensure_hashes(req, max_blocks)
+        hits: list[int] = []
+        lookup = self.pool.cached.get
+        for h in req.block_hashes[:max_blocks]:
+            b = lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queries += num_query_tokens
+        self.num_hits += num_hit_tokens
+
+    def num_blocks_to_allocate(self, req: Request, num_tokens: int, hits: list[int]) -> int:
+        """Blocks, counting hits that must leave the free list, needed so req's table covers
+        `num_tokens` positions."""
+        have = len(req.block_ids) + len(hits)
+        need = max(0, _cdiv(num_tokens, self.block_size) - have)
+        ref = self.pool.ref_cnt
+        return need + sum(1 for b in hits if ref[b] == 0)
+
+    def allocate_slots(
+        self, req: Request, num_tokens: int, hits: list[int] | None = None
+    ) -> list[int] | None:
+        """Make req's block table cover positions [0, num_tokens): first take the prefix `hits`
+        (ref counted, leave the free list), then fresh blocks. Returns the new fresh block ids
+        (possibly empty), or None, changing nothing, when the pool cannot supply them."""
+        hits = hits or []
+        bs = self.block_size
+        need = max(0, _cdiv(num_tokens, bs) - len(req.block_ids) - len(hits))
+        pool = self.pool
+        if need + sum(1 for b in hits if pool.ref_cnt[b] == 0) > pool.num_free:
+            return None
+        if hits:
+            pool.touch(hits)
+            req.block_ids.extend(hits)
+            req.num_cached_blocks = len(req.block_ids)
+        new = pool.allocate(need) if need else []
+        assert new is not None
+        req.block_ids.extend(new)
+        return new
+
+    def cache_reported(self, req: Request) -> None:
+        """Register req's full blocks that the worker has reported written."""
+        if not self.enable_caching:
+            return
+        n = min(req.num_reported_tokens // self.block_size, len(req.block_ids))
+        if n <= req.num_cached_blocks:
+            return
+        self.ensure_hashes(req, n)
+        n = min(n, len(req.block_hashes))
+        pool, ids, hashes = self.pool, req.block_ids, req.block_hashes
+        for i in range(req.num_cached_blocks, n):
+            if pool.block_hash[ids[i]] is None:
+                pool.cache_block(ids[i], hashes[i])
+        req.num_cached_blocks = n
+
+    def free(self, req: Request) -> None:
+        """Return req's blocks, chain tail first, and clear its table."""
+        ids = req.block_ids
+        ids.reverse()
+        self.pool.free(ids)
+        req.block_ids = []
+        req.num_cached_blocks = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage

@@ -1,0 +1,160 @@
+"""Data that crosses the core's boundary: what the scheduler tells a worker and what it hears back.
+
+These are the core-side shapes of the worker protocol (DESIGN section 4). The server converts
+them to and from protobuf in one module (`kvsched.server.convert`); workers speak protobuf.
+
+A request placed on a worker slot gets a *handle*: an integer unique per instance and per
+placement (a preempted request that is placed again gets a new one). Every task and every
+report names handles, never bare slots, so a late report about a slot's previous occupant is
+recognised and dropped. Handles are issued in increasing order, so a handle at or above the next
+one to be issued was never sent: that is a protocol violation, not a late report.
+
+Order in which a worker applies one `Tasks` message, at a step boundary:
+
+    1. preempts, aborts      drop those handles (their blocks may be reused below)
+    2. placements            occupy a slot: block table, sampling, where decoding starts
+    3. extensions            append block ids to a handle's table (resumes a paused slot)
+    4. chunks                queue prefill chunks; one chunk per handle per step, in order
+    5. kv_sends              (prefill role) where to push a handle's KV when its prompt is done
+
+A placement that never receives chunks holds its slot and blocks idle: that is how a decode
+instance reserves room for KV pushed to it by a prefill worker (pushes for a handle the worker
+does not hold are refused). When the KV has arrived the daemon aborts that reservation handle
+and places the request again under a new handle with num_cached_tokens == num_prefill_tokens
+and last_token_id set, on the same blocks: the worker starts decoding at once.
+
+A handle decodes on its own once its last prefill chunk ran: one token (1 + accepted
+speculative tokens) per step while its blocks have room for the positions it will write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class FinishReason(IntEnum):
+    """Why a request finished. Values match the protobuf enum of the same name."""
+
+    NONE = 0
+    STOP = 1  # EOS or a stop token
+    LENGTH = 2  # max_tokens or the model's length
+    ABORT = 3  # client abort, disconnect, drain, deadline
+    ERROR = 4  # worker or transfer failure
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling and stop conditions, carried to the worker; the core only checks max_tokens."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class MultimodalRange:
+    """A placeholder range of prompt positions filled by one multimodal item."""
+
+    offset: int
+    length: int
+    content_hash: str
+
+
+@dataclass(slots=True)
+class Placement:
+    """Put a request on a slot. Sent once per placement (first time and after each preemption)."""
+
+    handle: int
+    slot: int
+    req_id: str
+    block_ids: list[int]  # the block table so far
+    num_cached_tokens: int  # KV already in those blocks (prefix hit or transferred)
+    num_prefill_tokens: int  # tokens to have KV for before decoding starts (prompt + outputs)
+    num_output_tokens: int  # outputs generated before this placement (counts toward max_tokens)
+    last_token_id: int  # the token decoding starts from when num_cached == num_prefill (else -1)
+    sampling: SamplingParams
+    lora_name: str = ""
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Prefill positions [start, start + len(token_ids)) of a handle."""
+
+    handle: int
+    start: int
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class Extension:
+    """Blocks appended to a handle's table."""
+
+    handle: int
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class KvSend:
+    """Prefill role: after the prompt of `handle` is computed, push its KV blocks to another
+    instance's blocks `dst_block_ids` (same order as the source table), then report the step."""
+
+    handle: int
+    dst_instance: str
+    dst_handle: int
+    dst_block_ids: list[int]
+
+
+@dataclass(slots=True)
+class Tasks:
+    """One message of work for a worker, produced by one `Scheduler.schedule()` call."""
+
+    seq: int
+    preempts: list[int] = field(default_factory=list)
+    aborts: list[int] = field(default_factory=list)
+    placements: list[Placement] = field(default_factory=list)
+    extensions: list[Extension] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+    kv_sends: list[KvSend] = field(default_factory=list)
+    reset_prefix_cache: bool = False
+
+    def is_empty(self) -> bool:
+        return not (
+            self.preempts
+            or self.aborts
+            or self.placements
+            or self.extensions
+            or self.chunks
+            or self.kv_sends
+            or self.reset_prefix_cache
+        )
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What a worker ran in one step. Columns are parallel; token ids are flat.
+
+    handles[i] ran this step; after it the handle's KV covers positions [0, num_computed[i]);
+    it sampled num_new_tokens[i] tokens (0 for a prefill chunk that is not the prompt's last),
+    stored consecutively in token_ids. finish_reasons[i] != NONE means the worker stopped it
+    (stop token, max_tokens, model length). Handles the worker dropped because of a preempt or
+    abort, or tasks it acknowledged and discarded, are in acked; handles that could not decode
+    for lack of block room are in paused.
+    """
+
+    step: int
+    applied_seq: int
+    handles: list[int] = field(default_factory=list)
+    num_computed: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reasons: list[int] = field(default_factory=list)
+    acked: list[int] = field(default_factory=list)
+    paused: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)  # e.g. KV transfer failed: ends with ERROR
+    step_time_ns: int = 0

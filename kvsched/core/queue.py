@@ -1,0 +1,110 @@
+"""Waiting queues. Removal of an aborted waiting request is lazy (it is skipped when it reaches
+the head), so abort is O(1) and no `list.remove` or `x in deque` ever runs."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator
+
+from kvsched.core.request import Request, RequestStatus
+
+
+class RequestQueue:
+    """Base: `push`, `push_front` (a preempted request goes back first), `peek`, `pop`, `len`."""
+
+    def __init__(self) -> None:
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def discard(self, req: Request) -> None:
+        """Account for a request that left while queued (abort); it is skipped lazily."""
+        self._live -= 1
+
+    def peek(self) -> Request | None:
+        raise NotImplementedError
+
+    def pop(self) -> Request:
+        raise NotImplementedError
+
+    def push(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def push_front(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Request]:
+        raise NotImplementedError
+
+
+def _queued(req: Request) -> bool:
+    return req.status == RequestStatus.WAITING
+
+
+class FcfsQueue(RequestQueue):
+    def __init__(self) -> None:
+        super().__init__()
+        self._q: deque[Request] = deque()
+
+    def push(self, req: Request) -> None:
+        self._q.append(req)
+        self._live += 1
+
+    def push_front(self, req: Request) -> None:
+        self._q.appendleft(req)
+        self._live += 1
+
+    def peek(self) -> Request | None:
+        q = self._q
+        while q and not _queued(q[0]):
+            q.popleft()
+        return q[0] if q else None
+
+    def pop(self) -> Request:
+        req = self.peek()
+        assert req is not None
+        self._q.popleft()
+        self._live -= 1
+        return req
+
+    def __iter__(self) -> Iterator[Request]:
+        return (r for r in self._q if _queued(r))
+
+
+class PriorityQueue(RequestQueue):
+    """Lower priority value first, then earlier arrival, then insertion order. A preempted
+    request re-enters by its own key, which puts it ahead of later arrivals of its priority."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._h: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def push(self, req: Request) -> None:
+        heapq.heappush(self._h, (req.priority, req.arrival_time, next(self._seq), req))
+        self._live += 1
+
+    push_front = push
+
+    def peek(self) -> Request | None:
+        h = self._h
+        while h and not _queued(h[0][3]):
+            heapq.heappop(h)
+        return h[0][3] if h else None
+
+    def pop(self) -> Request:
+        req = self.peek()
+        assert req is not None
+        heapq.heappop(self._h)
+        self._live -= 1
+        return req
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[3] for e in sorted(self._h) if _queued(e[3]))
+
+
+def make_queue(policy: str) -> RequestQueue:
+    return PriorityQueue() if policy == "priority" else FcfsQueue()

@@ -1,0 +1,104 @@
+"""A request and its life (DESIGN section 2).
+
+    WAITING --schedule--> RUNNING --report: finish--> FINISHED_STOPPED | FINISHED_LENGTH
+       ^                     | preempt                 FINISHED_ABORTED | FINISHED_ERROR
+       +---- (worker ack) -- PREEMPTED
+
+Progress is one pair of counters: `num_computed_tokens` (positions whose KV has been handed to
+the worker to compute, in this placement) against `num_tokens` (prompt + output). No separate
+prefill and decode phases: a request decodes once its computed count reaches the tokens it had
+when it was placed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from kvsched.core.protocol import FinishReason, MultimodalRange, SamplingParams
+
+
+class RequestStatus(IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # blocks freed, preempt sent, waiting for the worker's acknowledgement
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+FINISHED_STATUS = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    arrival_time: float = 0.0
+    lora_name: str = ""
+    cache_salt: str = ""
+    mm_ranges: list[MultimodalRange] = field(default_factory=list)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Placement on a worker slot (None while waiting).
+    handle: int = -1
+    slot: int = -1
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # KV positions handed to the worker in this placement
+    num_reported_tokens: int = 0  # KV positions the worker reported written
+    num_prefill_tokens: int = 0  # num_tokens when placed: decoding starts after these
+    # Prefix cache: hashes of the full blocks of prompt + output, and how many of this
+    # request's blocks are registered in the cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    # Accounting reported to the client.
+    num_cached_tokens: int = -1  # prefix-hit tokens at first placement (-1: not placed yet)
+    num_preemptions: int = 0
+    first_scheduled_time: float = -1.0
+    first_token_time: float = -1.0
+    finished_time: float = -1.0
+    finish_reason: FinishReason = FinishReason.NONE
+    finish_message: str = ""
+    # Prefill/decode disaggregation: the decode instance's reservation for this request.
+    kv_target: tuple[str, int, list[int]] | None = None
+    # Next num_tokens at which a decoding request needs the scheduler's attention.
+    check_at: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    @property
+    def is_prefill_done(self) -> bool:
+        """All prefill positions of this placement have been handed to the worker."""
+        return self.num_computed_tokens >= self.num_prefill_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

@@ -1,0 +1,61 @@
+"""Pick an instance for a new request: prefix overlap first, load second.
+
+score(i) = cached_fraction(i) - load_weight * (load(i) - min load)
+    cached_fraction = prompt tokens instance i holds cached now / prompt tokens
+    load            = (running + waiting) / max_num_seqs  +  KV usage
+
+so a request follows its cached prefix unless that instance is clearly busier than the
+least-loaded one; with nothing cached anywhere it goes to the least-loaded instance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvsched.core.config import Role
+from kvsched.core.errors import Unavailable
+from kvsched.core.request import Request
+from kvsched.core.scheduler import Scheduler
+
+
+class Router:
+    def __init__(self, load_weight: float = 0.5) -> None:
+        self.load_weight = load_weight
+
+    @staticmethod
+    def load(s: Scheduler) -> float:
+        return (s.num_running + s.num_waiting) / s.config.scheduler.max_num_seqs + s.kv.usage
+
+    def pick(self, schedulers: Sequence[Scheduler], req: Request) -> int:
+        """Index of the instance that should take `req` (a new request: never a decode-role
+        instance). Raises Unavailable when no instance can take new requests."""
+        cands = [
+            i for i, s in enumerate(schedulers) if s.config.role != Role.DECODE and not s.paused
+        ]
+        if not cands:
+            raise Unavailable("no instance is ready to take new requests")
+        if len(cands) == 1:
+            return cands[0]
+        loads = {i: self.load(schedulers[i]) for i in cands}
+        base = min(loads.values())
+        n = max(1, len(req.prompt_token_ids))
+        # Block hashes depend on the block size: with mixed sizes, rehash per instance.
+        mixed = len({schedulers[i].block_size for i in cands}) > 1
+        best, best_score = cands[0], float("-inf")
+        for i in cands:
+            if mixed:
+                req.block_hashes = []
+            hit = schedulers[i].prefix_hit_tokens(req) / n
+            score = hit - self.load_weight * (loads[i] - base)
+            if score > best_score:
+                best, best_score = i, score
+        if mixed:
+            req.block_hashes = []
+        return best
+
+    def pick_decode(self, schedulers: Sequence[Scheduler]) -> int | None:
+        """Least-loaded decode-role instance, or None when there is none."""
+        cands = [
+            i for i, s in enumerate(schedulers) if s.config.role == Role.DECODE and not s.paused
+        ]
+        return min(cands, key=lambda i: self.load(schedulers[i])) if cands else None

@@ -1,0 +1,808 @@
+"""The scheduler of one instance: policy over a KVCacheManager (DESIGN section 3).
+
+One call to `schedule()` plans the worker's next-but-one step and returns a `Tasks` message;
+one call to `apply_report()` folds a worker's `StepReport` back in and returns what happened
+(`Events`). Between them the worker decodes on its own, so a steady decode step costs the
+scheduler almost nothing: it only appends reported tokens, and extends a request's blocks when
+its free room falls to the prealloc threshold.
+
+A step's token budget:
+
+    max_num_batched_tokens = decoding x (1 + k)  +  continuing prefill chunks  +  new prefills
+                             (worker-autonomous)    (admission order)            (queue order)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvsched.core.config import EngineConfig, QueuePolicy, Role
+from kvsched.core.errors import CapacityExceeded, InvalidRequest, ProtocolError, RequestNotFound
+from kvsched.core.kv_cache_manager import KVCacheManager, _cdiv
+from kvsched.core.protocol import (
+    Chunk,
+    Extension,
+    FinishReason,
+    KvSend,
+    Placement,
+    StepReport,
+    Tasks,
+)
+from kvsched.core.queue import make_queue
+from kvsched.core.request import FINISHED_STATUS, Request, RequestStatus
+
+_MAX_TOKEN_ID = (1 << 31) - 1
+
+
+@dataclass(slots=True)
+class Events:
+    """What changed since the last time events were taken. Requests carry their own state
+    (tokens, status, timings); the lists say which ones to look at."""
+
+    scheduled: list[Request] = field(default_factory=list)  # placed on a slot (again after preempt)
+    first_token: list[Request] = field(default_factory=list)
+    token_reqs: list[Request] = field(default_factory=list)  # got new output tokens
+    preempted: list[Request] = field(default_factory=list)  # preemption decided
+    requeued: list[Request] = field(default_factory=list)  # preemption acknowledged, waiting again
+    finished: list[Request] = field(default_factory=list)
+    handed_off: list[Request] = field(default_factory=list)  # prefill role: prompt done, KV sent
+    out_of_blocks: list[Request] = field(default_factory=list)  # a worker slot paused for blocks
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_preemption_skips: int = 0  # victims spared because they hit max_preemptions
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_scheduled_tokens_last: int = 0
+    num_finished: dict[FinishReason, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Owns one instance's waiting queue, running set, slots and KV blocks.
+
+    Public calls are synchronous and deterministic; `clock` gives timestamps only.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = lambda: 0.0,
+        instance_id: str = "",
+    ) -> None:
+        self.config = config = (config or EngineConfig()).validate()
+        self.clock = clock
+        self.instance_id = instance_id
+        cc, sc = config.cache, config.scheduler
+        self.block_size = cc.block_size
+        self.kv = KVCacheManager(cc.block_size, cc.num_gpu_blocks, cc.enable_prefix_caching)
+        self.waiting = make_queue(sc.policy)
+        self.requests: dict[str, Request] = {}  # every live (unfinished) request
+        self.running: dict[str, Request] = {}  # placed, in admission order (LIFO victims)
+        self.prefilling: dict[str, Request] = {}  # running with prefill chunks still to send
+        self.needs_blocks: dict[str, Request] = {}  # decoding, room at or below threshold
+        self.reserved: dict[str, Request] = {}  # decode role: room held for pushed KV
+        self.live: dict[int, Request] = {}  # handle -> placed or preempted-awaiting-ack
+        self.num_decoding = 0
+        self.next_handle = 0
+        self.free_slots = list(range(sc.max_num_seqs - 1, -1, -1))
+        self.paused = False
+        self.stats = SchedulerStats()
+        self._seq = 0
+        self._last_step = -1
+        self._last_applied_seq = -1
+        self._pending_preempts: list[int] = []
+        self._pending_aborts: list[int] = []
+        self._pending_placements: list[Placement] = []
+        self._pending_reset = False
+        self._reserve = float(cc.reserve_blocks)
+        self._relaxed = cc.reserve_blocks == 0
+        self._spec_k = config.speculative.num_speculative_tokens
+        self.events = Events()
+
+    # ==== requests in and out =================================================================
+    def add_request(self, req: Request) -> None:
+        """Queue a new request. Raises InvalidRequest (bad fields, duplicate id) or
+        CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises."""
+        self._validate(req)
+        if len(self.waiting) >= self.config.scheduler.max_waiting:
+            raise CapacityExceeded(
+                f"waiting queue is full ({self.config.scheduler.max_waiting} requests); "
+                "retry later or raise scheduler.max_waiting"
+            )
+        req.status = RequestStatus.WAITING
+        if req.arrival_time == 0.0:
+            req.arrival_time = self.clock()
+        self.requests[req.req_id] = req
+        self.waiting.push(req)
+
+    def _validate(self, req: Request) -> None:
+        sc, sp = self.config.scheduler, req.sampling
+        rid = req.req_id
+        if not rid:
+            raise InvalidRequest("request_id must not be empty")
+        if rid in self.requests:
+            raise InvalidRequest(f"request_id {rid!r} is already in use by a live request")
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest(f"request {rid!r}: prompt_token_ids is empty")
+        if sp.max_tokens < 1:
+            raise InvalidRequest(f"request {rid!r}: max_tokens = {sp.max_tokens} must be >= 1")
+        if sp.min_tokens < 0 or sp.min_tokens > sp.max_tokens:
+            raise InvalidRequest(
+                f"request {rid!r}: min_tokens = {sp.min_tokens} must be in [0, max_tokens]"
+            )
+        if n + sp.max_tokens > sc.max_model_len:
+            raise InvalidRequest(
+                f"request {rid!r}: prompt ({n} tokens) + max_tokens ({sp.max_tokens}) = "
+                f"{n + sp.max_tokens} exceeds max_model_len {sc.max_model_len}"
+            )
+        if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) > _MAX_TOKEN_ID:
+            raise InvalidRequest(f"request {rid!r}: token ids must be in [0, 2^31)")
+        if req.priority < 0 and sc.policy == QueuePolicy.PRIORITY:
+            raise InvalidRequest(f"request {rid!r}: priority = {req.priority} must be >= 0")
+        if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0:
+            raise InvalidRequest(
+                f"request {rid!r}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0"
+            )
+        for r in req.mm_ranges:
+            if r.offset < 0 or r.length < 1 or r.offset + r.length > n or not r.content_hash:
+                raise InvalidRequest(
+                    f"request {rid!r}: multimodal range (offset {r.offset}, length {r.length}) "
+                    f"must lie inside the prompt (0..{n}) and carry a content hash"
+                )
+            if self._mm_budget_blocks(r.length):
+                raise InvalidRequest(
+                    f"request {rid!r}: a multimodal item of {r.length} tokens can never fit "
+                    "the per-step token or encoder budget with chunked mm input disabled"
+                )
+
+    def _mm_budget_blocks(self, length: int) -> bool:
+        sc = self.config.scheduler
+        if not sc.disable_chunked_mm_input:
+            return False
+        enc = sc.max_num_encoder_tokens
+        return length > sc.max_num_batched_tokens or bool(enc and length > enc)
+
+    def abort(
+        self, req_id: str, reason: FinishReason = FinishReason.ABORT, message: str = ""
+    ) -> Request:
+        """End a live request now. A waiting one just finishes; a placed one's blocks are freed
+        and the worker is told in the next Tasks (before any task that reuses them). Raises
+        RequestNotFound for an id that is not live."""
+        req = self.requests.get(req_id)
+        if req is None:
+            raise RequestNotFound(f"no live request with id {req_id!r} (finished or never seen)")
+        if req.status == RequestStatus.WAITING:
+            self.waiting.discard(req)
+        elif req.handle >= 0:
+            self._pending_aborts.append(req.handle)
+        self._finish(req, reason, message or "aborted")
+        return req
+
+    # ==== the step ============================================================================
+    def schedule(self) -> Tasks:
+        """Plan the next step: block extensions, continuing prefill chunks, new admissions.
+        Cost O(requests touched), independent of the number waiting."""
+        self._seq += 1
+        tasks = Tasks(seq=self._seq)
+        if not self.paused:
+            budget = self.config.scheduler.max_num_batched_tokens - self.num_decoding * (
+                1 + self._spec_k
+            )
+            preempted = self._extend_decoders(tasks)
+            budget, preempted2 = self._continue_prefills(tasks, budget)
+            if not (preempted or preempted2):
+                budget = self._admit(tasks, budget)
+            if tasks.chunks or tasks.extensions:
+                self._decay_reserve()
+        # Preempts and aborts go first in the message: their blocks may be reused below.
+        tasks.preempts, self._pending_preempts = self._pending_preempts, []
+        tasks.aborts, self._pending_aborts = self._pending_aborts, []
+        tasks.placements, self._pending_placements = (
+            self._pending_placements + tasks.placements,
+            [],
+        )
+        tasks.reset_prefix_cache, self._pending_reset = self._pending_reset, False
+        self.stats.num_steps += 1
+        return tasks
+
+    def _extend_decoders(self, tasks: Tasks) -> bool:
+        """Give decoding requests whose room is low `prealloc_blocks` more blocks (one more
+        with speculative decoding); preempt LIFO when the pool runs dry."""
+        cc = self.config.cache
+        preempted = False
+        while self.needs_blocks:
+            req = next(iter(self.needs_blocks.values()))
+            num = cc.prealloc_blocks + (1 if self._spec_k else 0)
+            target = (len(req.block_ids) + num) * self.block_size
+            while (new := self.kv.allocate_slots(req, target)) is None:
+                preempted = True
+                if self._preempt_victim(for_req=req) is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue  # it was the victim (and left needs_blocks)
+            del self.needs_blocks[req.req_id]
+            assert new is not None
+            tasks.extensions.append(Extension(req.handle, new))
+            self._set_check_at(req)
+        return preempted
+
+    def _continue_prefills(self, tasks: Tasks, budget: int) -> tuple[int, bool]:
+        preempted = False
+        for req in list(self.prefilling.values()):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            n = self._chunk_size(req, req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            end = req.num_computed_tokens + n
+            while (new := self.kv.allocate_slots(req, self._alloc_target(req, end))) is None:
+                preempted = True
+                if self._preempt_victim(for_req=req) is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            assert new is not None
+            if new:
+                tasks.extensions.append(Extension(req.handle, new))
+            budget -= n
+            self._emit_chunk(tasks, req, n)
+        return budget, preempted
+
+    def _admit(self, tasks: Tasks, budget: int) -> int:
+        while budget > 0 and self.free_slots and (req := self.waiting.peek()) is not None:
+            if self.config.role == Role.DECODE:
+                break  # a decode instance only takes prefilled requests
+            hits = self.kv.find_cached_prefix(req)
+            num_hit = self._trim_hits_for_mm(req, len(hits) * self.block_size)
+            hits = hits[: num_hit // self.block_size]
+            n = self._chunk_size(req, num_hit, budget, num_prefill=req.num_tokens)
+            if n <= 0:
+                break
+            target = self._alloc_target(req, num_hit + n, num_prefill=req.num_tokens)
+            need = self.kv.num_blocks_to_allocate(req, target, hits)
+            reserve = self.reserve_blocks_per_running * len(self.running)
+            if need + reserve > self.kv.num_free_blocks:
+                if not self._priority_preempt_for(req):
+                    break
+                continue
+            self.waiting.pop()
+            new = self.kv.allocate_slots(req, target, hits)
+            assert new is not None
+            self._place(tasks, req, num_hit)
+            budget -= n
+            self._emit_chunk(tasks, req, n)
+        return budget
+
+    # ==== pieces of a step ====================================================================
+    def _chunk_size(
+        self, req: Request, start: int, budget: int, num_prefill: int | None = None
+    ) -> int:
+        """Tokens of req's prefill to run this step starting at `start`, or 0 if none fit."""
+        sc = self.config.scheduler
+        total = req.num_prefill_tokens if num_prefill is None else num_prefill
+        remaining = total - start
+        n = min(remaining, budget)
+        if sc.long_prefill_token_threshold:
+            n = min(n, sc.long_prefill_token_threshold)
+        if sc.disable_chunked_prefill and n < remaining:
+            return 0
+        if req.mm_ranges:
+            n = self._trim_chunk_for_mm(req, start, n)
+        return n
+
+    def _trim_chunk_for_mm(self, req: Request, start: int, n: int) -> int:
+        """Never end a chunk inside an image range (disable_chunked_mm_input), and keep the
+        step's multimodal tokens within the encoder budget: roll back to the range start."""
+        sc = self.config.scheduler
+        end, enc_used = start + n, 0
+        for r in req.mm_ranges:
+            r_end = r.offset + r.length
+            if r_end <= start or r.offset >= end:
+                continue
+            if sc.disable_chunked_mm_input and r.offset < end < r_end:
+                end = max(r.offset, start) if r.offset > start else start
+                break
+            enc_used += min(r_end, end) - max(r.offset, start)
+            if sc.max_num_encoder_tokens and enc_used > sc.max_num_encoder_tokens:
+                end = max(r.offset, start)
+                break
+        return end - start
+
+    def _trim_hits_for_mm(self, req: Request, num_hit: int) -> int:
+        """A prefix hit may not end inside an image range when chunked mm input is disabled:
+        roll it back to the block boundary at or before the range start (the seed's
+        revert_chunked_mm_input)."""
+        if not (req.mm_ranges and self.config.scheduler.disable_chunked_mm_input):
+            return num_hit
+        bs = self.block_size
+        for r in sorted(req.mm_ranges, key=lambda r: r.offset, reverse=True):
+            if r.offset < num_hit < r.offset + r.length:
+                num_hit = (r.offset // bs) * bs
+        return num_hit
+
+    def _alloc_target(self, req: Request, end: int, num_prefill: int | None = None) -> int:
+        """Positions the table must cover once a chunk ending at `end` is scheduled: the chunk,
+        plus decode headroom when it is the prompt's last chunk."""
+        total = req.num_prefill_tokens if num_prefill is None else num_prefill
+        if end < total:
+            return end
+        cc = self.config.cache
+        # First decode writes position `total`; speculative drafts write k more.
+        room = end + 1 + self._spec_k + cc.prealloc_threshold
+        return _cdiv(room, self.block_size) * self.block_size
+
+    def _place(self, tasks: Tasks, req: Request, num_hit: int) -> None:
+        """Give req a slot and a fresh handle; the worker learns it from a Placement."""
+        now = self.clock()
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+            req.first_scheduled_time = now
+            self.kv.record_lookup(req.num_tokens, num_hit)
+            self.stats.num_prompt_tokens += len(req.prompt_token_ids)
+        req.status = RequestStatus.RUNNING
+        req.handle, self.next_handle = self.next_handle, self.next_handle + 1
+        req.slot = self.free_slots.pop()
+        req.num_prefill_tokens = req.num_tokens
+        req.num_computed_tokens = req.num_reported_tokens = num_hit
+        self.live[req.handle] = req
+        self.running[req.req_id] = req
+        self.prefilling[req.req_id] = req
+        last = req.output_token_ids[-1] if req.output_token_ids else -1
+        tasks.placements.append(
+            Placement(
+                handle=req.handle,
+                slot=req.slot,
+                req_id=req.req_id,
+                block_ids=list(req.block_ids),
+                num_cached_tokens=num_hit,
+                num_prefill_tokens=req.num_prefill_tokens,
+                num_output_tokens=req.num_output_tokens,
+                last_token_id=last,
+                sampling=req.sampling,
+                lora_name=req.lora_name,
+            )
+        )
+        if req.kv_target is not None:
+            dst, dst_handle, dst_blocks = req.kv_target
+            tasks.kv_sends.append(KvSend(req.handle, dst, dst_handle, dst_blocks))
+        self.events.scheduled.append(req)
+
+    def _emit_chunk(self, tasks: Tasks, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        tasks.chunks.append(Chunk(req.handle, start, req.token_ids(start, start + n)))
+        req.num_computed_tokens = start + n
+        self.stats.num_scheduled_tokens_last += n
+        if req.num_computed_tokens >= req.num_prefill_tokens:
+            del self.prefilling[req.req_id]
+            self.num_decoding += 1
+            self._set_check_at(req)
+
+    def _set_check_at(self, req: Request) -> None:
+        """The num_tokens at which this decoding request next needs the scheduler: its room
+        falls to the prealloc threshold, it reaches max_tokens, or its next block fills."""
+        if self.config.role == Role.PREFILL:
+            req.check_at = 0  # its first token is a hand-off
+            return
+        cc = self.config.cache
+        capacity = len(req.block_ids) * self.block_size
+        extend_at = capacity - cc.prealloc_threshold - self._spec_k
+        finish_at = len(req.prompt_token_ids) + req.sampling.max_tokens
+        req.check_at = min(extend_at, finish_at)
+        if self.kv.enable_caching:
+            cache_at = (req.num_cached_blocks + 1) * self.block_size + 1
+            req.check_at = min(req.check_at, cache_at)
+
+    # ==== preemption ==========================================================================
+    def _preempt_victim(self, for_req: Request) -> Request | None:
+        """Preempt the request the policy would give up first and return it. LIFO (priority
+        policy: lowest priority, then latest arrival); requests at max_preemptions are spared
+        unless nothing else is left. Returns for_req itself when it is the only choice."""
+        victim = self._choose_victim(exclude=for_req)
+        if victim is None:
+            victim = for_req
+        self._preempt(victim)
+        return victim
+
+    def _choose_victim(self, exclude: Request | None) -> Request | None:
+        sc = self.config.scheduler
+        cap = sc.max_preemptions
+        if sc.policy == QueuePolicy.PRIORITY:
+            cands = sorted(
+                (r for r in self.running.values() if r is not exclude),
+                key=lambda r: (r.priority, r.arrival_time),
+                reverse=True,
+            )
+        else:
+            cands = [r for r in reversed(self.running.values()) if r is not exclude]
+        for r in cands:
+            if cap and r.num_preemptions >= cap:
+                self.stats.num_preemption_skips += 1
+                continue
+            return r
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        """Free req's blocks and slot now; the preempt goes out in the next Tasks, ahead of any
+        task reusing them. It re-enters the queue when the worker acknowledges."""
+        self._release(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self._pending_preempts.append(req.handle)
+        self._reserve = float(self.config.cache.reserve_blocks)
+        self._relaxed = self.config.cache.reserve_blocks == 0
+        self.events.preempted.append(req)
+
+    def _priority_preempt_for(self, req: Request) -> bool:
+        """Priority policy with priority_preemption: make room for a waiting request by
+        preempting a strictly lower-priority running one. True if one was preempted."""
+        sc = self.config.scheduler
+        if not (sc.policy == QueuePolicy.PRIORITY and sc.priority_preemption):
+            return False
+        victim = self._choose_victim(exclude=None)
+        if victim is None or victim.priority <= req.priority:
+            return False
+        self._preempt(victim)
+        return True
+
+    def _decay_reserve(self) -> None:
+        cc = self.config.cache
+        if self._relaxed:
+            return
+        self._reserve -= cc.reserve_decay
+        if max(int(self._reserve), cc.reserve_min, 0) == 0:
+            self._relaxed = True
+
+    @property
+    def reserve_blocks_per_running(self) -> int:
+        """The admission reserve in force now (0 once relaxed)."""
+        if self._relaxed:
+            return 0
+        return max(int(self._reserve), self.config.cache.reserve_min, 0)
+
+    # ==== one exit path =======================================================================
+    def _release(self, req: Request) -> None:
+        """Return req's blocks (tail first) and slot, and take it out of the running sets.
+        Finish, abort, preempt and hand-off all go through here."""
+        rid = req.req_id
+        if self.running.pop(rid, None) is not None:
+            if self.prefilling.pop(rid, None) is None:
+                self.num_decoding -= 1
+            self.needs_blocks.pop(rid, None)
+        self.reserved.pop(rid, None)
+        if req.block_ids:
+            self.kv.free(req)
+        if req.slot >= 0:
+            self.free_slots.append(req.slot)
+            req.slot = -1
+
+    def _finish(self, req: Request, reason: FinishReason, message: str = "") -> None:
+        self._release(req)
+        self.live.pop(req.handle, None)
+        self.requests.pop(req.req_id, None)
+        req.status = FINISHED_STATUS[reason]
+        req.finish_reason = reason
+        req.finish_message = message
+        req.finished_time = self.clock()
+        fin = self.stats.num_finished
+        fin[reason] = fin.get(reason, 0) + 1
+        self.events.finished.append(req)
+
+    # ==== reports =============================================================================
+    def apply_report(self, report: StepReport) -> Events:
+        """Fold a worker's step report in: append tokens, register written blocks in the prefix
+        cache, finish what the worker stopped, re-queue acknowledged preemptions. Raises
+        ProtocolError (state unchanged) for reports that break the protocol. Returns the events
+        since the last call (including those of schedule() and abort())."""
+        self._check_report(report)
+        self._last_step, self._last_applied_seq = report.step, report.applied_seq
+        live, events = self.live, self.events
+        tok_reqs = events.token_reqs
+        first = events.first_token
+        toks = report.token_ids
+        off = 0
+        fins = report.finish_reasons
+        n_gen = 0
+        for i, (h, n_comp, n_new) in enumerate(
+            zip(report.handles, report.num_computed, report.num_new_tokens, strict=True)
+        ):
+            req = live.get(h)
+            if req is None:  # late report about a finished/aborted occupant
+                off += n_new
+                continue
+            req.num_reported_tokens = n_comp
+            if n_new:
+                out = req.output_token_ids
+                if not out:
+                    req.first_token_time = self.clock()
+                    first.append(req)
+                room = len(req.prompt_token_ids) + req.sampling.max_tokens - req.num_tokens
+                if n_new > room:
+                    out.extend(toks[off : off + room])
+                    n_gen += room
+                else:
+                    out.extend(toks[off : off + n_new])
+                    n_gen += n_new
+                off += n_new
+                tok_reqs.append(req)
+            if (fins and fins[i]) or req.num_tokens >= req.check_at or not n_new:
+                self._after_report(req, fins[i] if fins else 0)
+        self.stats.num_generation_tokens += n_gen
+        for h in report.failed:
+            req = live.get(h)
+            if req is not None:
+                self._finish(req, FinishReason.ERROR, "worker failed the request (KV transfer)")
+        for h in report.paused:
+            req = live.get(h)
+            if req is not None and req.status == RequestStatus.RUNNING and req.is_prefill_done:
+                self.needs_blocks[req.req_id] = req
+                events.out_of_blocks.append(req)
+        for h in report.acked:
+            req = live.get(h)
+            if req is not None and req.status == RequestStatus.PREEMPTED:
+                self._requeue(req)
+        return self.take_events()
+
+    def _after_report(self, req: Request, finish_reason: int) -> None:
+        """The slow path of a report row: caching, hand-off, finish, block extension."""
+        if req.status == RequestStatus.PREEMPTED:
+            # It finished before the worker saw the preempt: keep that; the ack is ignored.
+            if finish_reason:
+                self._finish(req, FinishReason(finish_reason))
+            elif req.num_output_tokens >= req.sampling.max_tokens:
+                self._finish(req, FinishReason.LENGTH)
+            return
+        if req.num_reported_tokens > len(req.block_ids) * self.block_size:
+            raise ProtocolError(
+                f"handle {req.handle}: reported {req.num_reported_tokens} KV positions but its "
+                f"table holds {len(req.block_ids) * self.block_size}"
+            )
+        self.kv.cache_reported(req)
+        if finish_reason:
+            self._finish(req, FinishReason(finish_reason))
+            return
+        if req.num_output_tokens >= req.sampling.max_tokens:
+            self._finish(req, FinishReason.LENGTH)
+            return
+        if req.output_token_ids and self.config.role == Role.PREFILL:
+            self.live.pop(req.handle, None)
+            self._release(req)
+            self.requests.pop(req.req_id, None)
+            self.events.handed_off.append(req)
+            return
+        if req.is_prefill_done:
+            cc = self.config.cache
+            capacity = len(req.block_ids) * self.block_size
+            if capacity - req.num_tokens <= cc.prealloc_threshold + self._spec_k:
+                self.needs_blocks[req.req_id] = req
+            self._set_check_at(req)
+
+    def _requeue(self, req: Request) -> None:
+        self.live.pop(req.handle, None)
+        req.handle = -1
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = req.num_reported_tokens = 0
+        self.waiting.push_front(req)
+        self.events.requeued.append(req)
+
+    def _check_report(self, report: StepReport) -> None:
+        if report.step <= self._last_step:
+            raise ProtocolError(
+                f"report for step {report.step} after step {self._last_step}: steps must increase"
+            )
+        if not self._last_applied_seq <= report.applied_seq <= self._seq:
+            raise ProtocolError(
+                f"report says it applied tasks {report.applied_seq}, but tasks "
+                f"{self._last_applied_seq + 1}..{self._seq} are the only ones it could have"
+            )
+        n = len(report.handles)
+        if not (len(report.num_computed) == len(report.num_new_tokens) == n):
+            raise ProtocolError(
+                "report columns handles/num_computed/num_new_tokens differ in length"
+            )
+        if report.finish_reasons and len(report.finish_reasons) != n:
+            raise ProtocolError("report column finish_reasons must be empty or one per handle")
+        if sum(report.num_new_tokens) != len(report.token_ids):
+            raise ProtocolError("report token_ids length != sum(num_new_tokens)")
+        for col in (report.handles, report.acked, report.paused, report.failed):
+            if col and (min(col) < 0 or max(col) >= self.next_handle):
+                raise ProtocolError(
+                    f"report names handle(s) never issued (issued so far: 0..{self.next_handle - 1})"
+                )
+        if report.finish_reasons and max(report.finish_reasons) > FinishReason.ERROR:
+            raise ProtocolError("report has an unknown finish reason")
+        if n and min(report.num_new_tokens) < 0:
+            raise ProtocolError("report has a negative token count")
+
+    def take_events(self) -> Events:
+        ev, self.events = self.events, Events()
+        return ev
+
+    # ==== pause, resume, cache ================================================================
+    def pause(self) -> list[Request]:
+        """Preempt everything running and hold admissions (around weight updates)."""
+        self.paused = True
+        victims = list(reversed(self.running.values()))
+        for req in victims:
+            self._preempt(req)
+        return victims
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached prefixes; the worker is told in the next Tasks. Returns the
+        number of hashes dropped."""
+        n = self.kv.pool.reset_cache()
+        for req in self.running.values():
+            req.num_cached_blocks = len(req.block_ids)  # do not re-register old content
+        self._pending_reset = True
+        return n
+
+    # ==== prefill / decode disaggregation =====================================================
+    def preallocate(self, src: Request) -> tuple[int, list[int]] | None:
+        """Decode role: hold a slot and blocks for a request another instance will prefill and
+        push here. Returns (handle, block ids) for the prefill worker's KvSend, or None when
+        there is no room now (nothing changes). The request is tracked here as `src.req_id`."""
+        if not self.free_slots or src.req_id in self.requests:
+            return None
+        req = Request(
+            src.req_id,
+            list(src.prompt_token_ids),
+            src.sampling,
+            src.priority,
+            src.arrival_time,
+            src.lora_name,
+            src.cache_salt,
+            list(src.mm_ranges),
+        )
+        req.num_prefill_tokens = req.num_tokens
+        target = self._alloc_target(req, req.num_tokens)
+        if self.kv.allocate_slots(req, target) is None:
+            return None
+        req.status = RequestStatus.RUNNING
+        req.handle, self.next_handle = self.next_handle, self.next_handle + 1
+        req.slot = self.free_slots.pop()
+        self.live[req.handle] = req
+        self.requests[req.req_id] = req
+        self.reserved[req.req_id] = req
+        self._pending_placements.append(
+            Placement(
+                req.handle,
+                req.slot,
+                req.req_id,
+                list(req.block_ids),
+                0,
+                req.num_prefill_tokens,
+                0,
+                -1,
+                req.sampling,
+                req.lora_name,
+            )
+        )
+        return req.handle, list(req.block_ids)
+
+    def add_prefilled(
+        self, req_id: str, output_token_ids: list[int], num_cached_tokens: int
+    ) -> Request:
+        """Decode role: the KV of a preallocated request has arrived with its first token(s).
+        Re-place it under a new handle on the same blocks; the worker decodes at once."""
+        req = self.reserved.pop(req_id, None)
+        if req is None:
+            raise RequestNotFound(
+                f"no preallocated request {req_id!r} on instance {self.instance_id!r}"
+            )
+        self._pending_aborts.append(req.handle)
+        self.live.pop(req.handle, None)
+        req.output_token_ids = list(output_token_ids)
+        req.num_cached_tokens = num_cached_tokens
+        req.first_scheduled_time = self.clock()
+        # The pushed KV covers the prompt; decoding starts from the last output token, whose
+        # KV is not written yet: prefill is done at num_tokens - 1.
+        req.num_prefill_tokens = req.num_tokens - 1
+        req.num_computed_tokens = req.num_reported_tokens = req.num_prefill_tokens
+        req.handle, self.next_handle = self.next_handle, self.next_handle + 1
+        self.live[req.handle] = req
+        self.running[req.req_id] = req
+        self.num_decoding += 1
+        self.kv.cache_reported(req)
+        self._pending_placements.append(
+            Placement(
+                req.handle,
+                req.slot,
+                req.req_id,
+                list(req.block_ids),
+                req.num_prefill_tokens,
+                req.num_prefill_tokens,
+                req.num_output_tokens,
+                req.output_token_ids[-1],
+                req.sampling,
+                req.lora_name,
+            )
+        )
+        self._set_check_at(req)
+        if (
+            len(req.block_ids) * self.block_size - req.num_tokens
+            <= self.config.cache.prealloc_threshold
+        ):
+            self.needs_blocks[req.req_id] = req
+        self.events.scheduled.append(req)
+        return req
+
+    # ==== introspection =======================================================================
+    @property
+    def last_report_step(self) -> int:
+        return self._last_step
+
+    @property
+    def last_tasks_seq(self) -> int:
+        return self._seq
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def prefix_hit_tokens(self, req: Request) -> int:
+        """Tokens of req's prompt this instance holds cached now (for routing); no side effects."""
+        if not self.kv.enable_caching:
+            return 0
+        self.kv.ensure_hashes(req, (req.num_tokens - 1) // self.block_size)
+        lookup = self.kv.pool.cached.get
+        n = 0
+        for h in req.block_hashes:
+            if lookup(h) is None:
+                break
+            n += 1
+        return n * self.block_size
+
+    def check_integrity(self) -> None:
+        """Assert every invariant of DESIGN section 3 (O(everything): tests only)."""
+        owners: dict[int, int] = {}
+        placed = list(self.running.values()) + [
+            r for r in self.reserved.values() if r.req_id not in self.running
+        ]
+        for req in placed:
+            assert req.status == RequestStatus.RUNNING, f"{req.req_id}: placed but {req.status!r}"
+            assert len(set(req.block_ids)) == len(req.block_ids), f"{req.req_id}: block twice"
+            for b in req.block_ids:
+                owners[b] = owners.get(b, 0) + 1
+            assert self.live.get(req.handle) is req, f"{req.req_id}: handle not live"
+            assert req.slot >= 0
+        self.kv.pool.check_integrity(owners)
+        shared = [b for b, n in owners.items() if n > 1]
+        for b in shared:
+            assert self.kv.pool.block_hash[b] is not None, (
+                f"block {b} shared but not a cached prefix"
+            )
+        slots = [r.slot for r in placed]
+        assert len(set(slots)) == len(slots), "two requests on one slot"
+        assert len(slots) + len(self.free_slots) == self.config.scheduler.max_num_seqs
+        assert set(slots).isdisjoint(self.free_slots), "a slot both used and free"
+        waiting = list(self.waiting)
+        assert len(waiting) == len(self.waiting), "queue count drifted"
+        awaiting = [r for r in self.live.values() if r.status == RequestStatus.PREEMPTED]
+        for r in awaiting:
+            assert not r.block_ids and r.slot < 0, f"{r.req_id}: preempted but holds resources"
+        groups = [
+            set(r.req_id for r in waiting),
+            set(self.running),
+            set(r.req_id for r in awaiting),
+        ]
+        assert sum(map(len, groups)) == len(set().union(*groups)), "a request in two states"
+        live_ids = set().union(*groups) | set(self.reserved)
+        assert live_ids == set(self.requests), "live set != waiting + running + awaiting-ack"
+        assert self.num_decoding == sum(1 for r in self.running.values() if r.is_prefill_done)
+        assert set(self.prefilling) == {
+            r.req_id for r in self.running.values() if not r.is_prefill_done
+        }

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code for kvsched.v1: produced by `make proto`, do not edit."""

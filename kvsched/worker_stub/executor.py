@@ -1,0 +1,63 @@
+"""What a worker engine asks of an executor: run one batched step over the paged KV cache.
+
+Both executors implement `Executor`: `sim` (cost model, no KV) and `model` (a small numpy
+transformer whose K/V live in the paged cache). Positions of one `SeqWork`:
+
+    start                                   start + len(token_ids)
+      |<-- prefill chunk: KV computed here -->|   sample=False: no token comes back
+      |<-- last chunk of the prompt --------->|-> sample=True: one token (position end)
+      | last | d1 | d2 | ... | dk |              decode: [last_token] + k drafts,
+                                                  num_draft=k; returns accepted drafts + 1 bonus
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvsched.core.protocol import SamplingParams
+
+
+@dataclass(slots=True)
+class SeqWork:
+    """One sequence's work in one step."""
+
+    handle: int
+    req_id: str
+    block_ids: list[int]  # the full block table of this handle
+    start: int  # position of token_ids[0]
+    token_ids: list[int]  # KV computed this step: a prefill chunk, or [last_token] + drafts
+    sample: bool  # True when the step ends the prompt or decodes: sample after the last position
+    num_draft: int  # trailing token_ids that are speculative draft guesses (verify greedily)
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one executed step produced."""
+
+    tokens: list[list[int]]  # per SeqWork: sampled tokens ([] when sample is False);
+    # with drafts: the accepted drafts followed by one bonus token
+    step_time_s: float  # what the step took (simulated or measured)
+
+
+class Executor(Protocol):
+    """Runs batched steps. Blocks are addressed only through the block tables it is given."""
+
+    name: str
+
+    def execute(self, work: list[SeqWork]) -> StepResult:
+        """Compute KV for every SeqWork's positions, in one step; sample where asked."""
+        ...
+
+    def export_kv(self, block_ids: list[int]) -> bytes:
+        """The KV of these blocks, in order, for a prefill -> decode push."""
+        ...
+
+    def import_kv(self, block_ids: list[int], data: bytes) -> None:
+        """Write KV exported by `export_kv` (of as many blocks) into these blocks."""
+        ...
+
+    def reset(self) -> None:
+        """Forget all KV: a reconnecting worker starts from an empty cache."""
+        ...

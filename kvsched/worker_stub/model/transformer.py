@@ -1,0 +1,362 @@
+"""A small decoder-only transformer whose K/V live only in a paged cache.
+
+The model exists to check the scheduler: every worker process builds the same weights from
+`ModelConfig.seed`, decodes greedily, and keeps its K/V nowhere but in the cache blocks the
+daemon's block tables name. A block handed to two requests, freed while still read, or a prefix
+hit on the wrong tokens changes what attention reads and so, within a few tokens, what the model
+emits; `reference.generate_reference` runs the same model unpaged to compare against.
+
+Paged cache addressing (one K and one V cache per layer, stored flat by slot):
+
+    cache[layer]  [num_blocks * block_size, kv_heads, head_dim]  = [num_blocks, block_size, ...]
+    slot(p)       block_ids[p // block_size] * block_size + p % block_size
+
+    a sequence with start=s and n token_ids:   positions [s, s + n) are written this step;
+    its attention reads slots of positions [0, s + n) in block-table order, causal within the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvsched.worker_stub.model.backend import Array, Backend, get_backend
+
+if TYPE_CHECKING:
+    from kvsched.worker_stub.executor import SeqWork, StepResult
+
+# Initial weight scales, chosen so greedy decoding neither sticks to one token nor falls into a
+# short cycle, and so attention is sharp enough that replacing a block of K/V changes the output.
+_QK_STD = 0.5  # q.k logits of std ~ _QK_STD**2 * hidden: sharp, content-dependent attention
+_V_STD = 1.0
+_OUT_STD = 0.5  # attention and MLP outputs comparable to the unit-scale token embedding
+_MLP_IN_STD = 0.9
+_MLP_OUT_STD = 0.3
+_EMBED_STD = 1.0
+_LM_HEAD_STD = 1.0
+_CACHE_NOISE_STD = 30.0  # unwritten cache slots hold large noise, never plausible zeros
+_RMS_EPS = 1e-6
+
+AttentionFn = Callable[[int, Array, Array, Array], Array]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape and seed of the model. Equal configs give equal weights in every process."""
+
+    vocab_size: int = 2048
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    ffn: int = 128
+    max_model_len: int = 4096
+    seed: int = 0
+    eos_token_id: int = 1
+    rope_theta: float = 10000.0
+    dtype: str = "float64"  # float64 keeps argmax ties away, so chunking never changes a token
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "ffn"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even and >= 2, got {self.head_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if not 0 <= self.eos_token_id < self.vocab_size:
+            raise ValueError(
+                f"ModelConfig.eos_token_id must be in [0, {self.vocab_size}), "
+                f"got {self.eos_token_id}"
+            )
+        if self.max_model_len < 2:
+            raise ValueError(f"ModelConfig.max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def hidden(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+@lru_cache(maxsize=8)
+def _numpy_weights(config: ModelConfig) -> dict[str, np.ndarray]:
+    """All weights, drawn in a fixed order from one seeded numpy Generator (then converted by
+    the backend), so every process and both backends hold the same model."""
+    rng = np.random.default_rng(config.seed)
+    d, hd = config.hidden, config.head_dim
+
+    def normal(rows: int, cols: int, std: float) -> np.ndarray:
+        return rng.standard_normal((rows, cols)) * std
+
+    w = {"embed": normal(config.vocab_size, d, _EMBED_STD), "final_norm": np.ones(d)}
+    for i in range(config.num_layers):
+        w[f"{i}.attn_norm"] = np.ones(d)
+        q_k = normal(d, (config.num_heads + config.num_kv_heads) * hd, _QK_STD)
+        v = normal(d, config.num_kv_heads * hd, _V_STD / np.sqrt(d))
+        w[f"{i}.wqkv"] = np.concatenate([q_k, v], axis=1)
+        w[f"{i}.wo"] = normal(d, d, _OUT_STD / np.sqrt(d))
+        w[f"{i}.mlp_norm"] = np.ones(d)
+        w[f"{i}.w_gate_up"] = normal(d, 2 * config.ffn, _MLP_IN_STD / np.sqrt(d))
+        w[f"{i}.w_down"] = normal(config.ffn, d, _MLP_OUT_STD / np.sqrt(config.ffn))
+    w["lm_head"] = normal(d, config.vocab_size, _LM_HEAD_STD / np.sqrt(d))
+    return w
+
+
+@lru_cache(maxsize=8)
+def _rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    half = config.head_dim // 2
+    inv_freq = config.rope_theta ** (-np.arange(half) / half)
+    angles = np.arange(config.max_model_len)[:, None] * inv_freq[None, :]
+    return np.cos(angles), np.sin(angles)
+
+
+class Transformer:
+    """The layer math, shared by the paged executor and the unpaged reference.
+
+    `forward` never touches a KV cache: each layer hands its new q, k, v to an `attention`
+    callback, which stores k, v wherever its cache lives and returns the attention output.
+    """
+
+    def __init__(self, config: ModelConfig, backend: Backend | str = "numpy") -> None:
+        self.config = config
+        self.backend = get_backend(backend, config.dtype) if isinstance(backend, str) else backend
+        b = self.backend
+        self.weights = {name: b.asarray(value) for name, value in _numpy_weights(config).items()}
+        self._cos, self._sin = _rope_tables(config)
+        self._scale = 1.0 / np.sqrt(config.head_dim)
+
+    def forward(
+        self, token_ids: np.ndarray, positions: np.ndarray, attention: AttentionFn
+    ) -> Array:
+        """Hidden states [T, hidden] of a flat batch of tokens at the given positions.
+
+        attention(layer, q [T, heads, hd], k [T, kv_heads, hd], v [T, kv_heads, hd]) -> [T, hidden]
+        """
+        b, c, w = self.backend, self.config, self.weights
+        n, hd = len(token_ids), c.head_dim
+        nq, nkv = c.num_heads * hd, c.num_kv_heads * hd
+        x = b.gather(w["embed"], b.asindex(token_ids))
+        cos = b.asarray(self._cos[positions][:, None, :])
+        sin = b.asarray(self._sin[positions][:, None, :])
+        for i in range(c.num_layers):
+            qkv = b.matmul(b.rms_norm(x, w[f"{i}.attn_norm"], _RMS_EPS), w[f"{i}.wqkv"])
+            q = b.rope(b.reshape(qkv[:, :nq], [n, c.num_heads, hd]), cos, sin)
+            k = b.rope(b.reshape(qkv[:, nq : nq + nkv], [n, c.num_kv_heads, hd]), cos, sin)
+            v = b.reshape(qkv[:, nq + nkv :], [n, c.num_kv_heads, hd])
+            x = x + b.matmul(attention(i, q, k, v), w[f"{i}.wo"])
+            gate_up = b.matmul(b.rms_norm(x, w[f"{i}.mlp_norm"], _RMS_EPS), w[f"{i}.w_gate_up"])
+            x = x + b.matmul(b.silu(gate_up[:, : c.ffn]) * gate_up[:, c.ffn :], w[f"{i}.w_down"])
+        return x
+
+    def logits(self, hidden: Array) -> Array:
+        return self.backend.matmul(
+            self.backend.rms_norm(hidden, self.weights["final_norm"], _RMS_EPS),
+            self.weights["lm_head"],
+        )
+
+    def attend(self, q: Array, k: Array, v: Array, start: int) -> Array:
+        """Causal GQA attention of queries at positions [start, start + Tq) over keys [0, L).
+
+        q [Tq, heads, hd]; k, v [L, kv_heads, hd] with L = start + Tq. Returns [Tq, hidden].
+        """
+        b, c = self.backend, self.config
+        num_q, num_k, hd = q.shape[0], k.shape[0], c.head_dim
+        kvh, group = c.num_kv_heads, c.num_heads // c.num_kv_heads
+        # heads h = g_kv * group + j share kv head g_kv: fold the group into the query rows
+        qg = b.reshape(
+            b.transpose(b.reshape(q, [num_q, kvh, group, hd]), [1, 2, 0, 3]),
+            [kvh, group * num_q, hd],
+        )
+        scores = b.matmul(qg, b.transpose(k, [1, 2, 0])) * self._scale  # [kvh, group*Tq, L]
+        if num_q > 1:
+            future = np.arange(num_k)[None, :] > start + np.arange(num_q)[:, None]
+            mask = b.asarray(np.tile(np.where(future, -np.inf, 0.0), (group, 1)))
+            scores = scores + mask
+        out = b.matmul(b.softmax(scores), b.transpose(v, [1, 0, 2]))  # [kvh, group*Tq, hd]
+        out = b.transpose(b.reshape(out, [kvh, group, num_q, hd]), [2, 0, 1, 3])
+        return b.reshape(out, [num_q, c.hidden])
+
+
+def accept_greedy(token_ids: list[int], num_draft: int, greedy: list[int]) -> list[int]:
+    """Speculative verification. greedy[i] is the argmax after token_ids[-1 - num_draft + i].
+
+    Drafts are accepted while each equals the greedy token before it; then one bonus token.
+    """
+    drafts = token_ids[len(token_ids) - num_draft :]
+    accepted: list[int] = []
+    for draft in drafts:
+        if draft != greedy[len(accepted)]:
+            break
+        accepted.append(draft)
+    return [*accepted, greedy[len(accepted)]]
+
+
+class PagedModelExecutor:
+    """The `model` executor: the transformer on a paged KV cache addressed by block tables."""
+
+    name = "model"
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        backend: Backend | str = "numpy",
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}"
+            )
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.model = Transformer(config, backend)
+        self.backend = self.model.backend
+        self.k_cache: list[Array] = []
+        self.v_cache: list[Array] = []
+        self.reset()
+
+    @property
+    def kv_cache_shape(self) -> tuple[int, int, int, int]:
+        """Logical shape of each layer's K (and V) cache; stored flattened over the first two."""
+        return (self.num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+
+    def reset(self) -> None:
+        """Refill the cache with large seeded noise, so reading a slot nobody wrote changes
+        tokens instead of quietly reading zeros."""
+        c = self.config
+        rng = np.random.default_rng([c.seed, 0x4B56])
+        shape = (self.num_blocks * self.block_size, c.num_kv_heads, c.head_dim)
+
+        def noise() -> Array:
+            return self.backend.asarray(rng.standard_normal(shape) * _CACHE_NOISE_STD)
+
+        self.k_cache = [noise() for _ in range(c.num_layers)]
+        self.v_cache = [noise() for _ in range(c.num_layers)]
+
+    def execute(self, work: list[SeqWork]) -> StepResult:
+        """Compute the K/V of every SeqWork's tokens into its blocks, then sample where asked.
+
+        Every SeqWork is validated before the cache is touched; a bad one raises ValueError.
+        """
+        # imported here: executor.py may import this module to build executors
+        from kvsched.worker_stub.executor import StepResult
+
+        started = time.perf_counter()
+        if not work:
+            return StepResult(tokens=[], step_time_s=0.0)
+        context_slots = [self._context_slots(w) for w in work]
+        bounds = np.cumsum([0] + [len(w.token_ids) for w in work])
+        tokens = np.concatenate([np.asarray(w.token_ids, dtype=np.int64) for w in work])
+        positions = np.concatenate([np.arange(w.start, w.start + len(w.token_ids)) for w in work])
+        attention = self._paged_attention(work, context_slots, bounds)
+        hidden = self.model.forward(tokens, positions, attention)
+        sampled = self._sample(work, hidden, bounds)
+        return StepResult(tokens=sampled, step_time_s=time.perf_counter() - started)
+
+    def _paged_attention(
+        self, work: list[SeqWork], context_slots: list[np.ndarray], bounds: np.ndarray
+    ) -> AttentionFn:
+        """Per layer: write the step's K/V to their slots, then let each sequence attend over
+        the slots of its whole context, gathered in block-table order."""
+        b = self.backend
+        written = [slots[w.start :] for w, slots in zip(work, context_slots, strict=True)]
+        writes = b.asindex(np.concatenate(written))
+        reads = [b.asindex(s) for s in context_slots]
+
+        def attention(layer: int, q: Array, k: Array, v: Array) -> Array:
+            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+            b.scatter_(k_cache, writes, k)
+            b.scatter_(v_cache, writes, v)
+            outs = [
+                self.model.attend(
+                    q[bounds[i] : bounds[i + 1]],
+                    b.gather(k_cache, reads[i]),
+                    b.gather(v_cache, reads[i]),
+                    w.start,
+                )
+                for i, w in enumerate(work)
+            ]
+            return outs[0] if len(outs) == 1 else b.concat(outs, axis=0)
+
+        return attention
+
+    def _sample(self, work: list[SeqWork], hidden: Array, bounds: np.ndarray) -> list[list[int]]:
+        """Greedy tokens at the last 1 + num_draft positions of each sampling SeqWork, verified."""
+        b = self.backend
+        rows = [
+            np.arange(bounds[i + 1] - 1 - w.num_draft, bounds[i + 1]) for i, w in enumerate(work)
+        ]
+        sampling = [i for i, w in enumerate(work) if w.sample]
+        if not sampling:
+            return [[] for _ in work]
+        index = b.asindex(np.concatenate([rows[i] for i in sampling]))
+        greedy = b.argmax(self.model.logits(b.gather(hidden, index))).tolist()
+        result: list[list[int]] = [[] for _ in work]
+        for i in sampling:
+            num_draft = work[i].num_draft
+            result[i] = accept_greedy(work[i].token_ids, num_draft, greedy[: num_draft + 1])
+            greedy = greedy[num_draft + 1 :]
+        return result
+
+    def _context_slots(self, w: SeqWork) -> np.ndarray:
+        """Slots of positions [0, start + len(token_ids)) through the block table; validates w."""
+        end = w.start + len(w.token_ids)
+        where = f"handle {w.handle} ({w.req_id})"
+        if not w.token_ids or w.start < 0:
+            raise ValueError(f"{where}: empty token_ids or negative start {w.start}")
+        if end > self.config.max_model_len:
+            raise ValueError(f"{where}: position {end - 1} >= {self.config.max_model_len}")
+        if end > len(w.block_ids) * self.block_size:
+            raise ValueError(f"{where}: {len(w.block_ids)} blocks cannot hold {end} positions")
+        if not 0 <= w.num_draft < len(w.token_ids):
+            raise ValueError(f"{where}: num_draft {w.num_draft} with {len(w.token_ids)} tokens")
+        if min(w.token_ids) < 0 or max(w.token_ids) >= self.config.vocab_size:
+            raise ValueError(f"{where}: token id outside [0, {self.config.vocab_size})")
+        table = self._table(w.block_ids)
+        positions = np.arange(end)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _table(self, block_ids: list[int]) -> np.ndarray:
+        table = np.asarray(block_ids, dtype=np.int64)
+        if table.size and (table.min() < 0 or table.max() >= self.num_blocks):
+            raise ValueError(f"block id outside [0, {self.num_blocks}) in {block_ids}")
+        return table
+
+    def _block_slots(self, block_ids: list[int]) -> np.ndarray:
+        table = self._table(block_ids)
+        return (table[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+
+    def export_kv(self, block_ids: list[int]) -> bytes:
+        """K and V of these blocks, all layers, as raw `config.dtype` bytes laid out
+        [num_layers, 2 (K, V), len(block_ids), block_size, kv_heads, head_dim]."""
+        b = self.backend
+        index = b.asindex(self._block_slots(block_ids))
+        parts = [
+            b.to_numpy(b.gather(cache[i], index))
+            for i in range(self.config.num_layers)
+            for cache in (self.k_cache, self.v_cache)
+        ]
+        return np.ascontiguousarray(np.stack(parts), dtype=self.config.dtype).tobytes()
+
+    def import_kv(self, block_ids: list[int], data: bytes) -> None:
+        """Write bytes from `export_kv` of an executor with the same config and block_size into
+        these blocks, in order. Wrong-sized data raises ValueError and writes nothing."""
+        c, b = self.config, self.backend
+        slots = self._block_slots(block_ids)
+        shape = (c.num_layers * 2, len(slots), c.num_kv_heads, c.head_dim)
+        expected = int(np.prod(shape)) * np.dtype(c.dtype).itemsize
+        if len(data) != expected:
+            raise ValueError(f"KV of {len(block_ids)} blocks is {expected} bytes, got {len(data)}")
+        arr = np.frombuffer(data, dtype=c.dtype).reshape(shape)
+        index = b.asindex(slots)
+        for i in range(c.num_layers):
+            b.scatter_(self.k_cache[i], index, b.asarray(arr[2 * i]))
+            b.scatter_(self.v_cache[i], index, b.asarray(arr[2 * i + 1]))

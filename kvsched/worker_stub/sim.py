@@ -1,0 +1,130 @@
+"""The `sim` executor: no model, step times from the cost model, reproducible tokens.
+
+The token at position p of request r is `token_at(r, p)`, a hash of (crc32(r), p, seed): the
+same under any chunking, preemption and recompute, or speculation. Speculation only changes how
+many tokens a step yields: a step with k drafts accepts a pseudo-random a in [0, k] of them,
+and its tokens are the oracle's tokens at the next a + 1 positions (as if those drafts had
+matched). The executor never sleeps; its caller waits out `step_time_s`.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+from kvsched.worker_stub.costmodel import fit_for, step_time_s
+from kvsched.worker_stub.executor import SeqWork, StepResult
+
+_MASK64 = (1 << 64) - 1
+_KV_MAGIC = b"kvsim1"
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finaliser: a fast, well-spread integer hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class SimExecutor:
+    """Executor whose steps cost what the fit says and whose tokens are a hash of the position.
+
+    eos_every=n makes each sampled token EOS with probability 1/n (decided by the same hash), so
+    outputs stop early after about n tokens; with None the sim never emits `eos_token_id`.
+    """
+
+    name = "sim"
+
+    def __init__(
+        self,
+        gpu: str = "h100",
+        speed: float = 1.0,
+        zero_cost: bool = False,
+        vocab_size: int = 32000,
+        seed: int = 0,
+        eos_token_id: int = 2,
+        eos_every: int | None = None,
+    ) -> None:
+        fit_for(gpu)  # validates the name
+        if speed <= 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
+        if vocab_size < 2 or not 0 <= eos_token_id < vocab_size:
+            raise ValueError(
+                f"need vocab_size >= 2 and 0 <= eos_token_id < vocab_size, "
+                f"got {vocab_size} and {eos_token_id}"
+            )
+        if eos_every is not None and eos_every < 1:
+            raise ValueError(f"eos_every must be >= 1 or None, got {eos_every}")
+        self.gpu = gpu.lower()
+        self.speed = speed
+        self.zero_cost = zero_cost
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.eos_every = eos_every
+        self._seed = _mix64(seed)
+        self._accept_salt = _mix64(seed ^ 0x5EED)
+        self.num_steps = 0
+
+    def token_at(self, req_id: str, position: int) -> int:
+        """The token the simulated model puts at `position` of `req_id`."""
+        h = _mix64(((zlib.crc32(req_id.encode()) << 32) | position) ^ self._seed)
+        if self.eos_every is not None and (h >> 40) % self.eos_every == 0:
+            return self.eos_token_id
+        token = h % (self.vocab_size - 1)
+        return token + 1 if token >= self.eos_token_id else token
+
+    def num_accepted(self, w: SeqWork) -> int:
+        """How many of w's drafts the simulated verification accepts: in [0, num_draft]."""
+        if w.num_draft == 0:
+            return 0
+        h = _mix64(((zlib.crc32(w.req_id.encode()) << 32) | w.start) ^ self._accept_salt)
+        return h % (w.num_draft + 1)
+
+    def execute(self, work: list[SeqWork]) -> StepResult:
+        self.num_steps += 1
+        tokens = [self._sample(w) for w in work]
+        return StepResult(tokens=tokens, step_time_s=self.step_time_s(work))
+
+    def _sample(self, w: SeqWork) -> list[int]:
+        if not w.sample:
+            return []
+        first = w.start + len(w.token_ids) - w.num_draft  # position after the last real token
+        return [self.token_at(w.req_id, first + i) for i in range(self.num_accepted(w) + 1)]
+
+    def step_time_s(self, work: list[SeqWork]) -> float:
+        """The cost model's time for this batch, divided by speed (0 in zero-cost mode).
+
+        A sampling SeqWork of [last] + drafts is a decode (memory-bound attention over its
+        context); anything longer is a prefill chunk. A 1-token final chunk counts as a decode,
+        which is what its attention costs.
+        """
+        if self.zero_cost:
+            return 0.0
+        chunks: list[tuple[int, int]] = []
+        contexts: list[int] = []
+        num_draft = 0
+        for w in work:
+            if w.sample and len(w.token_ids) == w.num_draft + 1:
+                contexts.append(w.start + len(w.token_ids))
+                num_draft += w.num_draft
+            else:
+                chunks.append((len(w.token_ids), w.start))
+        return step_time_s(self.gpu, chunks, contexts, num_draft) / self.speed
+
+    def export_kv(self, block_ids: list[int]) -> bytes:
+        """A small blob standing for the KV: block count and a checksum of the source ids."""
+        ids = struct.pack(f"<{len(block_ids)}q", *block_ids)
+        return _KV_MAGIC + struct.pack("<II", len(block_ids), zlib.crc32(ids))
+
+    def import_kv(self, block_ids: list[int], data: bytes) -> None:
+        """Accept a blob from `export_kv` of as many blocks; ValueError otherwise."""
+        size = len(_KV_MAGIC) + 8
+        if len(data) != size or not data.startswith(_KV_MAGIC):
+            raise ValueError("not a sim KV blob")
+        (num_blocks, _) = struct.unpack("<II", data[len(_KV_MAGIC) :])
+        if num_blocks != len(block_ids):
+            raise ValueError(f"KV blob holds {num_blocks} blocks, asked to import {len(block_ids)}")
+
+    def reset(self) -> None:
+        """Nothing to forget: the sim holds no KV."""
