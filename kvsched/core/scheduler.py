@@ -57,7 +57,6 @@ class SchedulerStats:
     num_preemption_skips: int = 0  # victims spared because they hit max_preemptions
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
-    num_scheduled_tokens_last: int = 0
     num_finished: dict[FinishReason, int] = field(default_factory=dict)
 
 
@@ -101,6 +100,7 @@ class Scheduler:
         self._reserve = float(cc.reserve_blocks)
         self._relaxed = cc.reserve_blocks == 0
         self._spec_k = config.speculative.num_speculative_tokens
+        self._enc_left = -1  # encoder tokens left this step; -1: unlimited
         self.events = Events()
 
     # ==== requests in and out =================================================================
@@ -190,6 +190,7 @@ class Scheduler:
         self._seq += 1
         tasks = Tasks(seq=self._seq)
         if not self.paused:
+            self._enc_left = self.config.scheduler.max_num_encoder_tokens or -1
             budget = self.config.scheduler.max_num_batched_tokens - self.num_decoding * (
                 1 + self._spec_k
             )
@@ -197,8 +198,8 @@ class Scheduler:
             budget, preempted2 = self._continue_prefills(tasks, budget)
             if not (preempted or preempted2):
                 budget = self._admit(tasks, budget)
-            if tasks.chunks or tasks.extensions:
-                self._decay_reserve()
+                if self.running:
+                    self._decay_reserve()
         # Preempts and aborts go first in the message: their blocks may be reused below.
         tasks.preempts, self._pending_preempts = self._pending_preempts, []
         tasks.aborts, self._pending_aborts = self._pending_aborts, []
@@ -301,19 +302,26 @@ class Scheduler:
         """Never end a chunk inside an image range (disable_chunked_mm_input), and keep the
         step's multimodal tokens within the encoder budget: roll back to the range start."""
         sc = self.config.scheduler
-        end, enc_used = start + n, 0
+        end, enc_left = start + n, self._enc_left
         for r in req.mm_ranges:
             r_end = r.offset + r.length
             if r_end <= start or r.offset >= end:
                 continue
             if sc.disable_chunked_mm_input and r.offset < end < r_end:
-                end = max(r.offset, start) if r.offset > start else start
-                break
-            enc_used += min(r_end, end) - max(r.offset, start)
-            if sc.max_num_encoder_tokens and enc_used > sc.max_num_encoder_tokens:
                 end = max(r.offset, start)
                 break
+            used = min(r_end, end) - max(r.offset, start)
+            if enc_left >= 0 and used > enc_left:
+                end = max(r.offset, start)
+                break
+            enc_left -= used if enc_left >= 0 else 0
         return end - start
+
+    def _use_encoder_budget(self, req: Request, start: int, end: int) -> None:
+        if self._enc_left < 0:
+            return
+        for r in req.mm_ranges:
+            self._enc_left -= max(0, min(r.offset + r.length, end) - max(r.offset, start))
 
     def _trim_hits_for_mm(self, req: Request, num_hit: int) -> int:
         """A prefix hit may not end inside an image range when chunked mm input is disabled:
@@ -378,7 +386,8 @@ class Scheduler:
         start = req.num_computed_tokens
         tasks.chunks.append(Chunk(req.handle, start, req.token_ids(start, start + n)))
         req.num_computed_tokens = start + n
-        self.stats.num_scheduled_tokens_last += n
+        if req.mm_ranges:
+            self._use_encoder_budget(req, start, start + n)
         if req.num_computed_tokens >= req.num_prefill_tokens:
             del self.prefilling[req.req_id]
             self.num_decoding += 1
