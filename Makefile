@@ -17,7 +17,7 @@ install: $(STAMP)
 
 # Generated code is committed; `make proto-check` (run by `make test`) fails when it is stale.
 proto: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. \
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. \
 	  --mypy_out=. $(PROTOS)
 
 proto-check: $(STAMP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 import pytest
 
@@ -163,7 +164,7 @@ def test_report_column_lengths_checked(column: str, match: str) -> None:
 
 def test_report_unknown_finish_reason_rejected() -> None:
     pb = convert.report_to_proto(make_report())
-    pb.finish_reasons[0] = 9  # open enum: an unknown value survives parsing
+    pb.finish_reasons[0] = common_pb2.FinishReason.ValueType(9)  # open enum: survives parsing
     with pytest.raises(ValueError, match=r"unknown finish reasons \[9\]"):
         convert.report_from_proto(worker_service_pb2.StepReport.FromString(pb.SerializeToString()))
 
@@ -180,9 +181,11 @@ def test_report_unknown_finish_reason_rejected() -> None:
         (lambda pb: pb.kv_sends.dst_block_ids.append(3), "kv_sends: counts add up to 2"),
     ],
 )
-def test_tasks_column_lengths_checked(mutate: object, match: str) -> None:
+def test_tasks_column_lengths_checked(
+    mutate: Callable[[worker_service_pb2.Tasks], object], match: str
+) -> None:
     pb = convert.tasks_to_proto(make_tasks())
-    mutate(pb)  # type: ignore[operator]
+    mutate(pb)
     with pytest.raises(ValueError, match=match):
         convert.tasks_from_proto(pb)
 
@@ -213,8 +216,8 @@ def test_mm_ranges_round_trip() -> None:
 def test_finish_reason_values_match_proto_enum() -> None:
     for reason in core.FinishReason:
         proto_name = "FINISH_REASON_" + ("UNSPECIFIED" if reason.name == "NONE" else reason.name)
-        assert common_pb2.FinishReason.Value(proto_name) == reason
-        assert convert.finish_reason_to_proto(reason) == reason
+        assert common_pb2.FinishReason.Value(proto_name) == int(reason)
+        assert convert.finish_reason_to_proto(reason) == int(reason)
         assert convert.finish_reason_from_proto(int(reason)) is reason
     assert len(common_pb2.FinishReason.keys()) == len(core.FinishReason)
     with pytest.raises(ValueError, match="unknown FinishReason 5"):
