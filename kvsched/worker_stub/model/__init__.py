@@ -3,7 +3,7 @@
 Importing this package imports numpy only; Paddle is imported when a Paddle backend is built.
 """
 
-from kvsched.worker_stub.model.backend import Backend, get_backend, paddle_available
+from kvsched.worker_stub.model.backend import Backend, get_backend, paddle_import_error
 from kvsched.worker_stub.model.reference import generate_reference
 from kvsched.worker_stub.model.transformer import (
     ModelConfig,
@@ -20,5 +20,5 @@ __all__ = [
     "accept_greedy",
     "generate_reference",
     "get_backend",
-    "paddle_available",
+    "paddle_import_error",
 ]

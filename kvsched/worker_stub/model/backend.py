@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -142,8 +143,8 @@ class PaddleBackend(Backend):
         super().__init__(dtype)
         import paddle  # lazy: only a worker that asks for this backend pays for (and needs) it
 
-        self._paddle = paddle
-        self._functional = paddle.nn.functional
+        self._paddle: Any = paddle  # untyped use: paddle's stubs reject plain dtype strings
+        self._functional: Any = paddle.nn.functional
 
     def asarray(self, x: np.ndarray) -> Array:
         return self._paddle.to_tensor(np.asarray(x, dtype=self.dtype))
@@ -188,17 +189,21 @@ class PaddleBackend(Backend):
         return np.asarray(self._paddle.argmax(x, axis=-1).numpy())
 
 
-def paddle_available() -> bool:
-    """True when `import paddle` would succeed (checked without importing it)."""
-    import importlib.util
-
-    return importlib.util.find_spec("paddle") is not None
+@lru_cache(maxsize=1)
+def paddle_import_error() -> str | None:
+    """None when `import paddle` works here, else why not. Imports Paddle: call it only where
+    a Paddle backend is wanted (tests, `--backend auto`), never in the daemon."""
+    try:
+        import paddle  # noqa: F401
+    except Exception as exc:  # a broken GPU wheel raises more than ImportError
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def get_backend(name: str = "numpy", dtype: str = "float64") -> Backend:
     """`numpy`, `paddle`, or `auto` (Paddle when installed, else numpy)."""
     if name == "auto":
-        name = "paddle" if paddle_available() else "numpy"
+        name = "numpy" if paddle_import_error() else "paddle"
     if name == "numpy":
         return NumpyBackend(dtype)
     if name == "paddle":

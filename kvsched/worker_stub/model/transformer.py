@@ -21,14 +21,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvsched.worker_stub.executor import SeqWork, StepResult
 from kvsched.worker_stub.model.backend import Array, Backend, get_backend
-
-if TYPE_CHECKING:
-    from kvsched.worker_stub.executor import SeqWork, StepResult
 
 # Initial weight scales, chosen so greedy decoding neither sticks to one token nor falls into a
 # short cycle, and so attention is sharp enough that replacing a block of K/V changes the output.
@@ -59,7 +56,8 @@ class ModelConfig:
     seed: int = 0
     eos_token_id: int = 1
     rope_theta: float = 10000.0
-    dtype: str = "float64"  # float64 keeps argmax ties away, so chunking never changes a token
+    # Chunking and batch shape change rounding; in float64 that stays far below any argmax gap.
+    dtype: str = "float64"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "ffn"):
@@ -77,6 +75,8 @@ class ModelConfig:
                 f"ModelConfig.eos_token_id must be in [0, {self.vocab_size}), "
                 f"got {self.eos_token_id}"
             )
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"ModelConfig.dtype must be float32 or float64, got {self.dtype!r}")
         if self.max_model_len < 2:
             raise ValueError(f"ModelConfig.max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -246,9 +246,6 @@ class PagedModelExecutor:
 
         Every SeqWork is validated before the cache is touched; a bad one raises ValueError.
         """
-        # imported here: executor.py may import this module to build executors
-        from kvsched.worker_stub.executor import StepResult
-
         started = time.perf_counter()
         if not work:
             return StepResult(tokens=[], step_time_s=0.0)
