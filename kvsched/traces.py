@@ -2,7 +2,7 @@
 
 - Mooncake `*.jsonl`: `{"timestamp": ms, "input_length", "output_length", "hash_ids"}`. Each hash
   id stands for one 512-token block of the prompt; equal ids are equal prefixes. A hash id's
-  tokens are drawn from a numpy Generator seeded by the id, so requests that share ids share
+  tokens are a counter-based hash of (id, offset) (`block_tokens`), so requests that share ids share
   those tokens exactly; the last block holds input_length - 512 * (len(hash_ids) - 1) tokens.
 - Azure LLM inference `*.csv`: `TIMESTAMP,ContextTokens,GeneratedTokens`, timestamps as
   datetime strings. No hash ids: every request gets tokens of its own.
@@ -23,13 +23,15 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 HASH_BLOCK_SIZE = 512  # prompt tokens per Mooncake hash id
 DEFAULT_TRACE_DIR = Path(
     os.environ.get("KVSCHED_TRACE_DIR", Path(__file__).resolve().parents[2] / "shared/data/traces")
 )
-_UNIQUE_SALT = 0x41A2  # keeps Azure's per-request streams apart from hash-id streams
+_UNIQUE_KEYS = 1 << 50  # hash-less requests: keys far above any Mooncake id, x512 fits 64 bits
 
+U64Array = npt.NDArray[np.uint64]
 # (arrival_s, input_length, output_length, hash_ids) of one row
 _Row = tuple[float, int, int, list[int]]
 
@@ -69,8 +71,7 @@ def load_trace(
         if hash_ids:
             prompt = blocks.prompt(hash_ids, num_input)
         else:
-            rng = np.random.default_rng([_UNIQUE_SALT, index])
-            prompt = rng.integers(0, vocab_size, num_input).tolist()
+            prompt = unique_tokens(index, num_input, vocab_size)
         requests.append(TraceRequest(arrival_s, prompt, max(1, num_output), hash_ids))
     return requests
 
@@ -82,22 +83,39 @@ class _HashBlocks:
         self.vocab_size = vocab_size
         self._tokens: dict[int, list[int]] = {}
 
-    def block(self, hash_id: int) -> list[int]:
-        tokens = self._tokens.get(hash_id)
-        if tokens is None:
-            rng = np.random.default_rng(hash_id)
-            tokens = rng.integers(0, self.vocab_size, HASH_BLOCK_SIZE).tolist()
-            self._tokens[hash_id] = tokens
-        return tokens
-
     def prompt(self, hash_ids: list[int], num_tokens: int) -> list[int]:
         if len(hash_ids) != -(-num_tokens // HASH_BLOCK_SIZE):
             raise ValueError(f"{len(hash_ids)} hash ids for a prompt of {num_tokens} tokens")
+        new = [h for h in dict.fromkeys(hash_ids) if h not in self._tokens]
+        if new:
+            rows = block_tokens(np.array(new, dtype=np.uint64), self.vocab_size).tolist()
+            self._tokens.update(zip(new, rows, strict=True))
         prompt: list[int] = []
         for hash_id in hash_ids[:-1]:
-            prompt += self.block(hash_id)
-        prompt += self.block(hash_ids[-1])[: num_tokens - len(prompt)]
+            prompt += self._tokens[hash_id]
+        prompt += self._tokens[hash_ids[-1]][: num_tokens - len(prompt)]
         return prompt
+
+
+def unique_tokens(index: int, num_tokens: int, vocab_size: int) -> list[int]:
+    """Tokens of a request without hash ids: shared with no other request of its trace."""
+    num_blocks = -(-num_tokens // HASH_BLOCK_SIZE)
+    keys = np.arange(num_blocks, dtype=np.uint64) + np.uint64(_UNIQUE_KEYS + (index << 20))
+    tokens: list[int] = block_tokens(keys, vocab_size).ravel()[:num_tokens].tolist()
+    return tokens
+
+
+def block_tokens(keys: U64Array, vocab_size: int) -> U64Array:
+    """The 512 tokens of each key (uint64 array): a counter-based hash (splitmix64) of
+    (key, offset), so a key's tokens never depend on which other keys were drawn."""
+    offsets = np.arange(HASH_BLOCK_SIZE, dtype=np.uint64)
+    x: U64Array = keys[:, None] * np.uint64(HASH_BLOCK_SIZE) + offsets
+    x += np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    tokens: U64Array = x % np.uint64(vocab_size)
+    return tokens
 
 
 def _mooncake_rows(path: Path) -> Iterator[_Row]:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvsched.core.errors import ProtocolError
 from kvsched.core.protocol import (
     Chunk,
     Extension,
@@ -39,12 +40,10 @@ from kvsched.worker_stub.executor import Executor, SeqWork
 
 log = logging.getLogger(__name__)
 
+__all__ = ["ProtocolError", "WorkerEngine", "check_stop", "ngram_draft"]
+
 DraftFn = Callable[[list[int], int], list[int]]
 KvSender = Callable[[KvSend, bytes], None]
-
-
-class ProtocolError(ValueError):
-    """Tasks the worker cannot apply: the daemon and the worker disagree about its slots."""
 
 
 class _Ready(Enum):
@@ -184,8 +183,9 @@ class WorkerEngine:
         and aborted handles. Raises ProtocolError on tasks that cannot be right (a handle or
         slot already taken, a chunk past the prompt)."""
         for handle in (*tasks.preempts, *tasks.aborts):
-            if self._lookup(handle) is not None:
+            if handle in self._held:
                 self._free(handle)
+            self._acked[handle] = None
         for placement in tasks.placements:
             self._place(placement)
         for extension in tasks.extensions:
