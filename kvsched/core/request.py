@@ -76,6 +76,8 @@ class Request:
     kv_target: tuple[str, int, list[int]] | None = None
     # Next num_tokens at which a decoding request needs the scheduler's attention.
     check_at: int = 0
+    # Opaque to the core: the caller's per-request state (the daemon's stream and tracing).
+    tag: object = None
 
     @property
     def num_tokens(self) -> int:

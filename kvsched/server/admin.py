@@ -1,0 +1,100 @@
+"""AdminService: status of instances, queues and KV usage; drain; pause / resume; reset cache."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvsched.server import convert
+from kvsched.server.daemon import Daemon
+from kvsched.server.engine import InstanceEngine
+from kvsched.v1 import admin_service_pb2 as apb
+from kvsched.v1 import admin_service_pb2_grpc
+
+
+def instance_status(eng: InstanceEngine) -> apb.InstanceStatus:
+    st = apb.InstanceStatus(
+        instance_id=eng.instance_id,
+        role=convert.role_to_proto(eng.role),
+        ready=eng.ready,
+        draining=eng.draining,
+        num_ranks_connected=len(eng.ranks),
+        world_size=eng.world_size,
+        model=next((c.model for c in eng.ranks.values()), ""),
+    )
+    s = eng.sched
+    if s is not None:
+        kv = s.kv
+        st.paused = s.paused
+        st.num_slots = s.config.scheduler.max_num_seqs
+        st.num_slots_used = st.num_slots - len(s.free_slots)
+        st.num_gpu_blocks = kv.pool.num_blocks
+        st.num_free_blocks = kv.num_free_blocks
+        st.kv_cache_usage = kv.usage
+        st.num_waiting = s.num_waiting
+        st.num_running = s.num_running
+        st.num_steps = s.stats.num_steps
+        st.steps_per_s = eng.steps_per_s()
+        st.prefix_cache_query_tokens = kv.num_queries
+        st.prefix_cache_hit_tokens = kv.num_hits
+        st.num_preemptions = s.stats.num_preemptions
+    return st
+
+
+class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    async def GetStatus(
+        self, request: apb.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> apb.GetStatusResponse:
+        engines = self.daemon.select(request.instance_id)
+        out = apb.GetStatusResponse(draining=self.daemon.draining, paused=self.daemon.paused)
+        for eng in engines:
+            st = instance_status(eng)
+            out.instances.append(st)
+            out.num_waiting += st.num_waiting
+            out.num_running += st.num_running
+        return out
+
+    async def Drain(
+        self, request: apb.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> apb.DrainResponse:
+        engines = self.daemon.select(request.instance_id)
+        for eng in engines:
+            eng.draining = True
+        return apb.DrainResponse(instance_ids=[e.instance_id for e in engines])
+
+    async def Pause(
+        self, request: apb.PauseRequest, context: grpc.aio.ServicerContext
+    ) -> apb.PauseResponse:
+        engines = self.daemon.select(request.instance_id)
+        for eng in engines:
+            if eng.sched is not None:
+                eng.sched.pause()
+                eng.wake()
+        if not request.instance_id:
+            self.daemon.paused = True
+        return apb.PauseResponse(instance_ids=[e.instance_id for e in engines])
+
+    async def Resume(
+        self, request: apb.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> apb.ResumeResponse:
+        engines = self.daemon.select(request.instance_id)
+        for eng in engines:
+            eng.draining = False
+            if eng.sched is not None:
+                eng.sched.resume()
+                eng.wake()
+        if not request.instance_id:
+            self.daemon.paused = False
+        return apb.ResumeResponse(instance_ids=[e.instance_id for e in engines])
+
+    async def ResetPrefixCache(
+        self, request: apb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> apb.ResetPrefixCacheResponse:
+        engines = self.daemon.select(request.instance_id)
+        for eng in engines:
+            if eng.sched is not None:
+                eng.sched.reset_prefix_cache()
+                eng.wake()
+        return apb.ResetPrefixCacheResponse(instance_ids=[e.instance_id for e in engines])

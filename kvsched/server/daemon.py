@@ -1,0 +1,386 @@
+"""The daemon: instances, routing, request tracking, the gRPC server and its shutdown.
+
+A request's daemon-side state is a `Tracked` (stored in `Request.tag`): which instance holds it,
+where its outputs go (a sink: one Generate stream or one Session stream), how many tokens that
+sink has been sent. Every accepted request ends in exactly one `Finished` delivered to its sink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import logging
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from kvsched.core import (
+    FinishReason,
+    InvalidRequest,
+    ProtocolError,
+    Request,
+    RequestNotFound,
+    Role,
+    Router,
+    Unavailable,
+)
+from kvsched.server import convert
+from kvsched.server.engine import InstanceEngine, RankConn
+from kvsched.server.telemetry import Telemetry
+from kvsched.v1 import (
+    admin_service_pb2,
+    admin_service_pb2_grpc,
+    request_service_pb2,
+    request_service_pb2_grpc,
+    worker_service_pb2,
+)
+
+if TYPE_CHECKING:
+    from kvsched.server.config import ServerConfig
+
+log = logging.getLogger("kvsched.daemon")
+
+RECENT_FINISHED = 10_000  # ids remembered so a late Abort of a finished request is a no-op
+
+SERVICE_NAMES = (
+    request_service_pb2.DESCRIPTOR.services_by_name["RequestService"].full_name,
+    worker_service_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+    admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    reflection.SERVICE_NAME,
+)
+
+
+class Sink(Protocol):
+    """Where a request's outputs go; `notify` marks it as having something new to send."""
+
+    def notify(self, tr: Tracked) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class Tracked:
+    req: Request  # the current core request (a decode instance's copy after hand-off)
+    engine: InstanceEngine
+    sink: Sink
+    detachable: bool = False
+    owner: str = ""
+    client_tag: str = ""
+    sent: int = 0  # output tokens handed to the sink
+    decode_engine: InstanceEngine | None = None  # P/D: holds a reservation until hand-off
+    span: Any = None
+
+
+class Daemon:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engines: dict[str, InstanceEngine] = {}
+        self.tracked: dict[str, Tracked] = {}
+        self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.router = Router()
+        self.draining = False
+        self.paused = False
+        self.telemetry = Telemetry()
+        self.health = HealthServicer()
+        self.all_done = asyncio.Event()
+        for iid, icfg in config.instances.items():
+            self.engines[iid] = InstanceEngine(self, iid, icfg.engine, icfg.world_size)
+
+    # ---- workers ----------------------------------------------------------------------------
+    def attach_worker(self, hello: Any) -> tuple[InstanceEngine, RankConn]:
+        """Register a worker rank from its Hello; raises ProtocolError for a bad one."""
+        if hello.protocol_version != convert.PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"worker speaks protocol version {hello.protocol_version}; this daemon speaks "
+                f"{convert.PROTOCOL_VERSION}"
+            )
+        if not hello.instance_id:
+            raise ProtocolError("Hello.instance_id must not be empty")
+        if hello.num_gpu_blocks < 1 or hello.block_size < 1 or hello.num_slots < 1:
+            raise ProtocolError(
+                "Hello must give num_gpu_blocks, block_size and num_slots >= 1 "
+                f"(got {hello.num_gpu_blocks}, {hello.block_size}, {hello.num_slots})"
+            )
+        eng = self.engines.get(hello.instance_id)
+        if eng is None:
+            if not self.config.auto_instances:
+                raise ProtocolError(
+                    f"unknown instance {hello.instance_id!r}; configured: {sorted(self.engines)}"
+                )
+            engine_config = copy.deepcopy(self.config.engine)
+            eng = InstanceEngine(self, hello.instance_id, engine_config, max(1, hello.world_size))
+            self.engines[hello.instance_id] = eng
+        conn = RankConn(
+            rank=hello.rank,
+            num_gpu_blocks=hello.num_gpu_blocks,
+            block_size=hello.block_size,
+            num_slots=hello.num_slots,
+            address=hello.worker_address,
+            model=hello.model,
+        )
+        eng.attach(conn, max(1, hello.world_size))
+        return eng, conn
+
+    def welcome(self, eng: InstanceEngine) -> bytes:
+        cfg = eng.engine_config
+        msg = worker_service_pb2.ConnectResponse(
+            welcome=worker_service_pb2.Welcome(
+                protocol_version=convert.PROTOCOL_VERSION,
+                instance_id=eng.instance_id,
+                num_speculative_tokens=cfg.speculative.num_speculative_tokens,
+                max_model_len=cfg.scheduler.max_model_len,
+                role=convert.role_to_proto(eng.role),
+                heartbeat_interval_ns=int(self.config.heartbeat_interval_s * 1e9),
+            )
+        )
+        return msg.SerializeToString()
+
+    def on_instance_ready(self, eng: InstanceEngine) -> None:
+        """Tell every worker where the KV receivers are (prefill workers push to them)."""
+        peers = [p for e in self.engines.values() for p in e.peers()]
+        if not peers:
+            return
+        msg = worker_service_pb2.ConnectResponse(
+            peers=worker_service_pb2.Peers(
+                peers=[
+                    worker_service_pb2.Peers.Peer(instance_id=i, rank=r, address=a)
+                    for i, r, a in peers
+                ]
+            )
+        ).SerializeToString()
+        for e in self.engines.values():
+            for conn in e.ranks.values():
+                conn.queue.put_nowait(msg)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def submit(
+        self,
+        pb: request_service_pb2.GenerateRequest,
+        sink: Sink,
+        owner: str = "",
+        client_tag: str = "",
+    ) -> Tracked:
+        """Validate, route and queue one request. Raises a typed error (nothing is kept) or
+        returns its Tracked state; from then on the sink gets exactly one Finished."""
+        if self.draining:
+            raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
+        if pb.model and pb.model != self.config.model:
+            raise InvalidRequest(
+                f"unknown model {pb.model!r}; this daemon serves {self.config.model!r}"
+            )
+        req_id = pb.request_id or uuid.uuid4().hex
+        if req_id in self.tracked:
+            raise InvalidRequest(f"request_id {req_id!r} is already in use by a live request")
+        req = convert.request_from_proto(pb, req_id, time.monotonic())
+        ready = [e for e in self.engines.values() if e.accepting and not e.is_decode]
+        if not ready:
+            raise Unavailable(
+                "no instance is ready: no worker connected (start one with `kvsched worker`), "
+                "or all are draining or paused"
+            )
+        scheds = [e.sched for e in ready]
+        eng = ready[self.router.pick(scheds, req) if len(ready) > 1 else 0]  # type: ignore[arg-type]
+        tr = Tracked(req, eng, sink, pb.detachable, owner, client_tag)
+        if eng.role == Role.PREFILL:
+            tr.decode_engine = self._reserve_decode(req)
+        assert eng.sched is not None
+        try:
+            eng.sched.add_request(req)
+        except Exception:
+            self._cancel_reservation(tr)
+            raise
+        req.tag = tr
+        self.tracked[req_id] = tr
+        self.all_done.clear()
+        self.telemetry.request_accepted(tr)
+        eng.wake()
+        return tr
+
+    def _reserve_decode(self, req: Request) -> InstanceEngine:
+        decodes = [e for e in self.engines.values() if e.is_decode and e.accepting]
+        if not decodes:
+            raise Unavailable("prefill instance has no ready decode instance to hand off to")
+        idx = self.router.pick_decode([e.sched for e in decodes])  # type: ignore[misc]
+        d = decodes[idx or 0]
+        assert d.sched is not None
+        got = d.sched.preallocate(req)
+        if got is None:
+            raise Unavailable(
+                f"decode instance {d.instance_id} has no free slot or blocks for this request now; retry"
+            )
+        handle, blocks = got
+        req.kv_target = (d.instance_id, handle, blocks)
+        d.wake()
+        return d
+
+    def _cancel_reservation(self, tr: Tracked) -> None:
+        d, tr.decode_engine = tr.decode_engine, None
+        if d is not None and d.sched is not None:
+            try:
+                d.sched.abort(tr.req.req_id, FinishReason.ABORT, "prefill ended")
+            except RequestNotFound:
+                return
+            d.wake()
+
+    def abort(
+        self, req_id: str, message: str = "aborted by client", owner: str | None = None
+    ) -> None:
+        """Abort a live request by id; a recently finished one is a no-op (an abort and a finish
+        may cross). RequestNotFound otherwise, or when `owner` did not submit it."""
+        tr = self.tracked.get(req_id)
+        if tr is None:
+            if req_id in self.recent:
+                return
+            raise RequestNotFound(
+                f"no live request with id {req_id!r} (never submitted, or finished long ago)"
+            )
+        if owner is not None and tr.owner != owner:
+            raise RequestNotFound(
+                f"no live request with id {req_id!r} submitted with your credentials"
+            )
+        self.abort_tracked(tr, message)
+
+    def abort_tracked(
+        self, tr: Tracked, message: str, reason: FinishReason = FinishReason.ABORT
+    ) -> None:
+        self._cancel_reservation(tr)
+        sched = tr.engine.sched
+        if sched is not None:
+            try:
+                sched.abort(tr.req.req_id, reason, message)
+            except RequestNotFound:
+                return
+            tr.engine.wake()
+
+    def on_handed_off(self, p: InstanceEngine, req: Request) -> None:
+        tr = req.tag
+        if not isinstance(tr, Tracked):
+            return
+        d, tr.decode_engine = tr.decode_engine, None
+        if d is None or d.sched is None:
+            self._fail_handoff(tr, "decode instance lost before hand-off")
+            return
+        try:
+            dreq = d.sched.add_prefilled(req.req_id, req.output_token_ids, req.num_cached_tokens)
+        except RequestNotFound:
+            self._fail_handoff(tr, "decode reservation gone before hand-off")
+            return
+        dreq.tag = tr
+        dreq.arrival_time, dreq.first_token_time = req.arrival_time, req.first_token_time
+        dreq.first_scheduled_time = req.first_scheduled_time
+        dreq.num_cached_tokens = req.num_cached_tokens
+        tr.req, tr.engine = dreq, d
+        d.wake()
+
+    def _fail_handoff(self, tr: Tracked, message: str) -> None:
+        req = tr.req
+        req.status = req.status.FINISHED_ERROR
+        req.finish_reason, req.finish_message = FinishReason.ERROR, message
+        req.finished_time = time.monotonic()
+        self.on_finished(tr.engine, req)
+
+    def on_finished(self, eng: InstanceEngine, req: Request) -> None:
+        tr = req.tag
+        if not isinstance(tr, Tracked) or tr.req is not req:
+            return  # a decode reservation or a stale copy
+        self._cancel_reservation(tr)
+        if self.tracked.pop(req.req_id, None) is None:
+            return
+        self.recent[req.req_id] = None
+        if len(self.recent) > RECENT_FINISHED:
+            self.recent.popitem(last=False)
+        self.telemetry.request_finished(tr)
+        tr.sink.notify(tr)
+        if not self.tracked:
+            self.all_done.set()
+
+    # ---- admin ------------------------------------------------------------------------------
+    def select(self, instance_id: str) -> list[InstanceEngine]:
+        if not instance_id:
+            return list(self.engines.values())
+        eng = self.engines.get(instance_id)
+        if eng is None:
+            raise RequestNotFound(f"no instance {instance_id!r}; known: {sorted(self.engines)}")
+        return [eng]
+
+    # ---- shutdown ---------------------------------------------------------------------------
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting, let running requests finish within `grace_s`, abort the rest."""
+        self.draining = True
+        await self.health.enter_graceful_shutdown()
+        log.info("draining: %d request(s) in flight, grace %.1f s", len(self.tracked), grace_s)
+        if self.tracked:
+            try:
+                await asyncio.wait_for(self.all_done.wait(), grace_s)
+            except TimeoutError:
+                for tr in list(self.tracked.values()):
+                    self.abort_tracked(tr, "daemon shutting down: grace period over")
+                try:
+                    await asyncio.wait_for(self.all_done.wait(), 5.0)
+                except TimeoutError:
+                    log.error("%d request(s) did not finish after abort", len(self.tracked))
+
+
+def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
+    from kvsched.server.admin import AdminServicer
+    from kvsched.server.errors import ErrorInterceptor
+    from kvsched.server.frontend import RequestServicer
+    from kvsched.server.workers import worker_service_handler
+
+    mb = config.max_message_bytes
+    options = [
+        ("grpc.max_send_message_length", mb),
+        ("grpc.max_receive_message_length", mb),
+        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+    request_service_pb2_grpc.add_RequestServiceServicer_to_server(RequestServicer(daemon), server)
+    admin_service_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(daemon), server)
+    server.add_generic_rpc_handlers((worker_service_handler(daemon),))
+    health_pb2_grpc.add_HealthServicer_to_server(daemon.health, server)
+    reflection.enable_server_reflection(SERVICE_NAMES, server)
+    return server
+
+
+async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int:
+    daemon = Daemon(config)
+    server = build_server(daemon, config)
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise Unavailable(f"cannot listen on {config.listen}")
+    await server.start()
+    await daemon.health.set("", health_pb2.HealthCheckResponse.SERVING)
+    host = config.listen.rsplit(":", 1)[0]
+    print(f"kvsched listening on {host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("signal received: draining")
+    await daemon.drain(config.grace_period_s)
+    await server.stop(grace=1.0)
+    log.info("stopped")
+    return 0
+
+
+def run_server(config: ServerConfig) -> int:
+    try:
+        return asyncio.run(serve(config))
+    except Unavailable as exc:
+        print(f"kvsched: {exc}", file=sys.stderr)
+        return 2

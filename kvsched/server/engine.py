@@ -1,0 +1,211 @@
+"""One instance's engine loop: owns its Scheduler, talks to its worker ranks.
+
+    worker rank 0 --StepReport--> reports ─┐
+    front ends --add/abort (direct calls)--├─> wake ─> loop: apply_report* ─> schedule() ─> Tasks
+                                                                    │                     │
+                                              dispatch Events to request sinks     same bytes to
+                                                                                   every rank
+
+Core calls are synchronous and never await, so handlers may call `scheduler.add_request` /
+`abort` directly (one asyncio thread: nothing interleaves inside a call); the loop batches the
+rest. Every wake runs at most one `schedule()`, so a burst of reports or arrivals costs one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvsched.core import EngineConfig, FinishReason, ProtocolError, Role, Scheduler
+from kvsched.core.protocol import StepReport
+from kvsched.server import convert
+
+if TYPE_CHECKING:
+    from kvsched.server.daemon import Daemon
+
+log = logging.getLogger("kvsched.engine")
+
+
+@dataclass(slots=True, eq=False)
+class RankConn:
+    """One connected worker process (one TP rank) of an instance."""
+
+    rank: int
+    num_gpu_blocks: int
+    block_size: int
+    num_slots: int
+    address: str
+    model: str
+    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    last_seen: float = field(default_factory=time.monotonic)
+    closed: bool = False
+
+
+class InstanceEngine:
+    def __init__(
+        self,
+        daemon: Daemon,
+        instance_id: str,
+        engine_config: EngineConfig,
+        world_size: int = 1,
+    ) -> None:
+        self.daemon = daemon
+        self.instance_id = instance_id
+        self.engine_config = engine_config
+        self.role = engine_config.role
+        self.world_size = world_size
+        self.ranks: dict[int, RankConn] = {}
+        self.sched: Scheduler | None = None
+        self.draining = False
+        self.reports: list[StepReport] = []
+        self._wake = asyncio.Event()
+        self._report_times: collections.deque[float] = collections.deque(maxlen=256)
+        self._task = asyncio.get_running_loop().create_task(
+            self._loop(), name=f"engine-{instance_id}"
+        )
+
+    # ---- readiness --------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.sched is not None
+
+    @property
+    def accepting(self) -> bool:
+        return self.sched is not None and not self.draining and not self.sched.paused
+
+    def attach(self, conn: RankConn, world_size: int) -> None:
+        """Register a rank that said Hello; the instance becomes ready with its last rank."""
+        if world_size != self.world_size:
+            raise ProtocolError(
+                f"instance {self.instance_id!r} has world size {self.world_size}, "
+                f"but rank {conn.rank} says {world_size}"
+            )
+        if not 0 <= conn.rank < self.world_size:
+            raise ProtocolError(f"rank {conn.rank} is outside world size {self.world_size}")
+        if conn.rank in self.ranks:
+            raise ProtocolError(
+                f"rank {conn.rank} of instance {self.instance_id!r} is already connected"
+            )
+        first = self.ranks and next(iter(self.ranks.values()))
+        if first and first.block_size != conn.block_size:
+            raise ProtocolError(
+                f"rank {conn.rank} has block size {conn.block_size}, rank {first.rank} "
+                f"has {first.block_size}: all ranks of an instance must agree"
+            )
+        self.ranks[conn.rank] = conn
+        if len(self.ranks) == self.world_size:
+            self._start()
+
+    def _start(self) -> None:
+        cfg = copy.deepcopy(self.engine_config)
+        conns = list(self.ranks.values())
+        cfg.cache.block_size = conns[0].block_size
+        cfg.cache.num_gpu_blocks = min(c.num_gpu_blocks for c in conns)
+        cfg.scheduler.max_num_seqs = min(cfg.scheduler.max_num_seqs, *(c.num_slots for c in conns))
+        self.sched = Scheduler(cfg, clock=time.monotonic, instance_id=self.instance_id)
+        log.info(
+            "instance %s ready: %d rank(s), %d blocks of %d tokens, %d slots, role %s",
+            self.instance_id,
+            self.world_size,
+            cfg.cache.num_gpu_blocks,
+            cfg.cache.block_size,
+            cfg.scheduler.max_num_seqs,
+            self.role.value,
+        )
+        self.daemon.on_instance_ready(self)
+        self.wake()
+
+    def take_out(self, reason: str, error: Exception | None = None) -> None:
+        """The instance is lost (a rank dropped, went silent, or broke the protocol): close
+        every rank's stream and end every request it held with an error the client sees."""
+        sched, self.sched = self.sched, None
+        for conn in self.ranks.values():
+            if not conn.closed:
+                conn.closed = True
+                conn.queue.put_nowait(error if error is not None else None)
+        self.ranks.clear()
+        self.reports.clear()
+        if sched is None:
+            return
+        log.warning("instance %s taken out: %s", self.instance_id, reason)
+        for req_id in list(sched.requests):
+            sched.abort(req_id, FinishReason.ERROR, f"instance {self.instance_id} lost: {reason}")
+        self.dispatch(sched.take_events())
+
+    def detach(self, conn: RankConn, reason: str) -> None:
+        if self.ranks.get(conn.rank) is conn:
+            self.take_out(reason)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def wake(self) -> None:
+        self._wake.set()
+
+    def submit_report(self, report: StepReport) -> None:
+        self.reports.append(report)
+        self._report_times.append(time.monotonic())
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                self.step()
+            except Exception as exc:  # a bug must not kill the loop silently
+                log.exception("engine %s step failed", self.instance_id)
+                self.take_out(f"internal error: {exc!r}", ProtocolError(str(exc)))
+
+    def step(self) -> None:
+        """Fold in every pending report, schedule once, send the tasks to every rank."""
+        sched = self.sched
+        if sched is None:
+            return
+        reports, self.reports = self.reports, []
+        try:
+            for report in reports:
+                self.dispatch(sched.apply_report(report))
+        except ProtocolError as exc:
+            self.take_out(f"protocol violation: {exc}", exc)
+            return
+        t0 = time.perf_counter()
+        tasks = sched.schedule()
+        self.daemon.telemetry.scheduler_step(self.instance_id, time.perf_counter() - t0)
+        self.dispatch(sched.take_events())
+        if not tasks.is_empty():
+            data = convert.tasks_to_bytes(tasks)
+            for conn in self.ranks.values():
+                conn.queue.put_nowait(data)
+
+    def dispatch(self, ev: Any) -> None:
+        """Route a batch of core Events to the requests' sinks and the daemon."""
+        for req in ev.token_reqs:
+            tr = req.tag
+            if tr is not None:
+                tr.sink.notify(tr)
+        daemon = self.daemon
+        if ev.scheduled or ev.first_token or ev.preempted or ev.requeued:
+            daemon.telemetry.lifecycle(self, ev)
+        for req in ev.handed_off:
+            daemon.on_handed_off(self, req)
+        for req in ev.finished:
+            daemon.on_finished(self, req)
+
+    # ---- status -----------------------------------------------------------------------------
+    def steps_per_s(self) -> float:
+        times = self._report_times
+        if len(times) < 2:
+            return 0.0
+        span = time.monotonic() - times[0]
+        return (len(times) - 1) / span if span > 0 else 0.0
+
+    def peers(self) -> list[tuple[str, int, str]]:
+        return [(self.instance_id, c.rank, c.address) for c in self.ranks.values() if c.address]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.role == Role.DECODE

@@ -1,0 +1,230 @@
+"""RequestService: Generate (one request per stream), Abort, Session (many per stream).
+
+Sinks never queue tokens: the tokens live in the core request, and a sink only remembers which
+requests have something new. A slow reader therefore gets larger batches, not a growing buffer,
+and a Session's memory is bounded by its open requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from kvsched.core import KvschedError
+from kvsched.server import convert
+from kvsched.server.daemon import Daemon, Tracked
+from kvsched.server.errors import status_for
+from kvsched.v1 import request_service_pb2 as pb
+from kvsched.v1 import request_service_pb2_grpc
+
+log = logging.getLogger("kvsched.frontend")
+
+
+class StreamSink:
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def notify(self, tr: Tracked) -> None:
+        self.event.set()
+
+
+class SessionSink:
+    """One Session stream: what to put in its next batched response."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.dirty: dict[str, Tracked] = {}
+        self.accepted: list[Tracked] = []
+        self.errors: list[pb.SessionResponse.Error] = []
+        self.open: dict[str, Tracked] = {}
+        self.client_done = False
+
+    def notify(self, tr: Tracked) -> None:
+        self.dirty[tr.req.req_id] = tr
+        self.event.set()
+
+
+def principal(context: Any) -> str:
+    """The authenticated caller, as set by the auth interceptor ('' without auth)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-kvsched-principal":
+            return str(value)
+    return ""
+
+
+class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        sink = StreamSink()
+        tr = self.daemon.submit(request, sink, owner=principal(context))
+        done = False
+        try:
+            yield pb.GenerateResponse(
+                queued=pb.GenerateResponse.Queued(
+                    request_id=tr.req.req_id, instance=tr.engine.instance_id
+                )
+            )
+            while True:
+                await sink.event.wait()
+                sink.event.clear()
+                req = tr.req
+                # Decide "finished" and take the tokens at the same instant: more may arrive
+                # while a yield is suspended.
+                finished = req.is_finished and self.daemon.tracked.get(req.req_id) is not tr
+                out = req.output_token_ids
+                n = len(out)
+                if n > tr.sent:
+                    delta = out[tr.sent : n]
+                    tr.sent = n
+                    yield pb.GenerateResponse(tokens=pb.GenerateResponse.Tokens(token_ids=delta))
+                if finished:
+                    done = True
+                    yield pb.GenerateResponse(finished=convert.finished_to_proto(req))
+                    return
+        finally:
+            if not done and not tr.detachable:
+                self.daemon.abort_tracked(tr, "client stream closed")
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        self.daemon.abort(request.request_id, owner=principal(context) or None)
+        return pb.AbortResponse()
+
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[pb.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.SessionResponse]:
+        sink = SessionSink()
+        owner = principal(context)
+        reader = asyncio.get_running_loop().create_task(
+            self._read_session(request_iterator, sink, owner)
+        )
+        try:
+            while True:
+                await sink.event.wait()
+                sink.event.clear()
+                if reader.done() and reader.exception() is not None:
+                    raise reader.exception()  # type: ignore[misc]
+                msg = self._batch(sink)
+                if msg is not None:
+                    yield msg
+                if sink.client_done and not sink.open and not sink.dirty:
+                    return
+        finally:
+            reader.cancel()
+            for tr in list(sink.open.values()):
+                if not tr.detachable:
+                    self.daemon.abort_tracked(tr, "session stream closed")
+
+    async def _read_session(
+        self, request_iterator: AsyncIterator[pb.SessionRequest], sink: SessionSink, owner: str
+    ) -> None:
+        limit = self.daemon.config.max_session_requests
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if kind == "submit":
+                    self._submit(msg.submit, sink, owner, limit)
+                elif kind == "abort":
+                    tr = sink.open.get(msg.abort.request_id)
+                    if tr is None:
+                        sink.errors.append(
+                            pb.SessionResponse.Error(
+                                request_id=msg.abort.request_id,
+                                code=grpc.StatusCode.NOT_FOUND.value[0],
+                                message=f"no open request {msg.abort.request_id!r} on this session",
+                            )
+                        )
+                    else:
+                        self.daemon.abort_tracked(tr, "aborted by client")
+                else:
+                    sink.errors.append(
+                        pb.SessionResponse.Error(
+                            code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                            message="SessionRequest must set `submit` or `abort`",
+                        )
+                    )
+                sink.event.set()
+        finally:
+            sink.client_done = True
+            sink.event.set()
+
+    def _submit(
+        self, submit: pb.SessionRequest.Submit, sink: SessionSink, owner: str, limit: int
+    ) -> None:
+        tag = submit.client_tag
+        try:
+            if len(sink.open) >= limit:
+                raise_limit(limit)
+            tr = self.daemon.submit(submit.request, sink, owner=owner, client_tag=tag)
+        except KvschedError as exc:
+            code, message = status_for(exc)
+            sink.errors.append(
+                pb.SessionResponse.Error(
+                    client_tag=tag,
+                    request_id=submit.request.request_id,
+                    code=code.value[0],
+                    message=message,
+                )
+            )
+            return
+        sink.open[tr.req.req_id] = tr
+        sink.accepted.append(tr)
+
+    def _batch(self, sink: SessionSink) -> pb.SessionResponse | None:
+        """Everything new on this session since its last message, in one message."""
+        accepted, sink.accepted = sink.accepted, []
+        dirty, sink.dirty = sink.dirty, {}
+        errors, sink.errors = sink.errors, []
+        if not (accepted or dirty or errors):
+            return None
+        msg = pb.SessionResponse()
+        if accepted:
+            acc = msg.accepted
+            acc.request_ids.extend([tr.req.req_id for tr in accepted])
+            acc.client_tags.extend([tr.client_tag for tr in accepted])
+            acc.instances.extend([tr.engine.instance_id for tr in accepted])
+        ids: list[str] = []
+        counts: list[int] = []
+        tokens: list[int] = []
+        tracked = self.daemon.tracked
+        for rid, tr in dirty.items():
+            req = tr.req
+            out = req.output_token_ids
+            n = len(out)
+            if n > tr.sent:
+                ids.append(rid)
+                counts.append(n - tr.sent)
+                tokens.extend(out[tr.sent : n])
+                tr.sent = n
+            if req.is_finished and tracked.get(rid) is not tr:
+                msg.finished.append(convert.finished_to_proto(req))
+                sink.open.pop(rid, None)
+        if ids:
+            msg.tokens.request_ids.extend(ids)
+            msg.tokens.num_tokens.extend(counts)
+            msg.tokens.token_ids.extend(tokens)
+        if errors:
+            msg.errors.extend(errors)
+        return msg
+
+
+def raise_limit(limit: int) -> None:
+    from kvsched.core import CapacityExceeded
+
+    raise CapacityExceeded(
+        f"this Session already has {limit} open requests (max_session_requests); "
+        "wait for some to finish or open another stream"
+    )
