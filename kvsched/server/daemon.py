@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -35,7 +36,7 @@ from kvsched.core import (
 )
 from kvsched.server import convert
 from kvsched.server.engine import InstanceEngine, RankConn
-from kvsched.server.telemetry import Telemetry
+from kvsched.server.telemetry import make_telemetry
 from kvsched.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
@@ -88,7 +89,7 @@ class Daemon:
         self.router = Router()
         self.draining = False
         self.paused = False
-        self.telemetry = Telemetry()
+        self.telemetry = make_telemetry(config, self)
         self.health = HealthServicer()
         self.all_done = asyncio.Event()
         for iid, icfg in config.instances.items():
@@ -167,6 +168,7 @@ class Daemon:
         sink: Sink,
         owner: str = "",
         client_tag: str = "",
+        carrier: Mapping[str, str] | None = None,
     ) -> Tracked:
         """Validate, route and queue one request. Raises a typed error (nothing is kept) or
         returns its Tracked state; from then on the sink gets exactly one Finished."""
@@ -200,7 +202,7 @@ class Daemon:
         req.tag = tr
         self.tracked[req_id] = tr
         self.all_done.clear()
-        self.telemetry.request_accepted(tr)
+        self.telemetry.request_accepted(tr, carrier or {})
         eng.wake()
         return tr
 
@@ -374,6 +376,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
     log.info("signal received: draining")
     await daemon.drain(config.grace_period_s)
     await server.stop(grace=1.0)
+    daemon.telemetry.shutdown()
     log.info("stopped")
     return 0
 

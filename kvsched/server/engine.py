@@ -167,8 +167,10 @@ class InstanceEngine:
             return
         reports, self.reports = self.reports, []
         try:
+            telemetry = self.daemon.telemetry
             for report in reports:
                 self.dispatch(sched.apply_report(report))
+                telemetry.report_applied(self, report)
         except ProtocolError as exc:
             self.take_out(f"protocol violation: {exc}", exc)
             return

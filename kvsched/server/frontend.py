@@ -50,6 +50,11 @@ class SessionSink:
         self.event.set()
 
 
+def metadata(context: Any) -> dict[str, str]:
+    """The call's metadata as a dict (trace context travels here)."""
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
 def principal(context: Any) -> str:
     """The authenticated caller, as set by the auth interceptor ('' without auth)."""
     for key, value in context.invocation_metadata() or ():
@@ -66,7 +71,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         sink = StreamSink()
-        tr = self.daemon.submit(request, sink, owner=principal(context))
+        tr = self.daemon.submit(request, sink, owner=principal(context), carrier=metadata(context))
         done = False
         try:
             yield pb.GenerateResponse(
@@ -108,8 +113,9 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     ) -> AsyncIterator[pb.SessionResponse]:
         sink = SessionSink()
         owner = principal(context)
+        carrier = metadata(context)
         reader = asyncio.get_running_loop().create_task(
-            self._read_session(request_iterator, sink, owner)
+            self._read_session(request_iterator, sink, owner, carrier)
         )
         try:
             while True:
@@ -129,14 +135,18 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     self.daemon.abort_tracked(tr, "session stream closed")
 
     async def _read_session(
-        self, request_iterator: AsyncIterator[pb.SessionRequest], sink: SessionSink, owner: str
+        self,
+        request_iterator: AsyncIterator[pb.SessionRequest],
+        sink: SessionSink,
+        owner: str,
+        carrier: dict[str, str],
     ) -> None:
         limit = self.daemon.config.max_session_requests
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
                 if kind == "submit":
-                    self._submit(msg.submit, sink, owner, limit)
+                    self._submit(msg.submit, sink, owner, limit, carrier)
                 elif kind == "abort":
                     tr = sink.open.get(msg.abort.request_id)
                     if tr is None:
@@ -162,13 +172,20 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             sink.event.set()
 
     def _submit(
-        self, submit: pb.SessionRequest.Submit, sink: SessionSink, owner: str, limit: int
+        self,
+        submit: pb.SessionRequest.Submit,
+        sink: SessionSink,
+        owner: str,
+        limit: int,
+        carrier: dict[str, str],
     ) -> None:
         tag = submit.client_tag
         try:
             if len(sink.open) >= limit:
                 raise_limit(limit)
-            tr = self.daemon.submit(submit.request, sink, owner=owner, client_tag=tag)
+            tr = self.daemon.submit(
+                submit.request, sink, owner=owner, client_tag=tag, carrier=carrier
+            )
         except KvschedError as exc:
             code, message = status_for(exc)
             sink.errors.append(
