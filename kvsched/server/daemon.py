@@ -15,8 +15,8 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -333,6 +333,7 @@ class Daemon:
 
 def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
     from kvsched.server.admin import AdminServicer
+    from kvsched.server.auth import AuthInterceptor, load_auth_file
     from kvsched.server.errors import ErrorInterceptor
     from kvsched.server.frontend import RequestServicer
     from kvsched.server.workers import worker_service_handler
@@ -347,7 +348,11 @@ def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
+    auth_file = config.auth_file
+    if auth_file:
+        interceptors.append(AuthInterceptor(load_auth_file(auth_file)))
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     request_service_pb2_grpc.add_RequestServiceServicer_to_server(RequestServicer(daemon), server)
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(daemon), server)
     server.add_generic_rpc_handlers((worker_service_handler(daemon),))
@@ -356,10 +361,24 @@ def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
     return server
 
 
+def bind(server: grpc.aio.Server, config: ServerConfig) -> int:
+    """Listen on config.listen, with TLS (and client certificates) when configured."""
+    if not config.tls_cert:
+        return server.add_insecure_port(config.listen)
+    from pathlib import Path
+
+    key, cert = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
+    ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    creds = grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+    return server.add_secure_port(config.listen, creds)
+
+
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int:
     daemon = Daemon(config)
     server = build_server(daemon, config)
-    port = server.add_insecure_port(config.listen)
+    port = bind(server, config)
     if port == 0:
         raise Unavailable(f"cannot listen on {config.listen}")
     await server.start()

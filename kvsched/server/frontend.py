@@ -16,6 +16,7 @@ import grpc
 
 from kvsched.core import KvschedError
 from kvsched.server import convert
+from kvsched.server.auth import current_principal
 from kvsched.server.daemon import Daemon, Tracked
 from kvsched.server.errors import status_for
 from kvsched.v1 import request_service_pb2 as pb
@@ -57,10 +58,7 @@ def metadata(context: Any) -> dict[str, str]:
 
 def principal(context: Any) -> str:
     """The authenticated caller, as set by the auth interceptor ('' without auth)."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "x-kvsched-principal":
-            return str(value)
-    return ""
+    return current_principal.get()
 
 
 class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
