@@ -46,7 +46,8 @@ def make_scheduler(**kw: Any) -> Scheduler:
     kw.setdefault("block_size", 16)
     kw.setdefault("num_gpu_blocks", 1000)
     kw.setdefault("max_model_len", 8192)
-    return Scheduler(make_config(**kw), instance_id=kw.get("instance_id", "i0"))
+    instance_id = kw.pop("instance_id", "i0")
+    return Scheduler(make_config(**kw), instance_id=instance_id)
 
 
 def make_request(

@@ -302,9 +302,8 @@ def test_sigterm_under_load_finishes_every_request_and_exits_zero() -> None:
 def _write_grace_config(grace: float) -> str:
     import tempfile
 
-    f = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
-    f.write(f"grace_period_s = {grace}\n")
-    f.close()
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(f"grace_period_s = {grace}\n")
     return f.name
 
 
