@@ -1,0 +1,200 @@
+"""The `kvsched` command: serve, worker, status, demo.
+
+Each subcommand imports what it runs only when chosen, so `kvsched --help` and `kvsched status`
+start fast and the daemon never imports the worker's model code. A configuration error is one line
+on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvsched.core.errors import ConfigError
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+# The repository checkout holds the package; the shared data sits next to the checkout.
+_REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TRACE = (_REPO / "../shared/data/traces/mooncake_conversation.jsonl").resolve()
+EXIT_CONFIG = 2
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_sleep = time.sleep  # a seam for tests of --watch
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the daemon", description="Run the kvsched daemon.")
+    p.add_argument("--config", metavar="FILE", help="TOML file (see examples/kvsched.toml)")
+    p.add_argument("--listen", metavar="HOST:PORT", help=f"gRPC address (default {DEFAULT_SERVER})")
+    p.add_argument(
+        "--metrics-listen", metavar="HOST:PORT", help='Prometheus address; "off" disables'
+    )
+    p.add_argument("--log-level", choices=LOG_LEVELS)
+    p.add_argument("--log-json", action="store_true", default=None, help="JSON lines logs")
+    p.add_argument("--auth-file", metavar="FILE", help="tokens and their permissions")
+    p.add_argument("--tls-cert", metavar="FILE", help="server certificate (PEM)")
+    p.add_argument("--tls-key", metavar="FILE", help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", metavar="FILE", help="require client certs from this CA")
+    p.add_argument(
+        "--tracing",
+        "--tracing-exporter",
+        dest="tracing_exporter",
+        choices=("none", "console", "otlp"),
+        help="OpenTelemetry exporter",
+    )
+    p.set_defaults(func=_serve)
+
+
+def _add_worker(sub: Any) -> None:
+    p = sub.add_parser("worker", help="run a reference GPU worker", description="Run a worker.")
+    p.add_argument("--server", default=DEFAULT_SERVER, metavar="HOST:PORT")
+    p.add_argument("--instance", default="i0", metavar="ID", help="instance id (default i0)")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--executor", choices=("sim", "model"), default="sim")
+    p.add_argument("--gpu", choices=("h100", "a100"), default="h100", help="sim cost model")
+    p.add_argument("--speed", type=float, default=1.0, help="sim: step time divided by this")
+    p.add_argument("--zero-cost", action="store_true", help="sim: steps take no time")
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the pool")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-slots", type=int, default=256, help="concurrent requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=("auto", "numpy", "paddle"), default="auto")
+    p.add_argument("--listen-kv", default="", metavar="HOST:PORT", help="accept KV pushes here")
+    p.add_argument("--token", default=os.environ.get("KVSCHED_TOKEN", ""), help="auth token")
+    p.add_argument("--tls-ca", default="", metavar="FILE", help="CA that signed the server")
+    p.add_argument("--tls-cert", default="", metavar="FILE", help="client certificate (mTLS)")
+    p.add_argument("--tls-key", default="", metavar="FILE", help="client key (mTLS)")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-json", action="store_true")
+    p.set_defaults(func=_worker)
+
+
+def _add_status(sub: Any) -> None:
+    p = sub.add_parser("status", help="show instances and queues", description="Daemon status.")
+    p.add_argument("--server", default=DEFAULT_SERVER, metavar="HOST:PORT")
+    p.add_argument("--instance", default="", metavar="ID", help="only this instance")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    p.add_argument("--token", default=os.environ.get("KVSCHED_TOKEN", ""), help="auth token")
+    p.add_argument("--tls-ca", default="", metavar="FILE", help="CA that signed the server")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+    p.set_defaults(func=_status)
+
+
+def _add_demo(sub: Any) -> None:
+    p = sub.add_parser("demo", help="daemon + sim worker replaying a trace", description="Demo.")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of the trace to replay")
+    p.add_argument("--gpu", choices=("h100", "a100"), default="h100")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, metavar="PATH")
+    p.set_defaults(func=_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvsched", description="Control-plane daemon for LLM inference."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_serve, _add_worker, _add_status, _add_demo):
+        add(sub)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvsched.server.config import load_config
+    from kvsched.server.logs import setup_logging
+
+    overrides = {
+        name: getattr(args, name)
+        for name in (
+            "listen",
+            "metrics_listen",
+            "log_level",
+            "log_json",
+            "auth_file",
+            "tls_cert",
+            "tls_key",
+            "tls_client_ca",
+            "tracing_exporter",
+        )
+    }
+    config = load_config(args.config, os.environ, overrides)
+    setup_logging(config.log_level, config.log_json)
+    from kvsched.server.daemon import run_server
+
+    return run_server(config)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from kvsched.server.logs import setup_logging
+
+    setup_logging(args.log_level, args.log_json)
+    from kvsched.worker_stub.client import run_worker
+
+    return run_worker(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    demo = importlib.import_module("kvsched.demo")  # written under the demo issue
+    return int(demo.run_demo(args))
+
+
+def _status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvsched.server.status_view import format_status
+    from kvsched.v1 import admin_service_pb2, admin_service_pb2_grpc
+
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            channel = grpc.secure_channel(args.server, grpc.ssl_channel_credentials(f.read()))
+    else:
+        channel = grpc.insecure_channel(args.server)
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
+    stub_class: Any = admin_service_pb2_grpc.AdminServiceStub  # generated code is untyped
+    stub = stub_class(channel)
+    request = admin_service_pb2.GetStatusRequest(instance_id=args.instance)
+    clear = "\x1b[H\x1b[2J" if args.watch is not None and sys.stdout.isatty() else ""
+    with channel:
+        while True:
+            try:
+                resp = stub.GetStatus(request, timeout=args.timeout, metadata=metadata)
+            except grpc.RpcError as exc:
+                code = exc.code().name if exc.code() else "UNKNOWN"
+                print(f"kvsched status: {args.server}: {code}: {exc.details()}", file=sys.stderr)
+                if args.watch is None:
+                    return 1
+            else:
+                print(clear + format_status(resp), flush=True)
+            if args.watch is None:
+                return 0
+            _sleep(max(args.watch, 0.1))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `kvsched ARGV`; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        result: int = args.func(args)
+    except ConfigError as exc:
+        print(f"kvsched {args.command}: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return 0 if args.command == "status" else 130  # Ctrl-C is how --watch ends
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,451 @@
+"""The daemon's configuration: one typed, validated object (STYLE rule 10).
+
+Sources, later wins:
+
+    TOML file (--config, or KVSCHED_CONFIG)  ->  KVSCHED_* environment  ->  command-line flags
+
+- TOML: top-level scalars (`listen = ...`), `[engine]` (`role`, `[engine.cache]`,
+  `[engine.scheduler]`, `[engine.speculative]`: the default engine of every instance) and
+  `[instances.<id>]` tables (`role`, `world_size`, and engine sections merged over the default
+  engine). `examples/kvsched.toml` documents every field with its default.
+- Environment: `KVSCHED_<FIELD>` for each top-level scalar (`KVSCHED_LISTEN`), and
+  `KVSCHED_ENGINE__<SECTION>__<FIELD>` for the default engine
+  (`KVSCHED_ENGINE__SCHEDULER__MAX_NUM_SEQS=64`, `KVSCHED_ENGINE__ROLE=prefill`). Values are parsed
+  by the field's type; booleans accept 1/0/true/false/yes/no/on/off. Other `KVSCHED_*` names are
+  ignored: workers and tools share the prefix (e.g. `KVSCHED_TRACE_DIR`).
+- Flags: `overrides` maps a field name (or `engine.<section>.<field>`) to its value; None means
+  the flag was not given.
+
+An instance table overrides the default engine, whatever source set the default: the more
+specific setting wins. Every error is a `ConfigError` whose message names the field, the allowed
+range and, for `load_config`, where the value came from.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+from kvsched.core.config import EngineConfig, Role
+from kvsched.core.errors import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "InstanceConfig",
+    "ServerConfig",
+    "load_config",
+    "split_host_port",
+]
+
+ENV_PREFIX = "KVSCHED_"
+MAX_WORLD_SIZE = 64
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+TRACING_EXPORTERS = ("none", "console", "otlp")
+_INT32_MAX = (1 << 31) - 1
+_ENGINE_SECTIONS = ("cache", "scheduler", "speculative")
+
+
+class FieldError(ConfigError):
+    """A `ConfigError` about one top-level field, so that `load_config` can say where it came from."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(message)
+        self.field_name = field_name
+
+
+@dataclass(slots=True)
+class InstanceConfig:
+    """One model instance: its role, its tensor-parallel width and its engine.
+
+    `role` is authoritative; `validate()` copies it into `engine.role`.
+    """
+
+    role: Role = Role.MIXED
+    world_size: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def validate(self, instance_id: str) -> InstanceConfig:
+        where = f"[instances.{instance_id}]"
+        if not instance_id:
+            raise ConfigError("[instances] an instance id must not be empty")
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise ConfigError(
+                f"{where} world_size = {self.world_size!r} is out of range [1, {MAX_WORLD_SIZE}]"
+            )
+        self.engine.role = self.role
+        _prefixed(where, self.engine.validate)
+        self.role = self.engine.role
+        return self
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Everything `kvsched serve` needs. Build it with `load_config`, or directly and `validate()`."""
+
+    listen: str = "127.0.0.1:50051"  # HOST:PORT or unix:PATH; port 0 picks a free port
+    metrics_listen: str = "127.0.0.1:9464"  # HOST:PORT; "" or "off" disables (normalized to "")
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_concurrent_streams: int = 10000
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+    grace_period_s: float = 30.0  # SIGTERM: let running requests finish this long, then abort
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    max_session_requests: int = 100000  # open requests per Session stream
+    stream_buffer: int = 1024  # outgoing messages queued per stream before it is back-pressured
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    instances: dict[str, InstanceConfig] = field(default_factory=dict)
+    auto_instances: bool = True  # a Hello with an unknown instance id creates it from `engine`
+    model: str = "default"
+    log_level: str = "info"
+    log_json: bool = False
+    tracing_exporter: str = "none"
+    otlp_endpoint: str = ""
+    otlp_headers: str = ""
+    service_name: str = "kvsched"
+    auth_file: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+
+    def validate(self) -> ServerConfig:
+        """Check every field; normalize `log_level`, `tracing_exporter`, `metrics_listen`."""
+        _check_address("listen", self.listen, allow_unix=True)
+        if self.metrics_listen.strip().lower() in ("", "off"):
+            self.metrics_listen = ""
+        else:
+            _check_address("metrics_listen", self.metrics_listen, allow_unix=False)
+        for name, (lo, hi) in _RANGES.items():
+            _check_range(name, getattr(self, name), lo, hi)
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise FieldError(
+                "heartbeat_timeout_s",
+                f"heartbeat_timeout_s = {self.heartbeat_timeout_s!r} must be greater than "
+                f"heartbeat_interval_s = {self.heartbeat_interval_s!r}",
+            )
+        self.log_level = _choice("log_level", self.log_level, LOG_LEVELS, {"warn": "warning"})
+        self.tracing_exporter = _choice(
+            "tracing_exporter", self.tracing_exporter, TRACING_EXPORTERS
+        )
+        for name in ("model", "service_name"):
+            if not getattr(self, name).strip():
+                raise FieldError(name, f"{name} must not be empty")
+        self._validate_files()
+        _prefixed("[engine]", self.engine.validate)
+        for instance_id, instance in self.instances.items():
+            instance.validate(instance_id)
+        return self
+
+    def _validate_files(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            given, missing = ("tls_cert", "tls_key") if self.tls_cert else ("tls_key", "tls_cert")
+            raise FieldError(missing, f"{given} is set but {missing} is not; TLS needs both")
+        if self.tls_client_ca and not self.tls_cert:
+            raise FieldError(
+                "tls_client_ca", "tls_client_ca (client certificates) needs tls_cert and tls_key"
+            )
+        for name in ("auth_file", "tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise FieldError(name, f"{name} = {path!r}: no such file")
+
+    def instance_for(self, instance_id: str, world_size: int = 1) -> InstanceConfig | None:
+        """The configuration of an instance a worker names in Hello.
+
+        A configured instance as given; otherwise, with `auto_instances`, a fresh one with a copy
+        of the default engine and `world_size` from the Hello; otherwise None (refuse it).
+        """
+        configured = self.instances.get(instance_id)
+        if configured is not None or not self.auto_instances:
+            return configured
+        engine = copy.deepcopy(self.engine)
+        return InstanceConfig(role=engine.role, world_size=world_size, engine=engine)
+
+
+_RANGES: dict[str, tuple[float, float]] = {
+    "max_message_bytes": (1024, _INT32_MAX),
+    "max_concurrent_streams": (1, _INT32_MAX),
+    "keepalive_time_s": (0.01, 86400.0),
+    "keepalive_timeout_s": (0.01, 3600.0),
+    "grace_period_s": (0.0, 86400.0),
+    "heartbeat_interval_s": (0.01, 3600.0),
+    "heartbeat_timeout_s": (0.01, 86400.0),
+    "max_session_requests": (1, _INT32_MAX),
+    "stream_buffer": (1, 1 << 24),
+}
+
+# Top-level fields set by a scalar: name -> type (from the defaults, so the two cannot disagree).
+_SCALARS: dict[str, type] = {
+    f.name: type(getattr(ServerConfig(), f.name))
+    for f in fields(ServerConfig)
+    if f.name not in ("engine", "instances")
+}
+
+
+# --- validation helpers ---------------------------------------------------------------------
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """('host', port) of 'host:port' or '[v6addr]:port'; `ValueError` if it is neither."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(value)
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(value)  # a bare IPv6 address is ambiguous: needs brackets
+    port = int(port_text)
+    if not host or port > 65535:
+        raise ValueError(value)
+    return host, port
+
+
+def _check_address(name: str, value: str, allow_unix: bool) -> None:
+    if allow_unix and value.startswith("unix:") and len(value) > len("unix:"):
+        return
+    try:
+        split_host_port(value)
+    except ValueError:
+        forms = "HOST:PORT or unix:PATH" if allow_unix else "HOST:PORT"
+        raise FieldError(
+            name, f"{name} = {value!r} must be {forms} (port 0-65535; IPv6 as [ADDR]:PORT)"
+        ) from None
+
+
+def _check_range(name: str, value: float, lo: float, hi: float) -> None:
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise FieldError(name, f"{name} = {value!r} is out of range [{_num(lo)}, {_num(hi)}]")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _choice(
+    name: str, value: str, allowed: tuple[str, ...], aliases: dict[str, str] | None = None
+) -> str:
+    norm = value.strip().lower()
+    norm = (aliases or {}).get(norm, norm)
+    if norm not in allowed:
+        raise FieldError(name, f"{name} = {value!r}; expected one of {list(allowed)}")
+    return norm
+
+
+def _prefixed(where: str, validate: Any) -> Any:
+    """Run an engine validation, putting `where` in front of any error it raises."""
+    try:
+        return validate()
+    except ConfigError as exc:
+        raise ConfigError(f"{where} {exc}") from None
+
+
+def _unknown(key: str, where: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"{where}unknown key {key!r}{hint} (known: {', '.join(sorted(known))})")
+
+
+# --- parsing ----------------------------------------------------------------------------------
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _parse_text(label: str, text: str, kind: type) -> Any:
+    """A string from the environment or a flag, converted to `kind`."""
+    value = text.strip()
+    if kind is bool:
+        if value.lower() in _TRUE:
+            return True
+        if value.lower() in _FALSE:
+            return False
+        raise ConfigError(f"{label}: {text!r} is not a boolean (1/0/true/false/yes/no)")
+    if kind is int:
+        try:
+            return int(value, 10)
+        except ValueError:
+            raise ConfigError(f"{label}: {text!r} is not an integer") from None
+    if kind is float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise ConfigError(f"{label}: {text!r} is not a number") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{label}: {text!r} is not a finite number")
+        return number
+    return text
+
+
+def _check_type(label: str, value: Any, kind: type) -> Any:
+    """A value from TOML or a flag, checked against `kind` (an int is a fine float)."""
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise ConfigError(
+            f"{label} = {value!r} has type {type(value).__name__}; expected {kind.__name__}"
+        )
+    return value
+
+
+def _engine_kind(path: list[str]) -> type | None:
+    """The type of engine field `path` (e.g. ['scheduler', 'max_num_seqs']), None if unknown."""
+    if path == ["role"]:
+        return str
+    if len(path) != 2 or path[0] not in _ENGINE_SECTIONS:
+        return None
+    section = getattr(EngineConfig(), path[0])
+    if path[1] not in {f.name for f in fields(section)}:
+        return None
+    default = getattr(section, path[1])
+    return str if isinstance(default, Enum) else type(default)
+
+
+def _set_path(table: dict[str, Any], path: list[str], value: Any, label: str) -> None:
+    for key in path[:-1]:
+        table = table.setdefault(key, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{label}: engine.{key} is not a table")
+    table[path[-1]] = value
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+class _Layers:
+    """The raw values of every source, merged in order, and where each top-level value came from."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+        self.sources: dict[str, str] = {}
+        self.engine: dict[str, Any] = {}
+        self.instances: dict[str, Any] = {}
+
+    def set_scalar(self, name: str, value: Any, source: str) -> None:
+        self.values[name] = value
+        self.sources[name] = source
+
+    def read_toml(self, path: str) -> None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r}: no such file") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path!r}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path!r}: invalid TOML: {exc}") from None
+        for key, value in data.items():
+            if key in ("engine", "instances"):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{key} in {path!r} must be a table ([{key}])")
+                setattr(self, key, value)
+            elif key in _SCALARS:
+                self.set_scalar(key, _check_type(key, value, _SCALARS[key]), path)
+            else:
+                raise _unknown(key, f"{path}: ", [*_SCALARS, "engine", "instances"])
+
+    def read_env(self, env: Mapping[str, str]) -> None:
+        for name, text in env.items():
+            if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+                continue
+            rest = name[len(ENV_PREFIX) :].lower()
+            if rest.startswith("engine__"):
+                self.set_engine(rest.split("__")[1:], text, name)
+            elif rest in _SCALARS:
+                self.set_scalar(rest, _parse_text(name, text, _SCALARS[rest]), name)
+
+    def set_engine(self, path: list[str], value: Any, label: str) -> None:
+        kind = _engine_kind(path)
+        dotted = "engine." + ".".join(path)
+        if kind is None:
+            raise ConfigError(
+                f"{label}: unknown field {dotted}; expected engine.role or "
+                f"engine.<{'|'.join(_ENGINE_SECTIONS)}>.<field> (see examples/kvsched.toml)"
+            )
+        parsed = (
+            _parse_text(label, value, kind)
+            if isinstance(value, str)
+            else _check_type(label, value, kind)
+        )
+        _set_path(self.engine, path, parsed, label)
+
+    def read_overrides(self, overrides: Mapping[str, Any]) -> None:
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            label = "--" + key.replace("_", "-")
+            if key.startswith("engine."):
+                self.set_engine(key.split(".")[1:], value, label)
+            elif key in _SCALARS:
+                kind = _SCALARS[key]
+                parsed = (
+                    _parse_text(label, value, kind)
+                    if isinstance(value, str)
+                    else _check_type(label, value, kind)
+                )
+                self.set_scalar(key, parsed, label)
+            else:
+                raise _unknown(key, "override: ", list(_SCALARS))
+
+    def build(self) -> ServerConfig:
+        engine = _prefixed("[engine]", lambda: EngineConfig.from_dict(copy.deepcopy(self.engine)))
+        instances = {iid: self._instance(iid, table) for iid, table in self.instances.items()}
+        config = ServerConfig(**self.values, engine=engine, instances=instances)
+        try:
+            return config.validate()
+        except FieldError as exc:
+            source = self.sources.get(exc.field_name)
+            if source is None:
+                raise
+            raise FieldError(exc.field_name, f"{exc} (from {source})") from None
+
+    def _instance(self, instance_id: str, table: Any) -> InstanceConfig:
+        where = f"[instances.{instance_id}]"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where} must be a table, not {table!r}")
+        known = ["role", "world_size", *_ENGINE_SECTIONS]
+        for key in table:
+            if key not in known:
+                raise _unknown(key, f"{where} ", known)
+        world_size = _check_type(f"{where} world_size", table.get("world_size", 1), int)
+        overrides = {k: v for k, v in table.items() if k != "world_size"}
+        merged = _merge(self.engine, overrides)
+        engine = _prefixed(where, lambda: EngineConfig.from_dict(merged))
+        return InstanceConfig(role=engine.role, world_size=world_size, engine=engine).validate(
+            instance_id
+        )
+
+
+def load_config(
+    path: str | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ServerConfig:
+    """The validated configuration from a TOML file, then `env`, then `overrides` (later wins).
+
+    `path` None falls back to `env["KVSCHED_CONFIG"]`, then to no file. `env` None means no
+    environment (pass `os.environ` explicitly). Raises `ConfigError` naming the field.
+    """
+    env = {} if env is None else env
+    layers = _Layers()
+    path = path or env.get(ENV_PREFIX + "CONFIG") or None
+    if path is not None:
+        layers.read_toml(path)
+    layers.read_env(env)
+    layers.read_overrides(overrides or {})
+    return layers.build()

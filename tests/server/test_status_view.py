@@ -1,0 +1,81 @@
+"""format_status: a hand-built GetStatusResponse as a terminal table."""
+
+from __future__ import annotations
+
+from kvsched.server.status_view import format_status
+from kvsched.v1 import admin_service_pb2, common_pb2
+
+
+def make_response() -> admin_service_pb2.GetStatusResponse:
+    return admin_service_pb2.GetStatusResponse(
+        draining=False,
+        paused=True,
+        num_waiting=3,
+        num_running=12,
+        instances=[
+            admin_service_pb2.InstanceStatus(
+                instance_id="i0",
+                role=common_pb2.INSTANCE_ROLE_MIXED,
+                ready=True,
+                paused=True,
+                num_ranks_connected=2,
+                world_size=2,
+                model="m",
+                num_slots_used=12,
+                num_slots=256,
+                num_gpu_blocks=4096,
+                num_free_blocks=2560,
+                kv_cache_usage=0.375,
+                num_waiting=3,
+                num_running=12,
+                num_steps=1000,
+                steps_per_s=41.26,
+                prefix_cache_query_tokens=1000,
+                prefix_cache_hit_tokens=620,
+                num_preemptions=5,
+            ),
+            admin_service_pb2.InstanceStatus(
+                instance_id="decode-long-name",
+                role=common_pb2.INSTANCE_ROLE_DECODE,
+                ready=False,
+                num_ranks_connected=1,
+                world_size=4,
+            ),
+        ],
+    )
+
+
+def test_table_has_one_row_per_instance_and_a_daemon_line() -> None:
+    lines = format_status(make_response()).splitlines()
+    assert len(lines) == 4
+    header, i0, d0, daemon = lines
+    assert header.split()[:5] == ["instance", "role", "state", "ranks", "slots"]
+    assert i0.split() == [
+        "i0", "mixed", "paused", "2/2", "12/256", "37.5%", "2560", "3", "12", "41.3", "62.0%", "5",
+    ]  # fmt: skip
+    # No prefix lookups yet: '-' rather than a division by zero.
+    assert d0.split() == [
+        "decode-long-name", "decode", "starting", "1/4", "0/0", "0.0%", "0", "0", "0", "0.0", "-", "0",
+    ]  # fmt: skip
+    assert daemon == "daemon: paused; waiting 3, running 12; 2 instances (1 ready)"
+
+
+def test_columns_are_aligned() -> None:
+    header, i0, d0, _ = format_status(make_response()).splitlines()
+    # Left-aligned columns start at the same offset; right-aligned ones end at the same offset.
+    assert header.index("role") == i0.index("mixed") == d0.index(" decode ") + 1
+    end = header.index("preempt") + len("preempt")
+    assert len(header) == len(i0) == len(d0) == end
+
+
+def test_empty_daemon() -> None:
+    text = format_status(admin_service_pb2.GetStatusResponse(draining=True))
+    assert "no worker has connected" in text
+    assert text.splitlines()[-1] == "daemon: draining; waiting 0, running 0; 0 instances (0 ready)"
+
+
+def test_unknown_role_value_is_shown_as_number() -> None:
+    resp = admin_service_pb2.GetStatusResponse(
+        instances=[admin_service_pb2.InstanceStatus(instance_id="x", role=9, ready=True)]
+    )
+    assert format_status(resp).splitlines()[1].split()[:3] == ["x", "9", "ready"]
