@@ -78,6 +78,7 @@ async def generate(
     stub: request_service_pb2_grpc.RequestServiceStub,
     msg: rpb.GenerateRequest,
     metadata: tuple[tuple[str, str], ...] = (),
+    queued: asyncio.Event | None = None,
 ) -> Outcome:
     out = Outcome()
     try:
@@ -85,6 +86,8 @@ async def generate(
             kind = r.WhichOneof("kind")
             if kind == "queued":
                 out.req_id, out.instance = r.queued.request_id, r.queued.instance
+                if queued is not None:
+                    queued.set()
             elif kind == "tokens":
                 out.tokens.extend(r.tokens.token_ids)
             else:
