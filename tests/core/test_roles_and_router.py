@@ -89,8 +89,20 @@ def test_router_prefers_cached_prefix_then_load() -> None:
 
 
 def test_core_imports_no_io_framework_or_clock() -> None:
-    banned = {"grpc", "google", "opentelemetry", "asyncio", "threading", "time", "datetime",
-              "concurrent", "socket", "prometheus_client", "multiprocessing", "random"}
+    banned = {
+        "grpc",
+        "google",
+        "opentelemetry",
+        "asyncio",
+        "threading",
+        "time",
+        "datetime",
+        "concurrent",
+        "socket",
+        "prometheus_client",
+        "multiprocessing",
+        "random",
+    }
     root = pathlib.Path(kvsched.core.__file__).parent
     offenders = []
     for path in root.glob("*.py"):
