@@ -98,6 +98,7 @@ class ServerConfig:
     grace_period_s: float = 30.0  # SIGTERM: let running requests finish this long, then abort
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
+    requeue_timeout_s: float = 30.0  # a lost instance's request waits this long for another
     max_session_requests: int = 100000  # open requests per Session stream
     stream_buffer: int = 1024  # outgoing messages queued per stream before it is back-pressured
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -177,6 +178,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "grace_period_s": (0.0, 86400.0),
     "heartbeat_interval_s": (0.01, 3600.0),
     "heartbeat_timeout_s": (0.01, 86400.0),
+    "requeue_timeout_s": (0.0, 86400.0),
     "max_session_requests": (1, _INT32_MAX),
     "stream_buffer": (1, 1 << 24),
 }

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from kvsched.core import (
     FinishReason,
     InvalidRequest,
+    KvschedError,
     ProtocolError,
     Request,
     RequestNotFound,
@@ -34,6 +35,7 @@ from kvsched.core import (
     Router,
     Unavailable,
 )
+from kvsched.core.request import FINISHED_STATUS
 from kvsched.server import convert
 from kvsched.server.engine import InstanceEngine, RankConn
 from kvsched.server.telemetry import make_telemetry
@@ -92,6 +94,8 @@ class Daemon:
         self.telemetry = make_telemetry(config, self)
         self.health = HealthServicer()
         self.all_done = asyncio.Event()
+        self.orphans: list[tuple[Tracked, float, str]] = []  # lost instance, deadline, why
+        self.num_requeued = 0
         for iid, icfg in config.instances.items():
             self.engines[iid] = InstanceEngine(self, iid, icfg.engine, icfg.world_size)
 
@@ -145,7 +149,9 @@ class Daemon:
         return msg.SerializeToString()
 
     def on_instance_ready(self, eng: InstanceEngine) -> None:
-        """Tell every worker where the KV receivers are (prefill workers push to them)."""
+        """Place requests waiting for an instance; tell every worker where the KV receivers
+        are (prefill workers push to them)."""
+        self._place_orphans()
         peers = [p for e in self.engines.values() for p in e.peers()]
         if not peers:
             return
@@ -255,12 +261,11 @@ class Daemon:
     ) -> None:
         self._cancel_reservation(tr)
         sched = tr.engine.sched
-        if sched is not None:
-            try:
-                sched.abort(tr.req.req_id, reason, message)
-            except RequestNotFound:
-                return
-            tr.engine.wake()
+        if sched is None or sched.requests.get(tr.req.req_id) is not tr.req:
+            self._fail(tr, message, reason)  # orphaned: waiting for an instance
+            return
+        sched.abort(tr.req.req_id, reason, message)
+        tr.engine.wake()
 
     def on_handed_off(self, p: InstanceEngine, req: Request) -> None:
         tr = req.tag
@@ -268,12 +273,12 @@ class Daemon:
             return
         d, tr.decode_engine = tr.decode_engine, None
         if d is None or d.sched is None:
-            self._fail_handoff(tr, "decode instance lost before hand-off")
+            self._fail(tr, "decode instance lost before hand-off")
             return
         try:
             dreq = d.sched.add_prefilled(req.req_id, req.output_token_ids, req.num_cached_tokens)
         except RequestNotFound:
-            self._fail_handoff(tr, "decode reservation gone before hand-off")
+            self._fail(tr, "decode reservation gone before hand-off")
             return
         dreq.tag = tr
         dreq.arrival_time, dreq.first_token_time = req.arrival_time, req.first_token_time
@@ -281,13 +286,6 @@ class Daemon:
         dreq.num_cached_tokens = req.num_cached_tokens
         tr.req, tr.engine = dreq, d
         d.wake()
-
-    def _fail_handoff(self, tr: Tracked, message: str) -> None:
-        req = tr.req
-        req.status = req.status.FINISHED_ERROR
-        req.finish_reason, req.finish_message = FinishReason.ERROR, message
-        req.finished_time = time.monotonic()
-        self.on_finished(tr.engine, req)
 
     def on_finished(self, eng: InstanceEngine, req: Request) -> None:
         tr = req.tag
@@ -303,6 +301,92 @@ class Daemon:
         tr.sink.notify(tr)
         if not self.tracked:
             self.all_done.set()
+
+    # ---- lost instances -----------------------------------------------------------------------
+    def requeue_lost(self, old: Request, reason: str) -> None:
+        """A live request of a lost instance: keep the tokens it streamed and recompute it on
+        another instance (or the same one once it reconnects), within requeue_timeout_s."""
+        tr = old.tag
+        if not isinstance(tr, Tracked) or tr.req is not old:
+            return  # a decode reservation: its prefill side fails the hand-off
+        if tr.decode_engine is not None or tr.engine.role != Role.MIXED:
+            self._fail(tr, f"{reason}; disaggregated requests are not moved")
+            return
+        new = Request(
+            old.req_id,
+            old.prompt_token_ids,
+            old.sampling,
+            old.priority,
+            old.arrival_time,
+            old.lora_name,
+            old.cache_salt,
+            old.mm_ranges,
+        )
+        new.output_token_ids = list(old.output_token_ids)
+        new.num_cached_tokens = old.num_cached_tokens
+        new.num_preemptions = old.num_preemptions
+        new.first_scheduled_time, new.first_token_time = (
+            old.first_scheduled_time,
+            old.first_token_time,
+        )
+        new.tag = tr
+        tr.req = new
+        self.num_requeued += 1
+        self.orphans.append((tr, time.monotonic() + self.config.requeue_timeout_s, reason))
+        self._place_orphans()
+
+    def _place_orphans(self) -> None:
+        """Route requests whose instance was lost; fail those past their deadline."""
+        now, keep = time.monotonic(), []
+        for tr, deadline, reason in self.orphans:
+            if self.tracked.get(tr.req.req_id) is not tr:
+                continue  # aborted meanwhile
+            ready = [e for e in self.engines.values() if e.accepting and e.role == Role.MIXED]
+            if ready:
+                eng = ready[self.router.pick([e.sched for e in ready], tr.req)]  # type: ignore[misc]
+                assert eng.sched is not None
+                try:
+                    eng.sched.add_request(tr.req)
+                except KvschedError as exc:
+                    self._fail(tr, f"{reason}; cannot move to {eng.instance_id}: {exc}")
+                    continue
+                tr.engine = eng
+                eng.wake()
+            elif now >= deadline:
+                self._fail(
+                    tr,
+                    f"unavailable: {reason}; no instance could take the request within "
+                    f"{self.config.requeue_timeout_s:g} s",
+                )
+            else:
+                keep.append((tr, deadline, reason))
+        self.orphans = keep
+
+    def _fail(self, tr: Tracked, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
+        """End a request no scheduler holds (orphaned, hand-off failed)."""
+        req = tr.req
+        req.status = FINISHED_STATUS[reason]
+        req.finish_reason, req.finish_message = reason, message
+        req.finished_time = time.monotonic()
+        self.on_finished(tr.engine, req)
+
+    async def watch(self) -> None:
+        """Take out instances whose workers went silent; expire orphaned requests."""
+        cfg = self.config
+        while True:
+            await asyncio.sleep(min(cfg.heartbeat_interval_s, 1.0))
+            now = time.monotonic()
+            for eng in list(self.engines.values()):
+                silent = [
+                    c for c in eng.ranks.values() if now - c.last_seen > cfg.heartbeat_timeout_s
+                ]
+                if silent:
+                    eng.take_out(
+                        f"rank {silent[0].rank} silent for more than {cfg.heartbeat_timeout_s:g} s",
+                        ProtocolError("heartbeat timeout: no message within heartbeat_timeout_s"),
+                    )
+            if self.orphans:
+                self._place_orphans()
 
     # ---- admin ------------------------------------------------------------------------------
     def select(self, instance_id: str) -> list[InstanceEngine]:
@@ -391,9 +475,11 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
         loop.add_signal_handler(sig, stop.set)
     if ready is not None:
         ready.set()
+    watcher = loop.create_task(daemon.watch(), name="watch")
     await stop.wait()
     log.info("signal received: draining")
     await daemon.drain(config.grace_period_s)
+    watcher.cancel()
     await server.stop(grace=1.0)
     daemon.telemetry.shutdown()
     log.info("stopped")

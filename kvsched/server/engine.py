@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvsched.core import EngineConfig, FinishReason, ProtocolError, Role, Scheduler
+from kvsched.core import EngineConfig, ProtocolError, Role, Scheduler
 from kvsched.core.protocol import StepReport
 from kvsched.server import convert
 
@@ -133,9 +133,11 @@ class InstanceEngine:
         if sched is None:
             return
         log.warning("instance %s taken out: %s", self.instance_id, reason)
-        for req_id in list(sched.requests):
-            sched.abort(req_id, FinishReason.ERROR, f"instance {self.instance_id} lost: {reason}")
+        # Deliver what the scheduler already produced, then move its live requests elsewhere:
+        # none of this instance's blocks is used again until its workers register anew.
         self.dispatch(sched.take_events())
+        for req in list(sched.requests.values()):
+            self.daemon.requeue_lost(req, f"instance {self.instance_id} lost: {reason}")
 
     def detach(self, conn: RankConn, reason: str) -> None:
         if self.ranks.get(conn.rank) is conn:
