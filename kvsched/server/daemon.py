@@ -134,12 +134,13 @@ class Daemon:
         eng.attach(conn, max(1, hello.world_size))
         return eng, conn
 
-    def welcome(self, eng: InstanceEngine) -> bytes:
+    def welcome(self, eng: InstanceEngine, conn: RankConn) -> bytes:
         cfg = eng.engine_config
         msg = worker_service_pb2.ConnectResponse(
             welcome=worker_service_pb2.Welcome(
                 protocol_version=convert.PROTOCOL_VERSION,
                 instance_id=eng.instance_id,
+                block_size=conn.block_size,
                 num_speculative_tokens=cfg.speculative.num_speculative_tokens,
                 max_model_len=cfg.scheduler.max_model_len,
                 role=convert.role_to_proto(eng.role),

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvsched.core import EngineConfig, ProtocolError, Role, Scheduler
+from kvsched.core import EngineConfig, ProtocolError, Role, Scheduler, Unavailable
 from kvsched.core.protocol import StepReport
 from kvsched.server import convert
 
@@ -127,7 +127,7 @@ class InstanceEngine:
         for conn in self.ranks.values():
             if not conn.closed:
                 conn.closed = True
-                conn.queue.put_nowait(error if error is not None else None)
+                conn.queue.put_nowait(error if error is not None else Unavailable(reason))
         self.ranks.clear()
         self.reports.clear()
         if sched is None:

@@ -74,7 +74,7 @@ class WorkerServicer:
         reader = asyncio.get_running_loop().create_task(self._read(it, eng, conn))
         reason = "worker stream ended"
         try:
-            yield self.daemon.welcome(eng)
+            yield self.daemon.welcome(eng, conn)
             for peer_msg in self._peers_now(eng):
                 yield peer_msg
             while True:
@@ -83,8 +83,15 @@ class WorkerServicer:
                     reason = "instance taken out"
                     return
                 if isinstance(item, Exception):
+                    # A violation is final (FAILED_PRECONDITION); a lost peer rank or a silent
+                    # worker is not this worker's fault: UNAVAILABLE tells it to reconnect.
                     reason = str(item)
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(item))
+                    code = (
+                        grpc.StatusCode.FAILED_PRECONDITION
+                        if isinstance(item, ProtocolError)
+                        else grpc.StatusCode.UNAVAILABLE
+                    )
+                    await context.abort(code, f"instance {eng.instance_id} taken out: {item}")
                     return
                 yield item
         finally:

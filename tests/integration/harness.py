@@ -76,6 +76,19 @@ class Proc:
             f"{self.name}: no line matching {pattern!r}; output:\n" + self.output()
         )
 
+    def wait_after(self, line: str, pattern: str, timeout: float = 30.0) -> re.Match[str]:
+        """Wait for a line matching `pattern` that comes after the output line `line`."""
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = list(self.lines)
+            if line in lines:
+                for later in lines[lines.index(line) + 1 :]:
+                    if m := rx.search(later):
+                        return m
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name}: no {pattern!r} after {line!r}:\n" + self.output())
+
     def output(self) -> str:
         return "\n".join(self.lines[-80:])
 

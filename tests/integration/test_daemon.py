@@ -330,3 +330,29 @@ def test_reflection_lists_the_three_services(one_worker: str) -> None:
         "kvsched.v1.AdminService",
         "grpc.health.v1.Health",
     } <= services
+
+
+def test_tp2_instance_serves_and_both_ranks_see_identical_tasks() -> None:
+    daemon, address = start_daemon()
+    ranks = [
+        start_worker(address, "tp", "--world-size", "2", "--rank", str(r), "--zero-cost")
+        for r in (0, 1)
+    ]
+    try:
+        wait_ready(address, ["tp"])
+        specs = mixed_specs(60, seed=3)
+
+        async def go() -> list[Outcome]:
+            async with grpc.aio.insecure_channel(address) as ch:
+                stub = request_service_pb2_grpc.RequestServiceStub(ch)
+                return await asyncio.gather(*(generate(stub, s.message()) for s in specs))
+
+        check_outcomes(specs, run(go()))
+        st = wait_pool_free(address)
+        assert st.instances[0].num_ranks_connected == 2 and st.instances[0].world_size == 2
+    finally:
+        for r in ranks:
+            r.stop()
+        daemon.stop()
+    digests = [r.wait_for(r"(\d+) tasks messages, tasks digest (\w+)").groups() for r in ranks]
+    assert int(digests[0][0]) > 0 and digests[0] == digests[1], digests

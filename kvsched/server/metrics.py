@@ -1,0 +1,356 @@
+"""Prometheus metrics, named after vLLM's (`vllm:x` is `kvsched_x` here), labelled by `instance`
+and `model`, in a registry of their own per daemon.
+
+Nothing here runs per token, and no prometheus_client object sits on the hot path:
+
+- gauges and the scheduler's own counters (requests running / waiting, KV usage, free blocks,
+  prefix-cache queries and hits, preemptions, prompt and generation tokens) are read from the
+  engines when /metrics is scraped;
+- the hooks bump plain ints and `Hist` buckets (a bisect and two adds), per request at first
+  token and at finish, per worker report, per schedule() call.
+
+Definitions that differ from a naive reading:
+
+- prompt tokens count when a request is first placed; generation tokens are the tokens the core
+  accepted (a worker's extra tokens past max_tokens, or about a previous slot occupant, are not).
+- `inter_token_latency_seconds`: per worker report, the time since the instance's previous
+  report, observed once per decode token the report delivered (first tokens excluded: they are
+  TTFT). That is the gap a streaming client sees between two tokens of a request, weighted per
+  token as vLLM's per-token histogram, at O(1) per report.
+- `time_per_output_token_seconds`: per finished request, (finish - first token) / (outputs - 1).
+- Latency histograms (e2e, queue, time per output token) take requests that ended STOP or
+  LENGTH; aborted and failed requests only count in `request_success_total{finished_reason}`.
+  TTFT is observed when the first token arrives.
+- Counters survive a worker reconnect (a new scheduler per instance): the old scheduler's final
+  totals are folded into a per-instance base, so they never go backwards.
+
+The HTTP endpoint runs on the daemon's event loop (asyncio.start_server): no thread reads core
+state while the engine loop changes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from bisect import bisect_left
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.utils import floatToGoString
+
+from kvsched.core import FinishReason
+from kvsched.server.config import split_host_port
+
+log = logging.getLogger("kvsched.metrics")
+
+# vLLM's buckets, extended downwards: a control plane over fast workers steps in microseconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                   40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
+                0.1, 0.25, 1.0)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+# Scheduler counters read at scrape time, in this order (see _Totals).
+_COUNTERS = (
+    ("prefix_cache_queries", "Prefix cache queries, in tokens (prompt + output at placement)."),
+    ("prefix_cache_hits", "Prefix cache hits, in tokens."),
+    ("num_preemptions", "Requests preempted (recompute)."),
+    ("prompt_tokens", "Prompt tokens of requests placed on a worker."),
+    ("generation_tokens", "Output tokens accepted from workers."),
+)
+
+
+def _sched_counts(sched: Any) -> tuple[int, ...]:
+    kv, st = sched.kv, sched.stats
+    return (
+        kv.num_queries,
+        kv.num_hits,
+        st.num_preemptions,
+        st.num_prompt_tokens,
+        st.num_generation_tokens,
+    )
+
+
+class Hist:
+    """A histogram as plain numbers: bucket i counts values in (bounds[i-1], bounds[i]]; the
+    last bucket is +Inf. `observe` takes a weight, so one call can stand for many tokens."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, weight: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += weight
+        self.sum += value * weight
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        total = 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += n
+            out.append((floatToGoString(bound), total))  # type: ignore[no-untyped-call]
+        return out
+
+
+# attribute of InstanceMetrics -> (metric name without the kvsched_ prefix, help text)
+_HISTS = {
+    "ttft": ("time_to_first_token_seconds", "Time from arrival to the first output token."),
+    "itl": (
+        "inter_token_latency_seconds",
+        "Time between consecutive output tokens of a request (per worker report, per token).",
+    ),
+    "tpot": (
+        "time_per_output_token_seconds",
+        "Per request: (finish - first token) / (output tokens - 1).",
+    ),
+    "e2e": ("e2e_request_latency_seconds", "Arrival to finish, requests ending STOP or LENGTH."),
+    "queue": ("request_queue_time_seconds", "Arrival to first placement on a worker."),
+    "step": ("scheduler_step_seconds", "Duration of one schedule() call."),
+    "batch": ("batch_size", "Requests run in one worker step (per report)."),
+}
+
+
+class InstanceMetrics:
+    """One instance's hook-fed numbers and the scheduler its counters are read from."""
+
+    __slots__ = (
+        "base",
+        "batch",
+        "e2e",
+        "finished",
+        "itl",
+        "last_gen",
+        "last_report",
+        "pending_first",
+        "queue",
+        "sched",
+        "step",
+        "tpot",
+        "ttft",
+    )
+
+    def __init__(self) -> None:
+        self.ttft = Hist(TTFT_BUCKETS)
+        self.itl = Hist(ITL_BUCKETS)
+        self.tpot = Hist(ITL_BUCKETS)
+        self.e2e = Hist(LATENCY_BUCKETS)
+        self.queue = Hist(LATENCY_BUCKETS)
+        self.step = Hist(STEP_BUCKETS)
+        self.batch = Hist(BATCH_BUCKETS)
+        self.finished: dict[str, int] = {}  # finish reason -> requests
+        self.sched: Any = None  # the scheduler whose counters are live
+        self.base = [0] * len(_COUNTERS)  # totals of this instance's previous schedulers
+        self.last_gen = 0  # sched.stats.num_generation_tokens at the last report
+        self.last_report = 0.0  # monotonic time of the last report (0: none yet)
+        self.pending_first = 0  # first tokens among the tokens of the report being applied
+
+    def follow(self, sched: Any) -> None:
+        """Track `sched` from now on; fold the previous scheduler's final totals into base."""
+        if sched is None or sched is self.sched:
+            return
+        if self.sched is not None:
+            self.base = [a + b for a, b in zip(self.base, _sched_counts(self.sched), strict=True)]
+        self.sched = sched
+        self.last_gen = sched.stats.num_generation_tokens
+        self.last_report = 0.0
+        self.pending_first = 0
+
+    def totals(self) -> list[int]:
+        if self.sched is None:
+            return list(self.base)
+        return [a + b for a, b in zip(self.base, _sched_counts(self.sched), strict=True)]
+
+
+class Metrics:
+    """The daemon's metrics: hooks called by `Observability`, scraped through `registry`."""
+
+    def __init__(self, daemon: Any, model: str) -> None:
+        self.daemon = daemon
+        self.model = model
+        self.instances: dict[str, InstanceMetrics] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self._server: asyncio.AbstractServer | None = None
+
+    def instance(self, instance_id: str) -> InstanceMetrics:
+        m = self.instances.get(instance_id)
+        if m is None:
+            m = self.instances[instance_id] = InstanceMetrics()
+        return m
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def lifecycle(self, engine: Any, events: Any) -> None:
+        first = events.first_token
+        if not first:
+            return
+        m = self.instance(engine.instance_id)
+        m.pending_first += len(first)
+        for req in first:
+            m.ttft.observe(max(0.0, req.first_token_time - req.arrival_time))
+
+    def report_applied(self, engine: Any, report: Any) -> None:
+        m = self.instance(engine.instance_id)
+        sched = engine.sched
+        if sched is None:
+            return
+        if sched is not m.sched:
+            m.follow(sched)
+        now = time.monotonic()
+        gen = sched.stats.num_generation_tokens
+        decode = gen - m.last_gen - m.pending_first
+        m.last_gen, m.pending_first = gen, 0
+        if decode > 0 and m.last_report > 0.0:
+            m.itl.observe(now - m.last_report, decode)
+        m.last_report = now
+        m.batch.observe(len(report.handles))
+
+    def request_finished(self, tr: Any) -> None:
+        req = tr.req
+        m = self.instance(tr.engine.instance_id)
+        reason = req.finish_reason
+        name = reason.name.lower()
+        m.finished[name] = m.finished.get(name, 0) + 1
+        if reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            return
+        t0, end = req.arrival_time, req.finished_time
+        m.e2e.observe(max(0.0, end - t0))
+        if req.first_scheduled_time >= 0:
+            m.queue.observe(max(0.0, req.first_scheduled_time - t0))
+        n = len(req.output_token_ids)
+        if n > 1 and req.first_token_time >= 0:
+            m.tpot.observe(max(0.0, end - req.first_token_time) / (n - 1))
+
+    def scheduler_step(self, instance_id: str, seconds: float) -> None:
+        m = self.instance(instance_id)
+        m.step.observe(seconds)
+        eng = self.daemon.engines.get(instance_id)
+        if eng is not None and eng.sched is not m.sched:
+            m.follow(eng.sched)  # catches every scheduler before it counts anything
+
+    # ---- HTTP -------------------------------------------------------------------------------
+    async def start_server(self, listen: str) -> int:
+        """Serve /metrics on `listen` (HOST:PORT, port 0 picks one) on the running loop;
+        returns the bound port."""
+        host, port = split_host_port(listen)
+        self._server = await asyncio.start_server(self._handle, host, port)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10.0)
+            status, ctype, body = self._respond(head.decode("latin-1"))
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            )
+            if not head.startswith(b"HEAD "):
+                writer.write(body)
+            await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+            pass  # a client that hung up or sent garbage: nothing to answer
+        finally:
+            writer.close()
+
+    def _respond(self, head: str) -> tuple[str, str, bytes]:
+        lines = head.split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3:
+            return "400 Bad Request", "text/plain", b"bad request line\n"
+        method, target = parts[0], parts[1].split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            return "405 Method Not Allowed", "text/plain", b"GET /metrics\n"
+        if target not in ("/metrics", "/"):
+            return "404 Not Found", "text/plain", b"kvsched serves /metrics\n"
+        accept = ""
+        for line in lines[1:]:
+            key, _, value = line.partition(":")
+            if key.strip().lower() == "accept":
+                accept = value.strip()
+        encoder, ctype = choose_encoder(accept)
+        return "200 OK", ctype, encoder(self.registry)
+
+
+class _Collector:
+    """Builds every kvsched_* family at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        mx = self.metrics
+        model = mx.model
+        labels = ["instance", "model"]
+        gauges = {
+            "running": GaugeMetricFamily(
+                "kvsched_num_requests_running", "Requests placed on a worker slot.", labels=labels
+            ),
+            "waiting": GaugeMetricFamily(
+                "kvsched_num_requests_waiting", "Requests in the waiting queue.", labels=labels
+            ),
+            "usage": GaugeMetricFamily(
+                "kvsched_kv_cache_usage_perc",
+                "Fraction of KV blocks in use (0-1; free cached blocks count as free).",
+                labels=labels,
+            ),
+            "free": GaugeMetricFamily(
+                "kvsched_num_free_blocks", "KV blocks free (cached or empty).", labels=labels
+            ),
+        }
+        counters = [
+            CounterMetricFamily(f"kvsched_{name}", doc, labels=labels) for name, doc in _COUNTERS
+        ]
+        for iid, eng in list(mx.daemon.engines.items()):
+            sched = eng.sched
+            if sched is None:
+                continue
+            mx.instance(iid).follow(sched)
+            lv = [iid, model]
+            gauges["running"].add_metric(lv, sched.num_running)
+            gauges["waiting"].add_metric(lv, sched.num_waiting)
+            gauges["usage"].add_metric(lv, sched.kv.usage)
+            gauges["free"].add_metric(lv, sched.kv.num_free_blocks)
+        success = CounterMetricFamily(
+            "kvsched_request_success",
+            "Finished requests by reason (stop, length, abort, error).",
+            labels=[*labels, "finished_reason"],
+        )
+        hists = {
+            attr: HistogramMetricFamily(f"kvsched_{name}", doc, labels=labels)
+            for attr, (name, doc) in _HISTS.items()
+        }
+        for iid, m in list(mx.instances.items()):
+            lv = [iid, model]
+            for family, value in zip(counters, m.totals(), strict=True):
+                family.add_metric(lv, value)
+            for reason, n in list(m.finished.items()):
+                success.add_metric([*lv, reason], n)
+            for attr, hist_family in hists.items():
+                h: Hist = getattr(m, attr)
+                hist_family.add_metric(lv, h.cumulative(), h.sum)
+        yield from gauges.values()
+        yield from counters
+        yield success
+        yield from hists.values()
