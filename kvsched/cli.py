@@ -1,4 +1,4 @@
-"""The `kvsched` command: serve, worker, status, demo.
+"""The `kvsched` command: serve, worker, status, demo, replay.
 
 Each subcommand imports what it runs only when chosen, so `kvsched --help` and `kvsched status`
 start fast and the daemon never imports the worker's model code. A configuration error is one line
@@ -8,7 +8,6 @@ on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
@@ -99,6 +98,12 @@ def _add_demo(sub: Any) -> None:
     p.add_argument("--duration", type=float, default=60.0, help="seconds of the trace to replay")
     p.add_argument("--gpu", choices=("h100", "a100"), default="h100")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, metavar="PATH")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=2.5,
+        help="simulate this much faster than real time (figures stay in simulated seconds)",
+    )
     p.set_defaults(func=_demo)
 
 
@@ -107,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvsched", description="Control-plane daemon for LLM inference."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_serve, _add_worker, _add_status, _add_demo):
+    for add in (_add_serve, _add_worker, _add_status, _add_demo, _add_replay):
         add(sub)
     return parser
 
@@ -147,8 +152,27 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    demo = importlib.import_module("kvsched.demo")  # written under the demo issue
-    return int(demo.run_demo(args))
+    from kvsched.demo import run_demo
+
+    return run_demo(args)
+
+
+def _add_replay(sub: Any) -> None:
+    from kvsched.replay.main import add_replay_arguments
+
+    p = sub.add_parser(
+        "replay",
+        help="replay a request trace against a daemon",
+        description="Replay a trace (Mooncake .jsonl, Azure .csv) through the public API.",
+    )
+    add_replay_arguments(p)
+    p.set_defaults(func=_replay)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from kvsched.replay.main import run_replay
+
+    return run_replay(args)
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -1,0 +1,142 @@
+"""Start a daemon and simulated workers as child processes, the way a user would run them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._cond:
+            while True:
+                for line in self.lines[seen:]:
+                    if m := rx.search(line):
+                        return m
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.popen.poll() is not None and seen == len(self.lines)):
+                    tail = "\n".join(self.lines[-30:])
+                    raise RuntimeError(f"{self.name}: no line matching {pattern!r}:\n{tail}")
+                self._cond.wait(min(left, 0.5))
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                return self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        return self.popen.wait(5)
+
+
+def spawn(name: str, *args: str) -> Child:
+    env = dict(os.environ)
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "kvsched.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    child = Child(name, popen)
+    threading.Thread(target=child.pump, daemon=True).start()
+    return child
+
+
+@dataclass
+class Cluster:
+    """A daemon and its simulated workers, started together and stopped together."""
+
+    daemon: Child
+    address: str
+    workers: list[Child]
+
+    def stop(self) -> dict[str, float]:
+        """Stop workers then the daemon; return each worker's idle_frac_control_plane."""
+        idle: dict[str, float] = {}
+        for w in self.workers:
+            w.stop()
+            for line in reversed(w.lines):
+                if m := re.search(r"idle_frac_control_plane ([0-9.]+)", line):
+                    idle[w.name] = float(m.group(1))
+                    break
+        self.daemon.stop()
+        return idle
+
+
+def start_cluster(
+    num_workers: int,
+    *,
+    gpu: str = "h100",
+    speed: float = 1.0,
+    num_blocks: int = 5120,
+    block_size: int = 64,
+    num_slots: int = 256,
+    serve_args: tuple[str, ...] = (),
+) -> Cluster:
+    daemon = spawn(
+        "daemon",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "off",
+        "--log-level",
+        "warning",
+        *serve_args,
+    )
+    address = daemon.wait_for(r"kvsched listening on (\S+:\d+)").group(1)
+    workers = [
+        spawn(
+            f"w{i}",
+            "worker",
+            "--server",
+            address,
+            "--instance",
+            f"w{i}",
+            "--executor",
+            "sim",
+            "--gpu",
+            gpu,
+            "--speed",
+            str(speed),
+            "--num-blocks",
+            str(num_blocks),
+            "--block-size",
+            str(block_size),
+            "--num-slots",
+            str(num_slots),
+        )
+        for i in range(num_workers)
+    ]
+    for w in workers:
+        w.wait_for(r"welcomed")
+    return Cluster(daemon, address, workers)

@@ -1,0 +1,136 @@
+"""`kvsched replay` and `kvsched demo`: load a trace, replay it, print and save the summary."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvsched.replay.launch import start_cluster
+from kvsched.replay.runner import ReplayResult, replay
+from kvsched.replay.summary import summarize
+from kvsched.traces import load_trace
+
+H100_BLOCKS = 5120  # Llama-3-8B KV: 64-token blocks of 8 MiB in 40 GiB (shared/data/README.md)
+BLOCK_SIZE = 64
+
+
+def add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", type=Path, required=True, help="Mooncake .jsonl or Azure .csv")
+    p.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
+    p.add_argument("--duration", type=float, default=None, help="seconds of the trace")
+    p.add_argument("--requests", type=int, default=None, help="first N requests")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="run this much faster than real time (pair with the workers' --speed)",
+    )
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="summary JSON path")
+    p.add_argument("--slo-ttft", type=float, default=5.0, help="goodput TTFT SLO, seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput TPOT SLO, seconds")
+    p.add_argument(
+        "--embedded", action="store_true", help="start a daemon and simulated workers for this run"
+    )
+    p.add_argument("--gpu", choices=("h100", "a100"), default="h100")
+    p.add_argument("--workers", type=int, default=1, help="embedded: simulated instances")
+    p.add_argument("--num-blocks", type=int, default=H100_BLOCKS, help="embedded: KV blocks each")
+    p.add_argument("--token", default="", help="bearer token (client role)")
+    p.add_argument("--tls-ca", default="", metavar="FILE")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    requests = load_trace(args.trace, duration_s=args.duration, max_requests=args.requests)
+    if not requests:
+        print(f"kvsched replay: no requests in {args.trace} for that duration", file=sys.stderr)
+        return 2
+    cluster = None
+    address = args.server
+    if args.embedded:
+        cluster = start_cluster(
+            args.workers,
+            gpu=args.gpu,
+            speed=args.time_scale,
+            num_blocks=args.num_blocks,
+            block_size=BLOCK_SIZE,
+        )
+        address = cluster.address
+    metadata = [("authorization", f"Bearer {args.token}")] if args.token else []
+    creds = None
+    if args.tls_ca:
+        import grpc
+
+        creds = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes())
+    try:
+        result = asyncio.run(
+            replay(
+                address,
+                requests,
+                rate_scale=args.rate_scale,
+                time_scale=args.time_scale,
+                progress=not args.no_progress,
+                metadata=metadata,
+                credentials=creds,
+            )
+        )
+    finally:
+        idle = cluster.stop() if cluster else {}
+    result.block_size = BLOCK_SIZE if args.embedded else result.block_size
+    summary = make_summary(result, args, idle)
+    print(format_table(summary))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+        from kvsched.replay.plots import write_plots
+
+        plots = write_plots(result, args.json.with_suffix(""))
+        print(f"wrote {args.json}" + "".join(f", {p}" for p in plots))
+    return 0 if summary["completed"] == summary["requests"] else 1
+
+
+def make_summary(
+    result: ReplayResult, args: argparse.Namespace, idle: dict[str, float]
+) -> dict[str, Any]:
+    return summarize(
+        result.records,
+        num_gpu_blocks=result.num_gpu_blocks,
+        block_size=result.block_size,
+        preemptions=result.preemptions,
+        slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot,
+        trace=str(args.trace),
+        instances=result.instances,
+        worker_idle_frac_control_plane=max(idle.values()) if idle else None,
+        time_scale=args.time_scale,
+        rate_scale=args.rate_scale,
+    )
+
+
+def format_table(s: dict[str, Any]) -> str:
+    def ms(d: dict[str, Any], k: str) -> str:
+        v = d.get(k)
+        return "-" if v is None else f"{1000 * v:,.0f} ms"
+
+    idle = s.get("worker_idle_frac_control_plane")
+    rows = [
+        ("requests (completed)", f"{s['requests']} ({s['completed']})"),
+        ("output tokens/s", f"{s['output_tokens_per_s']:,.0f}"),
+        ("TTFT p50 / p99", f"{ms(s['ttft_s'], 'p50')} / {ms(s['ttft_s'], 'p99')}"),
+        ("TPOT p50 / p99", f"{ms(s['tpot_s'], 'p50')} / {ms(s['tpot_s'], 'p99')}"),
+        ("prefix-cache hit", f"{100 * s['prefix_hit_rate']:.1f} %"),
+        ("preemptions", f"{s['preemptions']}"),
+        (
+            "goodput",
+            f"{s['goodput_rps']:.2f} req/s (TTFT <= {s['slo_ttft_s']} s, "
+            f"TPOT <= {s['slo_tpot_s']} s)",
+        ),
+        ("worker idle on control plane", "-" if idle is None else f"{100 * idle:.2f} %"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 36)
+    return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])

@@ -1,0 +1,216 @@
+"""Replay trace requests against a daemon over one Session stream, at their arrival times.
+
+Wall times are divided by `time_scale` (pair it with the sim worker's `--speed`), so every
+measured latency is multiplied back by it: figures are in simulated GPU seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvsched.replay.summary import RequestRecord
+from kvsched.traces import TraceRequest
+from kvsched.v1 import admin_service_pb2 as apb
+from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
+from kvsched.v1 import request_service_pb2 as rpb
+
+REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+@dataclass
+class Sample:
+    t_s: float
+    running: int
+    waiting: int
+    kv_usage: float
+    tokens_per_s: float
+
+
+@dataclass
+class ReplayResult:
+    records: list[RequestRecord]
+    timeline: list[Sample] = field(default_factory=list)
+    preemptions: int = 0
+    num_gpu_blocks: int = 0
+    block_size: int = 0
+    instances: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _Run:
+    def __init__(self, requests: Sequence[TraceRequest], rate_scale: float, time_scale: float):
+        self.requests = requests
+        self.speedup = rate_scale * time_scale  # arrival offsets are divided by this
+        self.time_scale = time_scale
+        self.t0 = 0.0
+        self.records = {
+            f"trace-{i}": RequestRecord(
+                f"trace-{i}",
+                r.arrival_s / rate_scale,
+                len(r.prompt_token_ids),
+                r.max_tokens,
+            )
+            for i, r in enumerate(requests)
+        }
+        self.done = 0
+        self.tokens = 0
+        self.num_progress = 0
+        self.finished = asyncio.Event()
+
+    def now(self) -> float:
+        """Seconds since the start, in trace (simulated GPU) time."""
+        return (time.monotonic() - self.t0) * self.time_scale
+
+    async def submissions(self) -> Any:
+        for i, r in enumerate(self.requests):
+            delay = self.t0 + r.arrival_s / self.speedup - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            yield rpb.SessionRequest(
+                submit=rpb.SessionRequest.Submit(
+                    client_tag=f"trace-{i}",
+                    request=rpb.GenerateRequest(
+                        request_id=f"trace-{i}",
+                        prompt_token_ids=r.prompt_token_ids,
+                        sampling=common_pb2.SamplingParams(
+                            max_tokens=r.max_tokens, ignore_eos=True
+                        ),
+                    ),
+                )
+            )
+
+    def absorb(self, msg: rpb.SessionResponse) -> None:
+        now = self.now()
+        records = self.records
+        pos = 0
+        for rid, n in zip(msg.tokens.request_ids, msg.tokens.num_tokens, strict=True):
+            rec = records[rid]
+            if rec.first_token_s is None:
+                rec.first_token_s = now
+            rec.token_times_s.extend([now] * n)
+            pos += n
+        self.tokens += pos
+        for f in msg.finished:
+            rec = records[f.request_id]
+            rec.finish_s = now
+            rec.finish_reason = REASONS.get(f.reason, "error")
+            rec.num_cached_tokens = f.usage.cached_tokens
+            self._count_done()
+        for e in msg.errors:
+            rec = records.get(e.client_tag)
+            if rec is not None and not rec.finish_reason:
+                rec.finish_reason = "rejected"
+                self._count_done()
+
+    def _count_done(self) -> None:
+        self.done += 1
+        if self.done == len(self.records):
+            self.finished.set()
+
+
+async def replay(
+    address: str,
+    requests: Sequence[TraceRequest],
+    *,
+    rate_scale: float = 1.0,
+    time_scale: float = 1.0,
+    progress: bool = True,
+    metadata: Sequence[tuple[str, str]] = (),
+    credentials: grpc.ChannelCredentials | None = None,
+    sample_every_s: float = 1.0,
+) -> ReplayResult:
+    run = _Run(requests, rate_scale, time_scale)
+    options = [
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+    ]
+    channel = (
+        grpc.aio.secure_channel(address, credentials, options=options)
+        if credentials
+        else grpc.aio.insecure_channel(address, options=options)
+    )
+    async with channel:
+        admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+        before = await admin.GetStatus(apb.GetStatusRequest(), metadata=metadata)
+        stub = request_service_pb2_grpc.RequestServiceStub(channel)
+        run.t0 = time.monotonic()
+        result = ReplayResult(list(run.records.values()))
+        sampler = asyncio.ensure_future(
+            _sample(admin, metadata, run, result, sample_every_s, progress)
+        )
+        try:
+            async for msg in stub.Session(run.submissions(), metadata=metadata):
+                run.absorb(msg)
+                if run.finished.is_set():
+                    break
+        finally:
+            sampler.cancel()
+        after = await admin.GetStatus(apb.GetStatusRequest(), metadata=metadata)
+    if progress:
+        _progress(run, after, final=True)
+    prev = {i.instance_id: i.num_preemptions for i in before.instances}
+    result.preemptions = sum(
+        i.num_preemptions - prev.get(i.instance_id, 0) for i in after.instances
+    )
+    result.instances = [
+        {"instance": i.instance_id, "num_gpu_blocks": i.num_gpu_blocks}
+        for i in after.instances
+        if i.ready
+    ]
+    ready = [i for i in after.instances if i.ready]
+    result.num_gpu_blocks = ready[0].num_gpu_blocks if ready else 0
+    return result
+
+
+async def _sample(
+    admin: Any,
+    metadata: Sequence[tuple[str, str]],
+    run: _Run,
+    result: ReplayResult,
+    every_s: float,
+    progress: bool,
+) -> None:
+    last_tokens, last_t = 0, run.now()
+    while True:
+        await asyncio.sleep(every_s / run.time_scale)
+        try:
+            st = await admin.GetStatus(apb.GetStatusRequest(), metadata=metadata, timeout=5)
+        except grpc.aio.AioRpcError:
+            continue
+        now = run.now()
+        ready = [i for i in st.instances if i.ready]
+        usage = sum(i.kv_cache_usage for i in ready) / len(ready) if ready else 0.0
+        rate = (run.tokens - last_tokens) / (now - last_t) if now > last_t else 0.0
+        last_tokens, last_t = run.tokens, now
+        result.timeline.append(Sample(now, st.num_running, st.num_waiting, usage, rate))
+        if progress:
+            _progress(run, st)
+
+
+def _progress(run: _Run, st: Any, final: bool = False) -> None:
+    """A progress bar on a terminal; a line every 10 samples (and the last) elsewhere."""
+    tty = sys.stderr.isatty()
+    run.num_progress += 1
+    if not (tty or final or run.num_progress % 10 == 0):
+        return
+    total = len(run.records)
+    width = 30
+    filled = int(width * run.done / total) if total else width
+    bar = "#" * filled + "." * (width - filled)
+    line = (
+        f"[{bar}] {run.done}/{total} done  {st.num_running} running  {st.num_waiting} waiting"
+        f"  {run.tokens} tokens  t={run.now():.0f}s"
+    )
+    sys.stderr.write(("\r" + line + ("\n" if final else "")) if tty else line + "\n")
+    sys.stderr.flush()
