@@ -5,6 +5,7 @@ One H100 is about 3x overloaded by this trace (shared/data/README.md), so the ba
 ~5 minutes of simulated time to clear. The demo therefore runs the simulation `--time-scale`
 times faster than real time (arrivals compressed and the worker's --speed raised by the same
 factor): every figure it prints is in simulated H100 seconds, as if run in real time.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def run_demo(args: argparse.Namespace) -> int:
     print(
         f"kvsched demo: replaying {args.duration:g} s of {trace.name} at its real arrival times "
         f"on one simulated {args.gpu.upper()} worker (daemon and worker are child processes), "
-        f"simulated {args.time_scale:g}x faster than real time; figures are in simulated seconds"
+        f"simulated {args.time_scale:g}x faster than real time; figures are in simulated seconds",
+        flush=True,
     )
     replay_args = argparse.Namespace(
         trace=trace,
@@ -30,7 +32,7 @@ def run_demo(args: argparse.Namespace) -> int:
         duration=args.duration,
         requests=None,
         rate_scale=1.0,
-        time_scale=1.0,
+        time_scale=args.time_scale,
         json=Path("bench/results/demo.json"),
         slo_ttft=5.0,
         slo_tpot=0.1,

@@ -118,7 +118,7 @@ def summarize(
     num_output = sum(r.num_output_tokens for r in done)
     num_prompt = sum(r.num_prompt_tokens for r in done)
     num_cached = sum(r.num_cached_tokens for r in done)
-    itl = [b - a for r in done for a, b in zip(r.token_times_s, r.token_times_s[1:])]
+    itl = [b - a for r in done for a, b in zip(r.token_times_s, r.token_times_s[1:], strict=False)]
     num_good = sum(1 for r in done if meets_slo(r, slo_ttft_s, slo_tpot_s))
     summary: dict[str, Any] = {
         "requests": len(records),
