@@ -332,6 +332,7 @@ class Daemon:
         )
         new.tag = tr
         tr.req = new
+        self.telemetry.request_moved(tr, reason)
         self.num_requeued += 1
         self.orphans.append((tr, time.monotonic() + self.config.requeue_timeout_s, reason))
         self._place_orphans()
@@ -446,6 +447,15 @@ def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
     return server
 
 
+def _hostport(listen: str, port: int) -> str:
+    from kvsched.server.config import split_host_port
+
+    if listen.startswith("unix:"):
+        return listen
+    host = split_host_port(listen)[0]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def bind(server: grpc.aio.Server, config: ServerConfig) -> int:
     """Listen on config.listen, with TLS (and client certificates) when configured."""
     if not config.tls_cert:
@@ -466,10 +476,12 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
     port = bind(server, config)
     if port == 0:
         raise Unavailable(f"cannot listen on {config.listen}")
+    metrics_port = await daemon.telemetry.start_metrics_server()
     await server.start()
     await daemon.health.set("", health_pb2.HealthCheckResponse.SERVING)
-    host = config.listen.rsplit(":", 1)[0]
-    print(f"kvsched listening on {host}:{port}", flush=True)
+    print(f"kvsched listening on {_hostport(config.listen, port)}", flush=True)
+    if metrics_port is not None:
+        print(f"kvsched metrics on {_hostport(config.metrics_listen, metrics_port)}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

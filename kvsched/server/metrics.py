@@ -47,7 +47,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.utils import floatToGoString
 
-from kvsched.core import FinishReason
+from kvsched.core import FinishReason, Unavailable
 from kvsched.server.config import split_host_port
 
 log = logging.getLogger("kvsched.metrics")
@@ -248,10 +248,18 @@ class Metrics:
     # ---- HTTP -------------------------------------------------------------------------------
     async def start_server(self, listen: str) -> int:
         """Serve /metrics on `listen` (HOST:PORT, port 0 picks one) on the running loop;
-        returns the bound port."""
+        returns the bound port. Unavailable when the address cannot be bound."""
         host, port = split_host_port(listen)
-        self._server = await asyncio.start_server(self._handle, host, port)
-        return int(self._server.sockets[0].getsockname()[1])
+        try:
+            self._server = await asyncio.start_server(self._handle, host, port)
+        except OSError as exc:
+            raise Unavailable(
+                f"cannot serve metrics on {listen}: {exc.strerror or exc}; choose another "
+                "--metrics-listen address, or `off`"
+            ) from None
+        bound = int(self._server.sockets[0].getsockname()[1])
+        log.info("serving /metrics on %s:%d", host, bound)
+        return bound
 
     def close(self) -> None:
         if self._server is not None:

