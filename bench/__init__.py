@@ -1,0 +1,1 @@
+"""Benchmarks: programs that print a table and write their numbers under bench/results/."""

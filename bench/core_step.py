@@ -1,0 +1,226 @@
+"""CPU cost of one steady decode step of kvsched's scheduler: `schedule()` + `apply_report()`.
+
+The setup of ../shared/tools/vllm_step.py, so the two can be read side by side: R running
+requests (distinct random 1,024-token prompts, fully prefilled) and W waiting ones that can never
+be admitted (max_num_seqs = R), block size 64, 100,000 blocks, prefix caching on, max_tokens huge
+so nothing finishes and nothing is preempted. Each timed step is one schedule() and one
+apply_report() of a StepReport (plain lists, as the server's conversion builds it) giving every
+running handle one token. Building the report is not timed. gc stays enabled.
+
+    python -m bench.core_step [--steps N] [--quick] [--json PATH] [--vllm-json PATH]
+
+--vllm-json takes the file written by vllm_step.py --json and adds its p50 and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+from kvsched.core import (
+    CacheConfig,
+    EngineConfig,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    StepReport,
+    Tasks,
+)
+
+PROMPT_LEN, BLOCK_SIZE, NUM_BLOCKS = 1024, 64, 100_000
+MAX_TOKENS = 1 << 20
+TARGET_P50_US = 150.0  # at R=1024, W=10000
+TARGET_W_RATIO = 1.15  # p50 at W=10000 over p50 at W=0
+DEFAULT_JSON = Path(__file__).parent / "results" / "core_step.json"
+
+
+def build(running: int, waiting: int, seed: int) -> Scheduler:
+    config = EngineConfig(
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS),
+        scheduler=SchedulerConfig(
+            max_num_seqs=running,
+            max_num_batched_tokens=max(8192, running),
+            max_model_len=PROMPT_LEN + MAX_TOKENS,
+            max_waiting=running + waiting,
+        ),
+    )
+    s = Scheduler(config)
+    rng = random.Random(seed)
+    token_pool = list(range(1000, 120_000))  # shared int objects keep 11M prompt tokens small
+    for i in range(running + waiting):
+        prompt = rng.choices(token_pool, k=PROMPT_LEN)
+        s.add_request(Request(f"req-{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS)))
+    return s
+
+
+class FakeWorker:
+    """Runs Tasks as a worker would, at once: every chunk runs (the prompt's last one samples a
+    token), every other decoding request decodes one token."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.token = 0
+
+    def report(self, s: Scheduler, tasks: Tasks) -> StepReport:
+        self.step += 1
+        handles, computed, num_new, tokens = [], [], [], []
+        chunked = set()
+        for c in tasks.chunks:
+            end = c.start + len(c.token_ids)
+            sample = end >= s.live[c.handle].num_prefill_tokens
+            chunked.add(c.handle)
+            handles.append(c.handle)
+            computed.append(end)
+            num_new.append(1 if sample else 0)
+            if sample:
+                tokens.append(self._next_token())
+        for req in s.running.values():
+            if req.handle not in chunked and req.is_prefill_done:
+                assert req.num_tokens <= len(req.block_ids) * s.block_size, "decode out of room"
+                handles.append(req.handle)
+                computed.append(req.num_tokens)
+                num_new.append(1)
+                tokens.append(self._next_token())
+        acked = tasks.preempts + tasks.aborts
+        return StepReport(self.step, tasks.seq, handles, computed, num_new, tokens, acked=acked)
+
+    def _next_token(self) -> int:
+        self.token += 1
+        return 1000 + (self.token * 7919) % 119_000
+
+
+def warm_up(s: Scheduler, worker: FakeWorker, running: int, decode_steps: int = 3) -> None:
+    """Admit and prefill `running` requests, then decode a few steps."""
+    extra = 0
+    for _ in range(100_000):
+        s.apply_report(worker.report(s, s.schedule()))
+        if s.num_running == running and s.num_decoding == running:
+            extra += 1
+            if extra >= decode_steps:
+                return
+    raise RuntimeError("warm-up did not converge")
+
+
+def time_steps(running: int, waiting: int, steps: int) -> dict[str, object]:
+    s = build(running, waiting, seed=1234 + running * 7 + waiting)
+    worker = FakeWorker()
+    warm_up(s, worker, running)
+    gc.collect()
+    pc = time.perf_counter_ns
+    t_sched, t_report = [], []
+    gc_before = [st["collections"] for st in gc.get_stats()]
+    for _ in range(steps):
+        t0 = pc()
+        tasks = s.schedule()
+        t1 = pc()
+        report = worker.report(s, tasks)
+        t2 = pc()
+        s.apply_report(report)
+        t3 = pc()
+        t_sched.append(t1 - t0)
+        t_report.append(t3 - t2)
+    gc_after = [st["collections"] for st in gc.get_stats()]
+    assert s.num_running == running and s.num_waiting == waiting
+    assert s.stats.num_preemptions == 0
+    total = [a + b for a, b in zip(t_sched, t_report, strict=True)]
+    return {
+        "running": running,
+        "waiting": waiting,
+        "p50_us": pct(total, 50) / 1e3,
+        "p99_us": pct(total, 99) / 1e3,
+        "schedule_p50_us": pct(t_sched, 50) / 1e3,
+        "schedule_p99_us": pct(t_sched, 99) / 1e3,
+        "report_p50_us": pct(t_report, 50) / 1e3,
+        "report_p99_us": pct(t_report, 99) / 1e3,
+        "steps": steps,
+        "gc_collections_during_timing": [a - b for a, b in zip(gc_after, gc_before, strict=True)],
+        "python": platform.python_version(),
+    }
+
+
+def pct(xs: list[int], p: float) -> float:
+    """Percentile with linear interpolation (as vllm_step.py)."""
+    s = sorted(xs)
+    pos = (len(s) - 1) * p / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def check(rec: dict[str, object], by_key: dict[tuple[int, int], dict[str, object]]) -> str:
+    """The targets that apply to this record, and PASS / MISS."""
+    r, w, p50 = rec["running"], rec["waiting"], float(rec["p50_us"])  # type: ignore[arg-type]
+    goals: list[tuple[str, bool]] = []
+    if (r, w) == (1024, 10000):
+        goals.append((f"p50<={TARGET_P50_US:.0f}", p50 <= TARGET_P50_US))
+    base = by_key.get((r, 0))  # type: ignore[arg-type]
+    if w and base is not None:
+        ratio = p50 / float(base["p50_us"])  # type: ignore[arg-type]
+        goals.append((f"W0x{ratio:.2f}<={TARGET_W_RATIO}", ratio <= TARGET_W_RATIO))
+    if not goals:
+        return "-"
+    verdict = "PASS" if all(ok for _, ok in goals) else "MISS"
+    return f"{', '.join(g for g, _ in goals)} {verdict}"
+
+
+def load_vllm(path: str, variant: str) -> dict[tuple[int, int], float]:
+    """p50 (us) per (R, W) from vllm_step.py's JSON, averaged over reps."""
+    acc: dict[tuple[int, int], list[float]] = {}
+    for rec in json.loads(Path(path).read_text()):
+        if rec.get("variant", variant) == variant:
+            acc.setdefault((rec["running"], rec["waiting"]), []).append(rec["p50_us"])
+    return {k: sum(v) / len(v) for k, v in acc.items()}
+
+
+def print_table(records: list[dict[str, object]], vllm: dict[tuple[int, int], float]) -> None:
+    by_key = {(r["running"], r["waiting"]): r for r in records}
+    head = f"{'R':>5} {'W':>6} | {'p50':>7} {'p99':>7} | {'sched':>7} {'report':>7} |"
+    if vllm:
+        head += f" {'vLLM p50':>9} {'ratio':>6} |"
+    print(head + " target (us)")
+    print("-" * (len(head) + 30))
+    for rec in records:
+        line = (
+            f"{rec['running']:>5} {rec['waiting']:>6} | {rec['p50_us']:>7.1f} "
+            f"{rec['p99_us']:>7.1f} | {rec['schedule_p50_us']:>7.1f} "
+            f"{rec['report_p50_us']:>7.1f} |"
+        )
+        if vllm:
+            v = vllm.get((rec["running"], rec["waiting"]))  # type: ignore[arg-type]
+            ratio = f"{v / float(rec['p50_us']):>5.0f}x" if v else f"{'-':>6}"  # type: ignore[arg-type]
+            line += f" {v or float('nan'):>9.1f} {ratio} |"
+        print(line + " " + check(rec, by_key))  # type: ignore[arg-type]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--quick", action="store_true", help="50 steps (a smoke run)")
+    ap.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the records")
+    ap.add_argument("--vllm-json", help="vllm_step.py --json output, shown side by side")
+    ap.add_argument("--vllm-variant", default="sync", help="which vLLM variant to compare")
+    args = ap.parse_args()
+    steps = 50 if args.quick else args.steps
+
+    records = []
+    for running in (256, 1024):
+        for waiting in (0, 10000):
+            records.append(time_steps(running, waiting, steps))
+            gc.collect()
+    vllm = load_vllm(args.vllm_json, args.vllm_variant) if args.vllm_json else {}
+    print(f"kvsched core step: schedule() + apply_report(), {steps} steps, times in us")
+    print_table(records, vllm)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

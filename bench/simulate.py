@@ -1,0 +1,390 @@
+"""A deterministic discrete-event simulation of kvsched serving a trace, in virtual time.
+
+No sleeping, no gRPC: trace arrivals go through `kvsched.core.Router` to one `Scheduler` per
+instance, whose `Tasks` drive a real `WorkerEngine` over a `SimExecutor`; the cost model gives
+each step's duration and the virtual clock jumps from event to event. The asynchronous worker
+protocol of DESIGN section 4 is kept, so tasks planned after report n reach step n + 2:
+
+    worker   |---- step n ----|---- step n+1 ----|---- step n+2 ----|
+                              ^ report n          ^ boundary: applies every Tasks received
+    daemon                    apply_report(n), schedule() --Tasks (+ control_latency_s)--^
+
+At a step boundary the worker first starts its next step with what it holds, then the daemon
+sees the report; a worker with nothing runnable waits, and starts the moment Tasks arrive.
+A new arrival also wakes its instance's daemon loop (one schedule(), as the server does).
+
+The scheduler's CPU time is measured for real (perf_counter_ns around apply_report() and
+schedule()) while the virtual clock advances only by the cost model, so the results are
+reproducible and the CPU figures say what the daemon would spend per step.
+
+    result = simulate(trace_requests, KvschedCluster.factory(config, num_instances=3))
+    print(result.summary(slo_ttft_s=5, slo_tpot_s=0.1))
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from bench.summary import (
+    DEFAULT_SLO_TPOT_S,
+    DEFAULT_SLO_TTFT_S,
+    RequestRecord,
+    percentile,
+    summarize,
+)
+from kvsched.core import (
+    EngineConfig,
+    Events,
+    InvalidRequest,
+    Request,
+    Router,
+    SamplingParams,
+    Scheduler,
+    StepReport,
+    Tasks,
+)
+from kvsched.traces import TraceRequest
+from kvsched.worker_stub.costmodel import fit_for, step_time_s
+from kvsched.worker_stub.engine import WorkerEngine
+from kvsched.worker_stub.sim import SimExecutor
+
+VOCAB_SIZE = 32000  # the traces' token ids (kvsched.traces.load_trace default)
+EOS_TOKEN_ID = 2  # the sim never samples it unless asked (eos_every): outputs run to max_tokens
+
+
+class EventLoop:
+    """Virtual time: callbacks run in (time, insertion) order; `now` jumps between them."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = 0
+
+    def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        if t < self.now:
+            raise ValueError(f"event at {t} is in the past (now {self.now})")
+        heapq.heappush(self._heap, (t, self._seq, fn, args))
+        self._seq += 1
+
+    def run(self, until: float | None = None) -> None:
+        """Run events in order until none is left (or the next one is after `until`)."""
+        heap = self._heap
+        while heap and (until is None or heap[0][0] <= until):
+            t, _, fn, args = heapq.heappop(heap)
+            self.now = t
+            fn(*args)
+
+
+@dataclass(slots=True)
+class InstanceStats:
+    """One instance's worker and scheduler accounting."""
+
+    num_steps: int = 0
+    busy_s: float = 0.0  # virtual time spent in steps
+    idle_s: float = 0.0  # virtual time idle between its first and last step
+    # Idle while Tasks the daemon had already produced were on their way (control_latency_s):
+    # the worker had work, but waited on the control plane.
+    idle_control_plane_s: float = 0.0
+    num_preemptions: int = 0
+    sched_ns: list[int] = field(default_factory=list)  # real CPU per daemon step (wake)
+
+
+class Instance(Protocol):
+    stats: InstanceStats
+
+
+class Cluster(Protocol):
+    """N instances of one scheduler under test, and how a new request is routed to one."""
+
+    name: str
+    num_gpu_blocks: int  # per instance
+    block_size: int
+    router_ns: list[int]  # real CPU of each routing decision
+
+    @property
+    def instances(self) -> Sequence[Instance]: ...
+
+    def submit(self, tr: TraceRequest, rec: RequestRecord) -> None:
+        """A request arrives now: route it and queue it (or mark rec rejected)."""
+        ...
+
+
+ClusterFactory = Callable[[EventLoop], Cluster]
+
+
+def record_tokens(rec: RequestRecord, num_output_tokens: int, now: float) -> None:
+    """Stamp the tokens a request gained (its output count is now num_output_tokens)."""
+    if rec.first_token_s is None and num_output_tokens > 0:
+        rec.first_token_s = now
+    times = rec.token_times_s
+    times.extend([now] * (num_output_tokens - len(times)))
+
+
+# ==== kvsched =================================================================================
+class KvschedInstance:
+    """One instance: a Scheduler (the daemon's side) and a WorkerEngine + SimExecutor."""
+
+    def __init__(
+        self,
+        loop: EventLoop,
+        config: EngineConfig,
+        gpu: str,
+        control_latency_s: float,
+        index: int,
+        check: bool = False,
+    ) -> None:
+        self.loop = loop
+        self.sched = Scheduler(config, clock=lambda: loop.now, instance_id=f"sim-{index}")
+        cc, sc = config.cache, config.scheduler
+        executor = SimExecutor(gpu=gpu, vocab_size=VOCAB_SIZE, eos_token_id=EOS_TOKEN_ID)
+        self.worker = WorkerEngine(
+            executor,
+            cc.block_size,
+            sc.max_num_seqs,
+            EOS_TOKEN_ID,
+            sc.max_model_len,
+            num_speculative_tokens=config.speculative.num_speculative_tokens,
+        )
+        self.control_latency_s = control_latency_s
+        self.check = check
+        self.stats = InstanceStats()
+        self._inbox: list[Tasks] = []
+        self._busy = False
+        self._idle_since: float | None = None  # None: never ran yet
+
+    def add(self, req: Request) -> bool:
+        """Queue a new request and run one daemon step; False if the scheduler rejects it."""
+        try:
+            self.sched.add_request(req)
+        except InvalidRequest:
+            return False
+        self._daemon_step(None)
+        return True
+
+    # ---- daemon side ------------------------------------------------------------------------
+    def _daemon_step(self, report: StepReport | None) -> None:
+        """What the server's engine loop does on a wake: fold in the report, schedule once."""
+        sched, pc = self.sched, time.perf_counter_ns
+        t0 = pc()
+        events = sched.apply_report(report) if report is not None else None
+        t1 = pc()
+        if events is not None:
+            self._on_events(events)
+        t2 = pc()
+        tasks = sched.schedule()
+        t3 = pc()
+        self.stats.sched_ns.append(t1 - t0 + t3 - t2)
+        self._on_events(sched.take_events())
+        if self.check:
+            sched.check_integrity()
+        if not tasks.is_empty():
+            now = self.loop.now
+            self.loop.at(now + self.control_latency_s, self._deliver, tasks, now)
+
+    def _on_events(self, ev: Events) -> None:
+        now = self.loop.now
+        for req in ev.token_reqs:
+            record_tokens(req.tag, req.num_output_tokens, now)  # type: ignore[arg-type]
+        for req in ev.finished:
+            rec: RequestRecord = req.tag  # type: ignore[assignment]
+            record_tokens(rec, req.num_output_tokens, now)
+            rec.finish_s = now
+            rec.finish_reason = req.finish_reason.name.lower()
+            rec.num_cached_tokens = max(0, req.num_cached_tokens)
+            rec.num_preemptions = req.num_preemptions
+        self.stats.num_preemptions = self.sched.stats.num_preemptions
+
+    # ---- worker side ------------------------------------------------------------------------
+    def _deliver(self, tasks: Tasks, made_s: float) -> None:
+        self._inbox.append(tasks)
+        if not self._busy:
+            self._boundary(made_s)
+
+    def _boundary(self, made_s: float | None) -> None:
+        """A step boundary: apply every Tasks received, run one step if anything is runnable."""
+        for tasks in self._inbox:
+            self.worker.apply(tasks)
+        self._inbox.clear()
+        report = self.worker.step()
+        now = self.loop.now
+        if report is None:
+            self._busy = False
+            return
+        if self._idle_since is not None and now > self._idle_since:
+            self.stats.idle_s += now - self._idle_since
+            if made_s is not None:
+                self.stats.idle_control_plane_s += now - max(self._idle_since, made_s)
+        self._busy = True
+        dt = report.step_time_ns / 1e9
+        self.stats.busy_s += dt
+        self.loop.at(now + dt, self._step_end, report)
+
+    def _step_end(self, report: StepReport) -> None:
+        self.stats.num_steps += 1
+        self._busy = False
+        self._idle_since = self.loop.now
+        self._boundary(None)  # the worker goes on at once with what it holds ...
+        self._daemon_step(report)  # ... and the daemon's answer lands a step later
+
+
+class KvschedCluster:
+    """kvsched's core on N instances behind `kvsched.core.Router`."""
+
+    def __init__(
+        self,
+        loop: EventLoop,
+        config: EngineConfig,
+        num_instances: int = 1,
+        gpu: str = "h100",
+        control_latency_s: float = 0.0,
+        name: str = "kvsched",
+        check: bool = False,
+    ) -> None:
+        config = copy.deepcopy(config).validate()
+        self.name = name
+        self.loop = loop
+        self.num_gpu_blocks = config.cache.num_gpu_blocks
+        self.block_size = config.cache.block_size
+        self.router = Router()
+        self.instances = [
+            KvschedInstance(loop, copy.deepcopy(config), gpu, control_latency_s, i, check)
+            for i in range(num_instances)
+        ]
+        self._scheds = [inst.sched for inst in self.instances]
+        self.router_ns: list[int] = []
+
+    @classmethod
+    def factory(cls, config: EngineConfig, **kw: Any) -> ClusterFactory:
+        return lambda loop: cls(loop, config, **kw)
+
+    def submit(self, tr: TraceRequest, rec: RequestRecord) -> None:
+        req = Request(
+            rec.req_id,
+            tr.prompt_token_ids,
+            SamplingParams(max_tokens=tr.max_tokens),
+            arrival_time=self.loop.now,
+        )
+        req.tag = rec
+        t0 = time.perf_counter_ns()
+        index = self.router.pick(self._scheds, req) if len(self._scheds) > 1 else 0
+        self.router_ns.append(time.perf_counter_ns() - t0)
+        rec.instance = index
+        if not self.instances[index].add(req):
+            rec.finish_reason = "rejected"
+
+
+# ==== the run =================================================================================
+@dataclass
+class SimResult:
+    name: str
+    records: list[RequestRecord]
+    instances: list[InstanceStats]
+    num_gpu_blocks: int
+    block_size: int
+    router_ns: list[int]
+    wall_s: float  # real time the simulation took
+
+    @property
+    def num_steps(self) -> int:
+        return sum(s.num_steps for s in self.instances)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.instances)
+
+    def summary(
+        self, slo_ttft_s: float = DEFAULT_SLO_TTFT_S, slo_tpot_s: float = DEFAULT_SLO_TPOT_S
+    ) -> dict[str, Any]:
+        """`bench.summary.summarize` plus the simulator's own fields."""
+        out = summarize(
+            self.records,
+            num_gpu_blocks=self.num_gpu_blocks,
+            block_size=self.block_size,
+            preemptions=self.num_preemptions,
+            slo_ttft_s=slo_ttft_s,
+            slo_tpot_s=slo_tpot_s,
+        )
+        span = out["duration_s"] * len(self.instances)
+        ns = sorted(x for s in self.instances for x in s.sched_ns)
+        steps = self.num_steps
+        out.update(
+            name=self.name,
+            instances=len(self.instances),
+            steps=steps,
+            worker_busy_frac=sum(s.busy_s for s in self.instances) / span if span else 0.0,
+            worker_idle_s=sum(s.idle_s for s in self.instances),
+            worker_idle_frac_control_plane=(
+                sum(s.idle_control_plane_s for s in self.instances) / span if span else 0.0
+            ),
+            rejected=sum(1 for r in self.records if r.finish_reason == "rejected"),
+            # Real CPU of the scheduler: mean per worker step (every call, arrivals' included,
+            # over steps) and the distribution over calls (one report + one schedule each).
+            scheduler_cpu_us_per_step={
+                "mean": sum(ns) / steps / 1e3 if steps else None,
+                "p50": _pct_us(ns, 50),
+                "p99": _pct_us(ns, 99),
+            },
+            scheduler_calls=len(ns),
+            router_us_per_request=(
+                sum(self.router_ns) / len(self.router_ns) / 1e3 if self.router_ns else None
+            ),
+            sim_wall_s=self.wall_s,
+        )
+        return out
+
+
+def _pct_us(sorted_ns: list[int], p: float) -> float | None:
+    return percentile(sorted_ns, p) / 1e3 if sorted_ns else None
+
+
+def simulate(
+    requests: Sequence[TraceRequest],
+    make_cluster: ClusterFactory,
+    rate_scale: float = 1.0,
+    until_s: float | None = None,
+) -> SimResult:
+    """Serve `requests` (arrivals divided by rate_scale) until every one has finished, or until
+    virtual time `until_s` (then the unfinished ones stay unfinished)."""
+    if rate_scale <= 0:
+        raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
+    loop = EventLoop()
+    cluster = make_cluster(loop)
+    records = [
+        RequestRecord(f"r{i}", tr.arrival_s / rate_scale, len(tr.prompt_token_ids), tr.max_tokens)
+        for i, tr in enumerate(requests)
+    ]
+    for tr, rec in zip(requests, records, strict=True):
+        loop.at(rec.arrival_s, cluster.submit, tr, rec)
+    t0 = time.perf_counter()
+    loop.run(until=until_s)
+    return SimResult(
+        name=cluster.name,
+        records=records,
+        instances=[inst.stats for inst in cluster.instances],
+        num_gpu_blocks=cluster.num_gpu_blocks,
+        block_size=cluster.block_size,
+        router_ns=cluster.router_ns,
+        wall_s=time.perf_counter() - t0,
+    )
+
+
+def offered_work_s(requests: Sequence[TraceRequest], gpu: str = "h100", chunk: int = 8192) -> float:
+    """GPU-seconds of work in `requests` by the cost model, with no prefix hits: every prompt
+    prefilled alone in `chunk`-token chunks, every decode token at its weight share plus its
+    attention over the context (perfect batching: the step floor is not charged). Divided by
+    (instances x span) it estimates utilisation."""
+    fit = fit_for(gpu)
+    work_ms = 0.0
+    for tr in requests:
+        n = len(tr.prompt_token_ids)
+        for start in range(0, n, chunk):
+            work_ms += 1e3 * step_time_s(gpu, [(min(chunk, n - start), start)], [])
+        # decode i (1..max_tokens-1) attends over n + i positions
+        m = tr.max_tokens - 1
+        work_ms += m * fit.per_token_ms + fit.per_ctx_ms * (m * n + m * (m + 1) / 2)
+    return work_ms / 1e3
