@@ -7,13 +7,16 @@ Each configuration serves the trace in `bench.simulate` (virtual time, the async
 protocol, the H100 cost model) on N instances behind kvsched's Router. Per instance: Llama-3-8B
 with ~40 GiB of KV = 5,120 blocks of 64 tokens, 256 slots, 8,192 tokens per step.
 
-    default             kvsched's defaults (no admission reserve, LIFO recompute)
+    default             kvsched's defaults (a prompt is admitted only when all of it fits beside
+                        the prompts already admitted; no admission reserve; LIFO recompute)
+    chunk-admission     default, but admitting a prompt when its first chunk fits (as the seed
+                        and vLLM before scheduler_reserve_full_isl do)
     seed                FastDeploy's heuristics (resource_manager_v1): admission reserve of 16
                         blocks per running request, decaying 0.025 per scheduled step down to 0
                         (FastDeploy's FD_RESERVE_*_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_
                         PREFILL env defaults 16 / 0.025 / 0), decode prealloc 2 blocks at <= 12
                         free slots (enc_dec_block_num / prealloc_dec_block_slot_num_threshold),
-                        LIFO recompute
+                        LIFO recompute, chunk admission
     no-prefix-cache     default without prefix caching
     no-chunked-prefill  default admitting whole prompts only (budget = max_model_len, as
                         the config requires, so a step may carry a 126k-token prompt)
@@ -71,7 +74,14 @@ def seed_config() -> EngineConfig:
     cfg.cache.reserve_min = 0
     cfg.cache.prealloc_blocks = 2
     cfg.cache.prealloc_threshold = 12
+    cfg.scheduler.admit_full_prompt = False  # the seed admits when the first chunk fits
     return cfg  # victims: LIFO recompute, kvsched's only policy under fcfs
+
+
+def chunk_admission_config() -> EngineConfig:
+    cfg = base_config()
+    cfg.scheduler.admit_full_prompt = False
+    return cfg
 
 
 def no_prefix_cache_config() -> EngineConfig:
@@ -89,6 +99,7 @@ def no_chunked_prefill_config() -> EngineConfig:
 
 CONFIGS: dict[str, Callable[[], EngineConfig]] = {
     "default": base_config,
+    "chunk-admission": chunk_admission_config,
     "seed": seed_config,
     "no-prefix-cache": no_prefix_cache_config,
     "no-chunked-prefill": no_chunked_prefill_config,

@@ -70,6 +70,10 @@ class SchedulerConfig:
     priority_preemption: bool = False  # priority policy: a waiting request may preempt lower ones
     max_preemptions: int = 0  # 0: unlimited; else a request preempted this often is kept
     max_waiting: int = 65536
+    # Admit a prompt only when the free blocks can hold all of it (beside the prompts already
+    # admitted), not just its first chunk: otherwise its later chunks preempt decoding requests
+    # and throw their work away (vLLM's scheduler_reserve_full_isl). See docs/BENCHMARKS.md.
+    admit_full_prompt: bool = True
 
     def validate(self) -> None:
         s = "scheduler"

@@ -101,6 +101,8 @@ class Scheduler:
         self._relaxed = cc.reserve_blocks == 0
         self._spec_k = config.speculative.num_speculative_tokens
         self._enc_left = -1  # encoder tokens left this step; -1: unlimited
+        # Blocks the admitted prompts still need to finish their prefill (admit_full_prompt).
+        self._prefill_debt = 0
         self.events = Events()
 
     # ==== requests in and out =================================================================
@@ -252,6 +254,7 @@ class Scheduler:
             assert new is not None
             if new:
                 tasks.extensions.append(Extension(req.handle, new))
+                self._prefill_debt -= len(new)
             budget -= n
             self._emit_chunk(tasks, req, n)
         return budget, preempted
@@ -268,6 +271,11 @@ class Scheduler:
                 break
             target = self._alloc_target(req, num_hit + n, num_prefill=req.num_tokens)
             need = self.kv.num_blocks_to_allocate(req, target, hits)
+            if self.config.scheduler.admit_full_prompt:
+                # Admit only what can finish its prefill: the whole prompt must fit beside the
+                # rest of the prompts already admitted, or its later chunks preempt decoders.
+                full = self._alloc_target(req, req.num_tokens, num_prefill=req.num_tokens)
+                need = self.kv.num_blocks_to_allocate(req, full, hits) + self._prefill_debt
             reserve = self.reserve_blocks_per_running * len(self.running)
             if need + reserve > self.kv.num_free_blocks:
                 if not self._priority_preempt_for(req):
@@ -276,6 +284,7 @@ class Scheduler:
             self.waiting.pop()
             new = self.kv.allocate_slots(req, target, hits)
             assert new is not None
+            self._prefill_debt += self._full_blocks(req, req.num_tokens) - len(req.block_ids)
             self._place(tasks, req, num_hit)
             budget -= n
             self._emit_chunk(tasks, req, n)
@@ -345,6 +354,11 @@ class Scheduler:
         # First decode writes position `total`; speculative drafts write k more.
         room = end + 1 + self._spec_k + cc.prealloc_threshold
         return _cdiv(room, self.block_size) * self.block_size
+
+    def _full_blocks(self, req: Request, num_prefill: int | None = None) -> int:
+        """Blocks req's table holds once its whole prefill (and first decode room) is in."""
+        total = req.num_prefill_tokens if num_prefill is None else num_prefill
+        return _cdiv(self._alloc_target(req, total, num_prefill=total), self.block_size)
 
     def _place(self, tasks: Tasks, req: Request, num_hit: int) -> None:
         """Give req a slot and a fresh handle; the worker learns it from a Placement."""
@@ -484,6 +498,8 @@ class Scheduler:
         if self.running.pop(rid, None) is not None:
             if self.prefilling.pop(rid, None) is None:
                 self.num_decoding -= 1
+            else:
+                self._prefill_debt -= self._full_blocks(req) - len(req.block_ids)
             self.needs_blocks.pop(rid, None)
         self.reserved.pop(rid, None)
         if req.block_ids:
@@ -812,6 +828,8 @@ class Scheduler:
         live_ids = set().union(*groups) | set(self.reserved)
         assert live_ids == set(self.requests), "live set != waiting + running + awaiting-ack"
         assert self.num_decoding == sum(1 for r in self.running.values() if r.is_prefill_done)
+        debt = sum(self._full_blocks(r) - len(r.block_ids) for r in self.prefilling.values())
+        assert self._prefill_debt == debt, f"prefill debt {self._prefill_debt} != {debt}"
         assert set(self.prefilling) == {
             r.req_id for r in self.running.values() if not r.is_prefill_done
         }
