@@ -3,11 +3,14 @@
     RequestService -> role `client`     WorkerService -> role `worker`
     AdminService   -> role `admin`      grpc.health.v1 and reflection -> no token needed
 
-Tokens come from an auth file, one `ROLE TOKEN` pair a line (`#` starts a comment). Callers send
-`authorization: Bearer TOKEN` metadata. A missing or unknown token is UNAUTHENTICATED; a known
-token of another role is PERMISSION_DENIED. Tokens are compared in constant time. The caller's
-principal (a digest of its token, never the token) is available to handlers through
-`current_principal`, so a client can abort only the requests it submitted.
+Tokens come from an auth file, one `ROLE TOKEN` pair a line (`#` starts a comment); a token on
+several lines has each of their roles. Callers send `authorization: Bearer TOKEN` metadata (the
+scheme is case-insensitive, RFC 7235). A missing or unknown token is UNAUTHENTICATED; a known
+token without the service's role is PERMISSION_DENIED. A service this table does not name needs
+the admin role: a service added later is closed until someone decides who may call it. Tokens are
+compared in constant time, their length included (digests are compared). The caller's principal
+(a digest of its token, never the token) is available to handlers through `current_principal`,
+so a client can abort only the requests it submitted.
 """
 
 from __future__ import annotations
@@ -65,42 +68,52 @@ def load_auth_file(path: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, pairs: list[tuple[str, str]]) -> None:
-        self._pairs = [(role, token.encode()) for role, token in pairs]
+        roles: dict[bytes, set[str]] = {}
+        for role, token in pairs:
+            roles.setdefault(_digest(token), set()).add(role)
+        self._tokens = list(roles.items())
 
-    def _role_of(self, token: str) -> str | None:
-        """The role of `token`, comparing against every known token in constant time."""
-        given = token.encode()
-        found = None
-        for role, known in self._pairs:
+    def _roles_of(self, token: str) -> set[str]:
+        """The roles of `token` (empty if unknown), comparing its digest against every known
+        token's in constant time: equal lengths, so not even the length leaks."""
+        given = _digest(token)
+        found: set[str] = set()
+        for known, roles in self._tokens:
             if hmac.compare_digest(given, known):
-                found = role
+                found = roles
         return found
 
     def check(self, method: str, metadata: Any) -> tuple[grpc.StatusCode, str] | str:
         """The principal for a permitted call, else (status code, message)."""
-        service = method.lstrip("/").split("/", 1)[0]
-        need = SERVICE_ROLES.get(service)
-        if need is None:
+        if method.startswith(EXEMPT_PREFIXES):
             return ""  # health, reflection: open
+        service = method.lstrip("/").split("/", 1)[0]
+        need = SERVICE_ROLES.get(service, "admin")
         auth = ""
         for key, value in metadata or ():
             if key == "authorization":
                 auth = value if isinstance(value, str) else value.decode()
-        if not auth.startswith("Bearer "):
+        scheme, _, token = auth.strip().partition(" ")
+        if scheme.lower() != "bearer":
             return (
                 grpc.StatusCode.UNAUTHENTICATED,
                 "missing credentials: send `authorization: Bearer <token>` metadata",
             )
-        token = auth[len("Bearer ") :].strip()
-        role = self._role_of(token)
-        if role is None:
+        token = token.strip()
+        roles = self._roles_of(token)
+        if not roles:
             return grpc.StatusCode.UNAUTHENTICATED, "invalid token"
-        if role != need:
+        if need not in roles:
+            have = " / ".join(repr(r) for r in sorted(roles))
             return (
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"a {role!r} token may not call {service}; it needs a {need!r} token",
+                f"a {have} token may not call {service}; it needs a {need!r} token",
             )
         return principal_of(token)
 
@@ -110,8 +123,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(EXEMPT_PREFIXES):
-            return handler
+        if handler is None:
+            return handler  # unknown method: UNIMPLEMENTED
         verdict = self.check(details.method, details.invocation_metadata)
         if isinstance(verdict, tuple):
             return _deny(handler, *verdict)

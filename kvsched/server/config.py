@@ -100,7 +100,8 @@ class ServerConfig:
     heartbeat_timeout_s: float = 5.0
     requeue_timeout_s: float = 30.0  # a lost instance's request waits this long for another
     max_session_requests: int = 100000  # open requests per Session stream
-    stream_buffer: int = 1024  # outgoing messages queued per stream before it is back-pressured
+    stall_timeout_s: float = 30.0  # a stream that does not read its outputs this long is cut
+    queue_timeout_s: float = 0.0  # a request never scheduled within this ends (0: no limit)
     engine: EngineConfig = field(default_factory=EngineConfig)
     instances: dict[str, InstanceConfig] = field(default_factory=dict)
     auto_instances: bool = True  # a Hello with an unknown instance id creates it from `engine`
@@ -180,7 +181,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "heartbeat_timeout_s": (0.01, 86400.0),
     "requeue_timeout_s": (0.0, 86400.0),
     "max_session_requests": (1, _INT32_MAX),
-    "stream_buffer": (1, 1 << 24),
+    "stall_timeout_s": (0.1, 86400.0),
+    "queue_timeout_s": (0.0, 86400.0),
 }
 
 # Top-level fields set by a scalar: name -> type (from the defaults, so the two cannot disagree).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
+import heapq
 import logging
 import signal
 import sys
@@ -95,6 +96,9 @@ class Daemon:
         self.health = HealthServicer()
         self.all_done = asyncio.Event()
         self.orphans: list[tuple[Tracked, float, str]] = []  # lost instance, deadline, why
+        self.timers: list[tuple[float, int, Tracked, str]] = []  # heap: when, seq, request, kind
+        self._timer_seq = 0
+        self.streams: set[Any] = set()  # open Generate / Session sinks (stall watchdog)
         self.num_requeued = 0
         for iid, icfg in config.instances.items():
             self.engines[iid] = InstanceEngine(self, iid, icfg.engine, icfg.world_size)
@@ -176,6 +180,7 @@ class Daemon:
         owner: str = "",
         client_tag: str = "",
         carrier: Mapping[str, str] | None = None,
+        deadline_s: float | None = None,
     ) -> Tracked:
         """Validate, route and queue one request. Raises a typed error (nothing is kept) or
         returns its Tracked state; from then on the sink gets exactly one Finished."""
@@ -209,6 +214,11 @@ class Daemon:
         req.tag = tr
         self.tracked[req_id] = tr
         self.all_done.clear()
+        now = time.monotonic()
+        if self.config.queue_timeout_s > 0:
+            self._timer(now + self.config.queue_timeout_s, tr, "queue")
+        if deadline_s is not None:
+            self._timer(now + deadline_s, tr, "deadline")
         self.telemetry.request_accepted(tr, carrier or {})
         eng.wake()
         return tr
@@ -372,12 +382,43 @@ class Daemon:
         req.finished_time = time.monotonic()
         self.on_finished(tr.engine, req)
 
+    def _timer(self, when: float, tr: Tracked, kind: str) -> None:
+        self._timer_seq += 1
+        heapq.heappush(self.timers, (when, self._timer_seq, tr, kind))
+
+    def _expire(self, now: float) -> None:
+        """Queue timeouts and deadlines that have passed (a heap: O(expired) per tick)."""
+        timers = self.timers
+        while timers and timers[0][0] <= now:
+            _, _, tr, kind = heapq.heappop(timers)
+            if self.tracked.get(tr.req.req_id) is not tr:
+                continue
+            if kind == "deadline":
+                self.abort_tracked(tr, "deadline exceeded (the call's gRPC deadline passed)")
+            elif tr.req.first_scheduled_time < 0:
+                self.abort_tracked(
+                    tr, f"queue timeout: not scheduled within {self.config.queue_timeout_s:g} s"
+                )
+
+    def _cut_stalled(self, now: float) -> None:
+        limit = self.config.stall_timeout_s
+        for sink in list(self.streams):
+            since = sink.pending_since
+            if since is not None and now - since > limit and sink.task is not None:
+                log.warning("cutting a stream that has not read its outputs for %.1f s", limit)
+                sink.stalled = True
+                self.streams.discard(sink)
+                sink.task.cancel()
+
     async def watch(self) -> None:
-        """Take out instances whose workers went silent; expire orphaned requests."""
+        """Take out instances whose workers went silent; expire orphaned requests, queue
+        timeouts and deadlines; cut streams whose clients stopped reading."""
         cfg = self.config
         while True:
-            await asyncio.sleep(min(cfg.heartbeat_interval_s, 1.0))
+            await asyncio.sleep(0.1)
             now = time.monotonic()
+            self._expire(now)
+            self._cut_stalled(now)
             for eng in list(self.engines.values()):
                 silent = [
                     c for c in eng.ranks.values() if now - c.last_seen > cfg.heartbeat_timeout_s
@@ -457,17 +498,47 @@ def _hostport(listen: str, port: int) -> str:
 
 
 def bind(server: grpc.aio.Server, config: ServerConfig) -> int:
-    """Listen on config.listen, with TLS (and client certificates) when configured."""
-    if not config.tls_cert:
-        return server.add_insecure_port(config.listen)
+    """Listen on config.listen, with TLS (and client certificates) when configured. Raises
+    ConfigError for unusable TLS files, Unavailable when the address cannot be bound."""
+    try:
+        if not config.tls_cert:
+            return server.add_insecure_port(config.listen)
+        creds = _server_credentials(config)
+        return server.add_secure_port(config.listen, creds)
+    except RuntimeError as exc:  # grpc raises instead of returning 0 since 1.60
+        raise Unavailable(f"cannot listen on {config.listen}: {exc}") from None
+
+
+def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    """TLS credentials from the configured PEM files, checked first with the ssl module: grpc
+    reports a bad certificate, a key that does not match it, or a bad CA file only as "Failed
+    to bind to address"."""
+    import ssl
     from pathlib import Path
 
+    from kvsched.core import ConfigError
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(config.tls_cert, config.tls_key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(
+            f"tls_cert = {config.tls_cert!r} / tls_key = {config.tls_key!r}: not a PEM "
+            f"certificate and the private key that matches it ({exc})"
+        ) from None
+    ca = None
+    if config.tls_client_ca:
+        try:
+            ctx.load_verify_locations(cafile=config.tls_client_ca)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(
+                f"tls_client_ca = {config.tls_client_ca!r}: not a PEM CA certificate ({exc})"
+            ) from None
+        ca = Path(config.tls_client_ca).read_bytes()
     key, cert = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
-    ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
-    creds = grpc.ssl_server_credentials(
+    return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
     )
-    return server.add_secure_port(config.listen, creds)
 
 
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,12 +27,20 @@ log = logging.getLogger("kvsched.frontend")
 
 
 class StreamSink:
-    __slots__ = ("event",)
+    """One Generate stream. `pending_since` is when it last had news its client has not
+    been sent; the daemon's watchdog cuts streams that stall past stall_timeout_s."""
+
+    __slots__ = ("event", "pending_since", "stalled", "task")
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
+        self.pending_since: float | None = None
+        self.stalled = False
+        self.task = asyncio.current_task()
 
     def notify(self, tr: Tracked) -> None:
+        if self.pending_since is None:
+            self.pending_since = time.monotonic()
         self.event.set()
 
 
@@ -40,6 +49,9 @@ class SessionSink:
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
+        self.pending_since: float | None = None
+        self.stalled = False
+        self.task = asyncio.current_task()
         self.dirty: dict[str, Tracked] = {}
         self.accepted: list[Tracked] = []
         self.errors: list[pb.SessionResponse.Error] = []
@@ -47,6 +59,8 @@ class SessionSink:
         self.client_done = False
 
     def notify(self, tr: Tracked) -> None:
+        if self.pending_since is None:
+            self.pending_since = time.monotonic()
         self.dirty[tr.req.req_id] = tr
         self.event.set()
 
@@ -69,8 +83,15 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         sink = StreamSink()
-        tr = self.daemon.submit(request, sink, owner=principal(context), carrier=metadata(context))
+        tr = self.daemon.submit(
+            request,
+            sink,
+            owner=principal(context),
+            carrier=metadata(context),
+            deadline_s=context.time_remaining(),
+        )
         done = False
+        self.daemon.streams.add(sink)
         try:
             yield pb.GenerateResponse(
                 queued=pb.GenerateResponse.Queued(
@@ -80,6 +101,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             while True:
                 await sink.event.wait()
                 sink.event.clear()
+                sink.pending_since = None
                 req = tr.req
                 # Decide "finished" and take the tokens at the same instant: more may arrive
                 # while a yield is suspended.
@@ -95,8 +117,9 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     yield pb.GenerateResponse(finished=convert.finished_to_proto(req))
                     return
         finally:
+            self.daemon.streams.discard(sink)
             if not done and not tr.detachable:
-                self.daemon.abort_tracked(tr, "client stream closed")
+                self.daemon.abort_tracked(tr, sink_close_reason(sink))
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -115,10 +138,12 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         reader = asyncio.get_running_loop().create_task(
             self._read_session(request_iterator, sink, owner, carrier)
         )
+        self.daemon.streams.add(sink)
         try:
             while True:
                 await sink.event.wait()
                 sink.event.clear()
+                sink.pending_since = None
                 if reader.done() and reader.exception() is not None:
                     raise reader.exception()  # type: ignore[misc]
                 msg = self._batch(sink)
@@ -127,10 +152,12 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 if sink.client_done and not sink.open and not sink.dirty:
                     return
         finally:
+            self.daemon.streams.discard(sink)
             reader.cancel()
+            why = sink_close_reason(sink)
             for tr in list(sink.open.values()):
                 if not tr.detachable:
-                    self.daemon.abort_tracked(tr, "session stream closed")
+                    self.daemon.abort_tracked(tr, why)
 
     async def _read_session(
         self,
@@ -234,6 +261,12 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         if errors:
             msg.errors.extend(errors)
         return msg
+
+
+def sink_close_reason(sink: StreamSink | SessionSink) -> str:
+    if sink.stalled:
+        return "client stopped reading its stream for stall_timeout_s: disconnected"
+    return "client stream closed"
 
 
 def raise_limit(limit: int) -> None:

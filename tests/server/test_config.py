@@ -232,7 +232,7 @@ def test_unknown_engine_env_path() -> None:
         ("max_concurrent_streams = -1", "max_concurrent_streams = -1 is out of range"),
         ("keepalive_time_s = 0", "keepalive_time_s = 0.0 is out of range [0.01, 86400]"),
         ("grace_period_s = -1", "grace_period_s = -1.0 is out of range [0, 86400]"),
-        ("stream_buffer = 0", "stream_buffer = 0 is out of range [1, 16777216]"),
+        ("stall_timeout_s = 0", "stall_timeout_s = 0.0 is out of range [0.1, 86400]"),
         ("max_session_requests = 0", "max_session_requests = 0 is out of range"),
         (
             "heartbeat_interval_s = 5\nheartbeat_timeout_s = 5",
@@ -272,8 +272,8 @@ def test_toml_errors_name_the_field(tmp_path: Path, toml: str, expected: str) ->
 
 
 def test_range_error_says_where_the_value_came_from(tmp_path: Path) -> None:
-    path = write_toml(tmp_path, "stream_buffer = 0\n")
-    with pytest.raises(ConfigError, match=f"stream_buffer = 0 .*\\(from {path}\\)"):
+    path = write_toml(tmp_path, "stall_timeout_s = 0\n")
+    with pytest.raises(ConfigError, match=f"stall_timeout_s = 0.0 .*\\(from {path}\\)"):
         load_config(path, {}, {})
     with pytest.raises(ConfigError, match=r"\(from KVSCHED_LISTEN\)"):
         load_config(None, {"KVSCHED_LISTEN": "nope"}, {})
@@ -304,8 +304,8 @@ def test_file_errors(tmp_path: Path) -> None:
 def test_bad_override_key_and_type() -> None:
     with pytest.raises(ConfigError, match="unknown key 'lisen'"):
         load_config(None, {}, {"lisen": "x"})
-    with pytest.raises(ConfigError, match=r"--stream-buffer = 2\.5 has type float; expected int"):
-        load_config(None, {}, {"stream_buffer": 2.5})
+    with pytest.raises(ConfigError, match=r"--max-session-requests = 2\.5 has type float; expected int"):
+        load_config(None, {}, {"max_session_requests": 2.5})
 
 
 def test_validate_direct_construction() -> None:
