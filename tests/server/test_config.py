@@ -304,7 +304,9 @@ def test_file_errors(tmp_path: Path) -> None:
 def test_bad_override_key_and_type() -> None:
     with pytest.raises(ConfigError, match="unknown key 'lisen'"):
         load_config(None, {}, {"lisen": "x"})
-    with pytest.raises(ConfigError, match=r"--max-session-requests = 2\.5 has type float; expected int"):
+    with pytest.raises(
+        ConfigError, match=r"--max-session-requests = 2\.5 has type float; expected int"
+    ):
         load_config(None, {}, {"max_session_requests": 2.5})
 
 
