@@ -1,0 +1,236 @@
+"""A bounded soak: real daemon and sim workers, random aborts, client disconnects, worker kills.
+
+    python -m bench.soak [--seconds 60] [--seed 0] [--json bench/results/soak.json]
+
+For `--seconds` it keeps submitting requests (mixed lengths, shared prefixes) through Generate;
+a share of them is aborted through Abort after a random delay, a share is dropped by the client
+mid-stream, and every few seconds one worker process is killed with SIGKILL and restarted under
+the same instance id. At the end it checks that no request was lost (every request whose client
+kept listening got exactly one Finished; completed ones carry exactly the tokens the sim model
+produces), that the daemon holds no request and every KV block is free, and how much the
+daemon's resident memory grew. Prints a table; writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+from kvsched.replay.launch import Child, spawn
+from kvsched.v1 import admin_service_pb2 as apb
+from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
+from kvsched.v1 import request_service_pb2 as rpb
+from kvsched.worker_stub.sim import SimExecutor
+
+SIM = SimExecutor(seed=0)
+WORKER_ARGS = ("--executor", "sim", "--speed", "20", "--num-blocks", "3000", "--num-slots", "64")
+
+
+@dataclass
+class Figures:
+    seconds: float = 0.0
+    requests: int = 0
+    completed: int = 0
+    aborted_by_rpc: int = 0
+    disconnected: int = 0
+    aborted_other: int = 0
+    errors: int = 0
+    rejected: int = 0
+    worker_kills: int = 0
+    lost: int = 0
+    wrong_tokens: int = 0
+    finished_twice: int = 0
+    leaked_blocks: int = 0
+    left_running_or_waiting: int = 0
+    daemon_rss_start_mb: float = 0.0
+    daemon_rss_end_mb: float = 0.0
+    daemon_rss_samples_mb: list[float] = field(default_factory=list)  # one per worker kill
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def expected(req_id: str, prompt_len: int, max_tokens: int) -> list[int]:
+    return [SIM.token_at(req_id, prompt_len + i) for i in range(max_tokens)]
+
+
+async def one_request(
+    stub: request_service_pb2_grpc.RequestServiceStub,
+    rid: str,
+    rng: random.Random,
+    prefixes: list[list[int]],
+    fig: Figures,
+) -> None:
+    prompt = rng.choice(prefixes) + [rng.randrange(3, 30000) for _ in range(rng.randrange(1, 100))]
+    max_tokens = rng.randrange(1, 200)
+    fate = rng.random()
+    msg = rpb.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
+    call = stub.Generate(msg)
+    tokens: list[int] = []
+    finished: list[rpb.Finished] = []
+    try:
+        if fate < 0.1:  # the client drops its stream mid-way
+            await asyncio.sleep(rng.random() * 0.5)
+            call.cancel()
+            fig.disconnected += 1
+            return
+        if fate < 0.2:  # aborted through the API
+
+            async def abort_later() -> None:
+                await asyncio.sleep(rng.random() * 0.5)
+                await stub.Abort(rpb.AbortRequest(request_id=rid))
+
+            aborter = asyncio.ensure_future(abort_later())
+        else:
+            aborter = None
+        async for r in call:
+            kind = r.WhichOneof("kind")
+            if kind == "tokens":
+                tokens.extend(r.tokens.token_ids)
+            elif kind == "finished":
+                finished.append(r.finished)
+        if aborter is not None:
+            await asyncio.gather(aborter, return_exceptions=True)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            fig.rejected += 1  # refused before acceptance (e.g. no instance ready): not lost
+            return
+        fig.lost += 1
+        return
+    fig.requests += 1
+    if len(finished) != 1:
+        fig.lost += len(finished) == 0
+        fig.finished_twice += len(finished) > 1
+        return
+    f = finished[0]
+    want = expected(rid, len(prompt), max_tokens)
+    if f.reason == common_pb2.FINISH_REASON_LENGTH:
+        fig.completed += 1
+        fig.wrong_tokens += tokens != want
+    elif f.reason == common_pb2.FINISH_REASON_ABORT:
+        fig.aborted_by_rpc += fate < 0.2
+        fig.aborted_other += fate >= 0.2
+        fig.wrong_tokens += tokens != want[: len(tokens)]
+    else:
+        fig.errors += 1
+    if f.usage.output_tokens != len(tokens):
+        fig.wrong_tokens += 1
+
+
+async def drive(
+    address: str,
+    workers: dict[str, Child],
+    seconds: float,
+    seed: int,
+    fig: Figures,
+    daemon_pid: int,
+) -> None:
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(3, 30000) for _ in range(rng.choice((64, 256, 512)))] for _ in range(6)
+    ]
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = request_service_pb2_grpc.RequestServiceStub(ch)
+        tasks: list[asyncio.Task[None]] = []
+        start = time.monotonic()
+        next_kill = start + 5.0
+        i = 0
+        while time.monotonic() - start < seconds:
+            for _ in range(rng.randrange(1, 6)):
+                tasks.append(
+                    asyncio.ensure_future(one_request(stub, f"soak-{seed}-{i}", rng, prefixes, fig))
+                )
+                i += 1
+            if time.monotonic() >= next_kill:
+                name = rng.choice(sorted(workers))
+                workers[name].popen.send_signal(signal.SIGKILL)
+                workers[name].popen.wait()
+                workers[name] = spawn(
+                    name, "worker", "--server", address, "--instance", name, *WORKER_ARGS
+                )
+                fig.worker_kills += 1
+                fig.daemon_rss_samples_mb.append(round(rss_mb(daemon_pid), 1))
+                next_kill += 5.0
+            tasks = [t for t in tasks if not t.done()]
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*tasks)
+
+
+def soak(seconds: float = 60.0, seed: int = 0) -> Figures:
+    fig = Figures(seconds=seconds)
+    daemon = spawn(
+        "daemon",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "off",
+        "--log-level",
+        "warning",
+    )
+    address = daemon.wait_for(r"kvsched listening on (\S+:\d+)").group(1)
+    workers = {
+        n: spawn(n, "worker", "--server", address, "--instance", n, *WORKER_ARGS)
+        for n in ("a", "b")
+    }
+    try:
+        for w in workers.values():
+            w.wait_for("welcomed")
+        time.sleep(0.5)
+        fig.daemon_rss_start_mb = rss_mb(daemon.popen.pid)
+        asyncio.run(drive(address, workers, seconds, seed, fig, daemon.popen.pid))
+        fig.daemon_rss_end_mb = rss_mb(daemon.popen.pid)
+        with grpc.insecure_channel(address) as ch:
+            st = admin_service_pb2_grpc.AdminServiceStub(ch).GetStatus(apb.GetStatusRequest())
+        for inst in st.instances:
+            if inst.ready:
+                fig.leaked_blocks += inst.num_gpu_blocks - inst.num_free_blocks
+        fig.left_running_or_waiting = st.num_running + st.num_waiting
+    finally:
+        for w in workers.values():
+            w.stop()
+        daemon.stop()
+    return fig
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=Path("bench/results/soak.json"))
+    args = ap.parse_args()
+    fig = soak(args.seconds, args.seed)
+    for k, v in asdict(fig).items():
+        print(f"{k:<28} {v:.1f}" if isinstance(v, float) else f"{k:<28} {v}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(asdict(fig), indent=2) + "\n")
+    bad = (
+        fig.lost
+        + fig.wrong_tokens
+        + fig.finished_twice
+        + fig.leaked_blocks
+        + fig.left_running_or_waiting
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
