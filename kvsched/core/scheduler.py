@@ -71,7 +71,11 @@ class Scheduler:
         config: EngineConfig | None = None,
         clock: Callable[[], float] = lambda: 0.0,
         instance_id: str = "",
+        first_handle: int = 0,
     ) -> None:
+        """`first_handle`: where handle numbers start. A scheduler that replaces another for
+        the same instance (its workers reconnected) continues the old numbering, so a message
+        still addressed to an old handle can never name a new request."""
         self.config = config = (config or EngineConfig()).validate()
         self.clock = clock
         self.instance_id = instance_id
@@ -86,7 +90,8 @@ class Scheduler:
         self.reserved: dict[str, Request] = {}  # decode role: room held for pushed KV
         self.live: dict[int, Request] = {}  # handle -> placed or preempted-awaiting-ack
         self.num_decoding = 0
-        self.next_handle = 0
+        self.next_handle = first_handle
+        self.first_handle = first_handle
         self.free_slots = list(range(sc.max_num_seqs - 1, -1, -1))
         self.paused = False
         self.stats = SchedulerStats()
@@ -261,8 +266,8 @@ class Scheduler:
 
     def _admit(self, tasks: Tasks, budget: int) -> int:
         while budget > 0 and self.free_slots and (req := self.waiting.peek()) is not None:
-            if self.config.role == Role.DECODE:
-                break  # a decode instance only takes prefilled requests
+            if self.config.role == Role.DECODE and not req.output_token_ids:
+                break  # a decode instance takes new prompts only through add_prefilled
             hits = self.kv.find_cached_prefix(req)
             num_hit = self._trim_hits_for_mm(req, len(hits) * self.block_size)
             hits = hits[: num_hit // self.block_size]
@@ -529,6 +534,12 @@ class Scheduler:
         self._check_report(report)
         self._last_step, self._last_applied_seq = report.step, report.applied_seq
         live, events = self.live, self.events
+        # Failures first: a prefill worker reports the prompt's first token in the same report
+        # as its failed KV push, and that row must not hand the request off.
+        for h in report.failed:
+            req = live.get(h)
+            if req is not None:
+                self._finish(req, FinishReason.ERROR, "worker failed the request (KV transfer)")
         tok_reqs = events.token_reqs
         first = events.first_token
         toks = report.token_ids
@@ -560,10 +571,6 @@ class Scheduler:
             if (fins and fins[i]) or req.num_tokens >= req.check_at or not n_new:
                 self._after_report(req, fins[i] if fins else 0)
         self.stats.num_generation_tokens += n_gen
-        for h in report.failed:
-            req = live.get(h)
-            if req is not None:
-                self._finish(req, FinishReason.ERROR, "worker failed the request (KV transfer)")
         for h in report.paused:
             req = live.get(h)
             if req is not None and req.status == RequestStatus.RUNNING and req.is_prefill_done:
@@ -637,9 +644,10 @@ class Scheduler:
         if sum(report.num_new_tokens) != len(report.token_ids):
             raise ProtocolError("report token_ids length != sum(num_new_tokens)")
         for col in (report.handles, report.acked, report.paused, report.failed):
-            if col and (min(col) < 0 or max(col) >= self.next_handle):
+            if col and (min(col) < self.first_handle or max(col) >= self.next_handle):
                 raise ProtocolError(
-                    f"report names handle(s) never issued (issued so far: 0..{self.next_handle - 1})"
+                    "report names handle(s) never issued "
+                    f"(issued so far: {self.first_handle}..{self.next_handle - 1})"
                 )
         if report.finish_reasons and max(report.finish_reasons) > FinishReason.ERROR:
             raise ProtocolError("report has an unknown finish reason")
@@ -805,6 +813,10 @@ class Scheduler:
             assert self.live.get(req.handle) is req, f"{req.req_id}: handle not live"
             assert req.slot >= 0
         self.kv.pool.check_integrity(owners)
+        for req in placed:  # a cached block under a request holds that request's tokens
+            for b, h in zip(req.block_ids, req.block_hashes, strict=False):
+                got = self.kv.pool.block_hash[b]
+                assert got is None or got == h, f"{req.req_id}: block {b} holds other tokens"
         shared = [b for b, n in owners.items() if n > 1]
         for b in shared:
             assert self.kv.pool.block_hash[b] is not None, (

@@ -63,6 +63,7 @@ class InstanceEngine:
         self.sched: Scheduler | None = None
         self.draining = False
         self.reports: list[StepReport] = []
+        self._next_handle = 0  # handles continue across schedulers of this instance
         self._wake = asyncio.Event()
         self._report_times: collections.deque[float] = collections.deque(maxlen=256)
         self._task = asyncio.get_running_loop().create_task(
@@ -107,7 +108,9 @@ class InstanceEngine:
         cfg.cache.block_size = conns[0].block_size
         cfg.cache.num_gpu_blocks = min(c.num_gpu_blocks for c in conns)
         cfg.scheduler.max_num_seqs = min(cfg.scheduler.max_num_seqs, *(c.num_slots for c in conns))
-        self.sched = Scheduler(cfg, clock=time.monotonic, instance_id=self.instance_id)
+        self.sched = Scheduler(
+            cfg, clock=time.monotonic, instance_id=self.instance_id, first_handle=self._next_handle
+        )
         log.info(
             "instance %s ready: %d rank(s), %d blocks of %d tokens, %d slots, role %s",
             self.instance_id,
@@ -124,6 +127,8 @@ class InstanceEngine:
         """The instance is lost (a rank dropped, went silent, or broke the protocol): close
         every rank's stream and end every request it held with an error the client sees."""
         sched, self.sched = self.sched, None
+        if sched is not None:
+            self._next_handle = sched.next_handle
         for conn in self.ranks.values():
             if not conn.closed:
                 conn.closed = True

@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 import kvsched.core
-from kvsched.core import FinishReason, RequestNotFound, RequestStatus, Router
+from kvsched.core import FinishReason, ProtocolError, RequestNotFound, RequestStatus, Router
 from tests.core.factories import make_request, make_scheduler, report, run_tasks, step
 
 
@@ -118,3 +118,59 @@ def test_core_imports_no_io_framework_or_clock() -> None:
                 if top in banned or n.startswith(("kvsched.server", "kvsched.v1")):
                     offenders.append(f"{path.name}: {n}")
     assert not offenders, offenders
+
+
+def test_failed_push_in_the_same_report_as_the_first_token_is_not_a_hand_off() -> None:
+    p = make_scheduler(role="prefill")
+    req = make_request(40, max_tokens=5)
+    req.kv_target = ("D", 0, [0, 1, 2])
+    p.add_request(req)
+    p.schedule()
+    rep = report(p, [(req.handle, 40, [7])])
+    rep.failed = [req.handle]
+    ev = p.apply_report(rep)
+    assert req.status == RequestStatus.FINISHED_ERROR and ev.finished == [req]
+    assert not ev.handed_off
+    p.check_integrity()
+
+
+def test_decode_instance_readmits_a_request_it_preempted() -> None:
+    d = make_scheduler(
+        role="decode", block_size=4, num_gpu_blocks=6, prealloc_blocks=1, prealloc_threshold=0
+    )
+    a, b = make_request(8, max_tokens=20), make_request(8, max_tokens=20)
+    for r in (a, b):
+        assert d.preallocate(r) is not None
+    da = d.add_prefilled(a.req_id, [1], 0)
+    db = d.add_prefilled(b.req_id, [1], 0)
+    d.schedule()
+    for _ in range(12):  # decode until the pool runs dry and one of them is preempted
+        rows = [
+            (r.handle, r.num_tokens, [2]) for r in (da, db) if r.status == RequestStatus.RUNNING
+        ]
+        d.apply_report(report(d, rows))
+        t = d.schedule()
+        if t.preempts:
+            d.apply_report(report(d, [], acked=t.preempts))
+            break
+    victim = da if da.status == RequestStatus.WAITING else db
+    assert victim.status == RequestStatus.WAITING
+    d.abort((db if victim is da else da).req_id)
+    t = d.schedule()
+    assert [pl.req_id for pl in t.placements] == [victim.req_id], "victim never re-admitted"
+    d.check_integrity()
+
+
+def test_handles_continue_across_a_replacement_scheduler() -> None:
+    from kvsched.core import Scheduler
+
+    old = make_scheduler()
+    old.add_request(make_request(8))
+    old.schedule()
+    new = Scheduler(old.config, first_handle=old.next_handle)
+    r = make_request(8)
+    new.add_request(r)
+    new.schedule()
+    assert r.handle == old.next_handle
+    with pytest.raises(ProtocolError, match="never issued"):
+        new.apply_report(report(new, [(0, 1, [])]))
