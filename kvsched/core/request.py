@@ -74,8 +74,8 @@ class Request:
     finish_message: str = ""
     # Prefill/decode disaggregation: the decode instance's reservation for this request.
     kv_target: tuple[str, int, list[int]] | None = None
-    # Next num_tokens at which a decoding request needs the scheduler's attention.
-    check_at: int = 0
+    # Output count at which a decoding request next needs the scheduler's attention.
+    check_out: int = 0
     # Opaque to the core: the caller's per-request state (the daemon's stream and tracing).
     tag: object = None
 

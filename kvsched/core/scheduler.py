@@ -413,19 +413,21 @@ class Scheduler:
             self._set_check_at(req)
 
     def _set_check_at(self, req: Request) -> None:
-        """The num_tokens at which this decoding request next needs the scheduler: its room
+        """The output count at which this decoding request next needs the scheduler: its room
         falls to the prealloc threshold, it reaches max_tokens, or its next block fills."""
         if self.config.role == Role.PREFILL:
-            req.check_at = 0  # its first token is a hand-off
+            req.check_out = 0  # its first token is a hand-off
             return
         cc = self.config.cache
         capacity = len(req.block_ids) * self.block_size
         extend_at = capacity - cc.prealloc_threshold - self._spec_k
         finish_at = len(req.prompt_token_ids) + req.sampling.max_tokens
-        req.check_at = min(extend_at, finish_at)
+        check_at = min(extend_at, finish_at)
         if self.kv.enable_caching:
             cache_at = (req.num_cached_blocks + 1) * self.block_size + 1
-            req.check_at = min(req.check_at, cache_at)
+            check_at = min(check_at, cache_at)
+        # No output yet: the first token itself needs the slow path (first-token event).
+        req.check_out = check_at - len(req.prompt_token_ids) if req.output_token_ids else 1
 
     # ==== preemption ==========================================================================
     def _preempt_victim(self, for_req: Request) -> Request | None:
@@ -540,36 +542,78 @@ class Scheduler:
             req = live.get(h)
             if req is not None:
                 self._finish(req, FinishReason.ERROR, "worker failed the request (KV transfer)")
+        # The hot loop: one dict lookup and one append per decoding row. Everything rarer (a
+        # first token, a block to cache or extend, max_tokens, a prefill chunk, several tokens)
+        # is decided by one comparison against the precomputed req.check_out.
         tok_reqs = events.token_reqs
+        add_tok_req = tok_reqs.append
         first = events.first_token
         toks = report.token_ids
+        get = live.get
+        slow: list[Request] = []
+        add_slow = slow.append
         off = 0
-        fins = report.finish_reasons
-        n_gen = 0
-        for i, (h, n_comp, n_new) in enumerate(
-            zip(report.handles, report.num_computed, report.num_new_tokens, strict=True)
-        ):
-            req = live.get(h)
+        n_gen = len(toks)
+        nums = report.num_new_tokens
+        if len(toks) == len(nums) and (not nums or min(nums) == 1):
+            # A pure decode step (the steady state): row i sampled exactly toks[i], and the
+            # worker wrote KV up to the token before it. num_reported_tokens is set only on the
+            # slow path, from that identity.
+            for h, tok in zip(report.handles, toks, strict=True):
+                req = get(h)
+                if req is None:
+                    n_gen -= 1
+                    continue
+                out = req.output_token_ids
+                out.append(tok)
+                add_tok_req(req)
+                if len(out) >= req.check_out:
+                    add_slow(req)
+            for req in slow:
+                req.num_reported_tokens = req.num_tokens - 1
+                if req.first_token_time < 0:
+                    req.first_token_time = self.clock()
+                    first.append(req)
+            nums = []  # rows done
+        for h, n_comp, n_new in zip(report.handles, report.num_computed, nums, strict=False):
+            req = get(h)
             if req is None:  # late report about a finished/aborted occupant
                 off += n_new
+                n_gen -= n_new
                 continue
             req.num_reported_tokens = n_comp
-            if n_new:
-                out = req.output_token_ids
+            out = req.output_token_ids
+            if n_new == 1:
                 if not out:
                     req.first_token_time = self.clock()
                     first.append(req)
-                room = len(req.prompt_token_ids) + req.sampling.max_tokens - req.num_tokens
-                if n_new > room:
-                    out.extend(toks[off : off + room])
-                    n_gen += room
-                else:
-                    out.extend(toks[off : off + n_new])
-                    n_gen += n_new
+                out.append(toks[off])
+                off += 1
+                add_tok_req(req)
+                if len(out) >= req.check_out:
+                    add_slow(req)
+            elif n_new:
+                if not out:
+                    req.first_token_time = self.clock()
+                    first.append(req)
+                room = req.sampling.max_tokens - len(out)
+                kept = min(n_new, max(room, 0))
+                out.extend(toks[off : off + kept])
+                n_gen -= n_new - kept
                 off += n_new
-                tok_reqs.append(req)
-            if (fins and fins[i]) or req.num_tokens >= req.check_at or not n_new:
-                self._after_report(req, fins[i] if fins else 0)
+                add_tok_req(req)
+                add_slow(req)
+            else:
+                add_slow(req)  # a prefill chunk ran: blocks to cache
+        fins = report.finish_reasons
+        if any(fins):
+            handles = report.handles
+            for i, reason in enumerate(fins):
+                if reason and (req := get(handles[i])) is not None:
+                    self._after_report(req, reason)
+        for req in slow:
+            if not req.is_finished and self.live.get(req.handle) is req:
+                self._after_report(req, 0)
         self.stats.num_generation_tokens += n_gen
         for h in report.paused:
             req = live.get(h)
