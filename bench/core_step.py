@@ -21,6 +21,7 @@ import platform
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 from kvsched.core import (
     CacheConfig,
@@ -38,6 +39,7 @@ MAX_TOKENS = 1 << 20
 TARGET_P50_US = 150.0  # at R=1024, W=10000
 TARGET_W_RATIO = 1.15  # p50 at W=10000 over p50 at W=0
 DEFAULT_JSON = Path(__file__).parent / "results" / "core_step.json"
+Record = dict[str, Any]
 
 
 def build(running: int, waiting: int, seed: int) -> Scheduler:
@@ -107,7 +109,7 @@ def warm_up(s: Scheduler, worker: FakeWorker, running: int, decode_steps: int = 
     raise RuntimeError("warm-up did not converge")
 
 
-def time_steps(running: int, waiting: int, steps: int) -> dict[str, object]:
+def time_steps(running: int, waiting: int, steps: int) -> Record:
     s = build(running, waiting, seed=1234 + running * 7 + waiting)
     worker = FakeWorker()
     warm_up(s, worker, running)
@@ -153,15 +155,15 @@ def pct(xs: list[int], p: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def check(rec: dict[str, object], by_key: dict[tuple[int, int], dict[str, object]]) -> str:
+def check(rec: Record, by_key: dict[tuple[int, int], Record]) -> str:
     """The targets that apply to this record, and PASS / MISS."""
-    r, w, p50 = rec["running"], rec["waiting"], float(rec["p50_us"])  # type: ignore[arg-type]
+    r, w, p50 = rec["running"], rec["waiting"], rec["p50_us"]
     goals: list[tuple[str, bool]] = []
     if (r, w) == (1024, 10000):
         goals.append((f"p50<={TARGET_P50_US:.0f}", p50 <= TARGET_P50_US))
-    base = by_key.get((r, 0))  # type: ignore[arg-type]
+    base = by_key.get((r, 0))
     if w and base is not None:
-        ratio = p50 / float(base["p50_us"])  # type: ignore[arg-type]
+        ratio = p50 / base["p50_us"]
         goals.append((f"W0x{ratio:.2f}<={TARGET_W_RATIO}", ratio <= TARGET_W_RATIO))
     if not goals:
         return "-"
@@ -178,7 +180,7 @@ def load_vllm(path: str, variant: str) -> dict[tuple[int, int], float]:
     return {k: sum(v) / len(v) for k, v in acc.items()}
 
 
-def print_table(records: list[dict[str, object]], vllm: dict[tuple[int, int], float]) -> None:
+def print_table(records: list[Record], vllm: dict[tuple[int, int], float]) -> None:
     by_key = {(r["running"], r["waiting"]): r for r in records}
     head = f"{'R':>5} {'W':>6} | {'p50':>7} {'p99':>7} | {'sched':>7} {'report':>7} |"
     if vllm:
@@ -192,10 +194,10 @@ def print_table(records: list[dict[str, object]], vllm: dict[tuple[int, int], fl
             f"{rec['report_p50_us']:>7.1f} |"
         )
         if vllm:
-            v = vllm.get((rec["running"], rec["waiting"]))  # type: ignore[arg-type]
-            ratio = f"{v / float(rec['p50_us']):>5.0f}x" if v else f"{'-':>6}"  # type: ignore[arg-type]
+            v = vllm.get((rec["running"], rec["waiting"]))
+            ratio = f"{v / rec['p50_us']:>5.0f}x" if v else f"{'-':>6}"
             line += f" {v or float('nan'):>9.1f} {ratio} |"
-        print(line + " " + check(rec, by_key))  # type: ignore[arg-type]
+        print(line + " " + check(rec, by_key))
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 streamed to clients, and what each step costs the daemon's CPU.
 
     python -m bench.transport [--running 256,1024] [--seconds 10] [--tracing none|otlp]
+                              [--repeat N] [--sessions N] [--max-tokens N]
                               [--json bench/results/transport.json]
 
 For each R it starts, as child processes, the real daemon (`kvsched serve`), ONE zero-cost sim
@@ -11,22 +12,31 @@ running (distinct short prompts, max_tokens long enough to decode through the wh
 new request submitted whenever one finishes). After all R run and a warm-up, one window of
 `--seconds` is measured:
 
-    steps_per_s             tokens delivered to the front end / R / window: engine steps in
-                            which every running request got its token to its client
+    steps_per_s             tokens delivered to the front end / R / window: full steps (each
+                            running request one token, streamed to its client) per second
     daemon_cpu_us_per_step  the daemon's utime + stime (/proc/PID/stat, all its threads) over
                             the window / those steps
     tokens_per_s            token events received by the front end / window
-    daemon_schedules_per_s  AdminService GetStatus num_steps delta: schedule() calls. Lower than
-                            steps_per_s when the daemon folds several worker reports into one
-                            schedule() (it does so whenever it falls behind)
+    daemon_schedules_per_s  AdminService GetStatus num_steps delta: schedule() calls, about one
+                            per worker report. Above steps_per_s when the worker's steps carry
+                            fewer than R tokens (slots paused for blocks), below it when the
+                            daemon folds several reports into one schedule()
 
 The worker and the front end's CPU per step are recorded too: on a small machine all processes
-share the same cores, so the step rate is bounded by their sum, not the daemon's alone.
+share the same cores, so the step rate is bounded by their sum, not the daemon's alone. So are
+`worker_tokens_per_step` (below R: the worker ran steps with slots paused, waiting for block
+extensions) and `other_load_cores` (CPU used by processes outside the benchmark during the
+window: the figures only mean something when it is near 0). `--repeat N` runs every case N
+times and keeps the run with the median steps/s.
 
 `--tracing otlp` runs every R twice, tracing `none` then `otlp`, in the same invocation, and
 prints otlp / none steps/s (target: >= 0.90). Tracing costs per request (a span per request,
 no span per step or token), so with long requests it measures the idle exporter's overhead;
 `--max-tokens` lower makes requests turn over and prices the spans too.
+
+`--hot-path` starts no process: it times, in this process, the daemon's Python work for one
+full report (decode, apply_report, notify, schedule, Session batch) at each R. That part of the
+daemon's CPU per step, free of gRPC and of the machine's noise.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import platform
 import random
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import threading
@@ -99,6 +110,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def machine_busy_s() -> float:
+    """CPU seconds all cores of the machine spent busy (not idle or waiting on I/O)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / CLK_TCK
+
+
 def self_cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
@@ -113,22 +131,44 @@ class Stack:
     sink: Child | None
     address: str
 
-    def stop(self) -> int | None:
-        """Stop worker, daemon, sink (in that order); the sink's span count, if any."""
+    def stop(self) -> dict[str, Any]:
+        """Stop worker, daemon, sink (in that order). Returns what their last lines tell: the
+        worker's tokens per step over its whole run (below R: steps ran with paused slots) and
+        the spans the sink received."""
+        out: dict[str, Any] = {}
         self.worker.stop()
         self.daemon.stop()
-        if self.sink is None:
-            return None
-        self.sink.stop()
-        self.sink.popen.wait(10)
-        time.sleep(0.1)  # let the pump thread take the last line
-        for line in reversed(self.sink.lines):
-            if m := re.search(r"otlp sink: \d+ export requests, (\d+) spans", line):
-                return int(m.group(1))
-        return 0
+        if self.sink is not None:
+            self.sink.stop()
+        time.sleep(0.2)  # let the pump threads take the last lines
+        if m := last_match(self.worker, r"worker stats: (\d+) steps, (\d+) tokens"):
+            steps, tokens = int(m.group(1)), int(m.group(2))
+            out["worker_tokens_per_step"] = round(tokens / steps, 1) if steps else 0.0
+        if self.sink is not None:
+            m = last_match(self.sink, r"otlp sink: \d+ export requests, (\d+) spans")
+            out["otlp_spans_received"] = int(m.group(1)) if m else 0
+        return out
+
+
+def last_match(child: Child, pattern: str) -> re.Match[str] | None:
+    for line in reversed(child.lines):
+        if m := re.search(pattern, line):
+            return m
+    return None
 
 
 def start_stack(running: int, tracing: str) -> Stack:
+    """Start sink (when tracing), daemon and worker; on a failure, stop what was started."""
+    started: list[Child] = []
+    try:
+        return _start_stack(running, tracing, started)
+    except BaseException:
+        for child in reversed(started):
+            child.stop()
+        raise
+
+
+def _start_stack(running: int, tracing: str, started: list[Child]) -> Stack:
     sink = None
     env = {
         "KVSCHED_ENGINE__SCHEDULER__MAX_NUM_SEQS": str(running),
@@ -136,48 +176,27 @@ def start_stack(running: int, tracing: str) -> Stack:
     }
     if tracing == "otlp":
         sink = spawn("otlp-sink", ["-m", "bench.otlp_sink", "--listen", "127.0.0.1:0"], {})
-        endpoint = sink.wait_for(r"otlp sink listening on (\S+:\d+)").group(1)
-        env["KVSCHED_OTLP_ENDPOINT"] = endpoint
+        started.append(sink)
+        env["KVSCHED_OTLP_ENDPOINT"] = sink.wait_for(r"otlp sink listening on (\S+:\d+)").group(1)
+    serve = ["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "off"]
     daemon = spawn(
         "daemon",
-        [
-            "-m",
-            "kvsched.cli",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "off",
-            "--log-level",
-            "warning",
-            "--tracing",
-            tracing,
-        ],
+        ["-m", "kvsched.cli", *serve, "--log-level", "warning", "--tracing", tracing],
         env,
     )
+    started.append(daemon)
     address = daemon.wait_for(r"kvsched listening on (\S+:\d+)").group(1)
+    worker_args = [
+        *("worker", "--server", address, "--instance", "i0", "--executor", "sim", "--zero-cost"),
+        *("--num-slots", str(running), "--num-blocks", str(NUM_BLOCKS)),
+        *("--block-size", str(BLOCK_SIZE)),
+    ]
     worker = spawn(
         "worker",
-        [
-            "-m",
-            "kvsched.cli",
-            "worker",
-            "--server",
-            address,
-            "--instance",
-            "i0",
-            "--executor",
-            "sim",
-            "--zero-cost",
-            "--num-slots",
-            str(running),
-            "--num-blocks",
-            str(NUM_BLOCKS),
-            "--block-size",
-            str(BLOCK_SIZE),
-        ],
+        ["-m", "kvsched.cli", *worker_args],
         {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
     )
+    started.append(worker)
     worker.wait_for(r"welcomed")
     return Stack(daemon, worker, sink, address)
 
@@ -293,10 +312,13 @@ class Snapshot:
     t: float
     tokens: int
     messages: int
+    finished: int
     schedules: int
     daemon_cpu: float
     worker_cpu: float
     self_cpu: float
+    sink_cpu: float
+    machine_busy: float
 
     @classmethod
     async def take(cls, admin: Any, fe: FrontEnd, stack: Stack) -> Snapshot:
@@ -305,10 +327,13 @@ class Snapshot:
             time.monotonic(),
             fe.num_tokens,
             fe.num_messages,
+            fe.num_finished,
             sum(i.num_steps for i in st.instances),
             cpu_s(stack.daemon.popen.pid),
             cpu_s(stack.worker.popen.pid),
             self_cpu_s(),
+            cpu_s(stack.sink.popen.pid) if stack.sink is not None else 0.0,
+            machine_busy_s(),
         )
 
 
@@ -344,6 +369,8 @@ async def measure(
         "daemon_cpu_frac": round((b.daemon_cpu - a.daemon_cpu) / dt, 3),
         "worker_cpu_us_per_step": round((b.worker_cpu - a.worker_cpu) * per_step_us, 1),
         "frontend_cpu_us_per_step": round((b.self_cpu - a.self_cpu) * per_step_us, 1),
+        "other_load_cores": round(other_load(a, b) / dt, 2),
+        "finished_in_window": b.finished - a.finished,
         "session_messages_per_s": round((b.messages - a.messages) / dt, 1),
         "running_at_end": st.num_running,
         "seconds": round(dt, 2),
@@ -352,22 +379,108 @@ async def measure(
     }
 
 
+def other_load(a: Snapshot, b: Snapshot) -> float:
+    """CPU seconds the machine was busy outside this benchmark's processes."""
+    ours = (
+        (b.daemon_cpu - a.daemon_cpu)
+        + (b.worker_cpu - a.worker_cpu)
+        + (b.self_cpu - a.self_cpu)
+        + (b.sink_cpu - a.sink_cpu)
+    )
+    return max(0.0, b.machine_busy - a.machine_busy - ours)
+
+
 def run_case(
     running: int, tracing: str, seconds: float, warmup: float, sessions: int, max_tokens: int
 ) -> dict[str, Any]:
     stack = start_stack(running, tracing)
-    spans = None
+    extra: dict[str, Any] = {}
     try:
         rec = asyncio.run(measure(stack, running, seconds, warmup, sessions, max_tokens))
     finally:
-        spans = stack.stop()
+        extra = stack.stop()
     rec["tracing"] = tracing
-    if spans is not None:
-        rec["otlp_spans_received"] = spans
+    rec.update(extra)
     return rec
 
 
+# ---- the daemon's Python hot path, without gRPC ------------------------------------------------
+
+HOT_STAGES = ("decode report", "apply_report", "notify sinks", "schedule", "Session batch")
+
+
+async def hot_path(running: int, steps: int) -> dict[str, float]:
+    """Median microseconds per step of what the daemon does in Python for one full report (every
+    running request one token, all on one Session), in process: the report's bytes decoded
+    (FromString + report_from_proto), apply_report, the sinks notified (engine.dispatch's token
+    loop), schedule() + tasks_to_bytes, the Session message built and serialized. Steady decode
+    as bench.core_step sets it up. CPU time of this thread, so that other processes taking the
+    core do not count. Run inside a loop: sinks hold asyncio objects."""
+    from types import SimpleNamespace
+
+    from bench.core_step import FakeWorker, build, warm_up
+    from kvsched.server import convert
+    from kvsched.server.daemon import Tracked
+    from kvsched.server.frontend import RequestServicer, SessionSink
+    from kvsched.v1 import worker_service_pb2 as wpb
+
+    sched = build(running, 0, seed=1)
+    worker = FakeWorker()
+    warm_up(sched, worker, running)
+    sink, engine = SessionSink(), SimpleNamespace(instance_id="i0")
+    daemon = SimpleNamespace(tracked={})
+    for req in sched.requests.values():
+        req.tag = daemon.tracked[req.req_id] = Tracked(req, engine, sink)  # type: ignore[arg-type]
+        req.tag.sent = len(req.output_token_ids)
+    servicer = RequestServicer(daemon)  # type: ignore[arg-type]
+    times: dict[str, list[float]] = {k: [] for k in HOT_STAGES}
+    tasks = sched.schedule()
+    for _ in range(steps):
+        report = worker.report(sched, tasks)
+        report.finish_reasons = [0] * len(report.handles)  # as the worker sends it
+        raw = wpb.ConnectRequest(report=convert.report_to_proto(report)).SerializeToString()
+        t0 = time.thread_time()
+        core = convert.report_from_proto(wpb.ConnectRequest.FromString(raw).report)
+        t1 = time.thread_time()
+        events = sched.apply_report(core)
+        t2 = time.thread_time()
+        for req in events.token_reqs:
+            req.tag.sink.notify(req.tag)
+        t3 = time.thread_time()
+        tasks = sched.schedule()
+        sched.take_events()
+        if not tasks.is_empty():
+            convert.tasks_to_bytes(tasks)
+        t4 = time.thread_time()
+        msg = servicer._batch(sink)
+        assert msg is not None
+        msg.SerializeToString()
+        t5 = time.thread_time()
+        for k, a, b in zip(HOT_STAGES, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5), strict=True):
+            times[k].append((b - a) * 1e6)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def print_hot_path(sizes: list[int], steps: int) -> None:
+    print(f"daemon hot path per full step, in process, no gRPC: median CPU us of {steps} steps")
+    print(f"{'running':>7} " + " ".join(f"{k:>14}" for k in (*HOT_STAGES, "total")))
+    for n in sizes:
+        t = asyncio.run(hot_path(n, steps))
+        print(f"{n:>7} " + " ".join(f"{t[k]:>14,.1f}" for k in (*HOT_STAGES, "total")))
+
+
 # ---- report ---------------------------------------------------------------------------------
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median steps/s, with every run's steps/s alongside."""
+    ordered = sorted(runs, key=lambda r: r["steps_per_s"])
+    rec = dict(ordered[(len(ordered) - 1) // 2])
+    if len(runs) > 1:
+        rec["steps_per_s_runs"] = [r["steps_per_s"] for r in runs]
+    return rec
 
 
 def verdict(rec: dict[str, Any]) -> tuple[str, str, str]:
@@ -388,7 +501,7 @@ def verdict(rec: dict[str, Any]) -> tuple[str, str, str]:
 def print_table(records: list[dict[str, Any]]) -> None:
     head = (
         f"{'tracing':>7} {'running':>7} {'steps/s':>9} {'target':>8} {'daemon us/step':>14} "
-        f"{'target':>8} {'tokens/s':>10} {'sched/s':>8} {'worker us':>9} {'front us':>8}  result"
+        f"{'target':>8} {'tokens/s':>10} {'sched/s':>8} {'worker us':>9} {'front us':>8} {'tok/wstep':>9} {'other':>5}  result"
     )
     print(head)
     print("-" * len(head))
@@ -398,7 +511,8 @@ def print_table(records: list[dict[str, Any]]) -> None:
             f"{rec['tracing']:>7} {rec['running']:>7} {rec['steps_per_s']:>9,.0f} {steps_t:>8} "
             f"{rec['daemon_cpu_us_per_step']:>14,.0f} {cpu_t:>8} {rec['tokens_per_s']:>10,} "
             f"{rec['daemon_schedules_per_s']:>8,.0f} {rec['worker_cpu_us_per_step']:>9,.0f} "
-            f"{rec['frontend_cpu_us_per_step']:>8,.0f}  {ok}"
+            f"{rec['frontend_cpu_us_per_step']:>8,.0f} {rec.get('worker_tokens_per_step', 0):>9,.0f} "
+            f"{rec['other_load_cores']:>5.2f}  {ok}"
         )
 
 
@@ -420,6 +534,11 @@ def print_tracing_ratio(records: list[dict[str, Any]]) -> None:
             f"  running {n:>5}: {otlp['steps_per_s']:,.0f} / {none['steps_per_s']:,.0f} = "
             f"{ratio:.3f}  ({cpu:+,.0f} daemon us/step; sink received {spans} spans)  {ok}"
         )
+        if not otlp["finished_in_window"]:
+            print(
+                "    no request ended (so none began) in the window: tracing had no span to "
+                "make there, this ratio is run-to-run noise; --max-tokens 256 prices the spans"
+            )
 
 
 def machine() -> str:
@@ -440,35 +559,51 @@ def main() -> None:
     ap.add_argument("--tracing", choices=("none", "otlp"), default="none")
     ap.add_argument("--sessions", type=int, default=1, help="Session streams in the front end")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="per request")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per case; the median is kept")
     ap.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the records")
+    ap.add_argument(
+        "--hot-path", action="store_true", help="only time the daemon's Python per step, no gRPC"
+    )
     args = ap.parse_args()
     sizes = [int(x) for x in args.running.split(",") if x.strip()]
+    if args.hot_path:
+        print_hot_path(sizes, steps=300)
+        return
     modes = ["none", "otlp"] if args.tracing == "otlp" else ["none"]
     print(
         f"kvsched transport: daemon + 1 zero-cost sim worker + {args.sessions} Session stream(s), "
-        f"{args.seconds:g} s window per case"
+        f"{args.seconds:g} s window per case, {args.repeat} run(s) each (median kept)"
     )
     print(
         f"machine: {machine()}; daemon, worker, front end"
         + (" and OTLP sink" if args.tracing == "otlp" else "")
         + " share these cores: figures are noisy and bound by the sum of their CPU per step"
     )
-    records = []
-    for n in sizes:
-        for mode in modes:  # none and otlp back to back per R, so drift hits both alike
-            rec = run_case(n, mode, args.seconds, args.warmup, args.sessions, args.max_tokens)
-            print(
-                f"  running {n} tracing {mode}: {rec['steps_per_s']:,.0f} steps/s, "
-                f"{rec['daemon_cpu_us_per_step']:,.0f} daemon us/step",
-                flush=True,
-            )
-            records.append(rec)
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {(n, m): [] for n in sizes for m in modes}
+    for _ in range(args.repeat):
+        for n in sizes:
+            for mode in modes:  # none and otlp back to back per R, so drift hits both alike
+                rec = run_case(n, mode, args.seconds, args.warmup, args.sessions, args.max_tokens)
+                print(
+                    f"  running {n} tracing {mode}: {rec['steps_per_s']:,.0f} steps/s, "
+                    f"{rec['daemon_cpu_us_per_step']:,.0f} daemon us/step, "
+                    f"other load {rec['other_load_cores']:.2f} cores",
+                    flush=True,
+                )
+                runs[(n, mode)].append(rec)
+    records = [median_run(rs) for rs in runs.values()]
     print()
     print_table(records)
+    busy = max(r["other_load_cores"] for r in records)
+    if busy > 0.25:
+        print(f"WARNING: other processes kept up to {busy:.2f} cores busy during the windows")
     print_tracing_ratio(records)
     print(
         "\nsteps/s: tokens delivered / running / s. sched/s: the daemon's schedule() calls. "
-        "worker us, front us: their CPU per step."
+        "worker us, front us: their CPU per step.\ntok/wstep: tokens per worker step over the "
+        "worker's whole run (below `running`: its steps ran with slots paused for blocks).\n"
+        "other: cores busy with processes outside this benchmark during the window (0 on a "
+        "quiet machine)."
     )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -89,6 +89,8 @@ def _add_status(sub: Any) -> None:
     )
     p.add_argument("--token", default=os.environ.get("KVSCHED_TOKEN", ""), help="auth token")
     p.add_argument("--tls-ca", default="", metavar="FILE", help="CA that signed the server")
+    p.add_argument("--tls-cert", default="", metavar="FILE", help="client certificate (mTLS)")
+    p.add_argument("--tls-key", default="", metavar="FILE", help="client key (mTLS)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
     p.set_defaults(func=_status)
 
@@ -181,9 +183,9 @@ def _status(args: argparse.Namespace) -> int:
     from kvsched.server.status_view import format_status
     from kvsched.v1 import admin_service_pb2, admin_service_pb2_grpc
 
-    if args.tls_ca:
-        with open(args.tls_ca, "rb") as f:
-            channel = grpc.secure_channel(args.server, grpc.ssl_channel_credentials(f.read()))
+    creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    if creds is not None:
+        channel = grpc.secure_channel(args.server, creds)
     else:
         channel = grpc.insecure_channel(args.server)
     metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
@@ -205,6 +207,30 @@ def _status(args: argparse.Namespace) -> int:
             if args.watch is None:
                 return 0
             _sleep(max(args.watch, 0.1))
+
+
+def channel_credentials(ca: str, cert: str, key: str) -> Any:
+    """TLS credentials for a client of the daemon from `--tls-ca`, `--tls-cert`, `--tls-key`
+    (file paths, "" when not given), or None for plaintext. A client certificate (mutual TLS)
+    implies TLS; without --tls-ca the daemon is verified against the system's CAs.
+    ConfigError for a missing file or a certificate without its key."""
+    if bool(cert) != bool(key):
+        raise ConfigError("--tls-cert and --tls-key go together (mutual TLS needs both)")
+    if not (ca or cert):
+        return None
+    import grpc
+
+    def read(flag: str, path: str) -> bytes | None:
+        if not path:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{flag} {path!r}: {exc.strerror}") from None
+
+    return grpc.ssl_channel_credentials(
+        read("--tls-ca", ca), read("--tls-key", key), read("--tls-cert", cert)
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

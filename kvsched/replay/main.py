@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,17 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", choices=("h100", "a100"), default="h100")
     p.add_argument("--workers", type=int, default=1, help="embedded: simulated instances")
     p.add_argument("--num-blocks", type=int, default=H100_BLOCKS, help="embedded: KV blocks each")
-    p.add_argument("--token", default="", help="bearer token (client role)")
-    p.add_argument("--tls-ca", default="", metavar="FILE")
+    p.add_argument(
+        "--token", default=os.environ.get("KVSCHED_TOKEN", ""), help="bearer token (client role)"
+    )
+    p.add_argument(
+        "--admin-token",
+        default="",
+        help="bearer token (admin role) for the status figures; default: --token",
+    )
+    p.add_argument("--tls-ca", default="", metavar="FILE", help="CA that signed the server")
+    p.add_argument("--tls-cert", default="", metavar="FILE", help="client certificate (mTLS)")
+    p.add_argument("--tls-key", default="", metavar="FILE", help="client key (mTLS)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -49,6 +59,9 @@ def run_replay(args: argparse.Namespace) -> int:
     if not requests:
         print(f"kvsched replay: no requests in {args.trace} for that duration", file=sys.stderr)
         return 2
+    from kvsched.cli import channel_credentials
+
+    creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)  # before any launch
     cluster = None
     address = args.server
     if args.embedded:
@@ -61,11 +74,11 @@ def run_replay(args: argparse.Namespace) -> int:
         )
         address = cluster.address
     metadata = [("authorization", f"Bearer {args.token}")] if args.token else []
-    creds = None
-    if args.tls_ca:
-        import grpc
+    admin_metadata = (
+        [("authorization", f"Bearer {args.admin_token}")] if args.admin_token else metadata
+    )
+    import grpc
 
-        creds = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes())
     try:
         result = asyncio.run(
             replay(
@@ -76,8 +89,12 @@ def run_replay(args: argparse.Namespace) -> int:
                 progress=not args.no_progress,
                 metadata=metadata,
                 credentials=creds,
+                admin_metadata=admin_metadata,
             )
         )
+    except grpc.aio.AioRpcError as exc:  # refused (credentials, TLS) or unreachable
+        print(f"kvsched replay: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
     finally:
         idle = cluster.stop() if cluster else {}
     result.block_size = BLOCK_SIZE if args.embedded else result.block_size

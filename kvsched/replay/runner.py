@@ -129,7 +129,11 @@ async def replay(
     metadata: Sequence[tuple[str, str]] = (),
     credentials: grpc.ChannelCredentials | None = None,
     sample_every_s: float = 1.0,
+    admin_metadata: Sequence[tuple[str, str]] | None = None,
 ) -> ReplayResult:
+    """Replay `requests` over one Session (with `metadata`: the client's token). Status figures
+    (preemptions, KV usage, the timeline) come from AdminService with `admin_metadata` (default:
+    `metadata`); a daemon that refuses those credentials there gets a replay without them."""
     run = _Run(requests, rate_scale, time_scale)
     options = [
         ("grpc.max_receive_message_length", 64 << 20),
@@ -140,14 +144,24 @@ async def replay(
         if credentials
         else grpc.aio.insecure_channel(address, options=options)
     )
+    admin_md = metadata if admin_metadata is None else admin_metadata
     async with channel:
         admin = admin_service_pb2_grpc.AdminServiceStub(channel)
-        before = await admin.GetStatus(apb.GetStatusRequest(), metadata=metadata)
+        before = await _status(admin, admin_md)
+        if before is None:
+            print(
+                "kvsched replay: these credentials may not read the daemon's status "
+                "(AdminService); preemptions, KV figures and the timeline are not recorded "
+                "(pass --admin-token for them)",
+                file=sys.stderr,
+            )
         stub = request_service_pb2_grpc.RequestServiceStub(channel)
         run.t0 = time.monotonic()
         result = ReplayResult(list(run.records.values()))
-        sampler = asyncio.ensure_future(
-            _sample(admin, metadata, run, result, sample_every_s, progress)
+        sampler = (
+            asyncio.ensure_future(_sample(admin, admin_md, run, result, sample_every_s, progress))
+            if before is not None
+            else None
         )
         try:
             async for msg in stub.Session(run.submissions(), metadata=metadata):
@@ -155,8 +169,11 @@ async def replay(
                 if run.finished.is_set():
                     break
         finally:
-            sampler.cancel()
-        after = await admin.GetStatus(apb.GetStatusRequest(), metadata=metadata)
+            if sampler is not None:
+                sampler.cancel()
+        after = await _status(admin, admin_md) if before is not None else None
+    if before is None or after is None:
+        return result
     if progress:
         _progress(run, after, final=True)
     prev = {i.instance_id: i.num_preemptions for i in before.instances}
@@ -171,6 +188,19 @@ async def replay(
     ready = [i for i in after.instances if i.ready]
     result.num_gpu_blocks = ready[0].num_gpu_blocks if ready else 0
     return result
+
+
+async def _status(admin: Any, metadata: Sequence[tuple[str, str]]) -> apb.GetStatusResponse | None:
+    """The daemon's status, or None when the credentials may not read it."""
+    try:
+        resp: apb.GetStatusResponse = await admin.GetStatus(
+            apb.GetStatusRequest(), metadata=metadata, timeout=10
+        )
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return None
+        raise
+    return resp
 
 
 async def _sample(

@@ -72,7 +72,7 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     def __init__(self, pairs: list[tuple[str, str]]) -> None:
         roles: dict[bytes, set[str]] = {}
         for role, token in pairs:
@@ -123,8 +123,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None:
-            return handler  # unknown method: UNIMPLEMENTED
+        if handler is None or details.method.startswith(EXEMPT_PREFIXES):
+            return handler  # unknown method (UNIMPLEMENTED), or open to all
         verdict = self.check(details.method, details.invocation_metadata)
         if isinstance(verdict, tuple):
             return _deny(handler, *verdict)
@@ -166,14 +166,22 @@ def _with_principal(handler: grpc.RpcMethodHandler, principal: str) -> Any:
     if kind.endswith("_stream"):
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            # A streaming handler is an async generator, or a coroutine that calls
+            # context.write() (grpc_health's Watch is one), or returns a plain iterable.
             current_principal.set(principal)
-            gen = fn(request, context)
+            result = fn(request, context)
             try:
-                async for item in gen:
-                    yield item
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        yield item
+                elif inspect.isawaitable(result):
+                    await result
+                else:
+                    for item in result or ():
+                        yield item
             finally:
-                if inspect.isasyncgen(gen):
-                    await gen.aclose()
+                if inspect.isasyncgen(result):
+                    await result.aclose()
 
         return _rebuild(handler, kind, stream)
 

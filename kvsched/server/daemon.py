@@ -502,9 +502,9 @@ def bind(server: grpc.aio.Server, config: ServerConfig) -> int:
     ConfigError for unusable TLS files, Unavailable when the address cannot be bound."""
     try:
         if not config.tls_cert:
-            return server.add_insecure_port(config.listen)
+            return int(server.add_insecure_port(config.listen))
         creds = _server_credentials(config)
-        return server.add_secure_port(config.listen, creds)
+        return int(server.add_secure_port(config.listen, creds))
     except RuntimeError as exc:  # grpc raises instead of returning 0 since 1.60
         raise Unavailable(f"cannot listen on {config.listen}: {exc}") from None
 
