@@ -14,6 +14,7 @@ A step's token budget:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -151,11 +152,27 @@ class Scheduler:
             raise InvalidRequest(f"request {rid!r}: token ids must be in [0, 2^31)")
         if req.priority < 0 and sc.policy == QueuePolicy.PRIORITY:
             raise InvalidRequest(f"request {rid!r}: priority = {req.priority} must be >= 0")
+        need_blocks = -(-(n + 1) // self.block_size)
+        if need_blocks > self.kv.pool.num_blocks:
+            raise InvalidRequest(
+                f"request {rid!r}: a prompt of {n} tokens needs {need_blocks} KV blocks but the "
+                f"instance has {self.kv.pool.num_blocks} ({self.kv.pool.num_blocks * self.block_size}"
+                " tokens): shorten the prompt"
+            )
+        if not math.isfinite(sp.temperature) or not math.isfinite(sp.top_p):
+            raise InvalidRequest(f"request {rid!r}: temperature and top_p must be finite numbers")
         if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0:
             raise InvalidRequest(
                 f"request {rid!r}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0"
             )
+        prev_end = 0
         for r in req.mm_ranges:
+            if r.offset < prev_end:
+                raise InvalidRequest(
+                    f"request {rid!r}: multimodal ranges must be sorted by offset and must not "
+                    f"overlap (a range starts at {r.offset}, before {prev_end})"
+                )
+            prev_end = r.offset + r.length
             if r.offset < 0 or r.length < 1 or r.offset + r.length > n or not r.content_hash:
                 raise InvalidRequest(
                     f"request {rid!r}: multimodal range (offset {r.offset}, length {r.length}) "

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvsched.daemon")
 
+MAX_GPU_BLOCKS = 1 << 22  # 4M blocks; a pool this big takes ~1 s and ~1 GB to set up
 RECENT_FINISHED = 10_000  # ids remembered so a late Abort of a finished request is a no-op
 
 SERVICE_NAMES = (
@@ -113,10 +114,17 @@ class Daemon:
             )
         if not hello.instance_id:
             raise ProtocolError("Hello.instance_id must not be empty")
-        if hello.num_gpu_blocks < 1 or hello.block_size < 1 or hello.num_slots < 1:
+        for name, value, hi in (
+            ("num_gpu_blocks", hello.num_gpu_blocks, MAX_GPU_BLOCKS),
+            ("block_size", hello.block_size, 4096),
+            ("num_slots", hello.num_slots, (1 << 32) - 1),  # min()ed with max_num_seqs
+        ):
+            if not 1 <= value <= hi:
+                raise ProtocolError(f"Hello.{name} = {value} is out of range [1, {hi}]")
+        if not 0 <= hello.rank < max(1, hello.world_size) <= 64:
             raise ProtocolError(
-                "Hello must give num_gpu_blocks, block_size and num_slots >= 1 "
-                f"(got {hello.num_gpu_blocks}, {hello.block_size}, {hello.num_slots})"
+                f"Hello.rank = {hello.rank} is outside world size {hello.world_size} (ranks 0..world_size-1), "
+                "world_size at most 64"
             )
         eng = self.engines.get(hello.instance_id)
         if eng is None:
@@ -135,7 +143,16 @@ class Daemon:
             address=hello.worker_address,
             model=hello.model,
         )
-        eng.attach(conn, max(1, hello.world_size))
+        try:
+            eng.attach(conn, max(1, hello.world_size))
+        except Exception:
+            if (
+                not eng.ranks
+                and eng.sched is None
+                and hello.instance_id not in self.config.instances
+            ):
+                del self.engines[hello.instance_id]  # refused before it ever existed
+            raise
         return eng, conn
 
     def welcome(self, eng: InstanceEngine, conn: RankConn) -> bytes:
@@ -474,6 +491,7 @@ def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
         ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.so_reuseport", 0),  # a second daemon on the same port must fail, not share it
     ]
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
     auth_file = config.auth_file

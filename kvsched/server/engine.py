@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvsched.core import EngineConfig, ProtocolError, Role, Scheduler, Unavailable
+from kvsched.core import ConfigError, EngineConfig, ProtocolError, Role, Scheduler, Unavailable
 from kvsched.core.protocol import StepReport
 from kvsched.server import convert
 
@@ -98,19 +98,27 @@ class InstanceEngine:
                 f"rank {conn.rank} has block size {conn.block_size}, rank {first.rank} "
                 f"has {first.block_size}: all ranks of an instance must agree"
             )
+        if len(self.ranks) + 1 == self.world_size:
+            self._start([*self.ranks.values(), conn])  # may raise: then nothing is registered
         self.ranks[conn.rank] = conn
-        if len(self.ranks) == self.world_size:
-            self._start()
+        if self.sched is not None:
+            self.daemon.on_instance_ready(self)
+            self.wake()
 
-    def _start(self) -> None:
+    def _start(self, conns: list[RankConn]) -> None:
         cfg = copy.deepcopy(self.engine_config)
-        conns = list(self.ranks.values())
         cfg.cache.block_size = conns[0].block_size
         cfg.cache.num_gpu_blocks = min(c.num_gpu_blocks for c in conns)
         cfg.scheduler.max_num_seqs = min(cfg.scheduler.max_num_seqs, *(c.num_slots for c in conns))
-        self.sched = Scheduler(
-            cfg, clock=time.monotonic, instance_id=self.instance_id, first_handle=self._next_handle
-        )
+        try:
+            self.sched = Scheduler(
+                cfg,
+                clock=time.monotonic,
+                instance_id=self.instance_id,
+                first_handle=self._next_handle,
+            )
+        except ConfigError as exc:  # the workers' sizes do not fit this instance's config
+            raise ProtocolError(f"instance {self.instance_id!r} cannot start: {exc}") from None
         log.info(
             "instance %s ready: %d rank(s), %d blocks of %d tokens, %d slots, role %s",
             self.instance_id,
@@ -120,8 +128,6 @@ class InstanceEngine:
             cfg.scheduler.max_num_seqs,
             self.role.value,
         )
-        self.daemon.on_instance_ready(self)
-        self.wake()
 
     def take_out(self, reason: str, error: Exception | None = None) -> None:
         """The instance is lost (a rank dropped, went silent, or broke the protocol): close

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from kvsched.core.errors import (
     CapacityExceeded,
@@ -61,6 +62,7 @@ _CODES: dict[type[BaseException], grpc.StatusCode] = {
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    DecodeError: grpc.StatusCode.INVALID_ARGUMENT,  # bytes that are not the RPC's message
 }
 
 _DEFAULT_MESSAGES: dict[grpc.StatusCode, str] = {
@@ -90,6 +92,10 @@ def status_for(exc: BaseException, where: str = "") -> tuple[grpc.StatusCode, st
     `where` (e.g. the RPC method) goes into the log line.
     """
     code = _code_of(exc)
+    if isinstance(exc, DecodeError):
+        return code or grpc.StatusCode.INVALID_ARGUMENT, (
+            f"malformed message: the bytes do not decode as this RPC's protobuf ({exc})"
+        )
     if code is not None:
         return code, str(exc) or _DEFAULT_MESSAGES[code]
     ref = uuid.uuid4().hex[:12]

@@ -411,3 +411,16 @@ def test_step_cost_ignores_the_waiting_queue() -> None:
     before = [r.block_hashes for r in s.waiting]
     step(s)
     assert all(not h for h in before), "waiting requests were hashed without being admitted"
+
+
+def test_prompt_larger_than_the_pool_nan_sampling_and_overlapping_images_are_rejected() -> None:
+    s = make_scheduler(block_size=16, num_gpu_blocks=10)
+    with pytest.raises(InvalidRequest, match="needs 11 KV blocks but the instance has 10"):
+        s.add_request(make_request(160))
+    bad = make_request(8)
+    bad.sampling.temperature = float("nan")
+    with pytest.raises(InvalidRequest, match="finite"):
+        s.add_request(bad)
+    with pytest.raises(InvalidRequest, match="must not overlap"):
+        s.add_request(make_request(100, mm_ranges=[mm(0, 40, "a"), mm(10, 40, "b")]))
+    assert not s.requests
