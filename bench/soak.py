@@ -76,8 +76,9 @@ async def one_request(
     fig: Figures,
 ) -> None:
     prompt = rng.choice(prefixes) + [rng.randrange(3, 30000) for _ in range(rng.randrange(1, 100))]
-    max_tokens = rng.randrange(1, 200)
     fate = rng.random()
+    # Requests meant to be aborted run long enough for the abort to land mid-stream.
+    max_tokens = rng.randrange(2000, 4000) if fate < 0.2 else rng.randrange(1, 200)
     msg = rpb.GenerateRequest(
         request_id=rid,
         prompt_token_ids=prompt,

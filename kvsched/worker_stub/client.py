@@ -693,8 +693,28 @@ def _answer(push: _KvPush, code: grpc.StatusCode, message: str) -> None:
 async def _drain(
     outbox: asyncio.Queue[pb.ConnectRequest | None],
 ) -> AsyncIterator[pb.ConnectRequest]:
-    while (msg := await outbox.get()) is not None:
+    """The stream's messages in order. Reports still queued behind one another (the worker
+    stepped faster than the stream drained) go out merged into one: columns concatenated, the
+    later step number and applied seq. The daemon applies rows in order, so a handle may appear
+    once per merged step; it sees every token sooner and pays for one message instead of many."""
+    carry: object = _NOTHING
+    while True:
+        msg = await outbox.get() if carry is _NOTHING else carry
+        carry = _NOTHING
+        if not isinstance(msg, pb.ConnectRequest):
+            return  # None: the stream is done
+        if msg.WhichOneof("kind") == "report":
+            while not outbox.empty():
+                nxt = outbox.get_nowait()
+                if nxt is not None and nxt.WhichOneof("kind") == "report":
+                    msg.MergeFrom(nxt)  # repeated columns append; scalars take the later
+                else:
+                    carry = nxt
+                    break
         yield msg
+
+
+_NOTHING = object()
 
 
 def _advertised_address(listen: str, port: int) -> str:
