@@ -1,0 +1,387 @@
+"""One Scheduler driven by the real WorkerEngine over a zero-cost sim, with late messages.
+
+Tasks reach the worker, and reports reach the scheduler, 0-2 steps after they were produced
+(in order, never reordered), so acknowledgements arrive late and finishes, aborts and preempts
+cross. Tiny KV pools force preemption; a few shared prefixes make prefix hits. After every rule
+the scheduler's invariants hold; at the end, with everything drained, every request finished
+exactly once with the right reason and count, every token a client saw is the sim's token for
+that request and position (so recompute after preemption continues correctly), and every block
+is free.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import TypeVar
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from kvsched.core import (
+    Events,
+    FinishReason,
+    Request,
+    RequestNotFound,
+    SamplingParams,
+    Scheduler,
+    StepReport,
+    Tasks,
+)
+from kvsched.worker_stub.engine import WorkerEngine
+from kvsched.worker_stub.executor import SeqWork, StepResult
+from kvsched.worker_stub.sim import SimExecutor
+from tests.core.factories import make_config
+
+BLOCK = 4
+EOS = 2
+MAX_MODEL_LEN = 40
+# Prefixes of 0, 2 and 3 blocks; the third extends the second, so chains share blocks.
+PREFIXES: tuple[list[int], ...] = (
+    [],
+    list(range(100, 108)),
+    list(range(100, 112)),
+    list(range(300, 312)),
+)
+M = TypeVar("M")  # a message on a channel: Tasks or StepReport
+DRAIN_STEPS_PER_REQUEST = 60  # generous: one slot, max_tokens 12, delays, recompute
+
+
+class CheckedSim(SimExecutor):
+    """The zero-cost sim plus a shadow of the paged KV cache. Each written position holds a
+    chain value over the request's true tokens up to it (prompt, then the sim's tokens), so a
+    step that reads KV another request wrote, reads KV not written before this step (a reader
+    in the same step as its writer), or is fed a wrong token, fails at once. The sim's tokens
+    do not depend on the KV: without this shadow such bugs would be invisible."""
+
+    def __init__(self, prompts: dict[str, list[int]], eos_every: int | None) -> None:
+        super().__init__(zero_cost=True, eos_token_id=EOS, eos_every=eos_every)
+        self.prompts = prompts
+        self.kv: dict[tuple[int, int], int] = {}  # (block id, offset) -> chain value
+        self._chains: dict[str, list[int]] = {}
+
+    def true_token(self, req_id: str, pos: int) -> int:
+        prompt = self.prompts[req_id]
+        return prompt[pos] if pos < len(prompt) else self.token_at(req_id, pos)
+
+    def chain(self, req_id: str, pos: int) -> int:
+        c = self._chains.setdefault(req_id, [])
+        while len(c) <= pos:
+            c.append(hash((c[-1] if c else 0, self.true_token(req_id, len(c)))))
+        return c[pos]
+
+    def execute(self, work: list[SeqWork]) -> StepResult:
+        writes: dict[tuple[int, int], int] = {}
+        for w in work:
+            rid, real = w.req_id, len(w.token_ids) - w.num_draft
+            for i, token in enumerate(w.token_ids[:real]):
+                assert token == self.true_token(rid, w.start + i), f"{rid}: wrong input token"
+            for pos in range(w.start):  # attention reads every earlier position
+                got = self.kv.get(self._where(w, pos))
+                assert got == self.chain(rid, pos), f"{rid}: KV at {pos} is not its own"
+            for pos in range(w.start, w.start + len(w.token_ids)):  # drafts: as if they matched
+                where, value = self._where(w, pos), self.chain(rid, pos)
+                assert writes.setdefault(where, value) == value, f"{rid}: write clash at {where}"
+        self.kv.update(writes)  # after all reads: one forward pass
+        return super().execute(work)
+
+    @staticmethod
+    def _where(w: SeqWork, pos: int) -> tuple[int, int]:
+        assert pos // BLOCK < len(w.block_ids), f"{w.req_id}: position {pos} past its blocks"
+        return w.block_ids[pos // BLOCK], pos % BLOCK
+
+
+@dataclass(frozen=True)
+class Setup:
+    num_blocks: int = 16
+    max_num_seqs: int = 3
+    spec_k: int = 0
+    policy: str = "fcfs"
+    priority_preemption: bool = False
+    max_preemptions: int = 0
+    max_num_batched_tokens: int = 16
+    admit_full_prompt: bool = True
+    prealloc_blocks: int = 1
+    prealloc_threshold: int = 2
+    eos_every: int | None = None
+
+
+class Harness:
+    """A scheduler, a worker and the two in-order, delayed channels between them."""
+
+    def __init__(self, setup: Setup) -> None:
+        config = make_config(
+            block_size=BLOCK,
+            num_gpu_blocks=setup.num_blocks,
+            enable_prefix_caching=True,
+            max_num_seqs=setup.max_num_seqs,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
+            admit_full_prompt=setup.admit_full_prompt,
+            max_model_len=MAX_MODEL_LEN,
+            policy=setup.policy,
+            priority_preemption=setup.priority_preemption,
+            max_preemptions=setup.max_preemptions,
+            num_speculative_tokens=setup.spec_k,
+            prealloc_blocks=setup.prealloc_blocks,
+            prealloc_threshold=setup.prealloc_threshold,
+        )
+        ticks = itertools.count(1)
+        self.scheduler = Scheduler(config, clock=lambda: float(next(ticks)))
+        self.prompts: dict[str, list[int]] = {}
+        self.sim = CheckedSim(self.prompts, setup.eos_every)
+        self.worker = WorkerEngine(
+            self.sim, BLOCK, setup.max_num_seqs, EOS, MAX_MODEL_LEN, setup.spec_k
+        )
+        self.now = 0
+        self.to_worker: deque[tuple[int, Tasks]] = deque()
+        self.to_scheduler: deque[tuple[int, StepReport]] = deque()
+        self.requests: dict[str, Request] = {}
+        self.num_finishes: Counter[str] = Counter()
+        self.seen: dict[str, list[int]] = {}  # the tokens a client saw, at its finish event
+        self.aborted: set[str] = set()
+        self.finished_ids: list[str] = []  # finished by the worker or the scheduler
+        self.idle = False  # the last step moved nothing
+
+    # ---- what a front end does -----------------------------------------------------------
+    def add(self, prompt: list[int], max_tokens: int, priority: int = 0) -> None:
+        req_id = f"r{len(self.requests)}"
+        req = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens), priority=priority)
+        self.scheduler.add_request(req)
+        self.requests[req_id] = req
+        self.prompts[req_id] = prompt
+
+    def abort(self, req_id: str) -> None:
+        self.scheduler.abort(req_id)
+        self.aborted.add(req_id)
+        self._collect(self.scheduler.take_events())
+
+    def abort_finished(self, req_id: str) -> None:
+        with pytest.raises(RequestNotFound):
+            self.scheduler.abort(req_id)
+
+    def pause(self, reset_cache: bool) -> None:
+        self.scheduler.pause()
+        if reset_cache:
+            self.scheduler.reset_prefix_cache()
+        self._collect(self.scheduler.take_events())
+
+    # ---- one step of the loop ------------------------------------------------------------
+    def advance(self, task_delay: int, report_delay: int) -> None:
+        """schedule -> deliver due tasks -> worker step -> deliver due reports."""
+        self.now += 1
+        tasks = self.scheduler.schedule()
+        self._collect(self.scheduler.take_events())
+        if not tasks.is_empty():
+            self._send(self.to_worker, tasks, task_delay)
+        while self.to_worker and self.to_worker[0][0] <= self.now:
+            self.worker.apply(self.to_worker.popleft()[1])
+        report = self.worker.step()
+        if report is not None:
+            self._send(self.to_scheduler, report, report_delay)
+        while self.to_scheduler and self.to_scheduler[0][0] <= self.now:
+            self._collect(self.scheduler.apply_report(self.to_scheduler.popleft()[1]))
+        self.idle = tasks.is_empty() and report is None
+
+    def _send(self, channel: deque[tuple[int, M]], message: M, delay: int) -> None:
+        due = self.now + delay
+        if channel and channel[-1][0] > due:
+            due = channel[-1][0]  # never overtake an earlier message
+        channel.append((due, message))
+
+    def _collect(self, events: Events) -> None:
+        for req in events.finished:
+            self.num_finishes[req.req_id] += 1
+            self.seen[req.req_id] = list(req.output_token_ids)
+            if req.finish_reason != FinishReason.ABORT:
+                self.finished_ids.append(req.req_id)
+
+    # ---- the end -------------------------------------------------------------------------
+    def drain(self, rng: random.Random) -> None:
+        """Stop adding, resume, and step until nothing is live or in flight (bounded)."""
+        self.scheduler.resume()
+        max_steps = 100 + DRAIN_STEPS_PER_REQUEST * len(self.scheduler.requests)
+        for _ in range(max_steps):
+            self.advance(rng.randint(0, 2), rng.randint(0, 2))
+            self.scheduler.check_integrity()
+            if self._quiet():
+                return
+        live = {r.req_id: r.status.name for r in self.scheduler.requests.values()}
+        raise AssertionError(f"not drained after {max_steps} steps: live {live}")
+
+    def _quiet(self) -> bool:
+        return (
+            self.idle
+            and not self.scheduler.requests
+            and not self.to_worker
+            and not self.to_scheduler
+            and not self.worker.has_runnable()
+        )
+
+    def verify(self) -> None:
+        s = self.scheduler
+        assert not s.requests and not s.live and not s.running and s.num_waiting == 0
+        assert s.kv.num_free_blocks == s.kv.pool.num_blocks, "blocks leaked"
+        assert not any(self.worker.holds(h) for h in range(s.next_handle))
+        for req_id, req in self.requests.items():
+            assert self.num_finishes[req_id] == 1, f"{req_id} finished {self.num_finishes[req_id]}x"
+            out = self.seen[req_id]
+            assert out == req.output_token_ids, f"{req_id}: tokens changed after its finish"
+            start = len(req.prompt_token_ids)
+            expected = [self.sim.token_at(req_id, start + i) for i in range(len(out))]
+            assert out == expected, f"{req_id}: wrong tokens {out} != {expected}"
+            assert len(out) <= req.sampling.max_tokens
+            assert EOS not in out[:-1], f"{req_id}: went on after EOS"
+            self._verify_reason(req, out)
+        num_tokens = sum(len(out) for out in self.seen.values())
+        assert s.stats.num_generation_tokens == num_tokens
+
+    def _verify_reason(self, req: Request, out: list[int]) -> None:
+        reason = req.finish_reason
+        if req.req_id in self.aborted:
+            assert reason == FinishReason.ABORT, f"{req.req_id}: aborted but {reason!r}"
+        elif reason == FinishReason.LENGTH:
+            assert len(out) == req.sampling.max_tokens, f"{req.req_id}: LENGTH with {len(out)}"
+        else:
+            assert reason == FinishReason.STOP, f"{req.req_id}: finished with {reason!r}"
+            assert out and out[-1] == EOS, f"{req.req_id}: STOP without EOS"
+
+
+def make_prompt(prefix: int, suffix: list[int]) -> list[int]:
+    return PREFIXES[prefix] + suffix
+
+
+setups = st.builds(
+    Setup,
+    num_blocks=st.one_of(st.integers(12, 20), st.integers(12, 40)),
+    max_num_seqs=st.integers(1, 6),
+    spec_k=st.sampled_from([0, 2]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    priority_preemption=st.booleans(),
+    max_preemptions=st.sampled_from([0, 0, 2]),
+    max_num_batched_tokens=st.sampled_from([8, 16, 32]),
+    admit_full_prompt=st.booleans(),
+    prealloc_blocks=st.integers(1, 2),
+    prealloc_threshold=st.integers(0, 4),
+    eos_every=st.sampled_from([None, 4, 8]),
+)
+delays = st.integers(0, 2)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    h: Harness
+
+    @initialize(setup=setups)
+    def start(self, setup: Setup) -> None:
+        self.h = Harness(setup)
+
+    @rule(
+        reqs=st.lists(
+            st.tuples(
+                st.integers(0, len(PREFIXES) - 1),  # shared prefix
+                st.lists(st.integers(10, 40), min_size=1, max_size=8),  # own suffix
+                st.integers(1, 12),  # max_tokens
+                st.integers(0, 3),  # priority
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    )
+    def add(self, reqs: list[tuple[int, list[int], int, int]]) -> None:
+        for prefix, suffix, max_tokens, priority in reqs:
+            self.h.add(make_prompt(prefix, suffix), max_tokens, priority)
+
+    @precondition(lambda self: self.h.scheduler.requests)
+    @rule(data=st.data())
+    def abort_live(self, data: st.DataObject) -> None:
+        self.h.abort(data.draw(st.sampled_from(sorted(self.h.scheduler.requests))))
+
+    @precondition(lambda self: self.h.finished_ids)
+    @rule(data=st.data())
+    def abort_finished(self, data: st.DataObject) -> None:
+        self.h.abort_finished(data.draw(st.sampled_from(self.h.finished_ids[-3:])))
+
+    @rule(steps=st.lists(st.tuples(delays, delays), min_size=1, max_size=4))
+    def advance(self, steps: list[tuple[int, int]]) -> None:
+        for task_delay, report_delay in steps:
+            self.h.advance(task_delay, report_delay)
+
+    @precondition(lambda self: not self.h.scheduler.paused)
+    @rule(reset_cache=st.booleans())
+    def pause(self, reset_cache: bool) -> None:
+        self.h.pause(reset_cache)
+
+    @precondition(lambda self: self.h.scheduler.paused)
+    @rule()
+    def resume(self) -> None:
+        self.h.scheduler.resume()
+
+    @invariant()
+    def integrity(self) -> None:
+        self.h.scheduler.check_integrity()
+
+    def teardown(self) -> None:
+        if hasattr(self, "h"):
+            self.h.drain(random.Random(0))
+            self.h.verify()
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=120,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        Setup(num_blocks=14, max_num_seqs=3, eos_every=8),
+        Setup(
+            num_blocks=20,
+            max_num_seqs=4,
+            spec_k=2,
+            policy="priority",
+            priority_preemption=True,
+            max_preemptions=2,
+            admit_full_prompt=False,
+            prealloc_blocks=2,
+            eos_every=6,
+        ),
+    ],
+    ids=["fcfs", "priority-spec"],
+)
+def test_fixed_seed_long_run(setup: Setup) -> None:
+    """~2000 steps of the same loop with a fixed seed: a regression net that needs no search."""
+    rng = random.Random(20261202)
+    h = Harness(setup)
+    for _ in range(2000):
+        roll = rng.random()
+        if roll < 0.3:
+            suffix = [rng.randint(10, 40) for _ in range(rng.randint(1, 8))]
+            prompt = make_prompt(rng.randrange(len(PREFIXES)), suffix)
+            h.add(prompt, rng.randint(1, 12), rng.randint(0, 3))
+        elif roll < 0.36 and h.scheduler.requests:
+            h.abort(rng.choice(sorted(h.scheduler.requests)))
+        elif roll < 0.38 and h.finished_ids:
+            h.abort_finished(h.finished_ids[-1])
+        elif roll < 0.39:
+            h.pause(reset_cache=rng.random() < 0.5)
+        if h.scheduler.paused and rng.random() < 0.3:
+            h.scheduler.resume()
+        h.advance(rng.randint(0, 2), rng.randint(0, 2))
+        h.scheduler.check_integrity()
+    assert h.scheduler.stats.num_preemptions > 0, "the pool was meant to force preemption"
+    h.drain(rng)
+    h.verify()
