@@ -106,6 +106,7 @@ def _add_demo(sub: Any) -> None:
         default=2.5,
         help="simulate this much faster than real time (figures stay in simulated seconds)",
     )
+    p.add_argument("--json", type=Path, default=Path("bench/results/demo.json"), metavar="OUT")
     p.set_defaults(func=_demo)
 
 

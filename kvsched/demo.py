@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvsched.replay.main import run_replay
+from kvsched.replay.main import add_replay_arguments, run_replay
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -26,22 +26,13 @@ def run_demo(args: argparse.Namespace) -> int:
         f"simulated {args.time_scale:g}x faster than real time; figures are in simulated seconds",
         flush=True,
     )
-    replay_args = argparse.Namespace(
-        trace=trace,
-        server="",
-        duration=args.duration,
-        requests=None,
-        rate_scale=1.0,
-        time_scale=args.time_scale,
-        json=Path("bench/results/demo.json"),
-        slo_ttft=5.0,
-        slo_tpot=0.1,
-        embedded=True,
-        gpu=args.gpu,
-        workers=1,
-        num_blocks=5120,
-        token="",
-        tls_ca="",
-        no_progress=False,
-    )
+    parser = argparse.ArgumentParser()
+    add_replay_arguments(parser)
+    replay_args = parser.parse_args(
+        [
+            "--trace", str(trace), "--duration", str(args.duration), "--embedded",
+            "--gpu", args.gpu, "--workers", "1", "--time-scale", str(args.time_scale),
+            "--json", str(args.json),
+        ]
+    )  # fmt: skip
     return run_replay(replay_args)

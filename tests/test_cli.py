@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import types
@@ -15,6 +16,7 @@ import grpc
 import pytest
 
 from kvsched import cli
+from kvsched.cli import DEFAULT_TRACE
 from kvsched.server.config import ServerConfig
 from kvsched.v1 import admin_service_pb2, admin_service_pb2_grpc
 
@@ -235,3 +237,20 @@ def test_installed_command(tmp_path: Path) -> None:
         f"kvsched serve: configuration error: tracing_exporter = 'jaeger'; expected one of "
         f"['none', 'console', 'otlp'] (from {bad})"
     ]
+
+
+@pytest.mark.skipif(not DEFAULT_TRACE.exists(), reason="no ../shared/data/traces on this machine")
+def test_demo_runs_end_to_end_and_prints_its_table(tmp_path: Path) -> None:
+    """`kvsched demo` (what `make demo` runs), on a few seconds of the trace, sped up."""
+    out = tmp_path / "demo.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "kvsched.cli", "demo", "--duration", "4", "--time-scale", "5",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    for needle in ("requests (completed)", "output tokens/s", "TTFT p50 / p99", "TPOT p50 / p99",
+                   "prefix-cache hit", "preemptions"):  # fmt: skip
+        assert needle in res.stdout
+    summary = json.loads(out.read_text())
+    assert summary["completed"] == summary["requests"] > 0
