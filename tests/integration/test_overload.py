@@ -34,7 +34,8 @@ def config(text: str) -> str:
 def test_queue_limit_queue_timeout_and_deadline() -> None:
     cfg = config("queue_timeout_s = 1.0\n[engine.scheduler]\nmax_waiting = 3\n")
     daemon, address = start_daemon("--config", cfg)
-    worker = start_worker(address, "w", "--speed", "50", "--num-slots", "1", "--num-blocks", "500")
+    # speed 5: the hog (5000 tokens) holds the only slot for ~6 s, past the 1 s queue timeout
+    worker = start_worker(address, "w", "--speed", "5", "--num-slots", "1", "--num-blocks", "500")
     try:
         wait_ready(address, ["w"])
 
