@@ -36,6 +36,8 @@ class KVCacheManager:
 
     # ---- hashing --------------------------------------------------------------------------
     def block_extra_keys(self, req: Request, i: int) -> bytes:
+        if not (req.lora_name or req.cache_salt or req.mm_ranges):
+            return b""  # the common case, on the decode hot path
         bs = self.block_size
         start, end = i * bs, (i + 1) * bs
         parts = []
