@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.simulate import KvschedCluster, offered_work_s, simulate
-from bench.summary import DEFAULT_SLO_TPOT_S, DEFAULT_SLO_TTFT_S
 from kvsched.core import CacheConfig, EngineConfig, SchedulerConfig
+from kvsched.replay.summary import DEFAULT_SLO_TPOT_S, DEFAULT_SLO_TTFT_S
 from kvsched.traces import DEFAULT_TRACE_DIR, TraceRequest, ideal_lru_hit_rate, load_trace
 
 DEFAULT_TRACE = DEFAULT_TRACE_DIR / "mooncake_conversation.jsonl"

@@ -30,13 +30,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from bench.summary import (
-    DEFAULT_SLO_TPOT_S,
-    DEFAULT_SLO_TTFT_S,
-    RequestRecord,
-    percentile,
-    summarize,
-)
 from kvsched.core import (
     EngineConfig,
     Events,
@@ -47,6 +40,13 @@ from kvsched.core import (
     Scheduler,
     StepReport,
     Tasks,
+)
+from kvsched.replay.summary import (
+    DEFAULT_SLO_TPOT_S,
+    DEFAULT_SLO_TTFT_S,
+    RequestRecord,
+    percentile,
+    summarize,
 )
 from kvsched.traces import TraceRequest
 from kvsched.worker_stub.costmodel import fit_for, step_time_s
@@ -300,7 +300,7 @@ class SimResult:
     def summary(
         self, slo_ttft_s: float = DEFAULT_SLO_TTFT_S, slo_tpot_s: float = DEFAULT_SLO_TPOT_S
     ) -> dict[str, Any]:
-        """`bench.summary.summarize` plus the simulator's own fields."""
+        """`kvsched.replay.summary.summarize` plus the simulator's own fields."""
         out = summarize(
             self.records,
             num_gpu_blocks=self.num_gpu_blocks,

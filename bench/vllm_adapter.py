@@ -37,8 +37,8 @@ import time
 from typing import Any
 
 from bench.simulate import EventLoop, InstanceStats, record_tokens
-from bench.summary import RequestRecord
 from kvsched.core import Router
+from kvsched.replay.summary import RequestRecord
 from kvsched.traces import TraceRequest
 from kvsched.worker_stub.costmodel import step_time_s
 from kvsched.worker_stub.sim import SimExecutor

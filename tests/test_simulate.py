@@ -1,4 +1,4 @@
-"""The discrete-event simulator (bench.simulate) and the shared summary (bench.summary)."""
+"""The discrete-event simulator (bench.simulate) and the shared summary (kvsched.replay.summary)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from bench.simulate import EventLoop, KvschedCluster, SimResult, simulate
-from bench.summary import RequestRecord, summarize
 from kvsched.core import CacheConfig, EngineConfig, SchedulerConfig, StepReport, Tasks
+from kvsched.replay.summary import RequestRecord, summarize
 from kvsched.traces import DEFAULT_TRACE_DIR, TraceRequest, load_trace
 
 BLOCK = 16

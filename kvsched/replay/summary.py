@@ -1,5 +1,5 @@
-"""One summary of a serving run, shared by the simulator, the policy and peer benchmarks and the
-trace replayer, so every tool reports the same fields computed the same way.
+"""One summary of a serving run, shared by the trace replayer (kvsched replay) and the simulator,
+the policy and peer benchmarks, so every tool reports the same fields computed the same way.
 
 Per request the caller records arrival, token times and finish (`RequestRecord`); `summarize`
 turns them into:
