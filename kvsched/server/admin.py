@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
 from kvsched.server import convert
@@ -56,45 +58,47 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
             out.num_running += st.num_running
         return out
 
+    def _each(self, instance_id: str, action: Callable[[InstanceEngine], object]) -> list[str]:
+        """Apply `action` to the named instance (all when empty), wake it, return the ids."""
+        engines = self.daemon.select(instance_id)
+        for eng in engines:
+            action(eng)
+            eng.wake()
+        return [e.instance_id for e in engines]
+
     async def Drain(
         self, request: apb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> apb.DrainResponse:
-        engines = self.daemon.select(request.instance_id)
-        for eng in engines:
-            eng.draining = True
-        return apb.DrainResponse(instance_ids=[e.instance_id for e in engines])
+        return apb.DrainResponse(instance_ids=self._each(request.instance_id, _drain))
 
     async def Pause(
         self, request: apb.PauseRequest, context: grpc.aio.ServicerContext
     ) -> apb.PauseResponse:
-        engines = self.daemon.select(request.instance_id)
-        for eng in engines:
-            if eng.sched is not None:
-                eng.sched.pause()
-                eng.wake()
+        ids = self._each(request.instance_id, lambda e: e.sched and e.sched.pause())
         if not request.instance_id:
             self.daemon.paused = True
-        return apb.PauseResponse(instance_ids=[e.instance_id for e in engines])
+        return apb.PauseResponse(instance_ids=ids)
 
     async def Resume(
         self, request: apb.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> apb.ResumeResponse:
-        engines = self.daemon.select(request.instance_id)
-        for eng in engines:
-            eng.draining = False
-            if eng.sched is not None:
-                eng.sched.resume()
-                eng.wake()
+        ids = self._each(request.instance_id, _resume)
         if not request.instance_id:
             self.daemon.paused = False
-        return apb.ResumeResponse(instance_ids=[e.instance_id for e in engines])
+        return apb.ResumeResponse(instance_ids=ids)
 
     async def ResetPrefixCache(
         self, request: apb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
     ) -> apb.ResetPrefixCacheResponse:
-        engines = self.daemon.select(request.instance_id)
-        for eng in engines:
-            if eng.sched is not None:
-                eng.sched.reset_prefix_cache()
-                eng.wake()
-        return apb.ResetPrefixCacheResponse(instance_ids=[e.instance_id for e in engines])
+        ids = self._each(request.instance_id, lambda e: e.sched and e.sched.reset_prefix_cache())
+        return apb.ResetPrefixCacheResponse(instance_ids=ids)
+
+
+def _drain(eng: InstanceEngine) -> None:
+    eng.draining = True
+
+
+def _resume(eng: InstanceEngine) -> None:
+    eng.draining = False
+    if eng.sched is not None:
+        eng.sched.resume()
