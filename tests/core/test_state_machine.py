@@ -6,7 +6,8 @@ cross. Tiny KV pools force preemption; a few shared prefixes make prefix hits. A
 the scheduler's invariants hold; at the end, with everything drained, every request finished
 exactly once with the right reason and count, every token a client saw is the sim's token for
 that request and position (so recompute after preemption continues correctly), and every block
-is free.
+is free. A shadow of the paged KV cache (`CheckedSim`) checks every step reads only KV written
+for its own tokens, and that no block enters the prefix cache before its owner wrote it.
 """
 
 from __future__ import annotations
