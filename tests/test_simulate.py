@@ -53,7 +53,7 @@ def timeline(result: SimResult) -> list[tuple[Any, ...]]:
 
 def test_every_request_completes_with_max_tokens_in_consistent_time() -> None:
     trace = make_trace()
-    result = run(trace, config=make_config(num_blocks=128))  # tight enough to preempt
+    result = run(trace, config=make_config(num_blocks=64))  # tight enough to preempt
     assert result.num_preemptions > 0
     for tr, rec in zip(trace, result.records, strict=True):
         assert rec.finish_reason == "length"

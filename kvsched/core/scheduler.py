@@ -243,8 +243,21 @@ class Scheduler:
         while self.needs_blocks:
             req = next(iter(self.needs_blocks.values()))
             num = cc.prealloc_blocks + (1 if self._spec_k else 0)
-            target = (len(req.block_ids) + num) * self.block_size
+            limit = _cdiv(self._kv_limit(req), self.block_size) * self.block_size
+            target = min((len(req.block_ids) + num) * self.block_size, limit)
             while (new := self.kv.allocate_slots(req, target)) is None:
+                if len(self.running) == 1:
+                    # Alone and the pool is full: it can never grow here, and preempting it
+                    # would only recompute into the same wall. End it as the model's length
+                    # (the worker drops it with the abort in this same Tasks message).
+                    self._pending_aborts.append(req.handle)
+                    self._finish(
+                        req,
+                        FinishReason.LENGTH,
+                        f"KV cache full: the instance holds {self.kv.pool.num_blocks} blocks "
+                        f"({self.kv.pool.num_blocks * self.block_size} tokens)",
+                    )
+                    break
                 preempted = True
                 if self._preempt_victim(for_req=req) is req:
                     break
@@ -252,7 +265,8 @@ class Scheduler:
                 continue  # it was the victim (and left needs_blocks)
             del self.needs_blocks[req.req_id]
             assert new is not None
-            tasks.extensions.append(Extension(req.handle, new))
+            if new:
+                tasks.extensions.append(Extension(req.handle, new))
             self._set_check_at(req)
         return preempted
 
@@ -373,9 +387,16 @@ class Scheduler:
         if end < total:
             return end
         cc = self.config.cache
-        # First decode writes position `total`; speculative drafts write k more.
+        # First decode writes position `total`; speculative drafts write k more. Never beyond
+        # the last position the request can ever write (its last token's KV is never needed).
         room = end + 1 + self._spec_k + cc.prealloc_threshold
+        room = max(end, min(room, self._kv_limit(req)))
         return _cdiv(room, self.block_size) * self.block_size
+
+    @staticmethod
+    def _kv_limit(req: Request) -> int:
+        """KV positions req can ever need: prompt + max_tokens - 1."""
+        return len(req.prompt_token_ids) + req.sampling.max_tokens - 1
 
     def _full_blocks(self, req: Request, num_prefill: int | None = None) -> int:
         """Blocks req's table holds once its whole prefill (and first decode room) is in."""
@@ -438,6 +459,8 @@ class Scheduler:
         cc = self.config.cache
         capacity = len(req.block_ids) * self.block_size
         extend_at = capacity - cc.prealloc_threshold - self._spec_k
+        if capacity >= self._kv_limit(req):
+            extend_at = 1 << 62  # it already holds every position it can write
         finish_at = len(req.prompt_token_ids) + req.sampling.max_tokens
         check_at = min(extend_at, finish_at)
         if self.kv.enable_caching:
@@ -878,11 +901,15 @@ class Scheduler:
             for b, h in zip(req.block_ids, req.block_hashes, strict=False):
                 got = self.kv.pool.block_hash[b]
                 assert got is None or got == h, f"{req.req_id}: block {b} holds other tokens"
-        shared = [b for b, n in owners.items() if n > 1]
-        for b in shared:
-            assert self.kv.pool.block_hash[b] is not None, (
-                f"block {b} shared but not a cached prefix"
-            )
+        # A block in two tables must hold the same tokens in both: the same chained hash at
+        # the same index (it may have lost its cache entry to reset_prefix_cache since).
+        content: dict[int, bytes | None] = {}
+        for req in placed:
+            for i, b in enumerate(req.block_ids):
+                if owners[b] > 1:
+                    hb = req.block_hashes[i] if i < len(req.block_hashes) else None
+                    assert hb is not None, f"block {b} shared but {req.req_id} has no hash for it"
+                    assert content.setdefault(b, hb) == hb, f"block {b} shared with other tokens"
         slots = [r.slot for r in placed]
         assert len(set(slots)) == len(slots), "two requests on one slot"
         assert len(slots) + len(self.free_slots) == self.config.scheduler.max_num_seqs

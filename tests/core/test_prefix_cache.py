@@ -72,9 +72,11 @@ def test_evicted_and_reused_block_loses_hash_and_gives_no_hit() -> None:
     a = make_request(COMMON + [1], max_tokens=1)
     _prefill(s, a)
     assert s.kv.pool.lookup(a.block_hashes[0]) is not None
-    big = make_request(list(range(9000, 9000 + 16 * 5)), max_tokens=1)  # needs every block
+    big = make_request(list(range(9000, 9000 + 16 * 5 + 4)), max_tokens=4)  # needs every block
     _prefill(s, big)
     assert all(s.kv.pool.lookup(h) is None for h in a.block_hashes[:3])
+    while not big.is_finished:
+        step(s)
     again = make_request(COMMON + [1], max_tokens=1)
     s.add_request(again)
     tasks = s.schedule()

@@ -424,3 +424,47 @@ def test_prompt_larger_than_the_pool_nan_sampling_and_overlapping_images_are_rej
     with pytest.raises(InvalidRequest, match="must not overlap"):
         s.add_request(make_request(100, mm_ranges=[mm(0, 40, "a"), mm(10, 40, "b")]))
     assert not s.requests
+
+
+def test_a_lone_request_never_asks_for_more_blocks_than_it_can_use() -> None:
+    # The pool holds exactly prompt + max_tokens - 1 positions: the request must finish.
+    s = make_scheduler(
+        block_size=4, num_gpu_blocks=12, max_model_len=48, prealloc_blocks=1, prealloc_threshold=2
+    )
+    r = make_request(20, max_tokens=28)
+    s.add_request(r)
+    for _ in range(60):
+        step(s)
+    assert r.finish_reason == FinishReason.LENGTH and r.num_output_tokens == 28
+    assert r.num_preemptions == 0 and s.kv.num_free_blocks == 12
+    late = make_request(4, max_tokens=2)
+    s.add_request(late)
+    for _ in range(5):
+        step(s)
+    assert late.is_finished
+
+
+def test_a_lone_request_that_outgrows_the_pool_ends_with_length_not_a_livelock() -> None:
+    s = make_scheduler(block_size=4, num_gpu_blocks=8, prealloc_blocks=1, prealloc_threshold=0)
+    r = make_request(20, max_tokens=100)  # 120 positions, the pool holds 32
+    s.add_request(r)
+    for _ in range(40):
+        step(s)
+    assert r.finish_reason == FinishReason.LENGTH and "KV cache full" in r.finish_message
+    assert s.kv.num_free_blocks == 8 and r.num_preemptions == 0
+    assert s.last_tasks_seq > 0 and s.schedule().aborts == [], "the abort went out already"
+
+
+def test_reset_prefix_cache_while_blocks_are_shared_keeps_integrity() -> None:
+    s = make_scheduler(block_size=4, num_gpu_blocks=64)
+    p = list(range(100, 108))
+    a = make_request([*p, 1], max_tokens=50)
+    s.add_request(a)
+    step(s)
+    b = make_request([*p, 2], max_tokens=50)
+    s.add_request(b)
+    step(s)
+    assert a.block_ids[:2] == b.block_ids[:2]
+    s.reset_prefix_cache()
+    s.check_integrity()
+    step(s)
