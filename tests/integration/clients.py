@@ -79,10 +79,11 @@ async def generate(
     msg: rpb.GenerateRequest,
     metadata: tuple[tuple[str, str], ...] = (),
     queued: asyncio.Event | None = None,
+    timeout: float | None = None,
 ) -> Outcome:
     out = Outcome()
     try:
-        async for r in stub.Generate(msg, metadata=metadata):
+        async for r in stub.Generate(msg, metadata=metadata, timeout=timeout):
             kind = r.WhichOneof("kind")
             if kind == "queued":
                 out.req_id, out.instance = r.queued.request_id, r.queued.instance
