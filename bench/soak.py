@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from kvsched.replay.launch import Child, spawn
+from kvsched.replay.launch import Child, spawn, start_daemon
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
@@ -184,17 +184,7 @@ async def drive(
 
 def soak(seconds: float = 60.0, seed: int = 0) -> Figures:
     fig = Figures(seconds=seconds)
-    daemon = spawn(
-        "daemon",
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "off",
-        "--log-level",
-        "warning",
-    )
-    address = daemon.wait_for(r"kvsched listening on (\S+:\d+)").group(1)
+    daemon, address = start_daemon()
     workers = {
         n: spawn(n, "worker", "--server", address, "--instance", n, *WORKER_ARGS)
         for n in ("a", "b")

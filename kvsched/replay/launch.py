@@ -92,6 +92,15 @@ class Cluster:
         return idle
 
 
+def start_daemon(*serve_args: str) -> tuple[Child, str]:
+    """`kvsched serve` on a free loopback port (metrics off, warnings only); its address."""
+    daemon = spawn(
+        "daemon", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "off",
+        "--log-level", "warning", *serve_args,
+    )  # fmt: skip
+    return daemon, daemon.wait_for(r"kvsched listening on (\S+:\d+)").group(1)
+
+
 def start_cluster(
     num_workers: int,
     *,
@@ -102,18 +111,7 @@ def start_cluster(
     num_slots: int = 256,
     serve_args: tuple[str, ...] = (),
 ) -> Cluster:
-    daemon = spawn(
-        "daemon",
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "off",
-        "--log-level",
-        "warning",
-        *serve_args,
-    )
-    address = daemon.wait_for(r"kvsched listening on (\S+:\d+)").group(1)
+    daemon, address = start_daemon(*serve_args)
     workers = [
         spawn(
             f"w{i}",
