@@ -31,7 +31,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: $(STAMP) proto-check lint typecheck
+# The Node.js example's packages, for its test against a live daemon.
+NODE_DEPS := examples/node/node_modules/.installed
+$(NODE_DEPS): examples/node/package.json
+	cd examples/node && npm install --no-audit --no-fund --silent
+	touch $(NODE_DEPS)
+
+test: $(STAMP) $(NODE_DEPS) proto-check lint typecheck
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)

@@ -149,7 +149,10 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 msg = self._batch(sink)
                 if msg is not None:
                     yield msg
-                if sink.client_done and not sink.open and not sink.dirty:
+                # Done only when nothing is left to tell: news may have arrived during the yield.
+                if sink.client_done and not (
+                    sink.open or sink.dirty or sink.errors or sink.accepted
+                ):
                     return
         finally:
             self.daemon.streams.discard(sink)

@@ -16,7 +16,7 @@ NODE_DIR = REPO / "examples" / "node"
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed on this machine")
 def test_node_client_streams_tokens() -> None:
     if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
-        pytest.fail("examples/node has no node_modules: .ci/run installs them (npm install)")
+        pytest.fail("examples/node has no node_modules: `make test` installs them (npm install)")
     daemon, address = start_daemon()
     worker = start_worker(address, "i0", "--zero-cost")
     try:
