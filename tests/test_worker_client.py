@@ -35,6 +35,7 @@ from kvsched.worker_stub.client import (
     sim_engine_factory,
 )
 from kvsched.worker_stub.sim import SimExecutor
+from tests.reports import listed
 
 BLOCK = 4
 TIMEOUT = 5.0
@@ -61,7 +62,7 @@ class Conn:
                 self.hello = msg.hello
                 self._hello.set()
             elif kind == "report":
-                self.reports.put_nowait(convert.report_from_proto(msg.report))
+                self.reports.put_nowait(listed(convert.report_from_proto(msg.report)))
             elif kind == "heartbeat":
                 self.num_heartbeats += 1
                 self.heartbeat.set()

@@ -62,6 +62,18 @@ class KVCacheManager:
         """Extend req.block_hashes to cover its first `num_blocks` full blocks (tokens known)."""
         bs, hashes = self.block_size, req.block_hashes
         num_blocks = min(num_blocks, req.num_tokens // bs)
+        k = len(hashes)
+        if k >= num_blocks:
+            return
+        if not (req.lora_name or req.cache_salt or req.mm_ranges):
+            # No extra keys (the common case, and the decode path): one slice, a tight loop.
+            tokens = req.token_ids(k * bs, num_blocks * bs)
+            parent = hashes[-1] if hashes else b""
+            pack, blake2b = self._pack_block, hashlib.blake2b
+            for j in range(0, len(tokens), bs):
+                parent = blake2b(parent + pack(*tokens[j : j + bs]), digest_size=16).digest()
+                hashes.append(parent)
+            return
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else b""

@@ -31,6 +31,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any, Union
+
+import numpy as np
+
+# A report column: a list of ints or a 1-D integer numpy array.
+IntColumn = Union[list[int], "np.ndarray[Any, Any]"]
 
 
 class FinishReason(IntEnum):
@@ -149,10 +155,12 @@ class StepReport:
 
     step: int
     applied_seq: int
-    handles: list[int] = field(default_factory=list)
-    num_computed: list[int] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
+    # Lists, or 1-D integer numpy arrays (the daemon's conversion gives arrays: the core's
+    # decode path is vectorized over them).
+    handles: IntColumn = field(default_factory=list)
+    num_computed: IntColumn = field(default_factory=list)
+    num_new_tokens: IntColumn = field(default_factory=list)
+    token_ids: IntColumn = field(default_factory=list)
     finish_reasons: list[int] = field(default_factory=list)
     acked: list[int] = field(default_factory=list)
     paused: list[int] = field(default_factory=list)

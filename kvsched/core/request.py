@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from kvsched.core.protocol import FinishReason, MultimodalRange, SamplingParams
+
+if TYPE_CHECKING:
+    from kvsched.core.slots import SlotTable
 
 
 class RequestStatus(IntEnum):
@@ -52,13 +56,18 @@ class Request:
     mm_ranges: list[MultimodalRange] = field(default_factory=list)
 
     status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
+    # Output tokens. While the request is placed, the tokens of plain decode rows land in the
+    # scheduler's SlotTable first (one vectorized write per step) and are moved here when anyone
+    # reads `output_token_ids` or `num_reported_tokens` (see core/slots.py).
+    _out: list[int] = field(default_factory=list)
+    _rows: SlotTable | None = None
+    _epoch: int = -1  # the SlotTable epoch of the last sync
     # Placement on a worker slot (None while waiting).
     handle: int = -1
     slot: int = -1
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # KV positions handed to the worker in this placement
-    num_reported_tokens: int = 0  # KV positions the worker reported written
+    _reported: int = 0  # KV positions the worker reported written (num_reported_tokens)
     num_prefill_tokens: int = 0  # num_tokens when placed: decoding starts after these
     # Prefix cache: hashes of the full blocks of prompt + output, and how many of this
     # request's blocks are registered in the cache.
@@ -78,6 +87,31 @@ class Request:
     check_out: int = 0
     # Opaque to the core: the caller's per-request state (the daemon's stream and tracing).
     tag: object = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        if self._rows is not None:
+            self._rows.sync(self)
+        return self._out
+
+    @output_token_ids.setter
+    def output_token_ids(self, tokens: list[int]) -> None:
+        self._out = list(tokens)
+        if self._rows is not None:
+            self._rows.rebase(self)
+
+    @property
+    def num_reported_tokens(self) -> int:
+        """KV positions the worker has reported written, in this placement."""
+        if self._rows is not None:
+            self._rows.sync(self)
+        return self._reported
+
+    @num_reported_tokens.setter
+    def num_reported_tokens(self, n: int) -> None:
+        if self._rows is not None:
+            self._rows.sync(self)
+        self._reported = n
 
     @property
     def num_tokens(self) -> int:

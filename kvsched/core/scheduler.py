@@ -18,6 +18,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvsched.core.config import EngineConfig, QueuePolicy, Role
 from kvsched.core.errors import CapacityExceeded, InvalidRequest, ProtocolError, RequestNotFound
 from kvsched.core.kv_cache_manager import KVCacheManager, _cdiv
@@ -32,6 +34,7 @@ from kvsched.core.protocol import (
 )
 from kvsched.core.queue import make_queue
 from kvsched.core.request import FINISHED_STATUS, Request, RequestStatus
+from kvsched.core.slots import RING, SlotTable
 
 _MAX_TOKEN_ID = (1 << 31) - 1
 
@@ -43,12 +46,41 @@ class Events:
 
     scheduled: list[Request] = field(default_factory=list)  # placed on a slot (again after preempt)
     first_token: list[Request] = field(default_factory=list)
-    token_reqs: list[Request] = field(default_factory=list)  # got new output tokens
+    # Requests that got new output tokens: those of rows taken one by one, and, for the plain
+    # decode rows of each report, (the slot table's requests then, their slots, their tokens).
+    # `token_reqs` lists them all; building it is left to whoever needs it.
+    token_rows: list[Request] = field(default_factory=list)
+    token_batches: list[TokenBatch] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # preemption decided
     requeued: list[Request] = field(default_factory=list)  # preemption acknowledged, waiting again
     finished: list[Request] = field(default_factory=list)
     handed_off: list[Request] = field(default_factory=list)  # prefill role: prompt done, KV sent
     out_of_blocks: list[Request] = field(default_factory=list)  # a worker slot paused for blocks
+
+    @property
+    def token_reqs(self) -> list[Request]:
+        out = list(self.token_rows)
+        for reqs, slots, _ in self.token_batches:
+            out.extend(map(reqs.__getitem__, slots.tolist()))  # type: ignore[arg-type]
+        return out
+
+
+@dataclass(slots=True)
+class _Columns:
+    """A validated report's columns as arrays: handles, their slots (handle & mask), tokens;
+    `row_tok` is the token of each one-token row, `one` marks those rows (None: all are),
+    `match` marks rows whose handle is on its slot now (None: not computed)."""
+
+    h: np.ndarray
+    s: np.ndarray
+    toks: np.ndarray
+    row_tok: np.ndarray | None = None
+    one: np.ndarray | None = None
+    match: np.ndarray | None = None
+
+
+# One report's plain decode rows: (SlotTable.reqs as it was, slots, the token of each).
+TokenBatch = tuple[list[Request | None], np.ndarray, np.ndarray]
 
 
 @dataclass(slots=True)
@@ -94,6 +126,7 @@ class Scheduler:
         self.next_handle = first_handle
         self.first_handle = first_handle
         self.free_slots = list(range(sc.max_num_seqs - 1, -1, -1))
+        self.slots = SlotTable(sc.max_num_seqs)
         self.paused = False
         self.stats = SchedulerStats()
         self._seq = 0
@@ -412,8 +445,8 @@ class Scheduler:
             self.kv.record_lookup(req.num_tokens, num_hit)
             self.stats.num_prompt_tokens += len(req.prompt_token_ids)
         req.status = RequestStatus.RUNNING
-        req.handle, self.next_handle = self.next_handle, self.next_handle + 1
         req.slot = self.free_slots.pop()
+        self._issue_handle(req)
         req.num_prefill_tokens = req.num_tokens
         req.num_computed_tokens = req.num_reported_tokens = num_hit
         self.live[req.handle] = req
@@ -439,6 +472,12 @@ class Scheduler:
             tasks.kv_sends.append(KvSend(req.handle, dst, dst_handle, dst_blocks))
         self.events.scheduled.append(req)
 
+    def _issue_handle(self, req: Request) -> None:
+        """A fresh handle for req's slot (handle & mask == slot), and the slot table row."""
+        req.handle = self.slots.handle_for(req.slot, self.next_handle)
+        self.next_handle = req.handle + 1
+        self.slots.bind(req)
+
     def _emit_chunk(self, tasks: Tasks, req: Request, n: int) -> None:
         start = req.num_computed_tokens
         tasks.chunks.append(Chunk(req.handle, start, req.token_ids(start, start + n)))
@@ -454,7 +493,7 @@ class Scheduler:
         """The output count at which this decoding request next needs the scheduler: its room
         falls to the prealloc threshold, it reaches max_tokens, or its next block fills."""
         if self.config.role == Role.PREFILL:
-            req.check_out = 0  # its first token is a hand-off
+            self.slots.set_check(req, 0)  # its first token is a hand-off
             return
         cc = self.config.cache
         capacity = len(req.block_ids) * self.block_size
@@ -463,11 +502,11 @@ class Scheduler:
             extend_at = 1 << 62  # it already holds every position it can write
         finish_at = len(req.prompt_token_ids) + req.sampling.max_tokens
         check_at = min(extend_at, finish_at)
-        if self.kv.enable_caching:
-            cache_at = (req.num_cached_blocks + 1) * self.block_size + 1
-            check_at = min(check_at, cache_at)
+        # Full output blocks are registered in the prefix cache on these visits and when the
+        # request leaves its slot, not one visit per block (see _release).
         # No output yet: the first token itself needs the slow path (first-token event).
-        req.check_out = check_at - len(req.prompt_token_ids) if req.output_token_ids else 1
+        out = req.output_token_ids
+        self.slots.set_check(req, check_at - len(req.prompt_token_ids) if out else 1)
 
     # ==== preemption ==========================================================================
     def _preempt_victim(self, for_req: Request) -> Request | None:
@@ -550,8 +589,10 @@ class Scheduler:
             self.needs_blocks.pop(rid, None)
         self.reserved.pop(rid, None)
         if req.block_ids:
+            self.kv.cache_reported(req)  # written blocks not registered on a visit yet
             self.kv.free(req)
         if req.slot >= 0:
+            self.slots.unbind(req)
             self.free_slots.append(req.slot)
             req.slot = -1
 
@@ -573,98 +614,134 @@ class Scheduler:
         cache, finish what the worker stopped, re-queue acknowledged preemptions. Raises
         ProtocolError (state unchanged) for reports that break the protocol. Returns the events
         since the last call (including those of schedule() and abort())."""
-        self._check_report(report)
+        cols = self._check_report(report)
         self._last_step, self._last_applied_seq = report.step, report.applied_seq
         live, events = self.live, self.events
+        get = live.get
         # Failures first: a prefill worker reports the prompt's first token in the same report
         # as its failed KV push, and that row must not hand the request off.
-        for h in report.failed:
-            req = live.get(h)
-            if req is not None:
-                self._finish(req, FinishReason.ERROR, "worker failed the request (KV transfer)")
-        # The hot loop: one dict lookup and one append per decoding row. Everything rarer (a
-        # first token, a block to cache or extend, max_tokens, a prefill chunk, several tokens)
-        # is decided by one comparison against the precomputed req.check_out.
-        tok_reqs = events.token_reqs
-        add_tok_req = tok_reqs.append
-        first = events.first_token
-        toks = report.token_ids
-        get = live.get
+        if len(report.failed):
+            for h in list(report.failed):
+                req = live.get(int(h))
+                if req is not None:
+                    self._finish(req, FinishReason.ERROR, "worker failed the request (KV transfer)")
+            cols.match = None  # slots were freed: compare again
+        # The hot path: plain decode rows (one token, handle still on its slot) are a handful
+        # of vectorized operations over the slot table; each row's request is looked at only
+        # when its output count reaches its precomputed check (a first token, blocks to extend,
+        # max_tokens). Every other row (a prefill chunk, several tokens, a late row about a
+        # request no longer on its slot) is taken one by one.
+        n_gen = len(cols.toks)
         slow: list[Request] = []
-        add_slow = slow.append
-        off = 0
-        n_gen = len(toks)
-        nums = report.num_new_tokens
-        if len(toks) == len(nums) and (not nums or min(nums) == 1):
-            # A pure decode step (the steady state): row i sampled exactly toks[i], and the
-            # worker wrote KV up to the token before it. num_reported_tokens is set only on the
-            # slow path, from that identity.
-            for h, tok in zip(report.handles, toks, strict=True):
-                req = get(h)
-                if req is None:
-                    n_gen -= 1
-                    continue
-                out = req.output_token_ids
-                out.append(tok)
-                add_tok_req(req)
-                if len(out) >= req.check_out:
-                    add_slow(req)
-            for req in slow:
-                req.num_reported_tokens = req.num_tokens - 1
-                if req.first_token_time < 0:
-                    req.first_token_time = self.clock()
-                    first.append(req)
-            nums = []  # rows done
-        for h, n_comp, n_new in zip(report.handles, report.num_computed, nums, strict=False):
-            req = get(h)
+        if len(cols.h):
+            # A merged report (the worker stepped faster than the stream drained) names a
+            # handle once per step: apply it in rounds, each handle at most once per round.
+            for idx in self.slots.rounds(cols.s, cols.h):
+                n_gen -= self._apply_round(report, cols, idx, slow)
+        fins = report.finish_reasons
+        if len(fins) and np.any(fins):
+            handles = report.handles
+            for i in np.flatnonzero(np.asarray(fins)).tolist():
+                if (req := get(int(handles[i]))) is not None:
+                    self._after_report(req, int(fins[i]))
+        for req in slow:
+            if not req.is_finished and live.get(req.handle) is req:
+                self._after_report(req, 0)
+        self.stats.num_generation_tokens += n_gen
+        for h in list(report.paused):
+            req = live.get(int(h))
+            if req is not None and req.status == RequestStatus.RUNNING and req.is_prefill_done:
+                self.needs_blocks[req.req_id] = req
+                events.out_of_blocks.append(req)
+        for h in list(report.acked):
+            req = live.get(int(h))
+            if req is not None and req.status == RequestStatus.PREEMPTED:
+                self._requeue(req)
+        return self.take_events()
+
+    def _apply_round(
+        self, report: StepReport, cols: _Columns, idx: np.ndarray | None, slow: list[Request]
+    ) -> int:
+        """Apply report rows `idx` (None: all), no handle twice. Plain decode rows whose handle
+        is still on its slot are vectorized; the rest go one by one. Returns the reported
+        tokens not kept."""
+        slots = self.slots
+        s, rt, match, one = cols.s, cols.row_tok, cols.match, cols.one
+        assert rt is not None
+        if match is None:
+            match = slots.handle[s] == cols.h
+        if idx is not None:
+            s, rt, match = s[idx], rt[idx], match[idx]
+            if one is not None:
+                one = one[idx]
+        vec = match if one is None else match & one
+        py_rows: list[int] = []
+        if vec.all():
+            vs, vt = s, rt
+        else:
+            k = np.flatnonzero(vec)
+            vs, vt = s[k], rt[k]
+            rest = np.flatnonzero(~vec)
+            py_rows = (rest if idx is None else idx[rest]).tolist()
+        if len(vs):
+            pos = slots.n_out[vs]
+            slots.ring[vs, pos & (RING - 1)] = vt
+            pos += 1
+            slots.n_out[vs] = pos
+            slots.written()
+            reqs = slots.reqs
+            self.events.token_batches.append((reqs.copy(), vs, vt))
+            due = np.flatnonzero(pos >= slots.check[vs])
+            if len(due):
+                first = self.events.first_token
+                now = -1.0
+                for i in vs[due].tolist():
+                    req = reqs[i]
+                    assert req is not None
+                    slow.append(req)
+                    if req.first_token_time < 0:
+                        if now < 0:
+                            now = self.clock()
+                        req.first_token_time = now
+                        first.append(req)
+        return self._apply_rows(report, py_rows, slow) if py_rows else 0
+
+    def _apply_rows(self, report: StepReport, rows: list[int], slow: list[Request]) -> int:
+        """Report rows taken one by one, in order. Returns the reported tokens not kept (rows
+        about requests gone, tokens past max_tokens)."""
+        get, first, tok_rows = self.live.get, self.events.first_token, self.events.token_rows
+        toks, nums, comps, handles = (
+            report.token_ids,
+            report.num_new_tokens,
+            report.num_computed,
+            report.handles,
+        )
+        ends = np.cumsum(np.asarray(nums, dtype=np.int64)).tolist()
+        dropped = 0
+        for i in rows:
+            n_new = int(nums[i])
+            req = get(int(handles[i]))
             if req is None:  # late report about a finished/aborted occupant
-                off += n_new
-                n_gen -= n_new
+                dropped += n_new
                 continue
-            req.num_reported_tokens = n_comp
-            out = req.output_token_ids
-            if n_new == 1:
-                if not out:
-                    req.first_token_time = self.clock()
-                    first.append(req)
-                out.append(toks[off])
-                off += 1
-                add_tok_req(req)
-                if len(out) >= req.check_out:
-                    add_slow(req)
-            elif n_new:
+            req.num_reported_tokens = int(comps[i])  # (moves its ring tokens to it first)
+            out = req._out
+            if n_new:
                 if not out:
                     req.first_token_time = self.clock()
                     first.append(req)
                 room = req.sampling.max_tokens - len(out)
                 kept = min(n_new, max(room, 0))
-                out.extend(toks[off : off + kept])
-                n_gen -= n_new - kept
-                off += n_new
-                add_tok_req(req)
-                add_slow(req)
-            else:
-                add_slow(req)  # a prefill chunk ran: blocks to cache
-        fins = report.finish_reasons
-        if any(fins):
-            handles = report.handles
-            for i, reason in enumerate(fins):
-                if reason and (req := get(handles[i])) is not None:
-                    self._after_report(req, reason)
-        for req in slow:
-            if not req.is_finished and self.live.get(req.handle) is req:
-                self._after_report(req, 0)
-        self.stats.num_generation_tokens += n_gen
-        for h in report.paused:
-            req = live.get(h)
-            if req is not None and req.status == RequestStatus.RUNNING and req.is_prefill_done:
-                self.needs_blocks[req.req_id] = req
-                events.out_of_blocks.append(req)
-        for h in report.acked:
-            req = live.get(h)
-            if req is not None and req.status == RequestStatus.PREEMPTED:
-                self._requeue(req)
-        return self.take_events()
+                start = ends[i] - n_new
+                out.extend(int(t) for t in toks[start : start + kept])
+                dropped += n_new - kept
+                if req._rows is not None:
+                    req._rows.rebase(req)
+                tok_rows.append(req)
+                if n_new == 1 and len(out) < req.check_out:
+                    continue
+            slow.append(req)  # several tokens, or a prefill chunk ran: blocks to cache
+        return dropped
 
     def _after_report(self, req: Request, finish_reason: int) -> None:
         """The slow path of a report row: caching, hand-off, finish, block extension."""
@@ -708,7 +785,8 @@ class Scheduler:
         self.waiting.push_front(req)
         self.events.requeued.append(req)
 
-    def _check_report(self, report: StepReport) -> None:
+    def _check_report(self, report: StepReport) -> _Columns:
+        """Validate a report before anything changes; returns its columns as arrays."""
         if report.step <= self._last_step:
             raise ProtocolError(
                 f"report for step {report.step} after step {self._last_step}: steps must increase"
@@ -723,20 +801,45 @@ class Scheduler:
             raise ProtocolError(
                 "report columns handles/num_computed/num_new_tokens differ in length"
             )
-        if report.finish_reasons and len(report.finish_reasons) != n:
+        fins = report.finish_reasons
+        if len(fins) and len(fins) != n:
             raise ProtocolError("report column finish_reasons must be empty or one per handle")
-        if sum(report.num_new_tokens) != len(report.token_ids):
+        toks = np.asarray(report.token_ids, dtype=np.int64)
+        h = np.asarray(report.handles, dtype=np.int64)
+        nums = np.asarray(report.num_new_tokens, dtype=np.int64)
+        cols = _Columns(h, h & self.slots.mask, toks)
+        if n:
+            lo, hi = int(nums.min()), int(nums.max())
+            if lo < 0:
+                raise ProtocolError("report has a negative token count")
+            if lo == hi == 1 and len(toks) == n:
+                cols.row_tok = toks  # every row sampled exactly one token: row i has toks[i]
+            else:
+                if int(nums.sum()) != len(toks):
+                    raise ProtocolError("report token_ids length != sum(num_new_tokens)")
+                cols.one = nums == 1
+                cols.row_tok = toks.take(np.cumsum(nums) - 1, mode="clip") if len(toks) else nums
+            # A handle on its slot was issued; only the others need the range check.
+            cols.match = match = self.slots.handle[cols.s] == h
+            if not match.all():
+                self._check_handles(h[~match])
+        elif len(toks):
             raise ProtocolError("report token_ids length != sum(num_new_tokens)")
-        for col in (report.handles, report.acked, report.paused, report.failed):
-            if col and (min(col) < self.first_handle or max(col) >= self.next_handle):
-                raise ProtocolError(
-                    "report names handle(s) never issued "
-                    f"(issued so far: {self.first_handle}..{self.next_handle - 1})"
-                )
-        if report.finish_reasons and max(report.finish_reasons) > FinishReason.ERROR:
+        for col in (report.acked, report.paused, report.failed):
+            if len(col):
+                self._check_handles(np.asarray(col, dtype=np.int64))
+        if len(fins) and not 0 <= int(np.min(fins)) <= int(np.max(fins)) <= FinishReason.ERROR:
             raise ProtocolError("report has an unknown finish reason")
-        if n and min(report.num_new_tokens) < 0:
-            raise ProtocolError("report has a negative token count")
+        return cols
+
+    def _check_handles(self, handles: np.ndarray) -> None:
+        if len(handles) and (
+            int(handles.min()) < self.first_handle or int(handles.max()) >= self.next_handle
+        ):
+            raise ProtocolError(
+                "report names handle(s) never issued "
+                f"(issued so far: {self.first_handle}..{self.next_handle - 1})"
+            )
 
     def take_events(self) -> Events:
         ev, self.events = self.events, Events()
@@ -785,8 +888,8 @@ class Scheduler:
         if self.kv.allocate_slots(req, target) is None:
             return None
         req.status = RequestStatus.RUNNING
-        req.handle, self.next_handle = self.next_handle, self.next_handle + 1
         req.slot = self.free_slots.pop()
+        self._issue_handle(req)
         self.live[req.handle] = req
         self.requests[req.req_id] = req
         self.reserved[req.req_id] = req
@@ -825,7 +928,7 @@ class Scheduler:
         # KV is not written yet: prefill is done at num_tokens - 1.
         req.num_prefill_tokens = req.num_tokens - 1
         req.num_computed_tokens = req.num_reported_tokens = req.num_prefill_tokens
-        req.handle, self.next_handle = self.next_handle, self.next_handle + 1
+        self._issue_handle(req)
         self.live[req.handle] = req
         self.running[req.req_id] = req
         self.num_decoding += 1
@@ -912,6 +1015,17 @@ class Scheduler:
                     assert content.setdefault(b, hb) == hb, f"block {b} shared with other tokens"
         slots = [r.slot for r in placed]
         assert len(set(slots)) == len(slots), "two requests on one slot"
+        table = self.slots
+        for req in placed:
+            s = req.slot
+            assert table.reqs[s] is req and req._rows is table, f"{req.req_id}: slot row unbound"
+            assert int(table.handle[s]) == req.handle and req.handle & table.mask == s
+            lag = int(table.n_out[s]) - len(req._out)
+            assert 0 <= lag <= RING, f"{req.req_id}: {lag} output tokens in the ring"
+            assert int(table.check[s]) == req.check_out, f"{req.req_id}: slot check drifted"
+        bound = {i for i, r in enumerate(table.reqs) if r is not None}
+        assert bound == set(slots), "slot table rows != placed requests"
+        assert all(int(table.handle[i]) == -1 for i in range(table.size) if i not in bound)
         assert len(slots) + len(self.free_slots) == self.config.scheduler.max_num_seqs
         assert set(slots).isdisjoint(self.free_slots), "a slot both used and free"
         waiting = list(self.waiting)

@@ -1,0 +1,119 @@
+"""Per-slot arrays for the decode hot path: a steady decode step costs a few vectorized numpy
+operations, not a Python loop over the running requests.
+
+    handle[s]   the handle placed on slot s (-1: none). Handles are issued so that
+                handle & mask == slot, so a report's handle column maps to slots by arithmetic,
+                and a row whose handle no longer matches its slot (a late row about a finished
+                or preempted occupant) is told apart by one comparison.
+    n_out[s]    output tokens of slot s's request, counting tokens not yet moved to the request.
+    check[s]    n_out at which the request next needs the scheduler (Request.check_out).
+    ring[s, :]  the last RING output tokens of slot s, by output position modulo RING.
+
+A plain decode row (one sampled token) only writes ring and n_out. The request's own list
+(`Request.output_token_ids`) catches up from the ring whenever it is read (`sync`); the
+scheduler keeps every request's check within RING tokens of its last sync, so the ring never
+overwrites a token that was not moved yet.
+
+Invariant while a request is bound to its slot: n_out[slot] >= len(req._out), and the tokens at
+positions len(req._out) .. n_out[slot]-1 are in ring[slot]. Whoever appends to req._out directly
+calls `rebase` (or writes n_out) so the invariant holds again.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvsched.core.request import Request
+
+RING = 256  # tokens a slot may decode between two visits of the scheduler (a power of two)
+
+
+class SlotTable:
+    def __init__(self, num_slots: int) -> None:
+        self.size = 1 << max(0, (num_slots - 1).bit_length())
+        self.mask = self.size - 1
+        self.handle = np.full(self.size, -1, dtype=np.int64)
+        self.n_out = np.zeros(self.size, dtype=np.int64)
+        self.check = np.zeros(self.size, dtype=np.int64)
+        self.ring = np.zeros((self.size, RING), dtype=np.int64)
+        self.reqs: list[Request | None] = [None] * self.size
+        self.epoch = 0  # bumped by every vectorized write (`written`)
+        self._mark = np.zeros(self.size, dtype=np.int64)
+
+    def handle_for(self, slot: int, at_least: int) -> int:
+        """The smallest handle >= at_least that maps to `slot`."""
+        return at_least + ((slot - at_least) & self.mask)
+
+    def bind(self, req: Request) -> None:
+        """Put req (its handle and slot already set) on its slot; check 0 sends its first row
+        through the scheduler's slow path."""
+        if req._rows is not None:
+            req._rows.unbind(req)
+        s = req.slot
+        self.handle[s] = req.handle
+        self.n_out[s] = len(req._out)
+        self.check[s] = req.check_out = 0
+        self.reqs[s] = req
+        req._rows = self
+        req._epoch = -1
+
+    def unbind(self, req: Request) -> None:
+        """Take req off its slot, its tokens moved to the request first."""
+        self.sync(req)
+        s = req.slot
+        if self.reqs[s] is req:
+            self.handle[s] = -1
+            self.reqs[s] = None
+        req._rows = None
+
+    def sync(self, req: Request) -> None:
+        """Move the tokens of plain decode rows from the ring to req; the worker has written the
+        KV of every token but the newest (each came from a decode row), so num_reported follows.
+        Free when nothing was written since req's last sync (one comparison of epochs)."""
+        if req._epoch == self.epoch:
+            return
+        req._epoch = self.epoch
+        s = req.slot
+        n = int(self.n_out[s])
+        out = req._out
+        m = len(out)
+        if n > m:
+            out.extend(self.ring[s, np.arange(m, n) & (RING - 1)].tolist())
+            req._reported = len(req.prompt_token_ids) + n - 1
+
+    def written(self) -> None:
+        """The hot path wrote ring / n_out: every request may have tokens to move again."""
+        self.epoch += 1
+
+    def rebase(self, req: Request) -> None:
+        """req._out was changed directly: make the slot's count agree."""
+        self.n_out[req.slot] = len(req._out)
+
+    def set_check(self, req: Request, check_out: int) -> None:
+        """Record the output count at which req next needs the scheduler, capped so the ring
+        never wraps past tokens still to be moved."""
+        cap = len(req._out) + RING
+        req.check_out = check_out if check_out < cap else cap
+        self.check[req.slot] = req.check_out
+
+    def rounds(self, s: np.ndarray, h: np.ndarray) -> list[np.ndarray | None]:
+        """Split report rows into rounds in which no handle appears twice, keeping each
+        handle's rows in order: [None] (all rows, one round) unless some slot is named twice."""
+        n = len(s)
+        if n < 2:
+            return [None]
+        order = np.arange(n, dtype=np.int64)
+        mark = self._mark
+        mark[s] = order
+        if np.array_equal(mark[s], order):
+            return [None]
+        by_handle = np.argsort(h, kind="stable")
+        sh = h[by_handle]
+        starts = np.zeros(n, dtype=np.int64)
+        starts[1:] = np.where(sh[1:] != sh[:-1], order[1:], 0)
+        rank = np.empty(n, dtype=np.int64)
+        rank[by_handle] = order - np.maximum.accumulate(starts)
+        return [np.flatnonzero(rank == r) for r in range(int(rank.max()) + 1)]
