@@ -120,6 +120,7 @@ def sim_engine_factory(
             settings.max_model_len or _SIM_MAX_MODEL_LEN,
             settings.num_speculative_tokens,
             kv_sender=kv_sender,
+            columnar=True,
         )
 
     return build
@@ -151,16 +152,11 @@ def model_engine_factory(
     return build
 
 
-def _num_held(engine: WorkerEngine) -> int:
-    # TODO(engine): read a public WorkerEngine.num_held once it exists.
-    return len(engine._held)
-
-
 def _num_send_blocks(engine: WorkerEngine, handle: int) -> int:
     """Blocks the engine exports for a due KvSend (it passes the whole dst list; the receiver
     needs exactly as many ids as exported blocks). Called from inside step(), handle still held.
     TODO(engine): have WorkerEngine pass the KvSend cut to the exported block count."""
-    return -(-engine._held[handle].num_computed // engine.block_size)
+    return -(-engine.num_computed(handle) // engine.block_size)
 
 
 # ---- stats ----------------------------------------------------------------------------------
@@ -432,7 +428,7 @@ class Worker:
             if engine.has_runnable():
                 await self._step(engine, outbox)
                 continue
-            waiting_on_daemon = _num_held(engine) > 0
+            waiting_on_daemon = engine.num_held > 0
             started = time.perf_counter()
             item = await inbox.get()
             idle = time.perf_counter() - started
