@@ -104,7 +104,7 @@ def paths() -> list[Path_]:
         return out
 
     def columnar_apply(engine: WorkerEngine, raw: bytes) -> None:
-        engine.apply(wire.tasks_from_bytes(raw))
+        engine.apply(wire.tasks_from_proto(pb.ConnectResponse.FromString(raw).tasks))
 
     def columnar_encode(report: Any) -> bytes:
         return wire.report_message(report).SerializeToString()

@@ -37,6 +37,7 @@ from kvsched.server import convert
 from kvsched.v1 import kv_transfer_service_pb2 as kv_pb2
 from kvsched.v1 import kv_transfer_service_pb2_grpc as kv_grpc
 from kvsched.v1 import worker_service_pb2 as pb
+from kvsched.worker_stub import wire
 from kvsched.worker_stub.engine import KvSender, WorkerEngine
 from kvsched.worker_stub.sim import SimExecutor
 
@@ -394,7 +395,7 @@ class Worker:
             if kind == "tasks":
                 self.stats.num_tasks += 1
                 self.stats.tasks_digest = zlib.crc32(raw, self.stats.tasks_digest)
-                inbox.put_nowait(convert.tasks_from_proto(msg.tasks))
+                inbox.put_nowait(wire.tasks_from_proto(msg.tasks))
             elif kind == "welcome":
                 inbox.put_nowait(msg.welcome)
             elif kind == "peers":
@@ -506,7 +507,7 @@ class Worker:
             return
         self.stats.num_tokens += sum(report.num_new_tokens)
         if self.rank == 0:
-            self._send(outbox, pb.ConnectRequest(report=convert.report_to_proto(report)))
+            self._send(outbox, wire.report_message(report))
             self.stats.num_reports += 1
         if self._on_step is not None:
             self._on_step(report)
