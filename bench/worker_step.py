@@ -1,7 +1,7 @@
 """CPU cost of one steady decode step of the zero-cost sim worker, as `kvsched worker` pays it.
 
     python -m bench.worker_step [--running 256,1024] [--steps N] [--rounds N] [--json PATH]
-                                [--profile R]
+                                [--before REV] [--profile R]
 
 R handles are placed on a `WorkerEngine` over a zero-cost `SimExecutor` (block size 64, 32-token
 prompts, fully prefilled, max_tokens huge), as bench.transport's worker holds them. Each timed
@@ -15,10 +15,13 @@ step is what the worker client does per step with the daemon's Tasks in hand:
 
 Paths, each stepped in turn over the same workload so machine noise hits them alike:
 
-    reference   WorkerEngine(columnar=False): one SeqWork per handle through Executor.execute,
-                report through kvsched.server.convert (the code before this benchmark existed)
-    columnar    WorkerEngine(columnar=True): decodes as numpy columns, report columns filled
-                with extend(array), Tasks parsed by kvsched.worker_stub.wire
+    before      engine.py as of git revision --before (default 0919d22, the last commit
+                before the columnar work), loaded from git; Tasks and reports through
+                kvsched.server.convert, as the client did then. Skipped outside a git checkout.
+    seqwork     today's WorkerEngine(columnar=False): one SeqWork per decoding handle through
+                Executor.execute (what tests and the model executor use); convert
+    columnar    WorkerEngine(columnar=True), as `kvsched worker --executor sim` runs it: decodes
+                as numpy columns; Tasks and reports through kvsched.worker_stub.wire
 
 p50 and p90 over --steps steps per round, --rounds rounds; the table shows the median round.
 --profile R runs cProfile over the columnar path at R and prints the top functions.
@@ -29,10 +32,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import importlib.util
 import json
 import platform
 import pstats
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,10 +74,36 @@ class Path_:
         return None if report is None else self.encode(report)
 
 
+BEFORE_REV = "0919d22"
+
+
 def _engine(running: int, columnar: bool) -> WorkerEngine:
     sim = SimExecutor(zero_cost=True)
-    kw = {"columnar": True} if columnar else {}
-    return WorkerEngine(sim, BLOCK_SIZE, running, sim.eos_token_id, MAX_MODEL_LEN, **kw)
+    return WorkerEngine(
+        sim, BLOCK_SIZE, running, sim.eos_token_id, MAX_MODEL_LEN, columnar=columnar
+    )
+
+
+def _engine_class_at(rev: str) -> Any:
+    """WorkerEngine as engine.py was at git revision `rev`; None outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        source = subprocess.run(
+            ["git", "show", f"{rev}:kvsched/worker_stub/engine.py"],
+            cwd=root,
+            capture_output=True,
+            check=True,
+            text=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    name = f"_worker_engine_{rev}"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(source, f"{rev}:engine.py", "exec"), module.__dict__)
+    return module.WorkerEngine
 
 
 def _reference_apply(engine: WorkerEngine, raw: bytes) -> None:
@@ -88,20 +120,28 @@ def _reference_encode(report: Any) -> bytes:
     return pb.ConnectRequest(report=convert.report_to_proto(report)).SerializeToString()
 
 
-def paths() -> list[Path_]:
-    out = [
+def paths(before_rev: str = BEFORE_REV) -> list[Path_]:
+    out = []
+    old = _engine_class_at(before_rev) if before_rev else None
+    if old is not None:
+
+        def old_engine(running: int) -> Any:
+            sim = SimExecutor(zero_cost=True)
+            return old(sim, BLOCK_SIZE, running, sim.eos_token_id, MAX_MODEL_LEN)
+
+        out.append(
+            Path_("before", old_engine, _reference_apply, _reference_step, _reference_encode)
+        )
+    out.append(
         Path_(
-            "reference",
+            "seqwork",
             lambda r: _engine(r, False),
             _reference_apply,
             _reference_step,
             _reference_encode,
         )
-    ]
-    try:
-        from kvsched.worker_stub import wire
-    except ImportError:  # before the columnar path existed
-        return out
+    )
+    from kvsched.worker_stub import wire
 
     def columnar_apply(engine: WorkerEngine, raw: bytes) -> None:
         engine.apply(wire.tasks_from_proto(pb.ConnectResponse.FromString(raw).tasks))
@@ -137,9 +177,10 @@ def setup_tasks(running: int) -> bytes:
 
 
 def step_tasks(running: int, step: int) -> bytes:
-    """One step's Tasks: one more block for each handle whose room is about to run out. Handles
-    are staggered (handle h's blocks run out at a step congruent to h mod 64), so ~R/64 a step,
-    each extended 8 steps ahead of need. Every handle keeps running: no pauses."""
+    """One step's Tasks: one more block (64 positions) for each handle h with h + step
+    divisible by 64: ~R/64 extensions a step, each handle extended once every 64 steps, as
+    fast as it decodes. `stagger` gave every handle at least 96 positions of slack, so none
+    ever pauses (measure checks every timed step reports all R handles)."""
     ext = [
         Extension(h, [10 * running + h * 1000 + step])
         for h in range(1, running + 1)
@@ -174,6 +215,7 @@ def measure(path: Path_, running: int, steps: int) -> dict[str, list[float]]:
         t2 = time.perf_counter_ns()
         path.encode(report)
         t3 = time.perf_counter_ns()
+        assert len(report.handles) == running, "a handle paused: the workload is off"
         times["parse_us"].append((t1 - t0) / 1e3)
         times["step_us"].append((t2 - t1) / 1e3)
         times["report_us"].append((t3 - t2) / 1e3)
@@ -188,9 +230,9 @@ def summarize(times: dict[str, list[float]]) -> Record:
     return out
 
 
-def run(runnings: list[int], steps: int, rounds: int) -> list[Record]:
+def run(runnings: list[int], steps: int, rounds: int, before_rev: str) -> list[Record]:
     results: list[Record] = []
-    all_paths = paths()
+    all_paths = paths(before_rev)
     for running in runnings:
         per_path: dict[str, list[Record]] = {p.name: [] for p in all_paths}
         for _ in range(rounds):
@@ -218,13 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--profile", type=int, default=0, metavar="R")
+    parser.add_argument("--before", default=BEFORE_REV, help="git revision; '' to skip")
     args = parser.parse_args(argv)
     if args.profile:
         profile(args.profile, args.steps)
         return 0
     gc.enable()
     runnings = [int(r) for r in args.running.split(",")]
-    results = run(runnings, args.steps, args.rounds)
+    results = run(runnings, args.steps, args.rounds, args.before)
     print(f"kvsched worker step: zero-cost sim, block size {BLOCK_SIZE}, steady decode")
     header = ("R", "path", "parse us", "step us", "report us", "total p50", "p90")
     print("{:>6} {:>10} {:>9} {:>9} {:>10} {:>10} {:>9}".format(*header))
@@ -238,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {platform.python_version()}, 2 cores, noisy",
         "steps": args.steps,
         "rounds": args.rounds,
+        "before_rev": args.before,
         "results": results,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
