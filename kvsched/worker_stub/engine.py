@@ -314,7 +314,9 @@ class WorkerEngine:
 
         Each handle contributes at most one SeqWork: its next prefill chunk (the one starting
         at num_computed), or one decode (+ drafts) once its prompt is done. Finished handles are
-        dropped; a handle whose prompt completed with a KvSend is pushed, then dropped.
+        dropped; a handle whose prompt completed with a KvSend is pushed, then dropped. Rows:
+        prefill chunks first, then decodes in slot order (not placement order: rows of
+        different handles are independent).
         """
         if not self.has_runnable():
             return None
