@@ -37,6 +37,7 @@ from kvsched.server import convert
 from kvsched.v1 import kv_transfer_service_pb2 as kv_pb2
 from kvsched.v1 import kv_transfer_service_pb2_grpc as kv_grpc
 from kvsched.v1 import worker_service_pb2 as pb
+from kvsched.worker_stub import wire
 from kvsched.worker_stub.engine import KvSender, WorkerEngine
 from kvsched.worker_stub.sim import SimExecutor
 
@@ -120,6 +121,7 @@ def sim_engine_factory(
             settings.max_model_len or _SIM_MAX_MODEL_LEN,
             settings.num_speculative_tokens,
             kv_sender=kv_sender,
+            columnar=True,
         )
 
     return build
@@ -151,16 +153,11 @@ def model_engine_factory(
     return build
 
 
-def _num_held(engine: WorkerEngine) -> int:
-    # TODO(engine): read a public WorkerEngine.num_held once it exists.
-    return len(engine._held)
-
-
 def _num_send_blocks(engine: WorkerEngine, handle: int) -> int:
     """Blocks the engine exports for a due KvSend (it passes the whole dst list; the receiver
     needs exactly as many ids as exported blocks). Called from inside step(), handle still held.
     TODO(engine): have WorkerEngine pass the KvSend cut to the exported block count."""
-    return -(-engine._held[handle].num_computed // engine.block_size)
+    return -(-engine.num_computed(handle) // engine.block_size)
 
 
 # ---- stats ----------------------------------------------------------------------------------
@@ -398,7 +395,7 @@ class Worker:
             if kind == "tasks":
                 self.stats.num_tasks += 1
                 self.stats.tasks_digest = zlib.crc32(raw, self.stats.tasks_digest)
-                inbox.put_nowait(convert.tasks_from_proto(msg.tasks))
+                inbox.put_nowait(wire.tasks_from_proto(msg.tasks))
             elif kind == "welcome":
                 inbox.put_nowait(msg.welcome)
             elif kind == "peers":
@@ -432,7 +429,7 @@ class Worker:
             if engine.has_runnable():
                 await self._step(engine, outbox)
                 continue
-            waiting_on_daemon = _num_held(engine) > 0
+            waiting_on_daemon = engine.num_held > 0
             started = time.perf_counter()
             item = await inbox.get()
             idle = time.perf_counter() - started
@@ -510,7 +507,7 @@ class Worker:
             return
         self.stats.num_tokens += sum(report.num_new_tokens)
         if self.rank == 0:
-            self._send(outbox, pb.ConnectRequest(report=convert.report_to_proto(report)))
+            self._send(outbox, wire.report_message(report))
             self.stats.num_reports += 1
         if self._on_step is not None:
             self._on_step(report)

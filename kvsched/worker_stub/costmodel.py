@@ -53,15 +53,28 @@ def step_time_s(
     num_draft_tokens: speculative tokens verified this step, beyond one per decoding sequence.
     An empty step takes 0.
     """
+    return step_time_s_of(
+        gpu, prefill_chunks, len(decode_context_lens), sum(decode_context_lens), num_draft_tokens
+    )
+
+
+def step_time_s_of(
+    gpu: str,
+    prefill_chunks: list[tuple[int, int]],
+    num_decodes: int,
+    sum_decode_context_lens: int,
+    num_draft_tokens: int = 0,
+) -> float:
+    """`step_time_s` from the decodes' count and summed context lengths (all it needs of them)."""
     fit = fit_for(gpu)
-    num_tokens = sum(c for c, _ in prefill_chunks) + len(decode_context_lens) + num_draft_tokens
+    num_tokens = sum(c for c, _ in prefill_chunks) + num_decodes + num_draft_tokens
     if num_tokens == 0:
         return 0.0
     attn = sum(c * (c + prefix) for c, prefix in prefill_chunks)
     ms = (
         max(fit.floor_ms, fit.base_ms + fit.per_token_ms * num_tokens)
         + fit.overhead_ms
-        + fit.per_ctx_ms * sum(decode_context_lens)
+        + fit.per_ctx_ms * sum_decode_context_lens
         + fit.per_attn_ms * attn
     )
     return ms / 1000.0

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from kvsched.core.errors import ProtocolError
 from kvsched.core.protocol import (
     Chunk,
@@ -36,9 +38,11 @@ from kvsched.core.protocol import (
     StepReport,
     Tasks,
 )
-from kvsched.worker_stub.executor import Executor, SeqWork
+from kvsched.worker_stub.executor import ColumnarExecutor, Executor, SeqWork
+from kvsched.worker_stub.slots import IntArray, SlotTable
 
 log = logging.getLogger(__name__)
+_NONE = int(FinishReason.NONE)
 
 __all__ = ["ProtocolError", "WorkerEngine", "check_stop", "ngram_draft"]
 
@@ -48,27 +52,23 @@ KvSender = Callable[[KvSend, bytes], None]
 
 class _Ready(Enum):
     RUN = 1
-    WAIT = 2  # waiting for the next chunk
-    NO_ROOM = 3  # its next positions lie past its block table
+    NO_ROOM = 2  # its next positions lie past its block table
 
 
 @dataclass(slots=True)
 class _Slot:
-    """One handle held by this worker."""
+    """One handle held by this worker. Its counters live in the engine's SlotTable (columns
+    indexed by slot): num_computed, num_output, last_token, capacity, paused."""
 
     handle: int
     slot: int
     req_id: str
     block_ids: list[int]
-    num_computed: int  # positions [0, num_computed) have KV
     num_prefill: int
-    num_output: int  # outputs so far, earlier placements included (counts toward max_tokens)
     sampling: SamplingParams
-    last_token: int | None  # the newest token, not yet in KV; None until the prompt is done
     history: list[int] = field(default_factory=list)  # tokens seen here, for draft proposers
     chunks: dict[int, list[int]] = field(default_factory=dict)  # start -> token ids
     kv_send: KvSend | None = None
-    paused: bool = False
 
 
 def check_stop(
@@ -125,6 +125,10 @@ class WorkerEngine:
     """Holds the handles placed on this worker and runs one step at a time over them.
 
     Not thread-safe: one loop calls apply() with every Tasks received, then step().
+
+    A step costs Python work per handle that a task touched or whose state changes (a chunk,
+    a prompt that completes, a finish, a pause), plus per decoding handle either one SeqWork
+    through `Executor.execute` or, with `columnar`, a share of a few numpy operations.
     """
 
     def __init__(
@@ -137,9 +141,14 @@ class WorkerEngine:
         num_speculative_tokens: int = 0,
         draft: DraftFn | None = None,
         kv_sender: KvSender | None = None,
+        columnar: bool = False,
     ) -> None:
         """draft proposes speculative tokens; with num_speculative_tokens > 0 and no draft,
-        `ngram_draft` is used. kv_sender pushes a finished prompt's KV (prefill role)."""
+        `ngram_draft` is used. kv_sender pushes a finished prompt's KV (prefill role).
+
+        columnar: decode as numpy columns through the executor's `execute_columns` (the sim's;
+        ValueError when it has none) instead of one SeqWork per handle: same tokens and
+        reports, rows in another order. Speculative steps always take the SeqWork path."""
         for name, value in [("block_size", block_size), ("num_slots", num_slots)]:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -148,6 +157,8 @@ class WorkerEngine:
                 f"need max_model_len >= 2 and num_speculative_tokens >= 0, "
                 f"got {max_model_len} and {num_speculative_tokens}"
             )
+        if columnar and not isinstance(executor, ColumnarExecutor):
+            raise ValueError(f"executor {executor.name!r} has no columnar decode path")
         self.executor = executor
         self.block_size = block_size
         self.num_slots = num_slots
@@ -156,11 +167,14 @@ class WorkerEngine:
         self.num_speculative_tokens = num_speculative_tokens
         self._draft = draft if draft is not None or not num_speculative_tokens else ngram_draft
         self._kv_sender = kv_sender
+        self._columnar = columnar and not num_speculative_tokens
         self._clear()
 
     def _clear(self) -> None:
         self._held: dict[int, _Slot] = {}  # handle -> state, in placement order
         self._occupant: dict[int, int] = {}  # slot -> handle
+        self._table = SlotTable(self.num_slots)
+        self._prefills: dict[int, None] = {}  # prompt not done, chunk at num_computed queued
         self._acked: dict[int, None] = {}  # ordered sets of handles for the next report
         self._failed: dict[int, None] = {}
         self._sends_due: dict[int, KvSend] = {}  # handle -> where its prompt's KV goes
@@ -174,6 +188,15 @@ class WorkerEngine:
 
     def holds(self, handle: int) -> bool:
         return handle in self._held
+
+    @property
+    def num_held(self) -> int:
+        """Handles placed here and not yet dropped."""
+        return len(self._held)
+
+    def num_computed(self, handle: int) -> int:
+        """Positions of a held handle that have KV (KeyError when not held)."""
+        return int(self._table.num_computed[self._held[handle].slot])
 
     # ---- applying tasks -------------------------------------------------------------------
 
@@ -208,6 +231,8 @@ class WorkerEngine:
         """The one path that drops a handle: finish, preempt, abort, failure, hand-off."""
         s = self._held.pop(handle)
         del self._occupant[s.slot]
+        self._table.vacate(s.slot)
+        self._prefills.pop(handle, None)
         self._sends_due.pop(handle, None)
 
     def _place(self, p: Placement) -> None:
@@ -228,35 +253,47 @@ class WorkerEngine:
             slot=p.slot,
             req_id=p.req_id,
             block_ids=list(p.block_ids),
-            num_computed=p.num_cached_tokens,
             num_prefill=p.num_prefill_tokens,
-            num_output=p.num_output_tokens,
             sampling=p.sampling,
-            last_token=p.last_token_id if decoding else None,
-            history=[p.last_token_id] if decoding else [],
+            history=[p.last_token_id] if decoding and self._draft is not None else [],
         )
+        t = self._table
+        key = self.executor.request_key(p.req_id) if self._columnar else 0  # type: ignore[attr-defined]
+        t.occupy(p.slot, p.handle, p.sampling, key)
+        t.num_computed[p.slot] = p.num_cached_tokens
+        t.num_output[p.slot] = p.num_output_tokens
+        t.capacity[p.slot] = len(p.block_ids) * self.block_size
+        if decoding:
+            t.decoding[p.slot] = True
+            t.last_token[p.slot] = p.last_token_id
 
     def _extend(self, e: Extension) -> None:
         s = self._lookup(e.handle)
         if s is not None:
             s.block_ids.extend(e.block_ids)
-            s.paused = False
+            self._table.capacity[s.slot] = len(s.block_ids) * self.block_size
+            self._table.paused[s.slot] = False
 
     def _queue_chunk(self, c: Chunk) -> None:
         s = self._lookup(c.handle)
-        if s is None or s.last_token is not None or c.start < s.num_computed:
+        if s is None or self._table.decoding[s.slot]:
+            return  # the prompt is done: a stale chunk
+        num_computed = int(self._table.num_computed[s.slot])
+        if c.start < num_computed:
             return  # a stale chunk: those positions already have KV
         if c.start + len(c.token_ids) > s.num_prefill or not c.token_ids:
             raise ProtocolError(
                 f"handle {c.handle}: chunk at {c.start} is empty or past the prompt"
             )
         s.chunks[c.start] = list(c.token_ids)
+        if c.start == num_computed:
+            self._prefills[s.handle] = None
 
     def _attach_send(self, send: KvSend) -> None:
         s = self._lookup(send.handle)
         if s is not None:
             s.kv_send = send
-            if s.last_token is not None:  # prompt already done: push before it decodes
+            if self._table.decoding[s.slot]:  # prompt already done: push before it decodes
                 self._sends_due[s.handle] = send
 
     # ---- stepping --------------------------------------------------------------------------
@@ -266,26 +303,37 @@ class WorkerEngine:
         a KV push is due, or acknowledgements and failures wait to be reported."""
         if self._acked or self._failed or self._sends_due:
             return True
-        for s in self._held.values():
-            ready = self._readiness(s)
-            if ready is _Ready.RUN or (ready is _Ready.NO_ROOM and not s.paused):
+        for handle in self._prefills:
+            s = self._held[handle]
+            if self._chunk_readiness(s) is _Ready.RUN or not self._table.paused[s.slot]:
                 return True
-        return False
+        return self._table.any_decode_news()
 
     def step(self) -> StepReport | None:
         """Run one step over all runnable handles and report it; None when nothing to do.
 
         Each handle contributes at most one SeqWork: its next prefill chunk (the one starting
         at num_computed), or one decode (+ drafts) once its prompt is done. Finished handles are
-        dropped; a handle whose prompt completed with a KvSend is pushed, then dropped.
+        dropped; a handle whose prompt completed with a KvSend is pushed, then dropped. Rows:
+        prefill chunks first, then decodes in slot order (not placement order: rows of
+        different handles are independent).
         """
         if not self.has_runnable():
             return None
         self.step_count += 1
         report = StepReport(step=self.step_count, applied_seq=self.applied_seq)
         self._push_kv()  # sends attached after the prompt finished, before any decode
-        batch = self._build_batch(report)
-        if batch:
+        prefills = self._take_prefills(report)
+        t = self._table
+        report.paused.extend(t.handle[t.take_newly_blocked()].tolist())
+        decodes = np.flatnonzero(t.decode_runnable())
+        if self._columnar:
+            self._run_columns(prefills, decodes, report)
+        elif prefills or len(decodes):
+            held, occupant = self._held, self._occupant
+            batch = prefills + [
+                (s, self._work(s)) for s in (held[occupant[i]] for i in decodes.tolist())
+            ]
             result = self.executor.execute([w for _, w in batch])
             for (s, w), tokens in zip(batch, result.tokens, strict=True):
                 self._record(s, w, tokens, report)
@@ -297,88 +345,125 @@ class WorkerEngine:
         self._failed.clear()
         return report
 
-    def _capacity(self, s: _Slot) -> int:
-        return len(s.block_ids) * self.block_size
-
-    def _readiness(self, s: _Slot) -> _Ready:
-        if s.last_token is not None:
-            return _Ready.RUN if s.num_computed < self._capacity(s) else _Ready.NO_ROOM
-        tokens = s.chunks.get(s.num_computed)
-        if tokens is None:
-            return _Ready.WAIT
-        fits = s.num_computed + len(tokens) <= self._capacity(s)
+    def _chunk_readiness(self, s: _Slot) -> _Ready:
+        """Of a handle in _prefills: whether its queued chunk fits its blocks."""
+        num_computed = int(self._table.num_computed[s.slot])
+        fits = num_computed + len(s.chunks[num_computed]) <= self._table.capacity[s.slot]
         return _Ready.RUN if fits else _Ready.NO_ROOM
 
-    def _build_batch(self, report: StepReport) -> list[tuple[_Slot, SeqWork]]:
+    def _take_prefills(self, report: StepReport) -> list[tuple[_Slot, SeqWork]]:
+        """The SeqWork of every queued chunk that fits; the others are reported paused once."""
         batch = []
-        for s in self._held.values():
-            ready = self._readiness(s)
-            if ready is _Ready.RUN:
+        for handle in list(self._prefills):
+            s = self._held[handle]
+            if self._chunk_readiness(s) is _Ready.RUN:
+                del self._prefills[handle]
                 batch.append((s, self._work(s)))
-            elif ready is _Ready.NO_ROOM and not s.paused:
-                s.paused = True
-                report.paused.append(s.handle)
+            elif not self._table.paused[s.slot]:
+                self._table.paused[s.slot] = True
+                report.paused.append(handle)
         return batch
 
+    def _run_columns(
+        self, prefills: list[tuple[_Slot, SeqWork]], decodes: IntArray, report: StepReport
+    ) -> None:
+        """Run prefills as SeqWorks and the decodes as columns, in one executor step."""
+        if not prefills and not len(decodes):
+            return
+        t = self._table
+        executor: ColumnarExecutor = self.executor  # type: ignore[assignment]
+        positions = t.num_computed[decodes] + 1  # each decode samples the position after its KV
+        result, tokens = executor.execute_columns(
+            [w for _, w in prefills], t.key[decodes], positions
+        )
+        for (s, w), sampled in zip(prefills, result.tokens, strict=True):
+            self._record(s, w, sampled, report)
+        if len(decodes):
+            reasons = t.stop_reasons(decodes, tokens, self.eos_token_id, self.max_model_len)
+            report.handles.extend(t.handle[decodes].tolist())
+            report.num_computed.extend(t.advance_decodes(decodes, tokens).tolist())
+            report.num_new_tokens.extend([1] * len(decodes))
+            report.token_ids.extend(tokens.tolist())
+            report.finish_reasons.extend(reasons.tolist())
+            for slot in decodes[reasons != _NONE].tolist():
+                self._free(self._occupant[slot])
+        report.step_time_ns = round(result.step_time_s * 1e9)
+
     def _work(self, s: _Slot) -> SeqWork:
-        start = s.num_computed
-        if s.last_token is None:
+        t, i = self._table, s.slot
+        start = int(t.num_computed[i])
+        if not t.decoding[i]:
             tokens = s.chunks.pop(start)
             sample = start + len(tokens) == s.num_prefill
             return SeqWork(s.handle, s.req_id, s.block_ids, start, tokens, sample, 0, s.sampling)
-        drafts = self._propose(s)
-        tokens = [s.last_token, *drafts]
+        drafts = self._propose(s, start)
+        tokens = [int(t.last_token[i]), *drafts]
         return SeqWork(
             s.handle, s.req_id, s.block_ids, start, tokens, True, len(drafts), s.sampling
         )
 
-    def _propose(self, s: _Slot) -> list[int]:
+    def _propose(self, s: _Slot, num_computed: int) -> list[int]:
         """Drafts that fit the block room, max_tokens and max_model_len even if all accepted."""
-        num_tokens = s.num_computed + 1
+        if self._draft is None:
+            return []
+        t = self._table
+        num_tokens = num_computed + 1
         k = min(
             self.num_speculative_tokens,
-            self._capacity(s) - s.num_computed - 1,
-            s.sampling.max_tokens - s.num_output - 1,
+            int(t.capacity[s.slot]) - num_computed - 1,
+            s.sampling.max_tokens - int(t.num_output[s.slot]) - 1,
             self.max_model_len - num_tokens - 1,
         )
-        if k <= 0 or self._draft is None:
+        if k <= 0:
             return []
         return list(self._draft(s.history, k))[:k]
 
     def _record(self, s: _Slot, w: SeqWork, tokens: list[int], report: StepReport) -> None:
         """Advance a handle by what its SeqWork produced; add its report row."""
-        prompt_done = s.last_token is None
+        t, i = self._table, s.slot
+        prompt_done = not t.decoding[i]
         if prompt_done:
-            s.history.extend(w.token_ids)
-            s.num_computed = w.start + len(w.token_ids)
+            if self._draft is not None:
+                s.history.extend(w.token_ids)
+            t.num_computed[i] = num_computed = w.start + len(w.token_ids)
+        else:
+            num_computed = int(t.num_computed[i])
         if not w.sample:
-            self._add_row(report, s, [], FinishReason.NONE)
+            if num_computed in s.chunks:
+                self._prefills[s.handle] = None
+            self._add_row(report, s.handle, num_computed, [], FinishReason.NONE)
             return
         if not 1 <= len(tokens) <= w.num_draft + 1:
             raise RuntimeError(
                 f"{self.executor.name} returned {len(tokens)} tokens for "
                 f"a step with {w.num_draft} drafts"
             )
-        num_tokens = s.num_computed if prompt_done else s.num_computed + 1
+        num_tokens = num_computed if prompt_done else num_computed + 1
+        num_output = int(t.num_output[i])
         num_kept, reason = check_stop(
-            s.sampling, tokens, num_tokens, s.num_output, self.eos_token_id, self.max_model_len
+            s.sampling, tokens, num_tokens, num_output, self.eos_token_id, self.max_model_len
         )
         kept = tokens[:num_kept]
         if not prompt_done:
-            s.num_computed += num_kept  # KV of the last token and the kept drafts
-        s.num_output += num_kept
-        s.history.extend(kept)
-        s.last_token = kept[-1]
-        self._add_row(report, s, kept, reason)
+            num_computed += num_kept  # KV of the last token and the kept drafts
+            t.num_computed[i] = num_computed
+        t.num_output[i] = num_output + num_kept
+        if self._draft is not None:
+            s.history.extend(kept)
+        t.last_token[i] = kept[-1]
+        t.decoding[i] = True
+        self._add_row(report, s.handle, num_computed, kept, reason)
         if reason is not FinishReason.NONE:
             self._free(s.handle)
         elif prompt_done and s.kv_send is not None:
             self._sends_due[s.handle] = s.kv_send
 
     @staticmethod
-    def _add_row(report: StepReport, s: _Slot, kept: list[int], reason: FinishReason) -> None:
-        report.handles.append(s.handle)
-        report.num_computed.append(s.num_computed)
+    def _add_row(
+        report: StepReport, handle: int, num_computed: int, kept: list[int], reason: FinishReason
+    ) -> None:
+        report.handles.append(handle)
+        report.num_computed.append(num_computed)
         report.num_new_tokens.append(len(kept))
         report.token_ids.extend(kept)
         report.finish_reasons.append(int(reason))
@@ -388,7 +473,7 @@ class WorkerEngine:
         prefill role is done with it); a failed push puts it in `failed`."""
         for handle, send in list(self._sends_due.items()):
             s = self._held[handle]
-            num_blocks = -(-s.num_computed // self.block_size)
+            num_blocks = -(-self.num_computed(handle) // self.block_size)
             try:
                 if self._kv_sender is None:
                     raise RuntimeError("no kv_sender configured")

@@ -13,7 +13,10 @@ transformer whose K/V live in the paged cache). Positions of one `SeqWork`:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
 
 from kvsched.core.protocol import SamplingParams
 
@@ -60,4 +63,25 @@ class Executor(Protocol):
 
     def reset(self) -> None:
         """Forget all KV: a reconnecting worker starts from an empty cache."""
+        ...
+
+
+@runtime_checkable
+class ColumnarExecutor(Executor, Protocol):
+    """An executor that also runs plain decodes (no drafts) as numpy columns: what the sim
+    offers `WorkerEngine(columnar=True)`, so a decode step over R slots is a few array
+    operations instead of R SeqWorks."""
+
+    def request_key(self, req_id: str) -> int:
+        """What the executor needs to know of a request to decode it (taken at placement)."""
+        ...
+
+    def execute_columns(
+        self,
+        work: list[SeqWork],
+        keys: npt.NDArray[np.uint64],
+        positions: npt.NDArray[np.int64],
+    ) -> tuple[StepResult, npt.NDArray[np.int64]]:
+        """execute(work) plus, in the same step, one plain decode per (keys[i], positions[i]):
+        it feeds the sequence's newest token at positions[i] - 1 and samples positions[i]."""
         ...

@@ -12,7 +12,10 @@ from __future__ import annotations
 import struct
 import zlib
 
-from kvsched.worker_stub.costmodel import fit_for, step_time_s
+import numpy as np
+import numpy.typing as npt
+
+from kvsched.worker_stub.costmodel import fit_for, step_time_s, step_time_s_of
 from kvsched.worker_stub.executor import SeqWork, StepResult
 
 _MASK64 = (1 << 64) - 1
@@ -25,6 +28,14 @@ def _mix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def _mix64_array(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """_mix64 of every element (uint64 arithmetic wraps, as the & _MASK64 above)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 class SimExecutor:
@@ -74,6 +85,51 @@ class SimExecutor:
         token = h % (self.vocab_size - 1)
         return token + 1 if token >= self.eos_token_id else token
 
+    # ---- the columnar decode path (WorkerEngine(columnar=True)) -------------------------------
+
+    @staticmethod
+    def request_key(req_id: str) -> int:
+        """What `decode_tokens` needs to know of a request (taken once, at placement)."""
+        return zlib.crc32(req_id.encode()) << 32
+
+    def decode_tokens(
+        self, keys: npt.NDArray[np.uint64], positions: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.int64]:
+        """token_at(req_id, positions[i]) for keys[i] = request_key(req_id), vectorized."""
+        h = _mix64_array((keys | positions.astype(np.uint64)) ^ np.uint64(self._seed))
+        tokens = (h % np.uint64(self.vocab_size - 1)).astype(np.int64)
+        tokens += tokens >= self.eos_token_id
+        if self.eos_every is not None:
+            eos = (h >> np.uint64(40)) % np.uint64(self.eos_every) == 0
+            tokens[eos] = self.eos_token_id
+        return tokens
+
+    def execute_columns(
+        self,
+        work: list[SeqWork],
+        keys: npt.NDArray[np.uint64],
+        positions: npt.NDArray[np.int64],
+    ) -> tuple[StepResult, npt.NDArray[np.int64]]:
+        """One step of `work` plus one plain decode (no drafts) per (keys[i], positions[i]): the
+        decode feeds the token at positions[i] - 1 and samples positions[i]. Same tokens and
+        step time as `execute` over work + those decodes as SeqWorks."""
+        self.num_steps += 1
+        tokens = [self._sample(w) for w in work]
+        step_time = 0.0
+        if not self.zero_cost:
+            chunks, contexts, num_draft = _split_work(work)
+            step_time = (
+                step_time_s_of(
+                    self.gpu,
+                    chunks,
+                    len(contexts) + len(positions),
+                    sum(contexts) + int(positions.sum()),
+                    num_draft,
+                )
+                / self.speed
+            )
+        return StepResult(tokens, step_time), self.decode_tokens(keys, positions)
+
     def num_accepted(self, w: SeqWork) -> int:
         """How many of w's drafts the simulated verification accepts: in [0, num_draft]."""
         if w.num_draft == 0:
@@ -101,15 +157,7 @@ class SimExecutor:
         """
         if self.zero_cost:
             return 0.0
-        chunks: list[tuple[int, int]] = []
-        contexts: list[int] = []
-        num_draft = 0
-        for w in work:
-            if w.sample and len(w.token_ids) == w.num_draft + 1:
-                contexts.append(w.start + len(w.token_ids))
-                num_draft += w.num_draft
-            else:
-                chunks.append((len(w.token_ids), w.start))
+        chunks, contexts, num_draft = _split_work(work)
         return step_time_s(self.gpu, chunks, contexts, num_draft) / self.speed
 
     def export_kv(self, block_ids: list[int]) -> bytes:
@@ -128,3 +176,17 @@ class SimExecutor:
 
     def reset(self) -> None:
         """Nothing to forget: the sim holds no KV."""
+
+
+def _split_work(work: list[SeqWork]) -> tuple[list[tuple[int, int]], list[int], int]:
+    """(prefill chunks as (length, start), decode context lengths, draft tokens) of a batch."""
+    chunks: list[tuple[int, int]] = []
+    contexts: list[int] = []
+    num_draft = 0
+    for w in work:
+        if w.sample and len(w.token_ids) == w.num_draft + 1:
+            contexts.append(w.start + len(w.token_ids))
+            num_draft += w.num_draft
+        else:
+            chunks.append((len(w.token_ids), w.start))
+    return chunks, contexts, num_draft
