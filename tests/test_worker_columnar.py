@@ -24,6 +24,7 @@ from kvsched.worker_stub import wire
 from kvsched.worker_stub.engine import WorkerEngine
 from kvsched.worker_stub.executor import SeqWork
 from kvsched.worker_stub.sim import SimExecutor
+from tests.reports import listed
 
 EOS = 2
 BLOCK = 4
@@ -247,10 +248,8 @@ def test_report_message_matches_convert(num_new: list[int], reasons: list[int]) 
     )
     got = wire.report_message(report)
     assert got == pb.ConnectRequest(report=convert.report_to_proto(report))
-    assert (
-        convert.report_from_proto(pb.ConnectRequest.FromString(got.SerializeToString()).report)
-        == report
-    )
+    back = convert.report_from_proto(pb.ConnectRequest.FromString(got.SerializeToString()).report)
+    assert listed(back) == report
 
 
 def test_tasks_from_proto_matches_convert() -> None:
