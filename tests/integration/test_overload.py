@@ -81,7 +81,9 @@ import asyncio, sys, grpc
 from kvsched.v1 import common_pb2, request_service_pb2 as rpb, request_service_pb2_grpc
 
 async def main(address):
-    async with grpc.aio.insecure_channel(address) as ch:
+    # No BDP probing: the flow-control window stays at its initial 64 KiB, so the daemon's
+    # writes block soon after the client freezes, however fast the daemon produces tokens.
+    async with grpc.aio.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)]) as ch:
         stub = request_service_pb2_grpc.RequestServiceStub(ch)
         async def submits():
             for i in range(200):
