@@ -421,6 +421,7 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
     from bench.core_step import FakeWorker, build, warm_up
     from kvsched.server import convert
     from kvsched.server.daemon import Tracked
+    from kvsched.server.engine import deliver_tokens
     from kvsched.server.frontend import RequestServicer, SessionSink
     from kvsched.v1 import worker_service_pb2 as wpb
 
@@ -444,8 +445,7 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
         t1 = time.thread_time()
         events = sched.apply_report(core)
         t2 = time.thread_time()
-        for req in events.token_reqs:
-            req.tag.sink.notify(req.tag)
+        deliver_tokens(events.tokens)
         t3 = time.thread_time()
         tasks = sched.schedule()
         sched.take_events()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -46,11 +47,10 @@ class Events:
 
     scheduled: list[Request] = field(default_factory=list)  # placed on a slot (again after preempt)
     first_token: list[Request] = field(default_factory=list)
-    # Requests that got new output tokens: those of rows taken one by one, and, for the plain
-    # decode rows of each report, (the slot table's requests then, their slots, their tokens).
-    # `token_reqs` lists them all; building it is left to whoever needs it.
-    token_rows: list[Request] = field(default_factory=list)
-    token_batches: list[TokenBatch] = field(default_factory=list)
+    # New output tokens, in the order they were reported (a request's deltas are in order, each
+    # token in exactly one delta): a report's plain decode rows as one columnar delta
+    # (SlotTable.reqs as it was, slots, one token each), other rows as (request, None, tokens).
+    tokens: list[TokenDelta] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # preemption decided
     requeued: list[Request] = field(default_factory=list)  # preemption acknowledged, waiting again
     finished: list[Request] = field(default_factory=list)
@@ -59,9 +59,13 @@ class Events:
 
     @property
     def token_reqs(self) -> list[Request]:
-        out = list(self.token_rows)
-        for reqs, slots, _ in self.token_batches:
-            out.extend(map(reqs.__getitem__, slots.tolist()))  # type: ignore[arg-type]
+        """The request of every delta (a request once per delta), in order."""
+        out: list[Request] = []
+        for a, slots, _ in self.tokens:
+            if slots is None:
+                out.append(a)
+            else:
+                out.extend(map(a.__getitem__, slots.tolist()))
         return out
 
 
@@ -79,8 +83,9 @@ class _Columns:
     match: np.ndarray | None = None
 
 
-# One report's plain decode rows: (SlotTable.reqs as it was, slots, the token of each).
-TokenBatch = tuple[list[Request | None], np.ndarray, np.ndarray]
+# Output tokens of one report: (SlotTable.reqs as it was, slots, the token of each slot) for its
+# plain decode rows, (request, None, tokens) for a row taken one by one.
+TokenDelta = tuple[Any, np.ndarray | None, Any]
 
 
 @dataclass(slots=True)
@@ -258,6 +263,12 @@ class Scheduler:
                 if self.running:
                     self._decay_reserve()
         # Preempts and aborts go first in the message: their blocks may be reused below.
+        if self._pending_preempts and (tasks.extensions or tasks.chunks):
+            # A request extended or given a chunk earlier in this step may have been preempted
+            # later in it (priority preemption): drop its tasks, their blocks may be reused.
+            gone = set(self._pending_preempts)
+            tasks.extensions = [e for e in tasks.extensions if e.handle not in gone]
+            tasks.chunks = [c for c in tasks.chunks if c.handle not in gone]
         tasks.preempts, self._pending_preempts = self._pending_preempts, []
         tasks.aborts, self._pending_aborts = self._pending_aborts, []
         tasks.placements, self._pending_placements = (
@@ -690,7 +701,7 @@ class Scheduler:
             slots.n_out[vs] = pos
             slots.written()
             reqs = slots.reqs
-            self.events.token_batches.append((reqs.copy(), vs, vt))
+            self.events.tokens.append((reqs.copy(), vs, vt))
             due = np.flatnonzero(pos >= slots.check[vs])
             if len(due):
                 first = self.events.first_token
@@ -709,7 +720,7 @@ class Scheduler:
     def _apply_rows(self, report: StepReport, rows: list[int], slow: list[Request]) -> int:
         """Report rows taken one by one, in order. Returns the reported tokens not kept (rows
         about requests gone, tokens past max_tokens)."""
-        get, first, tok_rows = self.live.get, self.events.first_token, self.events.token_rows
+        get, first, deltas = self.live.get, self.events.first_token, self.events.tokens
         toks, nums, comps, handles = (
             report.token_ids,
             report.num_new_tokens,
@@ -733,11 +744,13 @@ class Scheduler:
                 room = req.sampling.max_tokens - len(out)
                 kept = min(n_new, max(room, 0))
                 start = ends[i] - n_new
-                out.extend(int(t) for t in toks[start : start + kept])
+                new = [int(t) for t in toks[start : start + kept]]
+                out.extend(new)
                 dropped += n_new - kept
                 if req._rows is not None:
                     req._rows.rebase(req)
-                tok_rows.append(req)
+                if new:
+                    deltas.append((req, None, new))
                 if n_new == 1 and len(out) < req.check_out:
                     continue
             slow.append(req)  # several tokens, or a prefill chunk ran: blocks to cache

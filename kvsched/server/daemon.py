@@ -66,9 +66,13 @@ SERVICE_NAMES = (
 
 
 class Sink(Protocol):
-    """Where a request's outputs go; `notify` marks it as having something new to send."""
+    """Where a request's outputs go. `notify`: it has news (it finished); `add_tokens`: new
+    output tokens of several requests, in order, each request at most once: trs[i] produced
+    counts[i] tokens (counts None: one each), consecutive in toks."""
 
     def notify(self, tr: Tracked) -> None: ...
+
+    def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int]) -> None: ...
 
 
 @dataclass(slots=True, eq=False)

@@ -198,10 +198,8 @@ class InstanceEngine:
 
     def dispatch(self, ev: Any) -> None:
         """Route a batch of core Events to the requests' sinks and the daemon."""
-        for req in ev.token_reqs:
-            tr = req.tag
-            if tr is not None:
-                tr.sink.notify(tr)
+        if ev.tokens:
+            deliver_tokens(ev.tokens)
         daemon = self.daemon
         if ev.scheduled or ev.first_token or ev.preempted or ev.requeued:
             daemon.telemetry.lifecycle(self, ev)
@@ -224,3 +222,40 @@ class InstanceEngine:
     @property
     def is_decode(self) -> bool:
         return self.role == Role.DECODE
+
+
+def deliver_tokens(deltas: list[Any]) -> None:
+    """Hand a step's token deltas (core `Events.tokens`, in order) to the requests' sinks: a
+    columnar delta goes to its sink as one call (to each sink, when several share it)."""
+    for a, slots, toks in deltas:
+        if slots is None:  # one request's row
+            tr = a.tag
+            if tr is not None:
+                tr.sink.add_tokens([tr], [len(toks)], toks)
+            continue
+        reqs = list(map(a.__getitem__, slots.tolist()))
+        trs = [r.tag for r in reqs]
+        values = toks.tolist()
+        try:
+            sinks = [tr.sink for tr in trs]
+        except AttributeError:  # requests the daemon does not track (no tag)
+            keep = [i for i, tr in enumerate(trs) if tr is not None]
+            trs = [trs[i] for i in keep]
+            values = [values[i] for i in keep]
+            sinks = [tr.sink for tr in trs]
+        if not sinks:
+            continue
+        first = sinks[0]
+        if sinks.count(first) == len(sinks):
+            first.add_tokens(trs, None, values)
+            continue
+        groups: dict[Any, tuple[list[Any], list[int]]] = {}
+        for sink, tr, t in zip(sinks, trs, values, strict=True):
+            g = groups.get(sink)
+            if g is None:
+                groups[sink] = ([tr], [t])
+            else:
+                g[0].append(tr)
+                g[1].append(t)
+        for sink, (g_trs, g_toks) in groups.items():
+            sink.add_tokens(g_trs, None, g_toks)

@@ -43,9 +43,13 @@ class StreamSink:
             self.pending_since = time.monotonic()
         self.event.set()
 
+    def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int]) -> None:
+        self.notify(trs[0])  # the stream reads its request's tokens itself (Tracked.sent)
+
 
 class SessionSink:
-    """One Session stream: what to put in its next batched response."""
+    """One Session stream: what to put in its next batched response. Tokens arrive as the
+    engine's deltas (`chunks`, in order); `dirty` holds requests that finished."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
@@ -53,6 +57,7 @@ class SessionSink:
         self.stalled = False
         self.task = asyncio.current_task()
         self.dirty: dict[str, Tracked] = {}
+        self.chunks: list[tuple[list[Tracked], list[int] | None, list[int]]] = []
         self.accepted: list[Tracked] = []
         self.errors: list[pb.SessionResponse.Error] = []
         self.open: dict[str, Tracked] = {}
@@ -62,6 +67,12 @@ class SessionSink:
         if self.pending_since is None:
             self.pending_since = time.monotonic()
         self.dirty[tr.req.req_id] = tr
+        self.event.set()
+
+    def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int]) -> None:
+        if self.pending_since is None:
+            self.pending_since = time.monotonic()
+        self.chunks.append((trs, counts, toks))
         self.event.set()
 
 
@@ -151,7 +162,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     yield msg
                 # Done only when nothing is left to tell: news may have arrived during the yield.
                 if sink.client_done and not (
-                    sink.open or sink.dirty or sink.errors or sink.accepted
+                    sink.open or sink.dirty or sink.errors or sink.accepted or sink.chunks
                 ):
                     return
         finally:
@@ -229,11 +240,13 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         sink.accepted.append(tr)
 
     def _batch(self, sink: SessionSink) -> pb.SessionResponse | None:
-        """Everything new on this session since its last message, in one message."""
+        """Everything new on this session since its last message, in one message: requests
+        accepted, their new tokens (each request once), requests finished, errors."""
         accepted, sink.accepted = sink.accepted, []
+        chunks, sink.chunks = sink.chunks, []
         dirty, sink.dirty = sink.dirty, {}
         errors, sink.errors = sink.errors, []
-        if not (accepted or dirty or errors):
+        if not (accepted or chunks or dirty or errors):
             return None
         msg = pb.SessionResponse()
         if accepted:
@@ -241,29 +254,54 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             acc.request_ids.extend([tr.req.req_id for tr in accepted])
             acc.client_tags.extend([tr.client_tag for tr in accepted])
             acc.instances.extend([tr.engine.instance_id for tr in accepted])
-        ids: list[str] = []
-        counts: list[int] = []
-        tokens: list[int] = []
+        if chunks:
+            ids, counts, tokens = _token_columns(chunks)
+            out = msg.tokens
+            out.request_ids.extend(ids)
+            out.num_tokens.extend(counts)
+            out.token_ids.extend(tokens)
         tracked = self.daemon.tracked
         for rid, tr in dirty.items():
             req = tr.req
-            out = req.output_token_ids
-            n = len(out)
-            if n > tr.sent:
-                ids.append(rid)
-                counts.append(n - tr.sent)
-                tokens.extend(out[tr.sent : n])
-                tr.sent = n
             if req.is_finished and tracked.get(rid) is not tr:
                 msg.finished.append(convert.finished_to_proto(req))
                 sink.open.pop(rid, None)
-        if ids:
-            msg.tokens.request_ids.extend(ids)
-            msg.tokens.num_tokens.extend(counts)
-            msg.tokens.token_ids.extend(tokens)
         if errors:
             msg.errors.extend(errors)
         return msg
+
+
+def _token_columns(
+    chunks: list[tuple[list[Tracked], list[int] | None, list[int]]],
+) -> tuple[list[str], list[int], list[int]]:
+    """A session's token deltas as TokenDeltas columns, each request once, its tokens in
+    order. One columnar delta (a steady step) is passed through as it is."""
+    if len(chunks) == 1 and chunks[0][1] is None:
+        trs, _, toks = chunks[0]
+        return [tr.req.req_id for tr in trs], [1] * len(trs), toks
+    acc: dict[Tracked, list[int]] = {}
+    for trs, counts, toks in chunks:
+        if counts is None:
+            for tr, t in zip(trs, toks, strict=True):
+                have = acc.get(tr)
+                if have is None:
+                    acc[tr] = [t]
+                else:
+                    have.append(t)
+            continue
+        i = 0
+        for tr, c in zip(trs, counts, strict=True):
+            have = acc.get(tr)
+            if have is None:
+                acc[tr] = toks[i : i + c]
+            else:
+                have.extend(toks[i : i + c])
+            i += c
+    return (
+        [tr.req.req_id for tr in acc],
+        [len(v) for v in acc.values()],
+        [t for v in acc.values() for t in v],
+    )
 
 
 def sink_close_reason(sink: StreamSink | SessionSink) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import random
 import sys
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -113,6 +113,23 @@ class CheckedSim(SimExecutor):
         return w.block_ids[pos // BLOCK], pos % BLOCK
 
 
+def merge_reports(a: StepReport, b: StepReport) -> StepReport:
+    """Two reports as one, as the worker client merges the ones queued behind each other."""
+    return StepReport(
+        step=b.step,
+        applied_seq=b.applied_seq,
+        handles=[*a.handles, *b.handles],
+        num_computed=[*a.num_computed, *b.num_computed],
+        num_new_tokens=[*a.num_new_tokens, *b.num_new_tokens],
+        token_ids=[*a.token_ids, *b.token_ids],
+        finish_reasons=[*a.finish_reasons, *b.finish_reasons],
+        acked=[*a.acked, *b.acked],
+        paused=[*a.paused, *b.paused],
+        failed=[*a.failed, *b.failed],
+        step_time_ns=a.step_time_ns + b.step_time_ns,
+    )
+
+
 def fresh_blocks(tasks: Tasks) -> list[tuple[int, int]]:
     """(block, handle) for every block these tasks give a handle fresh (not a prefix hit)."""
     fresh = [
@@ -174,6 +191,7 @@ class Harness:
         self._hash_owner: dict[bytes, tuple[str, int]] = {}  # block hash -> (req_id, block)
         self._fresh_for: dict[int, int] = {}  # block -> the handle it was last given fresh to
         self._unindexed: dict[str, Request] = {}  # requests whose hashes may still grow
+        self.streamed: defaultdict[str, list[int]] = defaultdict(list)  # Events.tokens, in order
 
     # ---- what a front end does -----------------------------------------------------------
     def add(self, prompt: list[int], max_tokens: int, priority: int = 0) -> None:
@@ -216,7 +234,12 @@ class Harness:
         if report is not None:
             self._send(self.to_scheduler, report, report_delay)
         while self.to_scheduler and self.to_scheduler[0][0] <= self.now:
-            self._collect(self.scheduler.apply_report(self.to_scheduler.popleft()[1]))
+            report = self.to_scheduler.popleft()[1]
+            # As the worker client does with reports queued behind one another: one merged
+            # report, the rows of several steps (a handle once per step).
+            while self.to_scheduler and self.to_scheduler[0][0] <= self.now:
+                report = merge_reports(report, self.to_scheduler.popleft()[1])
+            self._collect(self.scheduler.apply_report(report))
         self.idle = tasks.is_empty() and report is None
 
     def _send(self, channel: deque[tuple[int, M]], message: M, delay: int) -> None:
@@ -226,6 +249,12 @@ class Harness:
         channel.append((due, message))
 
     def _collect(self, events: Events) -> None:
+        for a, slots, toks in events.tokens:  # what a front end streams, delta by delta
+            if slots is None:
+                self.streamed[a.req_id].extend(toks)
+            else:
+                for slot, tok in zip(slots.tolist(), toks.tolist(), strict=True):
+                    self.streamed[a[slot].req_id].append(tok)
         for req in events.finished:
             self.num_finishes[req.req_id] += 1
             self.seen[req.req_id] = list(req.output_token_ids)
@@ -281,6 +310,7 @@ class Harness:
             assert self.num_finishes[req_id] == 1, f"{req_id} finished {self.num_finishes[req_id]}x"
             out = self.seen[req_id]
             assert out == req.output_token_ids, f"{req_id}: tokens changed after its finish"
+            assert self.streamed[req_id] == out, f"{req_id}: token deltas are not its output"
             start = len(req.prompt_token_ids)
             expected = [self.sim.token_at(req_id, start + i) for i in range(len(out))]
             assert out == expected, f"{req_id}: wrong tokens {out} != {expected}"

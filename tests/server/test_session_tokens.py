@@ -1,0 +1,53 @@
+"""Token deltas from the core to Session streams: grouped by sink, each request once per
+message, every token once and in order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from kvsched.core import Request
+from kvsched.server.daemon import Tracked
+from kvsched.server.engine import deliver_tokens
+from kvsched.server.frontend import SessionSink, _token_columns
+
+
+def tracked(req_id: str, sink: object) -> Tracked:
+    req = Request(req_id, [1, 2, 3])
+    tr = Tracked(req, None, sink)  # type: ignore[arg-type]
+    req.tag = tr
+    return tr
+
+
+def test_one_columnar_delta_passes_through() -> None:
+    a, b = tracked("a", None), tracked("b", None)
+    assert _token_columns([([a, b], None, [7, 8])]) == (["a", "b"], [1, 1], [7, 8])
+
+
+def test_deltas_of_several_reports_name_each_request_once_in_order() -> None:
+    a, b, c = tracked("a", None), tracked("b", None), tracked("c", None)
+    chunks = [
+        ([a, b], None, [1, 2]),  # a decode step
+        ([b], [2], [3, 4]),  # a row with two tokens (speculative decoding)
+        ([a, c], None, [5, 6]),
+    ]
+    assert _token_columns(chunks) == (["a", "b", "c"], [2, 3, 1], [1, 5, 2, 3, 4, 6])
+
+
+def test_deliver_tokens_splits_a_step_between_sessions_and_skips_untracked() -> None:
+    async def go() -> None:
+        s1, s2 = SessionSink(), SessionSink()
+        a, b, c = tracked("a", s1), tracked("b", s2), tracked("c", s1)
+        untracked = Request("u", [1])
+        table = [a.req, untracked, b.req, c.req]  # the slot table's requests
+        deltas = [
+            (table, np.array([0, 1, 2, 3]), np.array([10, 11, 12, 13])),
+            (b.req, None, [14, 15]),
+        ]
+        deliver_tokens(deltas)
+        assert _token_columns(s1.chunks) == (["a", "c"], [1, 1], [10, 13])
+        assert _token_columns(s2.chunks) == (["b"], [3], [12, 14, 15])
+        assert s1.event.is_set() and s1.pending_since is not None
+
+    asyncio.run(go())
