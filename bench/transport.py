@@ -141,7 +141,8 @@ class Stack:
         if self.sink is not None:
             self.sink.stop()
         time.sleep(0.2)  # let the pump threads take the last lines
-        if m := last_match(self.worker, r"worker stats: (\d+) steps, (\d+) tokens"):
+        if m := last_match(self.worker, r"worker stats: (\d+) steps, (\d+) tokens, (\d+) paused"):
+            out["worker_paused_rows"] = int(m.group(3))
             steps, tokens = int(m.group(1)), int(m.group(2))
             out["worker_tokens_per_step"] = round(tokens / steps, 1) if steps else 0.0
         if self.sink is not None:
@@ -366,6 +367,7 @@ async def measure(
         "daemon_cpu_us_per_step": round((b.daemon_cpu - a.daemon_cpu) * per_step_us, 1),
         "tokens_per_s": round(tokens / dt),
         "daemon_schedules_per_s": round((b.schedules - a.schedules) / dt, 1),
+        "daemon_reports_per_s": round(sum(i.steps_per_s for i in st.instances), 1),
         "daemon_cpu_frac": round((b.daemon_cpu - a.daemon_cpu) / dt, 3),
         "worker_cpu_us_per_step": round((b.worker_cpu - a.worker_cpu) * per_step_us, 1),
         "frontend_cpu_us_per_step": round((b.self_cpu - a.self_cpu) * per_step_us, 1),

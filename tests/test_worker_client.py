@@ -72,13 +72,14 @@ class Conn:
         assert self.hello is not None
         return self.hello
 
-    async def welcome(self, heartbeat_s: float = 1.0) -> None:
+    async def welcome(self, heartbeat_s: float = 1.0, answers_reports: bool = False) -> None:
         await self.send(
             welcome=pb.Welcome(
                 protocol_version=convert.PROTOCOL_VERSION,
                 block_size=BLOCK,
                 max_model_len=256,
                 heartbeat_interval_ns=int(heartbeat_s * 1e9),
+                answers_reports=answers_reports,
             )
         )
 
@@ -222,6 +223,44 @@ def test_worker_runs_pipelined_chunks_and_reports_oracle_tokens() -> None:
     assert stats.num_tokens == 8 and stats.num_tasks == 3 and stats.num_connects == 1
     assert stats.idle_waiting_on_daemon_s > 0
     assert 0 < stats.idle_frac_control_plane < 1
+
+
+def test_reports_wait_for_answers_and_later_steps_merge_into_one() -> None:
+    """With a daemon that answers reports (Welcome.answers_reports), the worker keeps stepping
+    but has at most two reports unanswered; the steps in between go out as one merged report
+    (a handle once per step) when an answer (Tasks.report_step) comes."""
+    seen: dict[str, Any] = {}
+
+    async def script(conn: Conn) -> None:
+        await conn.wait_hello()
+        await conn.welcome(answers_reports=True)
+        sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+        placement = Placement(1, 0, "req-1", list(range(16)), 0, 4, 0, -1, sampling)
+        await conn.send_tasks(Tasks(1, placements=[placement], chunks=[Chunk(1, 0, PROMPT[:4])]))
+        first, second = await conn.next_report(), await conn.next_report()
+        worker = seen["worker"]
+        while worker.stats.num_steps < 7:  # it keeps decoding meanwhile
+            await asyncio.sleep(0.001)
+        assert conn.reports.empty(), "a third report went out unanswered"
+        await conn.send_tasks(Tasks(2, report_step=first.step))
+        merged = await conn.next_report()
+        seen["reports"] = (first, second, merged)
+        tokens = first.token_ids + second.token_ids + merged.token_ids
+        while len(tokens) < 40:  # answer everything from now on
+            await conn.send_tasks(Tasks(3, report_step=merged.step))
+            merged = await conn.next_report()
+            tokens += merged.token_ids
+        seen["tokens"] = tokens
+
+    async def body(daemon: FakeDaemon) -> None:
+        seen["worker"] = worker = make_worker(daemon, num_gpu_blocks=64)
+        await daemon.run(worker)
+
+    run_test(script, body)
+    first, second, merged = seen["reports"]
+    assert (first.step, second.step) == (1, 2)
+    assert merged.step >= second.step + 5 and merged.handles == [1] * (merged.step - 2)
+    assert seen["tokens"] == expected_tokens("req-1", 4, 40)
 
 
 def test_model_executor_steps_in_a_thread_and_matches_the_reference() -> None:

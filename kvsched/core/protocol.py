@@ -128,6 +128,7 @@ class Tasks:
     chunks: list[Chunk] = field(default_factory=list)
     kv_sends: list[KvSend] = field(default_factory=list)
     reset_prefix_cache: bool = False
+    report_step: int = 0  # the last report applied before this message was built (0: none)
 
     def is_empty(self) -> bool:
         return not (

@@ -14,6 +14,7 @@ A step's token budget:
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,6 +84,9 @@ class _Columns:
     match: np.ndarray | None = None
 
 
+# The most decode headroom (tokens) the observed round trip may ask for: within a slot's ring.
+MAX_ADAPTIVE_HEADROOM = RING // 2
+
 # Output tokens of one report: (SlotTable.reqs as it was, slots, the token of each slot) for its
 # plain decode rows, (request, None, tokens) for a row taken one by one.
 TokenDelta = tuple[Any, np.ndarray | None, Any]
@@ -137,6 +141,15 @@ class Scheduler:
         self._seq = 0
         self._last_step = -1
         self._last_applied_seq = -1
+        # Decode headroom follows the control plane's round trip: `_lag` is how many worker
+        # steps pass between the report a Tasks message was decided on and the report showing
+        # the worker applied it (fast attack, slow decay); `_threshold` is the room, in tokens,
+        # at which a decoding request gets more blocks: prealloc_threshold, or what the worker
+        # decodes in one round trip when that is more (a fast worker would otherwise pause its
+        # slots waiting for extensions).
+        self._lag = 0.0
+        self._threshold = cc.prealloc_threshold
+        self._sent: collections.deque[tuple[int, int]] = collections.deque()  # (seq, step seen)
         self._pending_preempts: list[int] = []
         self._pending_aborts: list[int] = []
         self._pending_placements: list[Placement] = []
@@ -276,7 +289,12 @@ class Scheduler:
             [],
         )
         tasks.reset_prefix_cache, self._pending_reset = self._pending_reset, False
+        tasks.report_step = max(self._last_step, 0)
         self.stats.num_steps += 1
+        if not tasks.is_empty():
+            self._sent.append((self._seq, self._last_step))
+            if len(self._sent) > 4096:  # a worker that never reports applying anything
+                self._sent.popleft()
         return tasks
 
     def _extend_decoders(self, tasks: Tasks) -> bool:
@@ -288,7 +306,12 @@ class Scheduler:
             req = next(iter(self.needs_blocks.values()))
             num = cc.prealloc_blocks + (1 if self._spec_k else 0)
             limit = _cdiv(self._kv_limit(req), self.block_size) * self.block_size
-            target = min((len(req.block_ids) + num) * self.block_size, limit)
+            # At least prealloc_blocks more, and room for two round trips of the worker.
+            want = max(
+                (len(req.block_ids) + num) * self.block_size,
+                req.num_tokens + 2 * self._threshold + self._spec_k + 1,
+            )
+            target = min(_cdiv(want, self.block_size) * self.block_size, limit)
             while (new := self.kv.allocate_slots(req, target)) is None:
                 if len(self.running) == 1:
                     # Alone and the pool is full: it can never grow here, and preempting it
@@ -433,6 +456,8 @@ class Scheduler:
         cc = self.config.cache
         # First decode writes position `total`; speculative drafts write k more. Never beyond
         # the last position the request can ever write (its last token's KV is never needed).
+        # (The configured threshold, not the adaptive one: the prefill debt counts on this
+        # target staying fixed while the prompt is in; the first decode visit tops it up.)
         room = end + 1 + self._spec_k + cc.prealloc_threshold
         room = max(end, min(room, self._kv_limit(req)))
         return _cdiv(room, self.block_size) * self.block_size
@@ -506,9 +531,8 @@ class Scheduler:
         if self.config.role == Role.PREFILL:
             self.slots.set_check(req, 0)  # its first token is a hand-off
             return
-        cc = self.config.cache
         capacity = len(req.block_ids) * self.block_size
-        extend_at = capacity - cc.prealloc_threshold - self._spec_k
+        extend_at = capacity - self._threshold - self._spec_k
         if capacity >= self._kv_limit(req):
             extend_at = 1 << 62  # it already holds every position it can write
         finish_at = len(req.prompt_token_ids) + req.sampling.max_tokens
@@ -626,6 +650,8 @@ class Scheduler:
         ProtocolError (state unchanged) for reports that break the protocol. Returns the events
         since the last call (including those of schedule() and abort())."""
         cols = self._check_report(report)
+        if report.applied_seq > self._last_applied_seq and self._sent:
+            self._observe_lag(report)
         self._last_step, self._last_applied_seq = report.step, report.applied_seq
         live, events = self.live, self.events
         get = live.get
@@ -669,6 +695,20 @@ class Scheduler:
             if req is not None and req.status == RequestStatus.PREEMPTED:
                 self._requeue(req)
         return self.take_events()
+
+    def _observe_lag(self, report: StepReport) -> None:
+        """The worker applied Tasks up to report.applied_seq: how many of its steps passed
+        since the report that Tasks message was decided on; adapt the decode headroom."""
+        sent, seen = self._sent, -1
+        while sent and sent[0][0] <= report.applied_seq:
+            seen = sent.popleft()[1]
+        if seen < 0:
+            return
+        lag = float(report.step - seen)
+        self._lag = lag if lag > self._lag else 0.99 * self._lag + 0.01 * lag
+        cc = self.config.cache
+        want = math.ceil(self._lag * (1 + self._spec_k))
+        self._threshold = max(cc.prealloc_threshold, min(want, MAX_ADAPTIVE_HEADROOM))
 
     def _apply_round(
         self, report: StepReport, cols: _Columns, idx: np.ndarray | None, slow: list[Request]
@@ -784,9 +824,8 @@ class Scheduler:
             self.events.handed_off.append(req)
             return
         if req.is_prefill_done:
-            cc = self.config.cache
             capacity = len(req.block_ids) * self.block_size
-            if capacity - req.num_tokens <= cc.prealloc_threshold + self._spec_k:
+            if capacity - req.num_tokens <= self._threshold + self._spec_k:
                 self.needs_blocks[req.req_id] = req
             self._set_check_at(req)
 
@@ -961,15 +1000,17 @@ class Scheduler:
             )
         )
         self._set_check_at(req)
-        if (
-            len(req.block_ids) * self.block_size - req.num_tokens
-            <= self.config.cache.prealloc_threshold
-        ):
+        if len(req.block_ids) * self.block_size - req.num_tokens <= self._threshold + self._spec_k:
             self.needs_blocks[req.req_id] = req
         self.events.scheduled.append(req)
         return req
 
     # ==== introspection =======================================================================
+    @property
+    def decode_headroom(self) -> int:
+        """Room (tokens) at which a decoding request gets more blocks now (see `_lag`)."""
+        return self._threshold
+
     @property
     def last_report_step(self) -> int:
         return self._last_step

@@ -176,6 +176,7 @@ def tasks_to_bytes(tasks: core.Tasks) -> bytes:
 def _fill_tasks(pb: worker_service_pb2.Tasks, tasks: core.Tasks) -> None:
     pb.seq = tasks.seq
     pb.reset_prefix_cache = tasks.reset_prefix_cache
+    pb.report_step = tasks.report_step
     if tasks.preempts:
         pb.preempts.extend(tasks.preempts)
     if tasks.aborts:
@@ -233,6 +234,7 @@ def tasks_from_proto(pb: worker_service_pb2.Tasks) -> core.Tasks:
         chunks=list(map(core.Chunk, chk_handles, chk_starts, chk_tokens)),
         kv_sends=list(map(core.KvSend, snd_handles, snd_dst, snd_dst_handles, snd_blocks)),
         reset_prefix_cache=pb.reset_prefix_cache,
+        report_step=pb.report_step,
     )
 
 

@@ -170,6 +170,7 @@ class Daemon:
                 max_model_len=cfg.scheduler.max_model_len,
                 role=convert.role_to_proto(eng.role),
                 heartbeat_interval_ns=int(self.config.heartbeat_interval_s * 1e9),
+                answers_reports=True,
             )
         )
         return msg.SerializeToString()

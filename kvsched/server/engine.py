@@ -191,7 +191,9 @@ class InstanceEngine:
         tasks = sched.schedule()
         self.daemon.telemetry.scheduler_step(self.instance_id, time.perf_counter() - t0)
         self.dispatch(sched.take_events())
-        if not tasks.is_empty():
+        # Reports applied are always answered (Tasks.report_step), even with nothing to do:
+        # the worker paces its reports by these answers.
+        if reports or not tasks.is_empty():
             data = convert.tasks_to_bytes(tasks)
             for conn in self.ranks.values():
                 conn.queue.put_nowait(data)

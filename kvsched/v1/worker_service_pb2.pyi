@@ -154,6 +154,7 @@ class Welcome(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_NS_FIELD_NUMBER: _builtins.int
+    ANSWERS_REPORTS_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     instance_id: _builtins.str
     block_size: _builtins.int
@@ -163,6 +164,12 @@ class Welcome(_message.Message):
     """Prompt + output tokens at most per request."""
     role: _common_pb2.InstanceRole.ValueType
     heartbeat_interval_ns: _builtins.int
+    answers_reports: _builtins.bool
+    """The daemon answers every batch of StepReports it applies with a Tasks message (empty if
+    it has nothing to say) whose report_step names the last report applied. A worker may then
+    pace its reports by those answers (the reference worker keeps two unanswered and merges
+    the rest into one); without this flag it must not wait for answers.
+    """
     def __init__(
         self,
         *,
@@ -173,10 +180,11 @@ class Welcome(_message.Message):
         max_model_len: _builtins.int = ...,
         role: _common_pb2.InstanceRole.ValueType = ...,
         heartbeat_interval_ns: _builtins.int = ...,
+        answers_reports: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "heartbeat_interval_ns", b"heartbeat_interval_ns", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "num_speculative_tokens", b"num_speculative_tokens", "protocol_version", b"protocol_version", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers_reports", b"answers_reports", "block_size", b"block_size", "heartbeat_interval_ns", b"heartbeat_interval_ns", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "num_speculative_tokens", b"num_speculative_tokens", "protocol_version", b"protocol_version", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -374,10 +382,15 @@ class Tasks(_message.Message):
     CHUNKS_FIELD_NUMBER: _builtins.int
     KV_SENDS_FIELD_NUMBER: _builtins.int
     RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
+    REPORT_STEP_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     reset_prefix_cache: _builtins.bool
     """The daemon forgot every cached block; a worker that keeps caches keyed by block content
     (an encoder cache, a host-memory KV tier) drops them.
+    """
+    report_step: _builtins.int
+    """The step of the last StepReport the daemon had applied when it built this message (0: none
+    yet): how far the daemon lags behind the worker's steps (see Welcome.answers_reports).
     """
     @_builtins.property
     def preempts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -408,10 +421,11 @@ class Tasks(_message.Message):
         chunks: Global___Tasks.Chunks | None = ...,
         kv_sends: Global___Tasks.KvSends | None = ...,
         reset_prefix_cache: _builtins.bool = ...,
+        report_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborts", b"aborts", "chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends", "placements", b"placements", "preempts", b"preempts", "reset_prefix_cache", b"reset_prefix_cache", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborts", b"aborts", "chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends", "placements", b"placements", "preempts", b"preempts", "report_step", b"report_step", "reset_prefix_cache", b"reset_prefix_cache", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

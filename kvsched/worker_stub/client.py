@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -78,6 +79,9 @@ _FATAL_CODES = frozenset(
 )
 _SIM_MAX_MODEL_LEN = 1 << 20  # the sim has no length limit of its own
 _MAX_OVERSLEEP_CREDIT_S = 0.002
+# Reports sent and not yet answered by a Tasks message (its report_step) before later steps'
+# reports are held and merged: two in flight, as the daemon's own pipelining (DESIGN 4) assumes.
+MAX_UNANSWERED = 2
 
 
 class WorkerError(KvschedError):
@@ -171,6 +175,7 @@ class WorkerStats:
     num_steps: int = 0
     num_tokens: int = 0  # sampled tokens kept (every rank counts its own)
     num_reports: int = 0
+    num_paused: int = 0  # report rows saying a slot waits for blocks
     num_heartbeats: int = 0
     num_tasks: int = 0
     tasks_digest: int = 0  # crc32 chained over each Tasks ConnectResponse's bytes, in order
@@ -280,6 +285,12 @@ class Worker:
         self._last_sent = 0.0
         self._oversleep_s = 0.0
         self._welcomed = asyncio.Event()  # set once the current session is welcomed
+        # Report pacing: steps of the reports sent and not yet answered (Tasks.report_step),
+        # and the merged report of later steps held back meanwhile.
+        self._unanswered: collections.deque[int] = collections.deque()
+        self._held: pb.ConnectRequest | None = None
+        self._held_step = 0
+        self._paced = False  # this session's daemon answers reports (Welcome.answers_reports)
 
     def stop(self) -> None:
         """Leave: run() closes the stream and returns. Safe to call more than once."""
@@ -330,6 +341,8 @@ class Worker:
         inbox: asyncio.Queue[_InboxItem] = asyncio.Queue()
         outbox: asyncio.Queue[pb.ConnectRequest | None] = asyncio.Queue()
         self._inbox, self._heartbeat_s = inbox, self._default_heartbeat_s
+        self._unanswered.clear()
+        self._held = None
         self._welcomed = asyncio.Event()
         async with self._open_channel(self.server) as channel:
             # Raw response bytes (no deserializer): the digest covers exactly what was sent.
@@ -424,7 +437,7 @@ class Worker:
         engine = self._start_engine(await self._welcome(inbox))
         while True:
             while not inbox.empty():
-                self._accept(engine, inbox.get_nowait())
+                self._accept(engine, inbox.get_nowait(), outbox)
             self._resolve_pushes(engine)
             if engine.has_runnable():
                 await self._step(engine, outbox)
@@ -436,7 +449,7 @@ class Worker:
             self.stats.idle_s += idle
             if waiting_on_daemon:
                 self.stats.idle_waiting_on_daemon_s += idle
-            self._accept(engine, item)
+            self._accept(engine, item, outbox)
 
     async def _welcome(self, inbox: asyncio.Queue[_InboxItem]) -> pb.Welcome:
         while True:
@@ -465,6 +478,7 @@ class Worker:
         else:
             self.engine = self._factory(settings, self._queue_kv_push)
         self._settings = settings
+        self._paced = welcome.answers_reports
         self._max_placed = 0
         self._welcomed.set()
         if welcome.heartbeat_interval_ns:
@@ -479,9 +493,15 @@ class Worker:
         )
         return self.engine
 
-    def _accept(self, engine: WorkerEngine, item: _InboxItem) -> None:
+    def _accept(
+        self,
+        engine: WorkerEngine,
+        item: _InboxItem,
+        outbox: asyncio.Queue[pb.ConnectRequest | None],
+    ) -> None:
         if isinstance(item, Tasks):
             engine.apply(item)
+            self._answered(outbox, item.report_step)
             for p in item.placements:
                 self._max_placed = max(self._max_placed, p.handle)
         elif isinstance(item, _KvPush):
@@ -506,11 +526,42 @@ class Worker:
         if report is None:
             return
         self.stats.num_tokens += sum(report.num_new_tokens)
+        self.stats.num_paused += len(report.paused)
         if self.rank == 0:
-            self._send(outbox, wire.report_message(report))
-            self.stats.num_reports += 1
+            self._report(outbox, wire.report_message(report), report.step)
         if self._on_step is not None:
             self._on_step(report)
+
+    def _report(
+        self, outbox: asyncio.Queue[pb.ConnectRequest | None], msg: pb.ConnectRequest, step: int
+    ) -> None:
+        """Send a step's report, or hold it while MAX_UNANSWERED reports wait for the daemon's
+        answer: held reports merge into one (columns appended, the later step), sent as soon as
+        an answer comes. A daemon that falls behind then gets fewer, larger reports instead of
+        a growing queue of stale ones, and its decisions stay within a few steps of the worker.
+        """
+        if self._held is not None:
+            self._held.MergeFrom(msg)
+        elif self._paced and len(self._unanswered) >= MAX_UNANSWERED:
+            self._held = msg
+        else:
+            self._send(outbox, msg)
+            if self._paced:
+                self._unanswered.append(step)
+            self.stats.num_reports += 1
+            return
+        self._held_step = step
+
+    def _answered(self, outbox: asyncio.Queue[pb.ConnectRequest | None], report_step: int) -> None:
+        """A Tasks message says the daemon applied reports up to report_step."""
+        unanswered = self._unanswered
+        while unanswered and unanswered[0] <= report_step:
+            unanswered.popleft()
+        if self._held is not None and len(unanswered) < MAX_UNANSWERED:
+            msg, self._held = self._held, None
+            self._send(outbox, msg)
+            unanswered.append(self._held_step)
+            self.stats.num_reports += 1
 
     async def _simulate_gpu(self, started: float, step_time_s: float) -> None:
         """Sleep out the simulated step. asyncio wakes up to ~1 ms late (epoll rounds its
@@ -803,11 +854,12 @@ async def _serve(worker: Worker) -> int:
             loop.remove_signal_handler(sig)
         s = worker.stats
         log.info(
-            "worker stats: %d steps, %d tokens, busy %.3f s, idle %.3f s "
+            "worker stats: %d steps, %d tokens, %d paused, busy %.3f s, idle %.3f s "
             "(%.3f s waiting on the daemon, idle_frac_control_plane %.3f), %d connects, "
             "%d tasks messages, tasks digest %08x",
             s.num_steps,
             s.num_tokens,
+            s.num_paused,
             s.busy_s,
             s.idle_s,
             s.idle_waiting_on_daemon_s,

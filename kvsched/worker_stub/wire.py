@@ -30,7 +30,9 @@ _FINISH_REASONS = pb.StepReport.DESCRIPTOR.fields_by_name["finish_reasons"].numb
 def tasks_from_proto(msg: pb.Tasks) -> Tasks:
     """Core tasks from the message; ValueError if its columns disagree. Empty sections cost
     nothing (a decode step's Tasks usually carry only a few extensions)."""
-    tasks = Tasks(seq=msg.seq, reset_prefix_cache=msg.reset_prefix_cache)
+    tasks = Tasks(
+        seq=msg.seq, reset_prefix_cache=msg.reset_prefix_cache, report_step=msg.report_step
+    )
     if msg.preempts:
         tasks.preempts = msg.preempts[:]
     if msg.aborts:

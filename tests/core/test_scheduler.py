@@ -8,6 +8,8 @@ from kvsched.core import (
     InvalidRequest,
     RequestNotFound,
     RequestStatus,
+    Scheduler,
+    Tasks,
 )
 from tests.core.factories import (
     make_request,
@@ -471,3 +473,48 @@ def test_reset_prefix_cache_while_blocks_are_shared_keeps_integrity() -> None:
     s.reset_prefix_cache()
     s.check_integrity()
     step(s)
+
+
+def _run_lagging_worker(lag: int, cycles: int) -> tuple[Scheduler, list[int]]:
+    """A real sim worker that runs `lag` steps per scheduler cycle (its reports merged into
+    one, as the worker client sends them) and gets each Tasks one cycle late. Returns the
+    scheduler and the paused rows of each cycle."""
+    from kvsched.worker_stub.engine import WorkerEngine
+    from kvsched.worker_stub.sim import SimExecutor
+    from tests.core.test_state_machine import merge_reports
+
+    sched = make_scheduler(num_gpu_blocks=4000, max_num_seqs=8)
+    for i in range(8):
+        sched.add_request(make_request(8, max_tokens=4000, req_id=f"r{i}"))
+    worker = WorkerEngine(SimExecutor(zero_cost=True), 16, 8, 2, 1 << 20, columnar=True)
+    late: list[Tasks] = []
+    paused = []
+    for _ in range(cycles):
+        late.append(sched.schedule())
+        if len(late) > 1:
+            worker.apply(late.pop(0))
+        merged, n_paused = None, 0
+        for _ in range(lag):
+            rep = worker.step()
+            if rep is None:
+                break
+            n_paused += len(rep.paused)
+            merged = rep if merged is None else merge_reports(merged, rep)
+        if merged is not None:
+            sched.apply_report(merged)
+        paused.append(n_paused)
+        sched.check_integrity()
+    return sched, paused
+
+
+def test_decode_headroom_follows_the_workers_round_trip() -> None:
+    """A worker many steps ahead of the scheduler would pause its slots for every extension
+    with the configured 12-token threshold; the headroom grows to what it decodes in one
+    round trip, and its slots stop pausing. A prompt worker keeps the configured one."""
+    sched, paused = _run_lagging_worker(lag=20, cycles=60)
+    assert sched.decode_headroom >= 20
+    assert sum(paused[:10]) > 0, "the lagging worker paused before the headroom grew"
+    assert sum(paused[-30:]) == 0
+    sched, paused = _run_lagging_worker(lag=1, cycles=60)
+    assert sched.decode_headroom == sched.config.cache.prealloc_threshold
+    assert sum(paused) == 0

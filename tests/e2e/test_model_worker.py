@@ -160,7 +160,7 @@ def test_prefix_hit_waits_for_the_writers_report() -> None:
                     # Apply what arrived meanwhile at this same step boundary, as a worker that
                     # fell a step behind the daemon does: W's pending chunks and R together.
                     while not inbox.empty():
-                        worker._accept(engine, inbox.get_nowait())
+                        worker._accept(engine, inbox.get_nowait(), outbox)
                 await step(engine, outbox)
 
             worker._step = gated_step  # type: ignore[method-assign]
