@@ -10,6 +10,13 @@ OTLPSpanExporter runs on its batch thread) and with `kvsched.server.otlp.SpanEnc
 encoder: the median over `--rounds` batches of CPU time per span, to the request message
 (encode) and to its bytes (encode + SerializeToString, what the gRPC stub then sends). Both
 encoders' requests are checked to be equal first.
+
+Then the whole path, in this process as in the daemon: `--requests` requests through the
+tracing hooks (kvsched.server.tracing.Tracing: accept, scheduled, first token, finish), their
+spans through the SDK's BatchSpanProcessor and the OTLP/gRPC exporter, library or ours, to a
+`bench.otlp_sink` process, ~1,000 requests/s offered. Per exporter, alternated `--pipeline-runs`
+times, medians of CPU per request: the hooks' (the event loop's thread in the daemon) and the
+other threads' (the batch processor's thread encoding and exporting, gRPC's).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -30,8 +38,10 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from bench.transport import machine
-from kvsched.server.otlp import SpanEncoder
+from bench.transport import last_match, machine, spawn
+from kvsched.core import Events, FinishReason, Request, SamplingParams
+from kvsched.server.otlp import KvschedSpanExporter, SpanEncoder
+from kvsched.server.tracing import Tracing
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "span_cost.json"
 
@@ -110,10 +120,83 @@ def per_span_us(
     return statistics.median(times)
 
 
+def pipeline_run(exporter: str, endpoint: str, num_requests: int) -> tuple[float, float]:
+    """CPU us per request of `num_requests` traced requests: (the hooks, on this thread; the
+    other threads: the batch processor's, encoding and exporting, and gRPC's)."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    cls = KvschedSpanExporter if exporter == "kvsched" else OTLPSpanExporter
+    tracing = Tracing(TracerProvider(), "llama-3-8b")
+    tracing.add_processor(BatchSpanProcessor(cls(endpoint=endpoint)))
+    engine = SimpleNamespace(instance_id="i0")
+    hooks = 0.0
+    cpu0, main0 = time.process_time(), time.thread_time()
+    for i in range(num_requests):
+        req = Request(
+            f"t{i}", [1] * 32, SamplingParams(max_tokens=256), arrival_time=time.monotonic()
+        )
+        req.output_token_ids = [7] * 256  # finish_attributes reads its length
+        tr = SimpleNamespace(req=req, engine=engine, span=None)
+        req.tag = tr
+        t0 = time.thread_time()  # the hooks' CPU, not the fake request's making
+        tracing.request_accepted(tr, {})
+        req.first_scheduled_time = time.monotonic()
+        tracing.lifecycle(engine, Events(scheduled=[req]))
+        req.first_token_time, req.num_cached_tokens = time.monotonic(), 0
+        tracing.lifecycle(engine, Events(first_token=[req]))
+        req.finish_reason, req.finished_time = FinishReason.LENGTH, time.monotonic()
+        tracing.request_finished(tr)
+        hooks += time.thread_time() - t0
+        if i % 50 == 49:
+            time.sleep(0.05)  # ~1,000 requests/s offered, as a busy daemon finishes them
+    main = time.thread_time() - main0
+    tracing.shutdown()  # exports what is left, on the batch thread
+    others = time.process_time() - cpu0 - main
+    return hooks * 1e6 / num_requests, others * 1e6 / num_requests
+
+
+def pipeline(num_requests: int, runs: int) -> list[dict[str, Any]]:
+    sink = spawn("otlp-sink", ["-m", "bench.otlp_sink", "--listen", "127.0.0.1:0"], {})
+    try:
+        endpoint = "http://" + sink.wait_for(r"otlp sink listening on (\S+:\d+)").group(1)
+        got: dict[str, list[tuple[float, float]]] = {"library": [], "kvsched": []}
+        for _ in range(runs):
+            for name in got:
+                got[name].append(pipeline_run(name, endpoint, num_requests))
+    finally:
+        sink.stop()
+    time.sleep(0.2)
+    m = last_match(sink, r"otlp sink: \d+ export requests, (\d+) spans")
+    received = int(m.group(1)) if m else 0
+    if received != 2 * runs * num_requests:
+        raise SystemExit(f"the sink received {received} spans, not {2 * runs * num_requests}")
+    records = []
+    print(f"\ntracing path per request ({num_requests} requests, median of {runs} runs)")
+    print(f"{'exporter':>8} {'hooks us':>9} {'export threads us':>18} {'total us':>9}")
+    for name, rs in got.items():
+        hooks = statistics.median(r[0] for r in rs)
+        others = statistics.median(r[1] for r in rs)
+        print(f"{name:>8} {hooks:>9,.1f} {others:>18,.1f} {hooks + others:>9,.1f}")
+        records.append(
+            {
+                "exporter": name,
+                "requests": num_requests,
+                "runs": runs,
+                "hooks_cpu_us_per_request": round(hooks, 1),
+                "export_threads_cpu_us_per_request": round(others, 1),
+            }
+        )
+    return records
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spans", type=int, default=512, help="spans per batch (the SDK's max batch)")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--requests", type=int, default=4096, help="per pipeline run")
+    ap.add_argument("--pipeline-runs", type=int, default=3, help="0: skip the pipeline")
     ap.add_argument("--json", default=str(DEFAULT_JSON))
     args = ap.parse_args()
     spans = daemon_spans(args.spans)
@@ -144,9 +227,16 @@ def main() -> None:
         records[0]["encode_serialize_us_per_span"] / records[1]["encode_serialize_us_per_span"]
     )
     print(f"kvsched's encoder: {speedup:.1f}x faster to bytes")
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine(),
+        "encoders": records,
+    }
+    if args.pipeline_runs:
+        result["pipeline"] = pipeline(args.requests, args.pipeline_runs)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "records": records}, indent=1) + "\n")
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
 
 

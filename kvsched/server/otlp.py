@@ -159,8 +159,8 @@ def fill_span(pb: Span, span: ReadableSpan) -> None:
         ev = pb.events.add()
         ev.name = event.name
         ev.time_unix_nano = event.timestamp
-        if event.attributes:
-            fill_attributes(ev.attributes, event.attributes)
+        if attributes := event.attributes:
+            fill_attributes(ev.attributes, attributes)
         if dropped := event.dropped_attributes:
             ev.dropped_attributes_count = dropped
     for link in span.links:
@@ -192,14 +192,13 @@ def fill_attributes(out: Any, attributes: Mapping[str, Any]) -> None:
         kv.key = key
         try:
             fill_value(kv.value, value)
-        except TypeError:  # as the library does: log, drop this attribute, keep the rest
+        except Exception:  # as the library does: log, drop this attribute, keep the rest
             log.exception("OTLP: cannot encode attribute %s", key)
             del out[-1]
 
 
 def fill_value(pb: AnyValue, value: Any) -> None:
-    # bool before int (a bool is an int); str before Sequence (a str is one)
-    t = type(value)
+    t = type(value)  # exact types first: the common case, without isinstance's ABC checks
     if t is str:
         pb.string_value = value
     elif t is int:
@@ -208,8 +207,11 @@ def fill_value(pb: AnyValue, value: Any) -> None:
         pb.double_value = value
     elif t is bool:
         pb.bool_value = value
+    elif t is tuple or t is list:
+        _fill_array(pb, value)
     elif value is None:
         pb.SetInParent()
+    # subclasses, in the library's order: bool before int, str and bytes before Sequence
     elif isinstance(value, bool):
         pb.bool_value = value
     elif isinstance(value, str):
@@ -221,10 +223,7 @@ def fill_value(pb: AnyValue, value: Any) -> None:
     elif isinstance(value, bytes):
         pb.bytes_value = value
     elif isinstance(value, Sequence):
-        pb.array_value.SetInParent()
-        values = pb.array_value.values
-        for v in value:
-            fill_value(values.add(), v)
+        _fill_array(pb, value)
     elif isinstance(value, Mapping):
         pb.kvlist_value.SetInParent()
         kvs = pb.kvlist_value.values
@@ -234,3 +233,10 @@ def fill_value(pb: AnyValue, value: Any) -> None:
             fill_value(kv.value, v)
     else:
         raise TypeError(f"invalid attribute value type {t.__name__}")
+
+
+def _fill_array(pb: AnyValue, values: Sequence[Any]) -> None:
+    pb.array_value.SetInParent()  # present even when empty, as the library has it
+    out = pb.array_value.values
+    for v in values:
+        fill_value(out.add(), v)

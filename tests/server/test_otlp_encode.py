@@ -169,7 +169,7 @@ def test_every_attribute_type_links_kinds_and_dropped_counts() -> None:
             status=Status(StatusCode.ERROR, "bad"),
         ),
         span(3, res, scope, kind=SpanKind.CONSUMER),
-        span(4, res, scope, {"bad": object(), "ok": 1}, kind=SpanKind.INTERNAL),
+        span(4, res, scope, {"bad": object(), "ok": 1, "huge": 2**64, "deep": [object()]}),
     ]
     assert_same_request(spans)
 
