@@ -3,13 +3,14 @@
 The library's exporter encodes each batch with `encode_spans` (opentelemetry-exporter-otlp-
 proto-common), which builds every span, event, attribute and value as a keyword-constructed
 protobuf message and hashes each span's Resource (a JSON dump of its attributes) to group the
-batch: ~97 us per span of ours, on the batch processor's thread, holding the GIL the daemon's
-event loop needs (docs/BENCHMARKS.md section 3). Our spans have a fixed shape: one SERVER span
-per request, a handful of events, scalar or tuple attributes, one resource and one scope per
-daemon. `encode_spans` here fills the request message in place instead, grouping by object
-identity (with an equality check only when a batch meets a new Resource or scope object) and
-keeping each resource's and scope's encoding across batches. Its output equals the library's
-for any span the SDK can make (tests/server/test_otlp_encode.py); everything else (endpoint,
+batch: 55-97 us per span of ours, on the batch processor's thread, holding the GIL the daemon's
+event loop needs (docs/BENCHMARKS.md section 3, bench/span_cost.py). Our spans have a fixed
+shape: one SERVER span per request, a handful of events, scalar or tuple attributes, one
+resource and one scope per daemon. `SpanEncoder` fills the request message in place instead
+(~18 us per span), grouping by object identity (with an equality check only when a batch meets
+a new Resource or scope object) and keeping each resource's and scope's encoding across
+batches. Its output equals the library's, message for message, for the daemon's spans and the
+other shapes the SDK allows (tests/server/test_otlp_encode.py); everything else (endpoint,
 headers, TLS, compression, retries, OTEL_EXPORTER_OTLP_* variables) stays the library's.
 """
 
@@ -45,7 +46,7 @@ _MAX_CACHED = 16  # resources / scopes whose encoding is kept; a daemon has one 
 
 
 class KvschedSpanExporter(OTLPSpanExporter):
-    """The library's OTLP/gRPC span exporter with `encode_spans` below as its encoder."""
+    """The library's OTLP/gRPC span exporter with `SpanEncoder` as its encoder."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -59,7 +60,8 @@ class SpanEncoder:
     """Spans to one ExportTraceServiceRequest, as the library's `encode_spans` makes it:
     resource_spans in the order their Resource first appears in the batch, scope_spans
     likewise within each, spans in batch order; resources and scopes that compare equal
-    share one entry. Not thread-safe: one per exporter (the batch processor's one thread)."""
+    share one entry. Calls may overlap (a flush beside the batch thread): a batch's state is
+    local to its call, and a cache entry is only used for the very object it was made from."""
 
     def __init__(self) -> None:
         # id -> (the object, its encoding): the object is held so its id stays unique
