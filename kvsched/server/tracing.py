@@ -19,14 +19,15 @@ Which exporter (first match wins):
   1. OTEL_SDK_DISABLED=true: none, whatever else says.
   2. config `tracing_exporter` when it is not `none` (file, KVSCHED_TRACING_EXPORTER, flag).
   3. OTEL_TRACES_EXPORTER (comma list of otlp / console / none); unset: none.
-The OTLP exporter speaks gRPC. Its endpoint and headers come from config `otlp_endpoint` /
-`otlp_headers` ("k=v,k2=v2") when set, else from the standard OTEL_EXPORTER_OTLP_[TRACES_]*
-variables, which the exporter reads itself. A config endpoint without a scheme is taken as
-plaintext (`http://`); use `https://` for TLS. Sampling follows OTEL_TRACES_SAMPLER[_ARG]
-(default parentbased_always_on: a client's unsampled traceparent yields no span), the service
-name `service_name` when changed from its default, else OTEL_SERVICE_NAME, else `kvsched`.
-The parent comes from W3C `traceparent` / `tracestate` only (OTEL_PROPAGATORS is not read:
-the request protocol is gRPC, whose clients propagate W3C trace context).
+The OTLP exporter is the library's gRPC one with our span encoder (kvsched.server.otlp). Its
+endpoint and headers come from config `otlp_endpoint` / `otlp_headers` ("k=v,k2=v2") when
+set, else from the standard OTEL_EXPORTER_OTLP_[TRACES_]* variables, which the exporter reads
+itself. A config endpoint without a scheme is taken as plaintext (`http://`); use `https://`
+for TLS. Sampling follows OTEL_TRACES_SAMPLER[_ARG] (default parentbased_always_on: a client's
+unsampled traceparent yields no span), the service name `service_name` when changed from its
+default, else OTEL_SERVICE_NAME, else `kvsched`. The parent comes from W3C `traceparent` /
+`tracestate` only (OTEL_PROPAGATORS is not read: the request protocol is gRPC, whose clients
+propagate W3C trace context).
 """
 
 from __future__ import annotations
@@ -113,13 +114,13 @@ def make_exporter(name: str, config: Any, environ: Mapping[str, str]) -> SpanExp
     )
     if protocol.strip().lower() != "grpc":
         log.warning("OTEL_EXPORTER_OTLP_PROTOCOL=%s: kvsched exports OTLP over gRPC", protocol)
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from kvsched.server.otlp import KvschedSpanExporter
 
     endpoint = config.otlp_endpoint.strip() or None
     if endpoint is not None and "://" not in endpoint:
         endpoint = "http://" + endpoint
     headers = parse_env_headers(config.otlp_headers, liberal=True) if config.otlp_headers else {}
-    return OTLPSpanExporter(endpoint=endpoint, headers=dict(headers) or None)
+    return KvschedSpanExporter(endpoint=endpoint, headers=dict(headers) or None)
 
 
 def make_tracing(config: Any, environ: Mapping[str, str] | None = None) -> Tracing | None:

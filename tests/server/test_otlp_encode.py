@@ -1,0 +1,207 @@
+"""kvsched.server.otlp's span encoder gives the library's `encode_spans` request, message for
+message: for the spans the daemon's tracing hooks make, and for span shapes the SDK allows
+beyond them (every attribute type, links, dropped counts, several resources and scopes)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.util import BoundedList
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace.span import TraceState
+
+from kvsched.core import Events, FinishReason, Request, SamplingParams
+from kvsched.server.otlp import KvschedSpanExporter, SpanEncoder
+from kvsched.server.tracing import Tracing
+
+SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
+
+
+class Keep(SpanProcessor):
+    def __init__(self) -> None:
+        self.spans: list[ReadableSpan] = []
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.spans.append(span)
+
+
+def assert_same_request(spans: Sequence[ReadableSpan]) -> ExportTraceServiceRequest:
+    ours, library = SpanEncoder().encode(spans), encode_spans(spans)
+    assert ours == library
+    # == on messages ignores nothing that is serialized, but say so in bytes too
+    assert ours.SerializeToString(deterministic=True) == library.SerializeToString(
+        deterministic=True
+    )
+    return ours
+
+
+def daemon_spans() -> list[ReadableSpan]:
+    """Spans from the daemon's own hooks: a client's traceparent + tracestate or none, first
+    token, preemption, a lost instance, error / length / abort finishes, one open at shutdown."""
+    keep = Keep()
+    tracing = Tracing(TracerProvider(resource=Resource.create({"kvsched.instances": ["i0"]})), "m")
+    tracing.add_processor(keep)
+    engine = SimpleNamespace(instance_id="i0")
+    trs = []
+    for i in range(6):
+        req = Request(
+            f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8), arrival_time=time.monotonic()
+        )
+        tr = SimpleNamespace(req=req, engine=engine, span=None)
+        req.tag = tr
+        carrier = {}
+        if i % 2:
+            carrier = {
+                "traceparent": f"00-{TRACE_ID:032x}-{i + 1:016x}-01",
+                "tracestate": "k=v,a=1",
+            }
+        tracing.request_accepted(tr, carrier)
+        trs.append(tr)
+    reqs = [tr.req for tr in trs]
+    for req in reqs:
+        req.first_scheduled_time = time.monotonic()
+    tracing.lifecycle(engine, Events(scheduled=reqs[:5]))
+    for req in reqs[:4]:
+        req.first_token_time = time.monotonic()
+        req.output_token_ids = [5, 6]
+        req.num_cached_tokens = 0
+    tracing.lifecycle(engine, Events(first_token=reqs[:4]))
+    reqs[1].num_preemptions = 1
+    tracing.lifecycle(engine, Events(preempted=[reqs[1]]))
+    tracing.request_moved(trs[2], "worker stream ended")
+    tracing.lifecycle(engine, Events(scheduled=[reqs[1], reqs[2]]))
+    finishes = [FinishReason.LENGTH, FinishReason.STOP, FinishReason.ERROR, FinishReason.ABORT]
+    for tr, reason in zip(trs, finishes, strict=False):
+        tr.req.finish_reason = reason
+        tr.req.finish_message = "worker lost" if reason == FinishReason.ERROR else ""
+        tr.req.finished_time = time.monotonic()
+        tracing.request_finished(tr)
+    tracing.end_open(trs[4:])
+    assert len(keep.spans) == 6
+    return keep.spans
+
+
+def test_the_daemons_spans_encode_as_the_library_encodes_them() -> None:
+    spans = daemon_spans()
+    request = assert_same_request(spans)
+    (rs,) = request.resource_spans
+    (ss,) = rs.scope_spans
+    assert len(ss.spans) == 6 and ss.scope.name == "kvsched"
+    assert ss.spans[2].status.code == ss.spans[2].status.STATUS_CODE_ERROR
+    assert ss.spans[1].trace_state == "k=v,a=1" and ss.spans[1].parent_span_id
+
+
+def span(
+    i: int,
+    resource: Resource,
+    scope: InstrumentationScope | None,
+    attributes: Any = None,
+    **kwargs: Any,
+) -> ReadableSpan:
+    ctx = SpanContext(TRACE_ID + i, 0x100 + i, False, SAMPLED, TraceState([("k", str(i))]))
+    return ReadableSpan(
+        f"s{i}",
+        context=ctx,
+        resource=resource,
+        instrumentation_scope=scope,
+        attributes=attributes,
+        start_time=1_000 + i,
+        end_time=2_000 + i,
+        **kwargs,
+    )
+
+
+ALL_TYPES: dict[str, Any] = {
+    "s": "x",
+    "empty": "",
+    "i": -3,
+    "big": 2**62,
+    "f": 0.25,
+    "b": True,
+    "false": False,
+    "bytes": b"\x00\x01",
+    "strs": ("a", "b"),
+    "ints": [1, 2, 3],
+    "floats": (0.5, -1.0),
+    "bools": [True, False],
+    "no items": (),
+    "mapping": {"k": 1, "n": {"deep": "v"}},
+    "none": None,
+}
+
+
+def test_every_attribute_type_links_kinds_and_dropped_counts() -> None:
+    res = Resource({"service.name": "svc", "list": ["a", "b"]}, "https://schema/r")
+    scope = InstrumentationScope("lib", "1.0", "https://schema/s", {"scope.attr": 7})
+    bounded = BoundedAttributes(maxlen=2, attributes={"a": 1, "b": "2", "c": 3.0}, immutable=False)
+    link_ctx = SpanContext(TRACE_ID, 0xABC, True, SAMPLED)
+    events = BoundedList.from_seq(1, [Event("e1", ALL_TYPES, 5), Event("e2", bounded, 6)])
+    spans = [
+        span(0, res, scope, ALL_TYPES, kind=SpanKind.SERVER, events=[Event("e", None, 3)]),
+        span(
+            1,
+            res,
+            scope,
+            bounded,
+            kind=SpanKind.CLIENT,
+            parent=SpanContext(TRACE_ID, 0x55, False, SAMPLED),
+            links=[Link(link_ctx, {"l": "v"}), Link(link_ctx)],
+            status=Status(StatusCode.OK),
+        ),
+        span(
+            2,
+            res,
+            None,
+            kind=SpanKind.PRODUCER,
+            events=events,
+            links=BoundedList.from_seq(1, [Link(link_ctx), Link(link_ctx)]),
+            status=Status(StatusCode.ERROR, "bad"),
+        ),
+        span(3, res, scope, kind=SpanKind.CONSUMER),
+        span(4, res, scope, {"bad": object(), "ok": 1, "huge": 2**64, "deep": [object()]}),
+    ]
+    assert_same_request(spans)
+
+
+def test_resources_and_scopes_group_as_the_library_groups_them() -> None:
+    """Grouping by equality: equal resources / scopes held in distinct objects share one entry,
+    in the order each first appears in the batch."""
+    r1, r2 = Resource({"service.name": "a"}), Resource({"service.name": "b"})
+    r1_again = Resource({"service.name": "a"})
+    s1, s2 = InstrumentationScope("x", "1"), InstrumentationScope("y")
+    s1_again = InstrumentationScope("x", "1")
+    order = [(r1, s1), (r2, s1), (r1_again, s2), (r1, None), (r2, s1_again), (r1, s1_again)]
+    spans = [span(i, r, s, {"n": i}) for i, (r, s) in enumerate(order)]
+    request = assert_same_request(spans)
+    assert [len(rs.scope_spans) for rs in request.resource_spans] == [3, 1]
+    assert assert_same_request(spans[::-1]) is not None
+    assert_same_request([])
+
+
+def test_encodings_are_reused_across_batches_without_mixing_objects_up() -> None:
+    encoder = SpanEncoder()
+    for i in range(40):  # more resources than the cache keeps: it starts over
+        res = Resource({"service.name": f"svc{i}"})
+        spans = [span(j, res, InstrumentationScope(f"lib{i}"), {"n": j}) for j in range(3)]
+        assert encoder.encode(spans) == encode_spans(spans)
+        assert encoder.encode(spans) == encode_spans(spans)
+
+
+def test_the_exporter_uses_the_encoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    exporter = KvschedSpanExporter(endpoint="http://127.0.0.1:1", insecure=True)
+    try:
+        spans = daemon_spans()
+        assert exporter._translate_data(spans) == encode_spans(spans)
+    finally:
+        exporter.shutdown()
