@@ -352,8 +352,10 @@ def test_tp2_instance_serves_and_both_ranks_see_identical_tasks() -> None:
         st = wait_pool_free(address)
         assert st.instances[0].num_ranks_connected == 2 and st.instances[0].world_size == 2
     finally:
+        # The daemon first: it ends both streams after everything it queued for them (the
+        # answer to the last report included), so both ranks have seen the same messages.
+        daemon.stop()
         for r in ranks:
             r.stop()
-        daemon.stop()
     digests = [r.wait_for(r"(\d+) tasks messages, tasks digest (\w+)").groups() for r in ranks]
     assert int(digests[0][0]) > 0 and digests[0] == digests[1], digests
