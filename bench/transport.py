@@ -182,9 +182,11 @@ def _start_stack(running: int, tracing: str, started: list[Child]) -> Stack:
         started.append(sink)
         env["KVSCHED_OTLP_ENDPOINT"] = sink.wait_for(r"otlp sink listening on (\S+:\d+)").group(1)
     serve = ["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "off"]
+    profile = os.environ.get("KVSCHED_BENCH_PROFILE_DAEMON")  # cProfile output path
+    prof = ["-m", "cProfile", "-o", profile] if profile else []
     daemon = spawn(
         "daemon",
-        ["-m", "kvsched.cli", *serve, "--log-level", "warning", "--tracing", tracing],
+        [*prof, "-m", "kvsched.cli", *serve, "--log-level", "warning", "--tracing", tracing],
         env,
     )
     started.append(daemon)

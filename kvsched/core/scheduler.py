@@ -681,7 +681,7 @@ class Scheduler:
             for i in np.flatnonzero(np.asarray(fins)).tolist():
                 if (req := get(int(handles[i]))) is not None:
                     self._after_report(req, int(fins[i]))
-        for req in slow:
+        for req in dict.fromkeys(slow):  # a request once, however many rows named it
             if not req.is_finished and live.get(req.handle) is req:
                 self._after_report(req, 0)
         self.stats.num_generation_tokens += n_gen
@@ -744,17 +744,22 @@ class Scheduler:
             self.events.tokens.append((reqs.copy(), vs, vt))
             due = np.flatnonzero(pos >= slots.check[vs])
             if len(due):
+                due_slots = vs[due]
                 first = self.events.first_token
                 now = -1.0
-                for i in vs[due].tolist():
+                for i in due_slots.tolist():
                     req = reqs[i]
                     assert req is not None
+                    slots.sync(req)  # its ring is free again for the later rounds
                     slow.append(req)
                     if req.first_token_time < 0:
                         if now < 0:
                             now = self.clock()
                         req.first_token_time = now
                         first.append(req)
+                # Later rounds of a merged report find it due again only if its ring fills;
+                # the visit after the last round sets its real next check.
+                slots.check[due_slots] = pos[due] + RING
         return self._apply_rows(report, py_rows, slow) if py_rows else 0
 
     def _apply_rows(self, report: StepReport, rows: list[int], slow: list[Request]) -> int:

@@ -116,4 +116,5 @@ class SlotTable:
         starts[1:] = np.where(sh[1:] != sh[:-1], order[1:], 0)
         rank = np.empty(n, dtype=np.int64)
         rank[by_handle] = order - np.maximum.accumulate(starts)
-        return [np.flatnonzero(rank == r) for r in range(int(rank.max()) + 1)]
+        by_rank = np.argsort(rank, kind="stable")  # rows of round 0, then round 1, ...
+        return list(np.split(by_rank, np.cumsum(np.bincount(rank))[:-1]))

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvsched.core import ConfigError, EngineConfig, ProtocolError, Role, Scheduler, Unavailable
 from kvsched.core.protocol import StepReport
 from kvsched.server import convert
@@ -229,22 +231,38 @@ class InstanceEngine:
 def deliver_tokens(deltas: list[Any]) -> None:
     """Hand a step's token deltas (core `Events.tokens`, in order) to the requests' sinks: a
     columnar delta goes to its sink as one call (to each sink, when several share it)."""
+    prev_a: Any = None
+    prev_slots: Any = None
+    keep: list[int] | None = None
+    trs: list[Any] = []
+    sinks: list[Any] = []
     for a, slots, toks in deltas:
         if slots is None:  # one request's row
             tr = a.tag
             if tr is not None:
                 tr.sink.add_tokens([tr], [len(toks)], toks)
             continue
-        reqs = list(map(a.__getitem__, slots.tolist()))
-        trs = [r.tag for r in reqs]
         values = toks.tolist()
-        try:
-            sinks = [tr.sink for tr in trs]
-        except AttributeError:  # requests the daemon does not track (no tag)
-            keep = [i for i, tr in enumerate(trs) if tr is not None]
-            trs = [trs[i] for i in keep]
+        # The rounds of a merged report usually name the same requests on the same slots:
+        # their requests and sinks are looked up once (the same `trs` list, which a Session
+        # recognises when it joins the rounds).
+        if not (
+            prev_slots is not None
+            and len(slots) == len(prev_slots)
+            and a == prev_a
+            and np.array_equal(slots, prev_slots)
+        ):
+            prev_a, prev_slots = a, slots
+            trs = [r.tag for r in map(a.__getitem__, slots.tolist())]
+            try:
+                sinks = [tr.sink for tr in trs]
+                keep = None
+            except AttributeError:  # requests the daemon does not track (no tag)
+                keep = [i for i, tr in enumerate(trs) if tr is not None]
+                trs = [trs[i] for i in keep]
+                sinks = [tr.sink for tr in trs]
+        if keep is not None:
             values = [values[i] for i in keep]
-            sinks = [tr.sink for tr in trs]
         if not sinks:
             continue
         first = sinks[0]

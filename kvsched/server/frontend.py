@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import numpy as np
 
 from kvsched.core import KvschedError
 from kvsched.server import convert
@@ -276,9 +277,15 @@ def _token_columns(
 ) -> tuple[list[str], list[int], list[int]]:
     """A session's token deltas as TokenDeltas columns, each request once, its tokens in
     order. One columnar delta (a steady step) is passed through as it is."""
-    if len(chunks) == 1 and chunks[0][1] is None:
-        trs, _, toks = chunks[0]
-        return [tr.req.req_id for tr in trs], [1] * len(trs), toks
+    trs = chunks[0][0]
+    if all(c[0] is trs and c[1] is None for c in chunks):
+        # One columnar delta, or the rounds of a merged report over the same requests: each
+        # request's tokens are one column of the (rounds x requests) table.
+        ids = [tr.req.req_id for tr in trs]
+        if len(chunks) == 1:
+            return ids, [1] * len(trs), chunks[0][2]
+        table = np.array([c[2] for c in chunks], dtype=np.int64)
+        return ids, [len(chunks)] * len(trs), table.T.ravel().tolist()
     acc: dict[Tracked, list[int]] = {}
     for trs, counts, toks in chunks:
         if counts is None:

@@ -518,3 +518,24 @@ def test_decode_headroom_follows_the_workers_round_trip() -> None:
     sched, paused = _run_lagging_worker(lag=1, cycles=60)
     assert sched.decode_headroom == sched.config.cache.prealloc_threshold
     assert sum(paused) == 0
+
+
+def test_a_merged_report_longer_than_the_token_ring_keeps_every_token() -> None:
+    """A worker far ahead of the scheduler sends one report with a handle in 300 consecutive
+    steps, more than a slot's token ring holds between two visits: every token arrives, in
+    order, once, and the request is visited once."""
+    from kvsched.core.slots import RING
+
+    s = make_scheduler(prealloc_threshold=400)
+    req = make_request(8, max_tokens=1000)
+    s.add_request(req)
+    tasks = s.schedule()
+    h = tasks.placements[0].handle
+    s.apply_report(report(s, [(h, 8, [100])]))  # the prompt, and the first token
+    n = RING + 44
+    toks = list(range(1000, 1000 + n))
+    ev = s.apply_report(report(s, [(h, 8 + i, [t]) for i, t in enumerate(toks, 1)]))
+    assert req.output_token_ids == [100, *toks]
+    streamed = [t for a, slots, ts in ev.tokens for t in (ts.tolist() if slots is not None else ts)]
+    assert streamed == toks
+    s.check_integrity()

@@ -51,3 +51,31 @@ def test_deliver_tokens_splits_a_step_between_sessions_and_skips_untracked() -> 
         assert s1.event.is_set() and s1.pending_since is not None
 
     asyncio.run(go())
+
+
+def test_rounds_of_a_merged_report_join_per_request() -> None:
+    """The rounds of a merged report share one `trs` list (deliver_tokens looks them up once):
+    each request still appears once, with its tokens in step order."""
+    a, b = tracked("a", None), tracked("b", None)
+    trs = [a, b]
+    chunks = [(trs, None, [1, 2]), (trs, None, [3, 4]), (trs, None, [5, 6])]
+    assert _token_columns(chunks) == (["a", "b"], [3, 3], [1, 3, 5, 2, 4, 6])  # type: ignore[arg-type]
+
+
+def test_deliver_tokens_reuses_lookups_across_rounds_but_not_across_occupants() -> None:
+    async def go() -> None:
+        sink = SessionSink()
+        a, b, c = tracked("a", sink), tracked("b", sink), tracked("c", sink)
+        before = [a.req, b.req]
+        after = [c.req, b.req]  # slot 0 changed hands between the rounds
+        deliver_tokens(
+            [
+                (before, np.array([0, 1]), np.array([1, 2])),
+                (list(before), np.array([0, 1]), np.array([3, 4])),
+                (after, np.array([0, 1]), np.array([5, 6])),
+            ]
+        )
+        assert sink.chunks[0][0] is sink.chunks[1][0]
+        assert _token_columns(sink.chunks) == (["a", "b", "c"], [2, 3, 1], [1, 3, 2, 4, 6, 5])
+
+    asyncio.run(go())
