@@ -81,7 +81,13 @@ class SlotTable:
         out = req._out
         m = len(out)
         if n > m:
-            out.extend(self.ring[s, np.arange(m, n) & (RING - 1)].tolist())
+            a, b = m & (RING - 1), n & (RING - 1)
+            row = self.ring[s]
+            if a < b:  # one stretch of the ring (two when it wraps)
+                out.extend(row[a:b].tolist())
+            else:
+                out.extend(row[a:].tolist())
+                out.extend(row[:b].tolist())
             req._reported = len(req.prompt_token_ids) + n - 1
 
     def written(self) -> None:
