@@ -66,12 +66,23 @@ class KVCacheManager:
         if k >= num_blocks:
             return
         if not (req.lora_name or req.cache_salt or req.mm_ranges):
-            # No extra keys (the common case, and the decode path): one slice, a tight loop.
-            tokens = req.token_ids(k * bs, num_blocks * bs)
+            # No extra keys (the common case, and the decode path): a tight loop. Output blocks
+            # a placed request decoded lately are read from its slot's ring as packed bytes
+            # (the same bytes `pack` makes), without touching 64 Python ints per block.
             parent = hashes[-1] if hashes else b""
             pack, blake2b = self._pack_block, hashlib.blake2b
-            for j in range(0, len(tokens), bs):
-                parent = blake2b(parent + pack(*tokens[j : j + bs]), digest_size=16).digest()
+            rows, p = req._rows, len(req.prompt_token_ids)
+            tokens: list[int] | None = None
+            for i in range(k, num_blocks):
+                data = None
+                if rows is not None and i * bs >= p:
+                    data = rows.packed(req, i * bs - p, (i + 1) * bs - p)
+                if data is None:
+                    if tokens is None:
+                        tokens = req.token_ids(k * bs, num_blocks * bs)
+                    j = (i - k) * bs
+                    data = pack(*tokens[j : j + bs])
+                parent = blake2b(parent + data, digest_size=16).digest()
                 hashes.append(parent)
             return
         while len(hashes) < num_blocks:

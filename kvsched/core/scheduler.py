@@ -540,7 +540,9 @@ class Scheduler:
         # Full output blocks are registered in the prefix cache on these visits and when the
         # request leaves its slot, not one visit per block (see _release).
         # No output yet: the first token itself needs the slow path (first-token event).
-        out = req.output_token_ids
+        if req._rows is not None:
+            req._rows.sync(req)
+        out = req._out
         self.slots.set_check(req, check_at - len(req.prompt_token_ids) if out else 1)
 
     # ==== preemption ==========================================================================
@@ -810,27 +812,31 @@ class Scheduler:
             elif req.num_output_tokens >= req.sampling.max_tokens:
                 self._finish(req, FinishReason.LENGTH)
             return
-        if req.num_reported_tokens > len(req.block_ids) * self.block_size:
+        if req._rows is not None:
+            req._rows.sync(req)  # below, req._out and req._reported are current
+        capacity = len(req.block_ids) * self.block_size
+        if req._reported > capacity:
             raise ProtocolError(
-                f"handle {req.handle}: reported {req.num_reported_tokens} KV positions but its "
-                f"table holds {len(req.block_ids) * self.block_size}"
+                f"handle {req.handle}: reported {req._reported} KV positions but its "
+                f"table holds {capacity}"
             )
         self.kv.cache_reported(req)
         if finish_reason:
             self._finish(req, FinishReason(finish_reason))
             return
-        if req.num_output_tokens >= req.sampling.max_tokens:
+        n_out = len(req._out)
+        if n_out >= req.sampling.max_tokens:
             self._finish(req, FinishReason.LENGTH)
             return
-        if req.output_token_ids and self.config.role == Role.PREFILL:
+        if n_out and self.config.role == Role.PREFILL:
             self.live.pop(req.handle, None)
             self._release(req)
             self.requests.pop(req.req_id, None)
             self.events.handed_off.append(req)
             return
-        if req.is_prefill_done:
-            capacity = len(req.block_ids) * self.block_size
-            if capacity - req.num_tokens <= self._threshold + self._spec_k:
+        if req.num_computed_tokens >= req.num_prefill_tokens:  # its prompt is in
+            room = capacity - len(req.prompt_token_ids) - n_out
+            if room <= self._threshold + self._spec_k:
                 self.needs_blocks[req.req_id] = req
             self._set_check_at(req)
 

@@ -38,7 +38,10 @@ class SlotTable:
         self.handle = np.full(self.size, -1, dtype=np.int64)
         self.n_out = np.zeros(self.size, dtype=np.int64)
         self.check = np.zeros(self.size, dtype=np.int64)
-        self.ring = np.zeros((self.size, RING), dtype=np.int64)
+        self.ring = np.zeros((self.size, RING), dtype="<i8")  # little-endian: hashed as bytes
+        # Output count from which every token of slot s went through the ring (tokens appended
+        # to the request directly, by slow rows, are not in it).
+        self.ring_from = np.zeros(self.size, dtype=np.int64)
         self.reqs: list[Request | None] = [None] * self.size
         self.epoch = 0  # bumped by every vectorized write (`written`)
         self._mark = np.zeros(self.size, dtype=np.int64)
@@ -54,7 +57,7 @@ class SlotTable:
             req._rows.unbind(req)
         s = req.slot
         self.handle[s] = req.handle
-        self.n_out[s] = len(req._out)
+        self.n_out[s] = self.ring_from[s] = len(req._out)
         self.check[s] = req.check_out = 0
         self.reqs[s] = req
         req._rows = self
@@ -90,13 +93,26 @@ class SlotTable:
                 out.extend(row[:b].tolist())
             req._reported = len(req.prompt_token_ids) + n - 1
 
+    def packed(self, req: Request, start: int, end: int) -> bytes | None:
+        """Output tokens [start, end) of req (bound here) as little-endian int64 bytes, read
+        from the ring; None when some of them are not there (older, or appended directly)."""
+        s = req.slot
+        n = int(self.n_out[s])
+        if start < n - RING or end > n or start >= end or start < int(self.ring_from[s]):
+            return None
+        a, b = start & (RING - 1), end & (RING - 1)
+        row = self.ring[s]
+        if a < b:
+            return bytes(row[a:b].data)
+        return bytes(row[a:].data) + bytes(row[:b].data)
+
     def written(self) -> None:
         """The hot path wrote ring / n_out: every request may have tokens to move again."""
         self.epoch += 1
 
     def rebase(self, req: Request) -> None:
         """req._out was changed directly: make the slot's count agree."""
-        self.n_out[req.slot] = len(req._out)
+        self.n_out[req.slot] = self.ring_from[req.slot] = len(req._out)
 
     def set_check(self, req: Request, check_out: int) -> None:
         """Record the output count at which req next needs the scheduler, capped so the ring

@@ -539,3 +539,20 @@ def test_a_merged_report_longer_than_the_token_ring_keeps_every_token() -> None:
     streamed = [t for a, slots, ts in ev.tokens for t in (ts.tolist() if slots is not None else ts)]
     assert streamed == toks
     s.check_integrity()
+
+
+def test_output_block_hashes_read_from_the_ring_equal_hashing_the_tokens() -> None:
+    """Decoded output blocks are hashed from the slot's token ring; the chain must be the one
+    hashing the request's token list gives (else a later prompt repeating them would miss)."""
+    from kvsched.core import Request
+
+    sched, _ = _run_lagging_worker(lag=3, cycles=150)
+    checked = 0
+    for req in sched.running.values():
+        assert len(req.block_hashes) > 2  # prompt block and decoded blocks
+        copy = Request("copy", req.prompt_token_ids)
+        copy.output_token_ids = list(req.output_token_ids)
+        sched.kv.ensure_hashes(copy, len(req.block_hashes))
+        assert copy.block_hashes == req.block_hashes
+        checked += 1
+    assert checked == 8
