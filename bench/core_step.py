@@ -229,6 +229,53 @@ def print_table(records: list[Record], vllm: dict[tuple[int, int], float]) -> No
         print(line + " " + check(rec, by_key))
 
 
+BREAKDOWN = (
+    "_extend_decoders",  # schedule(): block extensions
+    "_check_report",  # apply_report(): validation, columns
+    "_apply_round",  # the vectorized rows
+    "_after_report",  # the visits (caching, extension bookkeeping, finishes)
+)
+
+
+def breakdown(running: int, steps: int) -> dict[str, float]:
+    """Microseconds per step spent in the scheduler's main parts at R=running, W=0, each
+    method timed by a wrapper (adds ~0.3 us per call)."""
+    from kvsched.core import scheduler as sched_mod
+
+    spent = dict.fromkeys(BREAKDOWN, 0)
+    originals = {name: getattr(sched_mod.Scheduler, name) for name in BREAKDOWN}
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[name] += time.perf_counter_ns() - t0
+
+        return wrapper
+
+    bench = Steady(running, 0)
+    for _ in range(20):
+        bench.step()
+    try:
+        for name, fn in originals.items():
+            setattr(sched_mod.Scheduler, name, timed(name, fn))
+        bench.t_sched.clear()
+        bench.t_report.clear()
+        for name in spent:
+            spent[name] = 0
+        for _ in range(steps):
+            bench.step()
+    finally:
+        for name, fn in originals.items():
+            setattr(sched_mod.Scheduler, name, fn)
+    out = {name: ns / steps / 1e3 for name, ns in spent.items()}
+    out["schedule() p50"] = pct(bench.t_sched, 50) / 1e3
+    out["apply_report() p50"] = pct(bench.t_report, 50) / 1e3
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -236,8 +283,16 @@ def main() -> None:
     ap.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the records")
     ap.add_argument("--vllm-json", help="vllm_step.py --json output, shown side by side")
     ap.add_argument("--vllm-variant", default="sync", help="which vLLM variant to compare")
+    ap.add_argument(
+        "--breakdown", action="store_true", help="only: us per step in the main parts, W=0"
+    )
     args = ap.parse_args()
     steps = 50 if args.quick else args.steps
+    if args.breakdown:
+        for running in (256, 1024):
+            parts = breakdown(running, steps)
+            print(f"R={running}: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+        return
 
     records = []
     for running in (256, 1024):

@@ -375,6 +375,7 @@ async def measure(
         "daemon_cpu_frac": round((b.daemon_cpu - a.daemon_cpu) / dt, 3),
         "worker_cpu_us_per_step": round((b.worker_cpu - a.worker_cpu) * per_step_us, 1),
         "frontend_cpu_us_per_step": round((b.self_cpu - a.self_cpu) * per_step_us, 1),
+        "sink_cpu_us_per_step": round((b.sink_cpu - a.sink_cpu) * per_step_us, 1),
         "other_load_cores": round(other_load(a, b) / dt, 2),
         "finished_in_window": b.finished - a.finished,
         "session_messages_per_s": round((b.messages - a.messages) / dt, 1),
