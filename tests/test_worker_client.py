@@ -391,6 +391,46 @@ def test_tensor_parallel_ranks_get_identical_tasks_and_only_rank0_reports() -> N
     assert rank_reports[0] == rank_reports[1]  # the same steps, in lockstep
 
 
+def finished_handles(reports: list[StepReport]) -> list[int]:
+    return [h for r in reports for h, f in zip(r.handles, r.finish_reasons, strict=True) if f]
+
+
+def test_a_lagging_tp_rank_defers_a_placement_until_its_slot_frees() -> None:
+    """Rank 0 finished handle 1 and the daemon reused its slot; rank 1 (not in lockstep here)
+    still runs handle 1 when that placement arrives. It applies the placement once its own
+    steps finish handle 1, instead of dropping the stream over an occupied slot."""
+    reports: list[StepReport] = []
+    seen: dict[str, Any] = {}
+
+    async def script(conn: Conn) -> None:
+        await conn.wait_hello()
+        await conn.welcome(heartbeat_s=0.02)
+        first = Tasks(1, placements=[place(1, 0, [0, 1, 2, 3])], chunks=[Chunk(1, 0, PROMPT)])
+        second = Tasks(2, placements=[place(2, 0, [4, 5, 6, 7])], chunks=[Chunk(2, 0, PROMPT)])
+        await conn.send(tasks=convert.tasks_to_proto(first))
+        await conn.send(tasks=convert.tasks_to_proto(second))  # slot 0 is still busy there
+        deadline = asyncio.get_running_loop().time() + TIMEOUT
+        while 2 not in finished_handles(reports):
+            assert asyncio.get_running_loop().time() < deadline, "handle 2 never finished"
+            await asyncio.sleep(0.005)
+
+    async def body(daemon: FakeDaemon) -> None:
+        worker = make_worker(daemon, rank=1, world_size=2, on_step=reports.append)
+        await daemon.run(worker)
+        seen["stats"] = worker.stats
+
+    run_test(script, body)
+    assert seen["stats"].num_connects == 1
+    assert finished_handles(reports) == [1, 2]
+    tokens = {1: [], 2: []}  # type: dict[int, list[int]]
+    for r in reports:
+        pos = 0
+        for h, n in zip(r.handles, r.num_new_tokens, strict=True):
+            tokens[h] += r.token_ids[pos : pos + n]
+            pos += n
+    assert tokens[1] == expected_tokens("req-1") and tokens[2] == expected_tokens("req-2")
+
+
 # ---- KV push between workers -----------------------------------------------------------------
 
 

@@ -291,6 +291,7 @@ class Worker:
         self._held: pb.ConnectRequest | None = None
         self._held_step = 0
         self._paced = False  # this session's daemon answers reports (Welcome.answers_reports)
+        self._deferred: collections.deque[Tasks] = collections.deque()  # ranks > 0, see below
 
     def stop(self) -> None:
         """Leave: run() closes the stream and returns. Safe to call more than once."""
@@ -435,12 +436,17 @@ class Worker:
         self, inbox: asyncio.Queue[_InboxItem], outbox: asyncio.Queue[pb.ConnectRequest | None]
     ) -> None:
         engine = self._start_engine(await self._welcome(inbox))
+        self._deferred.clear()
         while True:
             while not inbox.empty():
                 self._accept(engine, inbox.get_nowait(), outbox)
             self._resolve_pushes(engine)
             if engine.has_runnable():
                 await self._step(engine, outbox)
+                self._apply_deferred(engine)
+                continue
+            if self._deferred:  # nothing left to step towards: apply (a conflict raises)
+                self._apply_deferred(engine, force=True)
                 continue
             waiting_on_daemon = engine.num_held > 0
             started = time.perf_counter()
@@ -450,6 +456,15 @@ class Worker:
             if waiting_on_daemon:
                 self.stats.idle_waiting_on_daemon_s += idle
             self._accept(engine, item, outbox)
+
+    def _apply_deferred(self, engine: WorkerEngine, force: bool = False) -> None:
+        """Ranks > 0 step on their own, not in lockstep with rank 0 as real TP ranks are: one
+        that lags may get a placement on a slot whose occupant rank 0 has already finished.
+        Such Tasks wait (in order) until this rank's own steps free the slot."""
+        deferred = self._deferred
+        while deferred and (force or engine.slots_free_for(deferred[0])):
+            engine.apply(deferred.popleft())
+            force = False
 
     async def _welcome(self, inbox: asyncio.Queue[_InboxItem]) -> pb.Welcome:
         while True:
@@ -500,8 +515,12 @@ class Worker:
         outbox: asyncio.Queue[pb.ConnectRequest | None],
     ) -> None:
         if isinstance(item, Tasks):
-            engine.apply(item)
-            self._answered(outbox, item.report_step)
+            if self.rank == 0:
+                engine.apply(item)
+                self._answered(outbox, item.report_step)
+            else:
+                self._deferred.append(item)
+                self._apply_deferred(engine)
             for p in item.placements:
                 self._max_placed = max(self._max_placed, p.handle)
         elif isinstance(item, _KvPush):

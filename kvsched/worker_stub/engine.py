@@ -220,6 +220,17 @@ class WorkerEngine:
         # reset_prefix_cache concerns the daemon's block index only: the KV stays where it is.
         self.applied_seq = max(self.applied_seq, tasks.seq)
 
+    def slots_free_for(self, tasks: Tasks) -> bool:
+        """Whether every placement in `tasks` finds its slot free once its own preempts and
+        aborts are applied."""
+        if not tasks.placements:
+            return True
+        dropped = {*tasks.preempts, *tasks.aborts}
+        occupant = self._occupant
+        return all(
+            occupant.get(p.slot) is None or occupant[p.slot] in dropped for p in tasks.placements
+        )
+
     def _lookup(self, handle: int) -> _Slot | None:
         """The handle's state; None, and acknowledged, when this worker does not hold it."""
         s = self._held.get(handle)
