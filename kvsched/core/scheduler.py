@@ -540,9 +540,7 @@ class Scheduler:
         # Full output blocks are registered in the prefix cache on these visits and when the
         # request leaves its slot, not one visit per block (see _release).
         # No output yet: the first token itself needs the slow path (first-token event).
-        if req._rows is not None:
-            req._rows.sync(req)
-        out = req._out
+        out = req.output_token_ids
         self.slots.set_check(req, check_at - len(req.prompt_token_ids) if out else 1)
 
     # ==== preemption ==========================================================================
@@ -834,7 +832,7 @@ class Scheduler:
             self.requests.pop(req.req_id, None)
             self.events.handed_off.append(req)
             return
-        if req.num_computed_tokens >= req.num_prefill_tokens:  # its prompt is in
+        if req.is_prefill_done:
             room = capacity - len(req.prompt_token_ids) - n_out
             if room <= self._threshold + self._spec_k:
                 self.needs_blocks[req.req_id] = req

@@ -84,13 +84,8 @@ class SlotTable:
         out = req._out
         m = len(out)
         if n > m:
-            a, b = m & (RING - 1), n & (RING - 1)
-            row = self.ring[s]
-            if a < b:  # one stretch of the ring (two when it wraps)
-                out.extend(row[a:b].tolist())
-            else:
-                out.extend(row[a:].tolist())
-                out.extend(row[:b].tolist())
+            for part in self._stretches(s, m, n):
+                out.extend(part.tolist())
             req._reported = len(req.prompt_token_ids) + n - 1
 
     def packed(self, req: Request, start: int, end: int) -> bytes | None:
@@ -100,11 +95,14 @@ class SlotTable:
         n = int(self.n_out[s])
         if start < n - RING or end > n or start >= end or start < int(self.ring_from[s]):
             return None
+        return b"".join([part.tobytes() for part in self._stretches(s, start, end)])
+
+    def _stretches(self, s: int, start: int, end: int) -> tuple[np.ndarray, ...]:
+        """Ring slot s's tokens for output positions [start, end) (0 < end - start <= RING):
+        one slice of its row, two when they wrap."""
         a, b = start & (RING - 1), end & (RING - 1)
         row = self.ring[s]
-        if a < b:
-            return bytes(row[a:b].data)
-        return bytes(row[a:].data) + bytes(row[:b].data)
+        return (row[a:b],) if a < b else (row[a:], row[:b])
 
     def written(self) -> None:
         """The hot path wrote ring / n_out: every request may have tokens to move again."""

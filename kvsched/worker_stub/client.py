@@ -289,7 +289,6 @@ class Worker:
         # and the merged report of later steps held back meanwhile.
         self._unanswered: collections.deque[int] = collections.deque()
         self._held: pb.ConnectRequest | None = None
-        self._held_step = 0
         self._paced = False  # this session's daemon answers reports (Welcome.answers_reports)
         self._deferred: collections.deque[Tasks] = collections.deque()  # ranks > 0, see below
 
@@ -344,6 +343,7 @@ class Worker:
         self._inbox, self._heartbeat_s = inbox, self._default_heartbeat_s
         self._unanswered.clear()
         self._held = None
+        self._deferred.clear()
         self._welcomed = asyncio.Event()
         async with self._open_channel(self.server) as channel:
             # Raw response bytes (no deserializer): the digest covers exactly what was sent.
@@ -436,7 +436,6 @@ class Worker:
         self, inbox: asyncio.Queue[_InboxItem], outbox: asyncio.Queue[pb.ConnectRequest | None]
     ) -> None:
         engine = self._start_engine(await self._welcome(inbox))
-        self._deferred.clear()
         while True:
             while not inbox.empty():
                 self._accept(engine, inbox.get_nowait(), outbox)
@@ -547,12 +546,12 @@ class Worker:
         self.stats.num_tokens += sum(report.num_new_tokens)
         self.stats.num_paused += len(report.paused)
         if self.rank == 0:
-            self._report(outbox, wire.report_message(report), report.step)
+            self._report(outbox, wire.report_message(report))
         if self._on_step is not None:
             self._on_step(report)
 
     def _report(
-        self, outbox: asyncio.Queue[pb.ConnectRequest | None], msg: pb.ConnectRequest, step: int
+        self, outbox: asyncio.Queue[pb.ConnectRequest | None], msg: pb.ConnectRequest
     ) -> None:
         """Send a step's report, or hold it while MAX_UNANSWERED reports wait for the daemon's
         answer: held reports merge into one (columns appended, the later step), sent as soon as
@@ -566,10 +565,8 @@ class Worker:
         else:
             self._send(outbox, msg)
             if self._paced:
-                self._unanswered.append(step)
+                self._unanswered.append(msg.report.step)
             self.stats.num_reports += 1
-            return
-        self._held_step = step
 
     def _answered(self, outbox: asyncio.Queue[pb.ConnectRequest | None], report_step: int) -> None:
         """A Tasks message says the daemon applied reports up to report_step."""
@@ -579,7 +576,7 @@ class Worker:
         if self._held is not None and len(unanswered) < MAX_UNANSWERED:
             msg, self._held = self._held, None
             self._send(outbox, msg)
-            unanswered.append(self._held_step)
+            unanswered.append(msg.report.step)  # merged: the latest step
             self.stats.num_reports += 1
 
     async def _simulate_gpu(self, started: float, step_time_s: float) -> None:
