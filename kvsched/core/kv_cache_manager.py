@@ -61,7 +61,8 @@ class KVCacheManager:
     def ensure_hashes(self, req: Request, num_blocks: int) -> None:
         """Extend req.block_hashes to cover its first `num_blocks` full blocks (tokens known)."""
         bs, hashes = self.block_size, req.block_hashes
-        num_blocks = min(num_blocks, req.num_tokens // bs)
+        p = len(req.prompt_token_ids)
+        num_blocks = min(num_blocks, (p + len(req.output_token_ids)) // bs)
         k = len(hashes)
         if k >= num_blocks:
             return
@@ -70,19 +71,17 @@ class KVCacheManager:
             # a placed request decoded lately are read from its slot's ring as packed bytes
             # (the same bytes `pack` makes), without touching 64 Python ints per block.
             parent = hashes[-1] if hashes else b""
-            pack, blake2b = self._pack_block, hashlib.blake2b
-            rows, p = req._rows, len(req.prompt_token_ids)
-            tokens: list[int] | None = None
-            for i in range(k, num_blocks):
-                data = None
-                if rows is not None and i * bs >= p:
-                    data = rows.packed(req, i * bs - p, (i + 1) * bs - p)
-                if data is None:
-                    if tokens is None:
-                        tokens = req.token_ids(k * bs, num_blocks * bs)
-                    j = (i - k) * bs
-                    data = pack(*tokens[j : j + bs])
-                parent = blake2b(parent + data, digest_size=16).digest()
+            blake2b = hashlib.blake2b
+            data = None
+            if req._rows is not None and k * bs >= p:
+                data = req._rows.packed(req, k * bs - p, num_blocks * bs - p)
+            if data is None:
+                pack = self._pack_block
+                tokens = req.token_ids(k * bs, num_blocks * bs)
+                data = b"".join([pack(*tokens[j : j + bs]) for j in range(0, len(tokens), bs)])
+            width = 8 * bs  # bytes per block
+            for j in range(0, len(data), width):
+                parent = blake2b(parent + data[j : j + width], digest_size=16).digest()
                 hashes.append(parent)
             return
         while len(hashes) < num_blocks:
@@ -146,15 +145,22 @@ class KVCacheManager:
         """Register req's full blocks that the worker has reported written."""
         if not self.enable_caching:
             return
-        n = min(req.num_reported_tokens // self.block_size, len(req.block_ids))
-        if n <= req.num_cached_blocks:
+        ids = req.block_ids
+        n = min(req.num_reported_tokens // self.block_size, len(ids))
+        start = req.num_cached_blocks
+        if n <= start:
             return
         self.ensure_hashes(req, n)
-        n = min(n, len(req.block_hashes))
-        pool, ids, hashes = self.pool, req.block_ids, req.block_hashes
-        for i in range(req.num_cached_blocks, n):
-            if pool.block_hash[ids[i]] is None:
-                pool.cache_block(ids[i], hashes[i])
+        hashes = req.block_hashes
+        n = min(n, len(hashes))
+        block_hash, cached = self.pool.block_hash, self.pool.cached
+        for i in range(start, n):
+            b, h = ids[i], hashes[i]
+            # A block already holding a hash is a prefix hit; content another block already
+            # holds is not registered twice (BlockPool.cache_block, inlined: decode visits).
+            if block_hash[b] is None and h not in cached:
+                cached[h] = b
+                block_hash[b] = h
         req.num_cached_blocks = n
 
     def free(self, req: Request) -> None:

@@ -36,7 +36,7 @@ from kvsched.core.protocol import (
 )
 from kvsched.core.queue import make_queue
 from kvsched.core.request import FINISHED_STATUS, Request, RequestStatus
-from kvsched.core.slots import RING, SlotTable
+from kvsched.core.slots import RING, RING_SHIFT, SlotTable
 
 _MAX_TOKEN_ID = (1 << 31) - 1
 
@@ -160,6 +160,7 @@ class Scheduler:
         self._enc_left = -1  # encoder tokens left this step; -1: unlimited
         # Blocks the admitted prompts still need to finish their prefill (admit_full_prompt).
         self._prefill_debt = 0
+        self._prefill_role = config.role == Role.PREFILL
         self.events = Events()
 
     # ==== requests in and out =================================================================
@@ -300,40 +301,46 @@ class Scheduler:
     def _extend_decoders(self, tasks: Tasks) -> bool:
         """Give decoding requests whose room is low `prealloc_blocks` more blocks (one more
         with speculative decoding); preempt LIFO when the pool runs dry."""
-        cc = self.config.cache
         preempted = False
-        while self.needs_blocks:
-            req = next(iter(self.needs_blocks.values()))
-            num = cc.prealloc_blocks + (1 if self._spec_k else 0)
-            limit = _cdiv(self._kv_limit(req), self.block_size) * self.block_size
-            # At least prealloc_blocks more, and room for two round trips of the worker.
-            want = max(
-                (len(req.block_ids) + num) * self.block_size,
-                req.num_tokens + 2 * self._threshold + self._spec_k + 1,
-            )
-            target = min(_cdiv(want, self.block_size) * self.block_size, limit)
-            while (new := self.kv.allocate_slots(req, target)) is None:
-                if len(self.running) == 1:
-                    # Alone and the pool is full: it can never grow here, and preempting it
-                    # would only recompute into the same wall. End it as the model's length
-                    # (the worker drops it with the abort in this same Tasks message).
-                    self._pending_aborts.append(req.handle)
-                    self._finish(
-                        req,
-                        FinishReason.LENGTH,
-                        f"KV cache full: the instance holds {self.kv.pool.num_blocks} blocks "
-                        f"({self.kv.pool.num_blocks * self.block_size} tokens)",
-                    )
-                    break
-                preempted = True
-                if self._preempt_victim(for_req=req) is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
-                continue  # it was the victim (and left needs_blocks)
-            del self.needs_blocks[req.req_id]
+        needs, bs, spec_k = self.needs_blocks, self.block_size, self._spec_k
+        num = self.config.cache.prealloc_blocks + (1 if spec_k else 0)
+        # At least prealloc_blocks more, and room for two round trips of the worker.
+        ahead = 2 * self._threshold + spec_k + 1
+        pool, extensions = self.kv.pool, tasks.extensions
+        while needs:
+            req = next(iter(needs.values()))
+            ids = req.block_ids
+            p = len(req.prompt_token_ids)
+            limit = _cdiv(p + req.sampling.max_tokens - 1, bs)  # blocks it can ever need
+            want = max(len(ids) + num, _cdiv(p + len(req.output_token_ids) + ahead, bs))
+            need = min(want, limit) - len(ids)
+            if need <= 0:
+                new: list[int] | None = []
+            elif (new := pool.allocate(need)) is not None:
+                ids.extend(new)
+            else:
+                while (new := self.kv.allocate_slots(req, min(want, limit) * bs)) is None:
+                    if len(self.running) == 1:
+                        # Alone and the pool is full: it can never grow here, and preempting
+                        # it would only recompute into the same wall. End it as the model's
+                        # length (the worker drops it with the abort in this same Tasks).
+                        self._pending_aborts.append(req.handle)
+                        self._finish(
+                            req,
+                            FinishReason.LENGTH,
+                            f"KV cache full: the instance holds {pool.num_blocks} blocks "
+                            f"({pool.num_blocks * bs} tokens)",
+                        )
+                        break
+                    preempted = True
+                    if self._preempt_victim(for_req=req) is req:
+                        break
+                if req.status != RequestStatus.RUNNING:
+                    continue  # it was the victim (and left needs_blocks)
+            del needs[req.req_id]
             assert new is not None
             if new:
-                tasks.extensions.append(Extension(req.handle, new))
+                extensions.append(Extension(req.handle, new))
             self._set_check_at(req)
         return preempted
 
@@ -528,20 +535,20 @@ class Scheduler:
     def _set_check_at(self, req: Request) -> None:
         """The output count at which this decoding request next needs the scheduler: its room
         falls to the prealloc threshold, it reaches max_tokens, or its next block fills."""
-        if self.config.role == Role.PREFILL:
+        if self._prefill_role:
             self.slots.set_check(req, 0)  # its first token is a hand-off
             return
+        p = len(req.prompt_token_ids)
         capacity = len(req.block_ids) * self.block_size
-        extend_at = capacity - self._threshold - self._spec_k
-        if capacity >= self._kv_limit(req):
-            extend_at = 1 << 62  # it already holds every position it can write
-        finish_at = len(req.prompt_token_ids) + req.sampling.max_tokens
-        check_at = min(extend_at, finish_at)
+        finish_at = p + req.sampling.max_tokens
+        if capacity >= finish_at - 1:  # it already holds every position it can write
+            check_at = finish_at
+        else:
+            check_at = min(capacity - self._threshold - self._spec_k, finish_at)
         # Full output blocks are registered in the prefix cache on these visits and when the
         # request leaves its slot, not one visit per block (see _release).
         # No output yet: the first token itself needs the slow path (first-token event).
-        out = req.output_token_ids
-        self.slots.set_check(req, check_at - len(req.prompt_token_ids) if out else 1)
+        self.slots.set_check(req, check_at - p if req.output_token_ids else 1)
 
     # ==== preemption ==========================================================================
     def _preempt_victim(self, for_req: Request) -> Request | None:
@@ -736,12 +743,12 @@ class Scheduler:
             py_rows = (rest if idx is None else idx[rest]).tolist()
         if len(vs):
             pos = slots.n_out[vs]
-            slots.ring[vs, pos & (RING - 1)] = vt
+            slots.ring_flat[(vs << RING_SHIFT) | (pos & (RING - 1))] = vt  # ring[vs, pos % RING]
             pos += 1
             slots.n_out[vs] = pos
             slots.written()
-            reqs = slots.reqs
-            self.events.tokens.append((reqs.copy(), vs, vt))
+            reqs = slots.snapshot()
+            self.events.tokens.append((reqs, vs, vt))
             due = np.flatnonzero(pos >= slots.check[vs])
             if len(due):
                 due_slots = vs[due]
@@ -826,17 +833,20 @@ class Scheduler:
         if n_out >= req.sampling.max_tokens:
             self._finish(req, FinishReason.LENGTH)
             return
-        if n_out and self.config.role == Role.PREFILL:
+        if n_out and self._prefill_role:
             self.live.pop(req.handle, None)
             self._release(req)
             self.requests.pop(req.req_id, None)
             self.events.handed_off.append(req)
             return
-        if req.is_prefill_done:
-            room = capacity - len(req.prompt_token_ids) - n_out
-            if room <= self._threshold + self._spec_k:
+        if req.num_computed_tokens >= req.num_prefill_tokens:  # prefill done: decoding
+            if capacity - len(req.prompt_token_ids) - n_out <= self._threshold + self._spec_k:
+                # Room is low: the extension (next schedule()) sets its next check; until then
+                # it needs a visit only at max_tokens (or when its ring fills).
                 self.needs_blocks[req.req_id] = req
-            self._set_check_at(req)
+                self.slots.set_check(req, req.sampling.max_tokens)
+            else:
+                self._set_check_at(req)
 
     def _requeue(self, req: Request) -> None:
         self.live.pop(req.handle, None)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kvsched.core.request import Request
 
 RING = 256  # tokens a slot may decode between two visits of the scheduler (a power of two)
+RING_SHIFT = RING.bit_length() - 1
 
 
 class SlotTable:
@@ -39,10 +40,12 @@ class SlotTable:
         self.n_out = np.zeros(self.size, dtype=np.int64)
         self.check = np.zeros(self.size, dtype=np.int64)
         self.ring = np.zeros((self.size, RING), dtype="<i8")  # little-endian: hashed as bytes
+        self.ring_flat = self.ring.reshape(-1)  # the same memory: slot s, position i at s*RING+i
         # Output count from which every token of slot s went through the ring (tokens appended
         # to the request directly, by slow rows, are not in it).
         self.ring_from = np.zeros(self.size, dtype=np.int64)
         self.reqs: list[Request | None] = [None] * self.size
+        self._snapshot: list[Request | None] | None = None  # a copy of reqs, None: stale
         self.epoch = 0  # bumped by every vectorized write (`written`)
         self._mark = np.zeros(self.size, dtype=np.int64)
 
@@ -60,6 +63,7 @@ class SlotTable:
         self.n_out[s] = self.ring_from[s] = len(req._out)
         self.check[s] = req.check_out = 0
         self.reqs[s] = req
+        self._snapshot = None
         req._rows = self
         req._epoch = -1
 
@@ -70,6 +74,7 @@ class SlotTable:
         if self.reqs[s] is req:
             self.handle[s] = -1
             self.reqs[s] = None
+            self._snapshot = None
         req._rows = None
 
     def sync(self, req: Request) -> None:
@@ -95,7 +100,9 @@ class SlotTable:
         n = int(self.n_out[s])
         if start < n - RING or end > n or start >= end or start < int(self.ring_from[s]):
             return None
-        return b"".join([part.tobytes() for part in self._stretches(s, start, end)])
+        a, b = start & (RING - 1), end & (RING - 1)
+        row = self.ring[s]
+        return row[a:b].tobytes() if a < b else row[a:].tobytes() + row[:b].tobytes()
 
     def _stretches(self, s: int, start: int, end: int) -> tuple[np.ndarray, ...]:
         """Ring slot s's tokens for output positions [start, end) (0 < end - start <= RING):
@@ -103,6 +110,14 @@ class SlotTable:
         a, b = start & (RING - 1), end & (RING - 1)
         row = self.ring[s]
         return (row[a:b],) if a < b else (row[a:], row[:b])
+
+    def snapshot(self) -> list[Request | None]:
+        """`reqs` as it is now, in a list nobody changes (shared until a slot changes hands):
+        what a columnar token delta names its requests by."""
+        snap = self._snapshot
+        if snap is None:
+            snap = self._snapshot = self.reqs.copy()
+        return snap
 
     def written(self) -> None:
         """The hot path wrote ring / n_out: every request may have tokens to move again."""
