@@ -58,11 +58,19 @@ class BlockPool:
         cached block is evicted (loses its hash). Returns None, changing nothing, if too few."""
         if num > self.num_free:
             return None
-        s, nxt, ref, hashes = self.num_blocks, self._next, self.ref_cnt, self.block_hash
+        s, nxt, prv, ref, hashes = (
+            self.num_blocks,
+            self._next,
+            self._prev,
+            self.ref_cnt,
+            self.block_hash,
+        )
         out = []
         for _ in range(num):
-            b = nxt[s]
-            self._unlink(b)
+            b = nxt[s]  # the head: unlinked here (as _unlink, inlined: every extension)
+            n = nxt[b]
+            nxt[s] = n
+            prv[n] = s
             ref[b] = 1
             h = hashes[b]
             if h is not None:
@@ -70,6 +78,7 @@ class BlockPool:
                 if self.cached.get(h) == b:
                     del self.cached[h]
             out.append(b)
+        self.num_free -= num
         return out
 
     def free(self, block_ids: list[int]) -> None:

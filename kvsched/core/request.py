@@ -90,8 +90,9 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        if self._rows is not None:
-            self._rows.sync(self)
+        rows = self._rows
+        if rows is not None and self._epoch != rows.epoch:  # (SlotTable.sync's own test, first)
+            rows.sync(self)
         return self._out
 
     @output_token_ids.setter
@@ -103,8 +104,9 @@ class Request:
     @property
     def num_reported_tokens(self) -> int:
         """KV positions the worker has reported written, in this placement."""
-        if self._rows is not None:
-            self._rows.sync(self)
+        rows = self._rows
+        if rows is not None and self._epoch != rows.epoch:
+            rows.sync(self)
         return self._reported
 
     @num_reported_tokens.setter

@@ -82,6 +82,7 @@ class _Columns:
     row_tok: np.ndarray | None = None
     one: np.ndarray | None = None
     match: np.ndarray | None = None
+    all_match: bool = False  # every row's handle is on its slot (match not computed)
 
 
 # The most decode headroom (tokens) the observed round trip may ask for: within a slot's ring.
@@ -153,6 +154,8 @@ class Scheduler:
         self._pending_preempts: list[int] = []
         self._pending_aborts: list[int] = []
         self._pending_placements: list[Placement] = []
+        self._extended: list[Extension] = []  # made by report visits, for the next Tasks
+        self._ones_bytes = b""  # int64 ones, as bytes (_check_report)
         self._pending_reset = False
         self._reserve = float(cc.reserve_blocks)
         self._relaxed = cc.reserve_blocks == 0
@@ -300,49 +303,66 @@ class Scheduler:
 
     def _extend_decoders(self, tasks: Tasks) -> bool:
         """Give decoding requests whose room is low `prealloc_blocks` more blocks (one more
-        with speculative decoding); preempt LIFO when the pool runs dry."""
+        with speculative decoding); preempt LIFO when the pool runs dry. Extensions made by
+        report visits since the last step go out first."""
+        if self._extended:
+            # Made at report time (`_after_report`); drop those whose request left its handle
+            # since (finished, aborted, preempted): their blocks went back with it.
+            live = self.live
+            tasks.extensions = [
+                e
+                for e in self._extended
+                if (r := live.get(e.handle)) is not None and r.status == RequestStatus.RUNNING
+            ]
+            self._extended = []
         preempted = False
-        needs, bs, spec_k = self.needs_blocks, self.block_size, self._spec_k
-        num = self.config.cache.prealloc_blocks + (1 if spec_k else 0)
-        # At least prealloc_blocks more, and room for two round trips of the worker.
-        ahead = 2 * self._threshold + spec_k + 1
-        pool, extensions = self.kv.pool, tasks.extensions
+        needs = self.needs_blocks
         while needs:
             req = next(iter(needs.values()))
-            ids = req.block_ids
-            p = len(req.prompt_token_ids)
-            limit = _cdiv(p + req.sampling.max_tokens - 1, bs)  # blocks it can ever need
-            want = max(len(ids) + num, _cdiv(p + len(req.output_token_ids) + ahead, bs))
-            need = min(want, limit) - len(ids)
-            if need <= 0:
-                new: list[int] | None = []
-            elif (new := pool.allocate(need)) is not None:
-                ids.extend(new)
-            else:
-                while (new := self.kv.allocate_slots(req, min(want, limit) * bs)) is None:
-                    if len(self.running) == 1:
-                        # Alone and the pool is full: it can never grow here, and preempting
-                        # it would only recompute into the same wall. End it as the model's
-                        # length (the worker drops it with the abort in this same Tasks).
-                        self._pending_aborts.append(req.handle)
-                        self._finish(
-                            req,
-                            FinishReason.LENGTH,
-                            f"KV cache full: the instance holds {pool.num_blocks} blocks "
-                            f"({pool.num_blocks * bs} tokens)",
-                        )
-                        break
-                    preempted = True
-                    if self._preempt_victim(for_req=req) is req:
-                        break
-                if req.status != RequestStatus.RUNNING:
-                    continue  # it was the victim (and left needs_blocks)
+            while (new := self._grow(req)) is None:
+                if len(self.running) == 1:
+                    # Alone and the pool is full: it can never grow here, and preempting it
+                    # would only recompute into the same wall. End it as the model's length
+                    # (the worker drops it with the abort in this same Tasks message).
+                    pool = self.kv.pool
+                    self._pending_aborts.append(req.handle)
+                    self._finish(
+                        req,
+                        FinishReason.LENGTH,
+                        f"KV cache full: the instance holds {pool.num_blocks} blocks "
+                        f"({pool.num_blocks * self.block_size} tokens)",
+                    )
+                    break
+                preempted = True
+                if self._preempt_victim(for_req=req) is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue  # it was the victim (and left needs_blocks)
             del needs[req.req_id]
-            assert new is not None
             if new:
-                extensions.append(Extension(req.handle, new))
+                tasks.extensions.append(Extension(req.handle, new))
             self._set_check_at(req)
         return preempted
+
+    def _grow(self, req: Request) -> list[int] | None:
+        """Append blocks to a decoding request's table: `prealloc_blocks` more (one more with
+        speculative decoding) and room for two round trips of the worker, never past the last
+        position it can write. Returns the new block ids ([] when it needs none), or None,
+        changing nothing, when the pool has too few free blocks."""
+        bs, ids, spec_k = self.block_size, req.block_ids, self._spec_k
+        p = len(req.prompt_token_ids)
+        limit = _cdiv(p + req.sampling.max_tokens - 1, bs)  # blocks it can ever need
+        want = max(
+            len(ids) + self.config.cache.prealloc_blocks + (1 if spec_k else 0),
+            _cdiv(p + len(req.output_token_ids) + 2 * self._threshold + spec_k + 1, bs),
+        )
+        need = min(want, limit) - len(ids)
+        if need <= 0:
+            return []
+        new = self.kv.pool.allocate(need)
+        if new is not None:
+            ids.extend(new)
+        return new
 
     def _continue_prefills(self, tasks: Tasks, budget: int) -> tuple[int, bool]:
         preempted = False
@@ -669,7 +689,7 @@ class Scheduler:
                 req = live.get(int(h))
                 if req is not None:
                     self._finish(req, FinishReason.ERROR, "worker failed the request (KV transfer)")
-            cols.match = None  # slots were freed: compare again
+            cols.match, cols.all_match = None, False  # slots were freed: compare again
         # The hot path: plain decode rows (one token, handle still on its slot) are a handful
         # of vectorized operations over the slot table; each row's request is looked at only
         # when its output count reaches its precomputed check (a first token, blocks to extend,
@@ -680,8 +700,10 @@ class Scheduler:
         if len(cols.h):
             # A merged report (the worker stepped faster than the stream drained) names a
             # handle once per step: apply it in rounds, each handle at most once per round.
-            for idx in self.slots.rounds(cols.s, cols.h):
-                n_gen -= self._apply_round(report, cols, idx, slow)
+            rounds = self.slots.rounds(cols.s, cols.h)
+            last = rounds[-1]
+            for idx in rounds:
+                n_gen -= self._apply_round(report, cols, idx, slow, idx is last)
         fins = report.finish_reasons
         if len(fins) and np.any(fins):
             handles = report.handles
@@ -718,25 +740,30 @@ class Scheduler:
         self._threshold = max(cc.prealloc_threshold, min(want, MAX_ADAPTIVE_HEADROOM))
 
     def _apply_round(
-        self, report: StepReport, cols: _Columns, idx: np.ndarray | None, slow: list[Request]
+        self,
+        report: StepReport,
+        cols: _Columns,
+        idx: np.ndarray | None,
+        slow: list[Request],
+        last: bool = True,
     ) -> int:
         """Apply report rows `idx` (None: all), no handle twice. Plain decode rows whose handle
-        is still on its slot are vectorized; the rest go one by one. Returns the reported
-        tokens not kept."""
+        is still on its slot are vectorized; the rest go one by one. `last`: no round of this
+        report follows. Returns the reported tokens not kept."""
         slots = self.slots
         s, rt, match, one = cols.s, cols.row_tok, cols.match, cols.one
         assert rt is not None
-        if match is None:
-            match = slots.handle[s] == cols.h
-        if idx is not None:
-            s, rt, match = s[idx], rt[idx], match[idx]
-            if one is not None:
-                one = one[idx]
-        vec = match if one is None else match & one
         py_rows: list[int] = []
-        if vec.all():
-            vs, vt = s, rt
+        if cols.all_match and one is None:  # every row a plain decode row
+            vs, vt = (s, rt) if idx is None else (s[idx], rt[idx])
         else:
+            if match is None:
+                match = slots.handle[s] == cols.h
+            if idx is not None:
+                s, rt, match = s[idx], rt[idx], match[idx]
+                if one is not None:
+                    one = one[idx]
+            vec = match if one is None else match & one
             k = np.flatnonzero(vec)
             vs, vt = s[k], rt[k]
             rest = np.flatnonzero(~vec)
@@ -757,7 +784,8 @@ class Scheduler:
                 for i in due_slots.tolist():
                     req = reqs[i]
                     assert req is not None
-                    slots.sync(req)  # its ring is free again for the later rounds
+                    if not last:
+                        slots.sync(req)  # its ring is free again for the later rounds
                     slow.append(req)
                     if req.first_token_time < 0:
                         if now < 0:
@@ -841,12 +869,17 @@ class Scheduler:
             return
         if req.num_computed_tokens >= req.num_prefill_tokens:  # prefill done: decoding
             if capacity - len(req.prompt_token_ids) - n_out <= self._threshold + self._spec_k:
-                # Room is low: the extension (next schedule()) sets its next check; until then
-                # it needs a visit only at max_tokens (or when its ring fills).
-                self.needs_blocks[req.req_id] = req
-                self.slots.set_check(req, req.sampling.max_tokens)
-            else:
-                self._set_check_at(req)
+                # Room is low: extend it now (sent with the next Tasks) if the pool has the
+                # blocks; else the next schedule() makes room (or preempts), and until then it
+                # needs a visit only at max_tokens (or when its ring fills).
+                new = None if self.paused else self._grow(req)
+                if new is None:
+                    self.needs_blocks[req.req_id] = req
+                    self.slots.set_check(req, req.sampling.max_tokens)
+                    return
+                if new:
+                    self._extended.append(Extension(req.handle, new))
+            self._set_check_at(req)
 
     def _requeue(self, req: Request) -> None:
         self.live.pop(req.handle, None)
@@ -880,19 +913,27 @@ class Scheduler:
         nums = np.asarray(report.num_new_tokens, dtype=np.int64)
         cols = _Columns(h, h & self.slots.mask, toks)
         if n:
-            lo, hi = int(nums.min()), int(nums.max())
-            if lo < 0:
-                raise ProtocolError("report has a negative token count")
-            if lo == hi == 1 and len(toks) == n:
+            # The common report (every row one token, every handle on its slot) is recognised
+            # by comparing bytes: after the worker's conversion numpy's ufunc machinery is cold
+            # in the CPU's caches (~2 us a call), a memcmp is not.
+            ones = self._ones_bytes
+            if len(ones) < 8 * n:
+                ones = self._ones_bytes = np.ones(2 * n, dtype=np.int64).tobytes()
+            if len(toks) == n and nums.tobytes() == ones[: 8 * n]:
                 cols.row_tok = toks  # every row sampled exactly one token: row i has toks[i]
             else:
+                if int(nums.min()) < 0:
+                    raise ProtocolError("report has a negative token count")
                 if int(nums.sum()) != len(toks):
                     raise ProtocolError("report token_ids length != sum(num_new_tokens)")
                 cols.one = nums == 1
                 cols.row_tok = toks.take(np.cumsum(nums) - 1, mode="clip") if len(toks) else nums
             # A handle on its slot was issued; only the others need the range check.
-            cols.match = match = self.slots.handle[cols.s] == h
-            if not match.all():
+            on_slot = self.slots.handle[cols.s]
+            if on_slot.tobytes() == h.tobytes():
+                cols.all_match = True
+            else:
+                cols.match = match = on_slot == h
                 self._check_handles(h[~match])
         elif len(toks):
             raise ProtocolError("report token_ids length != sum(num_new_tokens)")

@@ -48,6 +48,7 @@ class SlotTable:
         self._snapshot: list[Request | None] | None = None  # a copy of reqs, None: stale
         self.epoch = 0  # bumped by every vectorized write (`written`)
         self._mark = np.zeros(self.size, dtype=np.int64)
+        self._order = np.arange(self.size, dtype=np.int64)
 
     def handle_for(self, slot: int, at_least: int) -> int:
         """The smallest handle >= at_least that maps to `slot`."""
@@ -101,8 +102,9 @@ class SlotTable:
         if start < n - RING or end > n or start >= end or start < int(self.ring_from[s]):
             return None
         a, b = start & (RING - 1), end & (RING - 1)
-        row = self.ring[s]
-        return row[a:b].tobytes() if a < b else row[a:].tobytes() + row[:b].tobytes()
+        row: np.ndarray = self.ring[s]
+        data: bytes = row[a:b].tobytes() if a < b else row[a:].tobytes() + row[:b].tobytes()
+        return data
 
     def _stretches(self, s: int, start: int, end: int) -> tuple[np.ndarray, ...]:
         """Ring slot s's tokens for output positions [start, end) (0 < end - start <= RING):
@@ -140,10 +142,12 @@ class SlotTable:
         n = len(s)
         if n < 2:
             return [None]
-        order = np.arange(n, dtype=np.int64)
+        if len(self._order) < n:
+            self._order = np.arange(2 * n, dtype=np.int64)
+        order = self._order[:n]
         mark = self._mark
         mark[s] = order
-        if np.array_equal(mark[s], order):
+        if mark[s].tobytes() == order.tobytes():  # (bytes: no cold ufunc, see _check_report)
             return [None]
         by_handle = np.argsort(h, kind="stable")
         sh = h[by_handle]

@@ -556,3 +556,51 @@ def test_output_block_hashes_read_from_the_ring_equal_hashing_the_tokens() -> No
         assert copy.block_hashes == req.block_hashes
         checked += 1
     assert checked == 8
+
+
+@pytest.mark.parametrize("ending", ["abort", "finish"])
+def test_an_extension_made_by_a_report_is_not_sent_for_a_request_that_ended_before_the_step(
+    ending: str,
+) -> None:
+    # A report visit extends a decoding request at once (the Extension waits for the next
+    # Tasks). If the request ends before that schedule(), its blocks went back with it: the
+    # Tasks must not hand them to its old handle.
+    s = make_scheduler(block_size=16, prealloc_blocks=2, prealloc_threshold=4)
+    r, other = make_request(20, max_tokens=100), make_request(20, max_tokens=100)
+    s.add_request(r)
+    s.add_request(other)
+    step(s)
+    blocks = len(r.block_ids)
+    while len(r.block_ids) == blocks:  # decode until a report visit extends r
+        tasks = s.schedule()
+        assert not any(e.handle == r.handle for e in tasks.extensions)
+        run_tasks(s, tasks)
+        s.check_integrity()
+    handle = r.handle
+    if ending == "abort":
+        s.abort(r.req_id)
+    else:
+        s.apply_report(report(s, [(handle, r.num_tokens, [3])], finish={handle: 1}))
+    assert r.is_finished and r.block_ids == []
+    tasks = s.schedule()
+    assert all(e.handle != handle for e in tasks.extensions)
+    s.check_integrity()
+    run_tasks(s, tasks)
+    s.abort(other.req_id)
+    s.apply_report(report(s, [], acked=s.schedule().aborts))
+    s.check_integrity()
+    assert s.kv.num_free_blocks == s.kv.pool.num_blocks
+
+
+def test_an_extension_made_by_a_report_goes_out_with_the_next_tasks() -> None:
+    s = make_scheduler(block_size=16, prealloc_blocks=2, prealloc_threshold=4)
+    r = make_request(20, max_tokens=100)
+    s.add_request(r)
+    step(s)
+    blocks = list(r.block_ids)
+    while r.block_ids == blocks:
+        step(s)
+    new = r.block_ids[len(blocks) :]
+    tasks = s.schedule()
+    assert [(e.handle, e.block_ids) for e in tasks.extensions] == [(r.handle, new)]
+    assert not s.schedule().extensions, "sent once"
