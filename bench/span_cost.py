@@ -33,14 +33,14 @@ from typing import Any
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from bench.transport import last_match, machine, spawn
 from kvsched.core import Events, FinishReason, Request, SamplingParams
 from kvsched.server.otlp import KvschedSpanExporter, SpanEncoder
-from kvsched.server.tracing import Tracing
+from kvsched.server.tracing import RequestEvents, RequestSpan, Tracing
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "span_cost.json"
 
@@ -60,21 +60,19 @@ def daemon_spans(n: int, seed: int = 0) -> list[ReadableSpan]:
         parent = SpanContext(ctx.trace_id, rng.getrandbits(64), True, sampled) if i % 8 else None
         where = {"kvsched.instance": "i0"}
         start = t0 + i * 1000
-        events = [
-            Event("queued", None, start),
-            Event("scheduled", where, start + 10_000),
-            Event("first_token", None, start + 30_000),
+        events: list[tuple[str, Any, int]] = [
+            ("queued", None, start),
+            ("scheduled", where, start + 10_000),
+            ("first_token", None, start + 30_000),
         ]
         status = Status(StatusCode.UNSET)
         reason = "length"
         if i % 8 == 7:
-            events.append(
-                Event("preempted", {**where, "kvsched.num_preemptions": 1}, start + 40_000)
-            )
-            events.append(Event("resumed", where, start + 50_000))
+            events.append(("preempted", {**where, "kvsched.num_preemptions": 1}, start + 40_000))
+            events.append(("resumed", where, start + 50_000))
             status, reason = Status(StatusCode.ERROR, "worker lost"), "error"
         end = start + 2_000_000
-        events.append(Event("finished", {"kvsched.finish_reason": reason}, end))
+        events.append(("finished", {"kvsched.finish_reason": reason}, end))
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": "text_completion",
             "gen_ai.request.model": "llama-3-8b",
@@ -90,13 +88,13 @@ def daemon_spans(n: int, seed: int = 0) -> list[ReadableSpan]:
             "kvsched.ttft_s": rng.random() * 1e-2,
         }
         spans.append(
-            ReadableSpan(
+            RequestSpan(
                 "text_completion llama-3-8b",
                 context=ctx,
                 parent=parent,
                 resource=resource,
                 attributes=attrs,
-                events=events,
+                events=RequestEvents(events),  # as the daemon's: Events made when read
                 kind=SpanKind.SERVER,
                 status=status,
                 start_time=start,

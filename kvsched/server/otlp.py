@@ -34,6 +34,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope as SDKScope
 from opentelemetry.trace import SpanContext, SpanKind
 
+from kvsched.server.tracing import RequestEvents
+
 log = logging.getLogger("kvsched.tracing")
 
 _MAX_CACHED = 16  # resources / scopes whose encoding is kept; a daemon has one of each
@@ -218,7 +220,17 @@ def encode_span(span: ReadableSpan) -> bytes:
         _span_attributes(parts, attributes)
     if dropped := span.dropped_attributes:
         parts.append(b"\x50" + _varint(dropped))
-    for event in span.events:
+    events = span.events
+    if type(events) is RequestEvents:  # the daemon's: plain tuples, dict or no attributes
+        for name, attributes, ts in events.records:
+            ev = [b"\x09" + _fixed64(ts)] if ts else []
+            if name:
+                ev.append(_event_name(name))
+            if attributes:
+                _event_attributes(ev, attributes)
+            parts.append(_delimited(b"\x5a", b"".join(ev)))
+        events = ()
+    for event in events:
         ev = [b"\x09" + _fixed64(ts)] if (ts := event.timestamp) else []
         if name := event.name:
             ev.append(_event_name(name))

@@ -4,6 +4,7 @@ beyond them (every attribute type, links, dropped counts, several resources and 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -22,7 +23,7 @@ from opentelemetry.trace.span import TraceState
 
 from kvsched.core import Events, FinishReason, Request, SamplingParams
 from kvsched.server.otlp import KvschedSpanExporter, SpanEncoder
-from kvsched.server.tracing import Tracing
+from kvsched.server.tracing import RequestEvents, RequestSpan, Tracing
 
 SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
@@ -215,3 +216,26 @@ def test_remembered_attribute_fields_keep_equal_values_of_other_types_apart() ->
         for i, v in enumerate(values):
             spans = [span(i, res, scope, {"v": v}, events=[Event("e", {"v": v}, 1)])]
             assert encoder.encode(spans) == encode_spans(spans).SerializeToString(), (rounds, v)
+
+
+def test_request_span_events_are_made_only_when_read() -> None:
+    """The daemon's spans carry their events as the trace's tuples: the encoder reads those,
+    anyone else gets ordinary SDK Events with the same content."""
+    spans = daemon_spans()
+    SpanEncoder().encode(spans)
+    assert all(isinstance(s.events, RequestEvents) and s.events._events is None for s in spans)
+    assert all(isinstance(s, RequestSpan) for s in spans)
+    request = assert_same_request(spans)  # the library reads them as Events
+    for s, pb in zip(spans, request.resource_spans[0].scope_spans[0].spans, strict=True):
+        events = s.events
+        assert isinstance(events, RequestEvents)
+        assert len(events) == len(events.records) == len(pb.events) >= 2
+        assert (
+            [e.name for e in events]
+            == [e.name for e in pb.events]
+            == [r[0] for r in events.records]
+        )
+        assert events[0] is events[0] and isinstance(events[-1], Event)
+        assert [e.timestamp for e in events[1:]] == [r[2] for r in events.records[1:]]
+        assert [e.attributes for e in events] == [r[1] for r in events.records]
+        assert json.loads(s.to_json())["events"][0]["name"] == "queued"  # the console's view
