@@ -4,10 +4,16 @@ The setup of ../shared/tools/vllm_step.py, so the two can be read side by side: 
 requests (distinct random 1,024-token prompts, fully prefilled) and W waiting ones that can never
 be admitted (max_num_seqs = R), block size 64, 100,000 blocks, prefix caching on, max_tokens huge
 so nothing finishes and nothing is preempted. Each timed step is one schedule() and one
-apply_report() of a StepReport (numpy columns, as the server's conversion builds them from the
-protobuf message: `np.array(msg.handles)`, ~3 us per 1,024-long column) giving every
-running handle one token. Building the report is not timed. gc stays enabled. The W=0 and
-W=10000 schedulers of one R are stepped alternately, so machine noise hits both alike.
+apply_report() of the StepReport in which the worker gave every running handle one token.
+The worker is the reference worker's engine on a zero-cost simulated executor (its own state,
+built from the Tasks it is sent), and its report goes through the daemon's protobuf conversion,
+so the columns are numpy arrays as the server builds them (finish reasons included). Running
+the worker and converting are not timed. gc stays enabled. The W=0 and W=10000 schedulers of
+one R are stepped alternately, so machine noise hits both alike.
+
+(Until 2026-12-03 the worker here was a loop over the scheduler's own requests: it read every
+request's token count each step, which a real worker cannot do, and its reports had no
+finish_reasons column, which the reference worker always sends.)
 
     python -m bench.core_step [--steps N] [--quick] [--json PATH] [--vllm-json PATH]
 
@@ -25,8 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvsched.core import (
     CacheConfig,
     EngineConfig,
@@ -37,8 +41,12 @@ from kvsched.core import (
     StepReport,
     Tasks,
 )
+from kvsched.server import convert
+from kvsched.worker_stub.engine import WorkerEngine
+from kvsched.worker_stub.sim import SimExecutor
 
 PROMPT_LEN, BLOCK_SIZE, NUM_BLOCKS = 1024, 64, 100_000
+VOCAB_SIZE, EOS_TOKEN_ID = 120_000, 2  # the sim never samples EOS (eos_every=None)
 MAX_TOKENS = 1 << 20
 TARGET_P50_US = 150.0  # at R=1024, W=10000
 TARGET_W_RATIO = 1.15  # p50 at W=10000 over p50 at W=0
@@ -65,48 +73,33 @@ def build(running: int, waiting: int, seed: int) -> Scheduler:
     return s
 
 
-class FakeWorker:
-    """Runs Tasks as a worker would, at once: every chunk runs (the prompt's last one samples a
-    token), every other decoding request decodes one token."""
+class Worker:
+    """The reference worker's engine (kvsched.worker_stub) on a zero-cost simulated executor,
+    decoding as numpy columns: it runs each Tasks message as a GPU worker would, from its own
+    state (it never reads the scheduler's requests). Its reports go through the daemon's
+    protobuf conversion both ways, so apply_report() gets the columns the server gives it."""
 
-    def __init__(self) -> None:
-        self.step = 0
-        self.token = 0
+    def __init__(self, s: Scheduler) -> None:
+        cc, sc = s.config.cache, s.config.scheduler
+        self.engine = WorkerEngine(
+            SimExecutor(zero_cost=True, vocab_size=VOCAB_SIZE, eos_token_id=EOS_TOKEN_ID),
+            cc.block_size,
+            sc.max_num_seqs,
+            EOS_TOKEN_ID,
+            sc.max_model_len,
+            columnar=True,
+        )
+        self.num_paused = 0  # rows the worker could not run for lack of blocks
 
     def report(self, s: Scheduler, tasks: Tasks) -> StepReport:
-        self.step += 1
-        handles, computed, num_new, tokens = [], [], [], []
-        chunked = set()
-        for c in tasks.chunks:
-            end = c.start + len(c.token_ids)
-            sample = end >= s.live[c.handle].num_prefill_tokens
-            chunked.add(c.handle)
-            handles.append(c.handle)
-            computed.append(end)
-            num_new.append(1 if sample else 0)
-            if sample:
-                tokens.append(self._next_token())
-        for req in s.running.values():
-            if req.handle not in chunked and req.is_prefill_done:
-                assert req.num_tokens <= len(req.block_ids) * s.block_size, "decode out of room"
-                handles.append(req.handle)
-                computed.append(req.num_tokens)
-                num_new.append(1)
-                tokens.append(self._next_token())
-        acked = tasks.preempts + tasks.aborts
-        return StepReport(
-            self.step,
-            tasks.seq,
-            *(np.array(c, dtype=np.int64) for c in (handles, computed, num_new, tokens)),
-            acked=acked,
-        )
-
-    def _next_token(self) -> int:
-        self.token += 1
-        return 1000 + (self.token * 7919) % 119_000
+        self.engine.apply(tasks)
+        report = self.engine.step()
+        assert report is not None, "the worker had nothing to run"
+        self.num_paused += len(report.paused)
+        return convert.report_from_proto(convert.report_to_proto(report))
 
 
-def warm_up(s: Scheduler, worker: FakeWorker, running: int, decode_steps: int = 3) -> None:
+def warm_up(s: Scheduler, worker: Worker, running: int, decode_steps: int = 3) -> None:
     """Admit and prefill `running` requests, then decode a few steps."""
     extra = 0
     for _ in range(100_000):
@@ -124,7 +117,7 @@ class Steady:
     def __init__(self, running: int, waiting: int) -> None:
         self.running, self.waiting = running, waiting
         self.s = build(running, waiting, seed=1234 + running * 7 + waiting)
-        self.worker = FakeWorker()
+        self.worker = Worker(self.s)
         warm_up(self.s, self.worker, running)
         self.t_sched: list[int] = []
         self.t_report: list[int] = []
@@ -156,6 +149,7 @@ class Steady:
             "report_p50_us": pct(self.t_report, 50) / 1e3,
             "report_p99_us": pct(self.t_report, 99) / 1e3,
             "steps": len(total),
+            "worker_paused_rows": self.worker.num_paused,
             "gc_collections_during_timing": gc_collections,
             "python": platform.python_version(),
         }

@@ -139,9 +139,10 @@ def test_report_round_trip_through_bytes() -> None:
     data = convert.report_to_proto(report).SerializeToString()
     back = convert.report_from_proto(worker_service_pb2.StepReport.FromString(data))
     assert listed(back) == report
-    assert all(type(v) is int for v in back.finish_reasons)
-    # The per-row columns arrive as int64 arrays: the core's decode path is vectorized.
+    # The per-row columns arrive as int64 arrays (finish reasons too: the core checks "none
+    # finished" on the array): the core's decode path is vectorized.
     assert back.handles.dtype == back.token_ids.dtype == np.int64  # type: ignore[union-attr]
+    assert back.finish_reasons.dtype == np.int64  # type: ignore[union-attr]
 
 
 def test_empty_report_round_trip() -> None:

@@ -158,8 +158,7 @@ class KVCacheManager:
             b, h = ids[i], hashes[i]
             # A block already holding a hash is a prefix hit; content another block already
             # holds is not registered twice (BlockPool.cache_block, inlined: decode visits).
-            if block_hash[b] is None and h not in cached:
-                cached[h] = b
+            if block_hash[b] is None and cached.setdefault(h, b) == b:
                 block_hash[b] = h
         req.num_cached_blocks = n
 

@@ -162,7 +162,7 @@ class StepReport:
     num_computed: IntColumn = field(default_factory=list)
     num_new_tokens: IntColumn = field(default_factory=list)
     token_ids: IntColumn = field(default_factory=list)
-    finish_reasons: list[int] = field(default_factory=list)
+    finish_reasons: IntColumn = field(default_factory=list)  # or empty: none finished
     acked: list[int] = field(default_factory=list)
     paused: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)  # e.g. KV transfer failed: ends with ERROR

@@ -83,6 +83,7 @@ class _Columns:
     one: np.ndarray | None = None
     match: np.ndarray | None = None
     all_match: bool = False  # every row's handle is on its slot (match not computed)
+    fins: np.ndarray | None = None  # finish reasons; None: no row finished
 
 
 # The most decode headroom (tokens) the observed round trip may ask for: within a slot's ring.
@@ -156,6 +157,7 @@ class Scheduler:
         self._pending_placements: list[Placement] = []
         self._extended: list[Extension] = []  # made by report visits, for the next Tasks
         self._ones_bytes = b""  # int64 ones, as bytes (_check_report)
+        self._zero_bytes = b""  # int64 zeros, as bytes (_check_report)
         self._pending_reset = False
         self._reserve = float(cc.reserve_blocks)
         self._relaxed = cc.reserve_blocks == 0
@@ -704,10 +706,10 @@ class Scheduler:
             last = rounds[-1]
             for idx in rounds:
                 n_gen -= self._apply_round(report, cols, idx, slow, idx is last)
-        fins = report.finish_reasons
-        if len(fins) and np.any(fins):
+        fins = cols.fins
+        if fins is not None:
             handles = report.handles
-            for i in np.flatnonzero(np.asarray(fins)).tolist():
+            for i in np.flatnonzero(fins).tolist():
                 if (req := get(int(handles[i]))) is not None:
                     self._after_report(req, int(fins[i]))
         for req in dict.fromkeys(slow):  # a request once, however many rows named it
@@ -792,9 +794,10 @@ class Scheduler:
                             now = self.clock()
                         req.first_token_time = now
                         first.append(req)
-                # Later rounds of a merged report find it due again only if its ring fills;
-                # the visit after the last round sets its real next check.
-                slots.check[due_slots] = pos[due] + RING
+                if not last:
+                    # Later rounds of a merged report find it due again only if its ring
+                    # fills; the visit after the last round sets its real next check.
+                    slots.check[due_slots] = pos[due] + RING
         return self._apply_rows(report, py_rows, slow) if py_rows else 0
 
     def _apply_rows(self, report: StepReport, rows: list[int], slow: list[Request]) -> int:
@@ -908,6 +911,15 @@ class Scheduler:
         fins = report.finish_reasons
         if len(fins) and len(fins) != n:
             raise ProtocolError("report column finish_reasons must be empty or one per handle")
+        fin: np.ndarray | None = None  # None: no row finished (the common report)
+        if len(fins):
+            fin = np.asarray(fins, dtype=np.int64)
+            if 8 * n > len(self._zero_bytes):
+                self._zero_bytes = bytes(16 * n)
+            if fin.tobytes() == self._zero_bytes[: 8 * n]:
+                fin = None
+            elif not 0 <= int(fin.min()) <= int(fin.max()) <= FinishReason.ERROR:
+                raise ProtocolError("report has an unknown finish reason")
         toks = np.asarray(report.token_ids, dtype=np.int64)
         h = np.asarray(report.handles, dtype=np.int64)
         nums = np.asarray(report.num_new_tokens, dtype=np.int64)
@@ -940,8 +952,7 @@ class Scheduler:
         for col in (report.acked, report.paused, report.failed):
             if len(col):
                 self._check_handles(np.asarray(col, dtype=np.int64))
-        if len(fins) and not 0 <= int(np.min(fins)) <= int(np.max(fins)) <= FinishReason.ERROR:
-            raise ProtocolError("report has an unknown finish reason")
+        cols.fins = fin
         return cols
 
     def _check_handles(self, handles: np.ndarray) -> None:

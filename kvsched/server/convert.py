@@ -300,7 +300,11 @@ def report_from_proto(pb: worker_service_pb2.StepReport) -> core.StepReport:
         np.array(pb.num_new_tokens, dtype=np.int64) if len(pb.num_new_tokens) else _EMPTY
     )
     token_ids = np.array(pb.token_ids, dtype=np.int64) if len(pb.token_ids) else _EMPTY
-    finish_reasons = cast("list[int]", pb.finish_reasons[:])  # open enum: plain ints
+    # Open enum: plain ints. A column like the others (the core recognises "none finished"
+    # by comparing bytes, not by converting a list).
+    finish_reasons = (
+        np.array(pb.finish_reasons, dtype=np.int64) if len(pb.finish_reasons) else _EMPTY
+    )
     if len(num_computed) != n or len(num_new_tokens) != n or len(finish_reasons) != n:
         _check_parallel(
             "StepReport",
@@ -315,8 +319,10 @@ def report_from_proto(pb: worker_service_pb2.StepReport) -> core.StepReport:
             f"StepReport: num_new_tokens add up to {num_sampled} "
             f"but the report has {len(token_ids)} token_ids"
         )
-    if finish_reasons and (min(finish_reasons) < 0 or max(finish_reasons) > _MAX_FINISH_REASON):
-        bad = sorted({r for r in finish_reasons if r not in _FINISH_REASONS})
+    if len(finish_reasons) and (
+        int(finish_reasons.min()) < 0 or int(finish_reasons.max()) > _MAX_FINISH_REASON
+    ):
+        bad = sorted({r for r in finish_reasons.tolist() if r not in _FINISH_REASONS})
         raise ValueError(f"StepReport: unknown finish reasons {bad}")
     return core.StepReport(
         step=pb.step,

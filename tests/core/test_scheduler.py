@@ -604,3 +604,71 @@ def test_an_extension_made_by_a_report_goes_out_with_the_next_tasks() -> None:
     tasks = s.schedule()
     assert [(e.handle, e.block_ids) for e in tasks.extensions] == [(r.handle, new)]
     assert not s.schedule().extensions, "sent once"
+
+
+def _decoding(n: int = 2):
+    s = make_scheduler()
+    reqs = make_requests(n, 20, max_tokens=50)
+    for r in reqs:
+        s.add_request(r)
+    step(s)
+    step(s)
+    return s, reqs
+
+
+@pytest.mark.parametrize("as_arrays", [False, True])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(num_new_tokens=[1, -1]), "negative token count"),
+        (dict(token_ids=[5]), "token_ids length"),
+        (dict(num_computed=[22]), "differ in length"),
+        (dict(finish_reasons=[0, 9]), "unknown finish reason"),
+        (dict(finish_reasons=[0]), "finish_reasons must be empty or one per handle"),
+        (dict(handles="unissued"), "never issued"),
+        (dict(step="same"), "steps must increase"),
+        (dict(applied_seq=99), "applied tasks 99"),
+    ],
+)
+def test_a_report_that_breaks_the_protocol_is_refused_and_changes_nothing(
+    change, match, as_arrays
+) -> None:
+    import dataclasses
+
+    import numpy as np
+
+    from kvsched.core import ProtocolError
+
+    s, reqs = _decoding()
+    good = report(s, [(r.handle, r.num_tokens, [5]) for r in reqs])
+    fields = dict(change)
+    if fields.get("handles") == "unissued":
+        fields["handles"] = [reqs[0].handle, s.next_handle + 64]
+    if fields.get("step") == "same":
+        fields["step"] = s.last_report_step
+    bad = dataclasses.replace(good, **fields)
+    if as_arrays:
+        for name in ("handles", "num_computed", "num_new_tokens", "token_ids", "finish_reasons"):
+            setattr(bad, name, np.asarray(getattr(bad, name), dtype=np.int64))
+    before = [(r.output_token_ids.copy(), list(r.block_ids), r.status) for r in reqs]
+    with pytest.raises(ProtocolError, match=match):
+        s.apply_report(bad)
+    assert [(r.output_token_ids, r.block_ids, r.status) for r in reqs] == before
+    s.check_integrity()
+    s.apply_report(good)  # the scheduler goes on as if the bad report never came
+    assert all(r.output_token_ids[-1] == 5 for r in reqs)
+
+
+@pytest.mark.parametrize("as_arrays", [False, True])
+def test_a_finish_reason_in_a_column_of_zeros_finishes_only_that_request(as_arrays) -> None:
+    import numpy as np
+
+    s, (a, b) = _decoding()
+    rep = report(s, [(a.handle, a.num_tokens, [5]), (b.handle, b.num_tokens, [6])])
+    rep.finish_reasons = [0, int(FinishReason.STOP)]
+    if as_arrays:
+        rep.finish_reasons = np.asarray(rep.finish_reasons, dtype=np.int64)
+    ev = s.apply_report(rep)
+    assert ev.finished == [b] and b.finish_reason == FinishReason.STOP
+    assert a.status == RequestStatus.RUNNING and a.output_token_ids[-1] == 5
+    s.check_integrity()
