@@ -52,7 +52,7 @@ class KvschedSpanExporter(OTLPSpanExporter):
         super().__init__(*args, **kwargs)
         self._encoder = SpanEncoder()
         # the library builds its client from self._stub, again after an UNAVAILABLE error
-        self._stub = _EncodedTraceServiceStub  # type: ignore[assignment]
+        self._stub = _EncodedTraceServiceStub
         self._client = self._stub(self._channel)
 
     def _translate_data(self, data: Sequence[ReadableSpan]) -> bytes:  # type: ignore[override]

@@ -10,12 +10,12 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
@@ -24,6 +24,8 @@ from opentelemetry.trace.span import TraceState
 from kvsched.core import Events, FinishReason, Request, SamplingParams
 from kvsched.server.otlp import KvschedSpanExporter, SpanEncoder
 from kvsched.server.tracing import RequestEvents, RequestSpan, Tracing
+
+from .telemetry_harness import OtlpReceiver
 
 SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
@@ -197,13 +199,23 @@ def test_encodings_are_reused_across_batches_without_mixing_objects_up() -> None
         assert encoder.encode(spans) == encode_spans(spans).SerializeToString()
 
 
-def test_the_exporter_uses_the_encoder(monkeypatch: pytest.MonkeyPatch) -> None:
-    exporter = KvschedSpanExporter(endpoint="http://127.0.0.1:1", insecure=True)
+def test_the_exporter_sends_the_encoders_bytes_to_a_real_receiver() -> None:
+    """The request goes out as the encoder wrote it, also on the client the library makes
+    again after an UNAVAILABLE error; the receiver parses the library's request."""
+    receiver = OtlpReceiver()
+    exporter = KvschedSpanExporter(endpoint=f"http://127.0.0.1:{receiver.port}", headers={"k": "v"})
     try:
         spans = daemon_spans()
         assert exporter._translate_data(spans) == encode_spans(spans).SerializeToString()
+        assert exporter.export(spans) == SpanExportResult.SUCCESS
+        exporter._channel.close()  # what the library does on UNAVAILABLE, then:
+        exporter._initialize_channel_and_stub()
+        assert exporter.export(spans[:2]) == SpanExportResult.SUCCESS
     finally:
         exporter.shutdown()
+        receiver.stop()
+    assert receiver.requests == [encode_spans(spans), encode_spans(spans[:2])]
+    assert receiver.metadata[1]["k"] == "v"
 
 
 def test_remembered_attribute_fields_keep_equal_values_of_other_types_apart() -> None:
