@@ -66,6 +66,8 @@ OPERATION = "text_completion"
 MAX_EVENTS = SpanLimits().max_events or 128  # OTEL_SPAN_EVENT_COUNT_LIMIT; "finished" may exceed
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSET = Status(StatusCode.UNSET)
+_REASON_NAMES = {r: r.name.lower() for r in FinishReason}  # Enum.name is a property call
+_REASON_TUPLES = {r: (name,) for r, name in _REASON_NAMES.items()}  # immutable: shareable
 _W3C = TraceContextTextMapPropagator()  # traceparent + tracestate only (DESIGN section 6)
 
 
@@ -304,7 +306,7 @@ class Tracing:
         status = _UNSET
         if req.finish_reason == FinishReason.ERROR:
             status = Status(StatusCode.ERROR, req.finish_message or "request failed")
-        reason = req.finish_reason.name.lower()
+        reason = _REASON_NAMES[req.finish_reason]
         trace.events.append(("finished", {"kvsched.finish_reason": reason}, end))
         self._export(trace, finish_attributes(self.model, tr), status, end)
 
@@ -357,7 +359,7 @@ def finish_attributes(model: str, tr: Any) -> dict[str, Any]:
         "kvsched.instance": tr.engine.instance_id,
     }
     if req.finish_reason != FinishReason.NONE:
-        attrs["gen_ai.response.finish_reasons"] = (req.finish_reason.name.lower(),)
+        attrs["gen_ai.response.finish_reasons"] = _REASON_TUPLES[req.finish_reason]
     if req.first_scheduled_time >= 0:
         attrs["kvsched.queue_time_s"] = max(0.0, req.first_scheduled_time - t0)
     if req.first_token_time >= 0:
