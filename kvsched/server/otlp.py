@@ -221,8 +221,8 @@ def encode_span(span: ReadableSpan) -> bytes:
     if dropped := span.dropped_attributes:
         parts.append(b"\x50" + _varint(dropped))
     events = span.events
-    if type(events) is RequestEvents:  # the daemon's: plain tuples, dict or no attributes
-        for name, attributes, ts in events.records:
+    if type(events) is RequestEvents:  # the daemon's: plain values, mapping or no attributes
+        for name, attributes, ts in events.triples():
             ev = [b"\x09" + _fixed64(ts)] if ts else []
             if name:
                 ev.append(_event_name(name))

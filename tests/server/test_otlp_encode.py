@@ -23,7 +23,7 @@ from opentelemetry.trace.span import TraceState
 
 from kvsched.core import Events, FinishReason, Request, SamplingParams
 from kvsched.server.otlp import KvschedSpanExporter, SpanEncoder
-from kvsched.server.tracing import RequestEvents, RequestSpan, Tracing
+from kvsched.server.tracing import MAX_EVENTS, RequestEvents, RequestSpan, Tracing
 
 from .telemetry_harness import OtlpReceiver
 
@@ -231,7 +231,7 @@ def test_remembered_attribute_fields_keep_equal_values_of_other_types_apart() ->
 
 
 def test_request_span_events_are_made_only_when_read() -> None:
-    """The daemon's spans carry their events as the trace's tuples: the encoder reads those,
+    """The daemon's spans carry their events as the trace's flat list: the encoder reads that,
     anyone else gets ordinary SDK Events with the same content."""
     spans = daemon_spans()
     SpanEncoder().encode(spans)
@@ -241,13 +241,30 @@ def test_request_span_events_are_made_only_when_read() -> None:
     for s, pb in zip(spans, request.resource_spans[0].scope_spans[0].spans, strict=True):
         events = s.events
         assert isinstance(events, RequestEvents)
-        assert len(events) == len(events.records) == len(pb.events) >= 2
-        assert (
-            [e.name for e in events]
-            == [e.name for e in pb.events]
-            == [r[0] for r in events.records]
-        )
+        triples = list(events.triples())
+        assert len(events) == len(triples) == len(pb.events) >= 2
+        assert [e.name for e in events] == [e.name for e in pb.events] == [t[0] for t in triples]
         assert events[0] is events[0] and isinstance(events[-1], Event)
-        assert [e.timestamp for e in events[1:]] == [r[2] for r in events.records[1:]]
-        assert [e.attributes for e in events] == [r[1] for r in events.records]
+        assert [e.timestamp for e in events[1:]] == [t[2] for t in triples[1:]]
+        assert [e.attributes for e in events] == [t[1] for t in triples]
         assert json.loads(s.to_json())["events"][0]["name"] == "queued"  # the console's view
+
+
+def test_a_trace_keeps_at_most_max_events_then_its_last() -> None:
+    tracing = Tracing(TracerProvider(), "m")
+    keep = Keep()
+    tracing.add_processor(keep)
+    req = Request("r", [1], SamplingParams(max_tokens=1), arrival_time=time.monotonic())
+    tr = SimpleNamespace(req=req, engine=SimpleNamespace(instance_id="i0"), span=None)
+    req.tag = tr
+    tracing.request_accepted(tr, {})
+    for _ in range(MAX_EVENTS + 5):
+        tracing.request_moved(tr, "worker stream ended")
+    req.finish_reason, req.finished_time = FinishReason.ABORT, time.monotonic()
+    tracing.request_finished(tr)
+    (span,) = keep.spans
+    names = [e.name for e in span.events]
+    assert len(names) == MAX_EVENTS + 1 and names[0] == "queued" and names[-1] == "finished"
+    assert names[1:-1] == ["instance_lost"] * (MAX_EVENTS - 1)
+    assert dict(span.events[-1].attributes or {}) == {"kvsched.finish_reason": "abort"}
+    assert_same_request(keep.spans)
