@@ -17,6 +17,15 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    DEFAULT_ON,
+    ParentBased,
+    ParentBasedTraceIdRatio,
+    TraceIdRatioBased,
+)
+from opentelemetry.trace.span import TraceState
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvsched
@@ -278,6 +287,37 @@ def test_span_hooks_in_memory_moved_and_unsampled() -> None:
     assert span.attributes is not None and span.attributes["kvsched.instance"] == "i1"
     assert span.attributes["gen_ai.response.finish_reasons"] == ("abort",)
     assert span.status.status_code.name == "UNSET"  # an abort is not an error
+
+
+@pytest.mark.parametrize(
+    ("sampler", "kept", "parent_kept"),
+    [
+        (DEFAULT_ON, True, True),
+        (ALWAYS_ON, True, True),
+        (ALWAYS_OFF, False, False),
+        (ParentBased(ALWAYS_OFF), False, True),
+        (TraceIdRatioBased(0.0), False, False),
+        (ParentBasedTraceIdRatio(1.0), True, True),
+    ],
+)
+def test_the_sampler_decides_root_spans(sampler: Any, kept: bool, parent_kept: bool) -> None:
+    """Requests without a parent: the default and always_on samplers are known to keep them
+    (the hook skips asking), any other sampler is asked."""
+    tracing = Tracing(TracerProvider(sampler=sampler), "m1")
+    req = Request("a", [1], SamplingParams(max_tokens=1), arrival_time=time.monotonic())
+    tr = SimpleNamespace(req=req, engine=SimpleNamespace(instance_id="i0"), span=None)
+    tracing.request_accepted(tr, {})
+    assert (tr.span is not None) is kept
+    if kept:
+        ctx = tr.span.context
+        assert ctx.is_valid and ctx.trace_flags.sampled and not ctx.is_remote
+        assert ctx.trace_state == TraceState() and tr.span.parent is None
+    tr2 = SimpleNamespace(req=req, engine=tr.engine, span=None)
+    tracing.request_accepted(tr2, dict(traceparent(0)))  # a sampled parent: asked as before
+    assert (tr2.span is not None) is parent_kept
+    if parent_kept:
+        assert tr2.span.context.trace_id == TRACE_ID
+        assert tr2.span.context.trace_state.to_header() == "kvt=1"
 
 
 def test_standard_otel_environment_variables_configure_tracing(
