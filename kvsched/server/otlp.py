@@ -210,7 +210,7 @@ def encode_span(span: ReadableSpan) -> bytes:
     if parent:
         parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
     if name := span.name:
-        parts.append(_text(name))
+        parts.append(_span_name(name))
     parts.append(_KIND[span.kind])
     if start := span.start_time:
         parts.append(b"\x39" + _fixed64(start))
@@ -284,7 +284,7 @@ def _cached(tag: bytes) -> Any:
 
 
 _MAX_TEXTS = 4096
-_text = _cached(b"\x2a")  # Span.name
+_span_name = _cached(b"\x2a")  # Span.name
 _event_name = _cached(b"\x12")  # Span.Event.name
 _key = _cached(b"\x0a")  # KeyValue.key
 
