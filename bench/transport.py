@@ -425,7 +425,7 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
     core do not count. Run inside a loop: sinks hold asyncio objects."""
     from types import SimpleNamespace
 
-    from bench.core_step import FakeWorker, build, warm_up
+    from bench.core_step import Worker, build, warm_up
     from kvsched.server import convert
     from kvsched.server.daemon import Tracked
     from kvsched.server.engine import deliver_tokens
@@ -433,7 +433,7 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
     from kvsched.v1 import worker_service_pb2 as wpb
 
     sched = build(running, 0, seed=1)
-    worker = FakeWorker()
+    worker = Worker(sched)
     warm_up(sched, worker, running)
     sink, engine = SessionSink(), SimpleNamespace(instance_id="i0")
     daemon = SimpleNamespace(tracked={})
@@ -444,8 +444,9 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in HOT_STAGES}
     tasks = sched.schedule()
     for _ in range(steps):
-        report = worker.report(sched, tasks)
-        report.finish_reasons = [0] * len(report.handles)  # as the worker sends it
+        worker.engine.apply(tasks)
+        report = worker.engine.step()  # the reference worker's report, finish reasons included
+        assert report is not None
         raw = wpb.ConnectRequest(report=convert.report_to_proto(report)).SerializeToString()
         t0 = time.thread_time()
         core = convert.report_from_proto(wpb.ConnectRequest.FromString(raw).report)

@@ -19,3 +19,15 @@ def test_the_benchmark_reaches_a_steady_decode_step_and_stays_there() -> None:
         rid: 200 for rid in out_before
     }
     assert s.stats.num_preemptions == 0
+
+
+def test_the_transport_benchmarks_hot_path_runs_a_full_report() -> None:
+    # bench.transport --hot-path steps the same steady state through the daemon's conversion,
+    # the core, the sinks and a Session message; every stage must have run.
+    import asyncio
+
+    from bench.transport import HOT_STAGES, hot_path
+
+    times = asyncio.run(hot_path(16, 5))
+    assert set(times) == {*HOT_STAGES, "total"}
+    assert all(times[k] > 0 for k in HOT_STAGES)
