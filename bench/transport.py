@@ -428,7 +428,7 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
     from bench.core_step import Worker, build, warm_up
     from kvsched.server import convert
     from kvsched.server.daemon import Tracked
-    from kvsched.server.engine import deliver_tokens
+    from kvsched.server.engine import TokenDelivery
     from kvsched.server.frontend import RequestServicer, SessionSink
     from kvsched.v1 import worker_service_pb2 as wpb
 
@@ -442,6 +442,7 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
         req.tag.sent = len(req.output_token_ids)
     servicer = RequestServicer(daemon)  # type: ignore[arg-type]
     times: dict[str, list[float]] = {k: [] for k in HOT_STAGES}
+    deliver = TokenDelivery()  # as the engine holds one
     tasks = sched.schedule()
     for _ in range(steps):
         worker.engine.apply(tasks)
@@ -453,7 +454,7 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
         t1 = time.thread_time()
         events = sched.apply_report(core)
         t2 = time.thread_time()
-        deliver_tokens(events.tokens)
+        deliver(events.tokens)
         t3 = time.thread_time()
         tasks = sched.schedule()
         sched.take_events()

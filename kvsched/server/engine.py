@@ -21,8 +21,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from kvsched.core import ConfigError, EngineConfig, ProtocolError, Role, Scheduler, Unavailable
 from kvsched.core.protocol import StepReport
 from kvsched.server import convert
@@ -68,6 +66,7 @@ class InstanceEngine:
         self._next_handle = 0  # handles continue across schedulers of this instance
         self._wake = asyncio.Event()
         self._report_times: collections.deque[float] = collections.deque(maxlen=256)
+        self._deliver = TokenDelivery()
         self._task = asyncio.get_running_loop().create_task(
             self._loop(), name=f"engine-{instance_id}"
         )
@@ -203,7 +202,7 @@ class InstanceEngine:
     def dispatch(self, ev: Any) -> None:
         """Route a batch of core Events to the requests' sinks and the daemon."""
         if ev.tokens:
-            deliver_tokens(ev.tokens)
+            self._deliver(ev.tokens)
         daemon = self.daemon
         if ev.scheduled or ev.first_token or ev.preempted or ev.requeued:
             daemon.telemetry.lifecycle(self, ev)
@@ -228,54 +227,74 @@ class InstanceEngine:
         return self.role == Role.DECODE
 
 
-def deliver_tokens(deltas: list[Any]) -> None:
-    """Hand a step's token deltas (core `Events.tokens`, in order) to the requests' sinks: a
-    columnar delta goes to its sink as one call (to each sink, when several share it)."""
-    prev_a: Any = None
-    prev_slots: Any = None
-    keep: list[int] | None = None
-    trs: list[Any] = []
-    sinks: list[Any] = []
-    for a, slots, toks in deltas:
-        if slots is None:  # one request's row
-            tr = a.tag
-            if tr is not None:
-                tr.sink.add_tokens([tr], [len(toks)], toks)
-            continue
-        values = toks.tolist()
-        # The rounds of a merged report usually name the same requests on the same slots:
-        # their requests and sinks are looked up once (the same `trs` list, which a Session
-        # recognises when it joins the rounds).
-        if not (
-            prev_slots is not None
-            and len(slots) == len(prev_slots)
-            and a == prev_a
-            and np.array_equal(slots, prev_slots)
-        ):
-            prev_a, prev_slots = a, slots
-            trs = [r.tag for r in map(a.__getitem__, slots.tolist())]
-            try:
-                sinks = [tr.sink for tr in trs]
-                keep = None
-            except AttributeError:  # requests the daemon does not track (no tag)
-                keep = [i for i, tr in enumerate(trs) if tr is not None]
-                trs = [trs[i] for i in keep]
-                sinks = [tr.sink for tr in trs]
-        if keep is not None:
-            values = [values[i] for i in keep]
-        if not sinks:
-            continue
-        first = sinks[0]
-        if sinks.count(first) == len(sinks):
-            first.add_tokens(trs, None, values)
-            continue
-        groups: dict[Any, tuple[list[Any], list[int]]] = {}
-        for sink, tr, t in zip(sinks, trs, values, strict=True):
-            g = groups.get(sink)
+class TokenDelivery:
+    """Hands token deltas (core `Events.tokens`, in order) to the requests' sinks: a columnar
+    delta goes to its sink as one call (to each sink, when several share it).
+
+    A columnar delta names its requests by the core's snapshot of the slot table, which stays
+    the same object until a slot changes hands; rows come in the worker's slot order, usually
+    the same from step to step. So the requests, their sinks and the grouping by sink are
+    looked up once and kept while the snapshot and the slot column stay the same (the rounds
+    of a merged report, and step after step in a steady batch): the same `trs` list then
+    reaches the sink, which a Session recognises when it joins deltas."""
+
+    __slots__ = ("_a", "_groups", "_keep", "_slots", "_trs")
+
+    def __init__(self) -> None:
+        self._a: Any = None  # the snapshot of the last lookup
+        self._slots = b""  # its slot column, as bytes
+        self._trs: list[Any] = []
+        self._keep: list[int] | None = None  # rows of tracked requests (None: all)
+        # One sink: None. Several: (sink, its rows, their Tracked) each.
+        self._groups: list[tuple[Any, list[int], list[Any]]] | None = None
+
+    def __call__(self, deltas: list[Any]) -> None:
+        for a, slots, toks in deltas:
+            if slots is None:  # one request's row
+                tr = a.tag
+                if tr is not None:
+                    tr.sink.add_tokens([tr], [len(toks)], toks)
+                continue
+            key = slots.tobytes()
+            if a is not self._a or key != self._slots:
+                self._lookup(a, slots, key)
+            trs = self._trs
+            if not trs:
+                continue
+            values = toks.tolist()
+            keep = self._keep
+            if keep is not None:
+                values = [values[i] for i in keep]
+            groups = self._groups
+            if groups is None:
+                trs[0].sink.add_tokens(trs, None, values)
+                continue
+            for sink, rows, g_trs in groups:
+                sink.add_tokens(g_trs, None, [values[i] for i in rows])
+
+    def _lookup(self, a: Any, slots: Any, key: bytes) -> None:
+        self._a, self._slots = a, key
+        trs = [r.tag for r in map(a.__getitem__, slots.tolist())]
+        keep = None
+        if None in trs:  # requests the daemon does not track (no tag)
+            keep = [i for i, tr in enumerate(trs) if tr is not None]
+            trs = [trs[i] for i in keep]
+        self._trs, self._keep = trs, keep
+        sinks = [tr.sink for tr in trs]
+        if not sinks or sinks.count(sinks[0]) == len(sinks):
+            self._groups = None
+            return
+        by_sink: dict[Any, tuple[list[int], list[Any]]] = {}
+        for i, (sink, tr) in enumerate(zip(sinks, trs, strict=True)):
+            g = by_sink.get(sink)
             if g is None:
-                groups[sink] = ([tr], [t])
+                by_sink[sink] = ([i], [tr])
             else:
-                g[0].append(tr)
-                g[1].append(t)
-        for sink, (g_trs, g_toks) in groups.items():
-            sink.add_tokens(g_trs, None, g_toks)
+                g[0].append(i)
+                g[1].append(tr)
+        self._groups = [(sink, rows, g_trs) for sink, (rows, g_trs) in by_sink.items()]
+
+
+def deliver_tokens(deltas: list[Any]) -> None:
+    """TokenDelivery without memory between calls (tests, one-off use)."""
+    TokenDelivery()(deltas)

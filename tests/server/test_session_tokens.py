@@ -9,7 +9,7 @@ import numpy as np
 
 from kvsched.core import Request
 from kvsched.server.daemon import Tracked
-from kvsched.server.engine import deliver_tokens
+from kvsched.server.engine import TokenDelivery, deliver_tokens
 from kvsched.server.frontend import SessionSink, _token_columns
 
 
@@ -71,11 +71,31 @@ def test_deliver_tokens_reuses_lookups_across_rounds_but_not_across_occupants() 
         deliver_tokens(
             [
                 (before, np.array([0, 1]), np.array([1, 2])),
-                (list(before), np.array([0, 1]), np.array([3, 4])),
+                (before, np.array([0, 1]), np.array([3, 4])),  # the core's same snapshot
                 (after, np.array([0, 1]), np.array([5, 6])),
             ]
         )
         assert sink.chunks[0][0] is sink.chunks[1][0]
+        assert sink.chunks[2][0] is not sink.chunks[0][0]
         assert _token_columns(sink.chunks) == (["a", "b", "c"], [2, 3, 1], [1, 3, 2, 4, 6, 5])
+
+    asyncio.run(go())
+
+
+def test_token_delivery_keeps_its_lookups_across_steps_until_the_rows_change() -> None:
+    async def go() -> None:
+        one, two = SessionSink(), SessionSink()
+        a, b, c = tracked("a", one), tracked("b", two), tracked("c", one)
+        snap = [a.req, b.req, c.req, None]  # slot 3 is empty
+        deliver = TokenDelivery()
+        deliver([(snap, np.array([0, 1, 2]), np.array([1, 2, 3]))])
+        deliver([(snap, np.array([0, 1, 2]), np.array([4, 5, 6]))])  # the next step
+        assert one.chunks[0][0] is one.chunks[1][0], "looked up once"
+        assert _token_columns(one.chunks) == (["a", "c"], [2, 2], [1, 4, 3, 6])
+        assert _token_columns(two.chunks) == (["b"], [2], [2, 5])
+        # Other rows (c did not decode this step) on the same snapshot: looked up again.
+        deliver([(snap, np.array([1, 0]), np.array([7, 8]))])
+        assert _token_columns(one.chunks) == (["a", "c"], [3, 2], [1, 4, 8, 3, 6])
+        assert _token_columns(two.chunks) == (["b"], [3], [2, 5, 7])
 
     asyncio.run(go())
