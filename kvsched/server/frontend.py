@@ -59,6 +59,9 @@ class SessionSink:
         self.task = asyncio.current_task()
         self.dirty: dict[str, Tracked] = {}
         self.chunks: list[tuple[list[Tracked], list[int] | None, list[int]]] = []
+        # The request ids of the last columnar delta's `trs` list (the engine hands the same
+        # list step after step while its batch is steady): (that list, its ids).
+        self.ids_of: tuple[list[Tracked], list[str]] | None = None
         self.accepted: list[Tracked] = []
         self.errors: list[pb.SessionResponse.Error] = []
         self.open: dict[str, Tracked] = {}
@@ -256,7 +259,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             acc.client_tags.extend([tr.client_tag for tr in accepted])
             acc.instances.extend([tr.engine.instance_id for tr in accepted])
         if chunks:
-            ids, counts, tokens = _token_columns(chunks)
+            ids, counts, tokens = _token_columns(chunks, sink)
             out = msg.tokens
             out.request_ids.extend(ids)
             out.num_tokens.extend(counts)
@@ -274,14 +277,22 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
 
 def _token_columns(
     chunks: list[tuple[list[Tracked], list[int] | None, list[int]]],
+    sink: SessionSink | None = None,
 ) -> tuple[list[str], list[int], list[int]]:
     """A session's token deltas as TokenDeltas columns, each request once, its tokens in
-    order. One columnar delta (a steady step) is passed through as it is."""
+    order. One columnar delta (a steady step) is passed through as it is. With `sink`, the
+    ids of a columnar delta's requests are kept there for the next message."""
     trs = chunks[0][0]
     if all(c[0] is trs and c[1] is None for c in chunks):
         # One columnar delta, or the rounds of a merged report over the same requests: each
         # request's tokens are one column of the (rounds x requests) table.
-        ids = [tr.req.req_id for tr in trs]
+        known = sink.ids_of if sink is not None else None
+        if known is not None and known[0] is trs:
+            ids = known[1]
+        else:
+            ids = [tr.req.req_id for tr in trs]
+            if sink is not None:
+                sink.ids_of = (trs, ids)
         if len(chunks) == 1:
             return ids, [1] * len(trs), chunks[0][2]
         table = np.array([c[2] for c in chunks], dtype=np.int64)

@@ -99,3 +99,17 @@ def test_token_delivery_keeps_its_lookups_across_steps_until_the_rows_change() -
         assert _token_columns(two.chunks) == (["b"], [3], [2, 5, 7])
 
     asyncio.run(go())
+
+
+def test_a_session_keeps_the_ids_of_a_steady_batch_and_redoes_them_when_it_changes() -> None:
+    async def go() -> None:
+        sink = SessionSink()
+        a, b, c = tracked("a", sink), tracked("b", sink), tracked("c", sink)
+        steady, other = [a, b], [c, b]
+        first = _token_columns([(steady, None, [1, 2])], sink)
+        again = _token_columns([(steady, None, [3, 4])], sink)
+        assert first == (["a", "b"], [1, 1], [1, 2]) and again == (["a", "b"], [1, 1], [3, 4])
+        assert again[0] is first[0], "the same requests: ids kept"
+        assert _token_columns([(other, None, [5, 6])], sink) == (["c", "b"], [1, 1], [5, 6])
+
+    asyncio.run(go())
