@@ -15,7 +15,7 @@ import grpc
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
@@ -34,11 +34,13 @@ from kvsched.core import (
     FinishReason,
     Request,
     RequestStatus,
+    Role,
     SamplingParams,
     Unavailable,
 )
 from kvsched.server.config import ServerConfig
 from kvsched.server.metrics import Metrics
+from kvsched.server.otlp import KvschedSpanExporter
 from kvsched.server.tracing import Tracing, choose_exporters, make_resource, make_tracing
 from kvsched.v1 import common_pb2
 
@@ -261,8 +263,10 @@ def test_span_hooks_in_memory_moved_and_unsampled() -> None:
     tr = SimpleNamespace(req=req, engine=SimpleNamespace(instance_id="i0"), span=None)
     req.tag = tr
     tracing.request_accepted(tr, dict(traceparent(0)))
+    req.first_scheduled_time = time.monotonic()  # as the core stamps a placement
     tracing.lifecycle(tr.engine, Events(scheduled=[req]))
     moved = Request("a", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=req.arrival_time)
+    moved.first_scheduled_time = req.first_scheduled_time  # as the daemon's requeue_lost copies
     moved.tag, tr.req = tr, moved
     tracing.request_moved(tr, "worker stream ended")
     tr.engine = SimpleNamespace(instance_id="i1")
@@ -304,20 +308,29 @@ def test_the_sampler_decides_root_spans(sampler: Any, kept: bool, parent_kept: b
     """Requests without a parent: the default and always_on samplers are known to keep them
     (the hook skips asking), any other sampler is asked."""
     tracing = Tracing(TracerProvider(sampler=sampler), "m1")
+    exporter = InMemorySpanExporter()
+    tracing.add_processor(SimpleSpanProcessor(exporter))
     req = Request("a", [1], SamplingParams(max_tokens=1), arrival_time=time.monotonic())
     tr = SimpleNamespace(req=req, engine=SimpleNamespace(instance_id="i0"), span=None)
     tracing.request_accepted(tr, {})
     assert (tr.span is not None) is kept
-    if kept:
-        ctx = tr.span.context
-        assert ctx.is_valid and ctx.trace_flags.sampled and not ctx.is_remote
-        assert ctx.trace_state == TraceState() and tr.span.parent is None
     tr2 = SimpleNamespace(req=req, engine=tr.engine, span=None)
     tracing.request_accepted(tr2, dict(traceparent(0)))  # a sampled parent: asked as before
     assert (tr2.span is not None) is parent_kept
+    req.finished_time = time.monotonic()
+    tracing.request_finished(tr)
+    tracing.request_finished(tr2)
+    spans = exporter.get_finished_spans()
+    assert len(spans) == kept + parent_kept
+    if kept:
+        ctx = spans[0].context
+        assert ctx is not None and ctx.is_valid and ctx.trace_flags.sampled and not ctx.is_remote
+        assert ctx.trace_state == TraceState() and spans[0].parent is None
     if parent_kept:
-        assert tr2.span.context.trace_id == TRACE_ID
-        assert tr2.span.context.trace_state.to_header() == "kvt=1"
+        ctx = spans[-1].context
+        assert ctx is not None and ctx.trace_id == TRACE_ID
+        assert ctx.trace_state.to_header() == "kvt=1"
+        assert spans[-1].parent is not None and spans[-1].parent.span_id == PARENT_ID
 
 
 def test_standard_otel_environment_variables_configure_tracing(
@@ -463,3 +476,143 @@ def test_metrics_address_in_use_is_a_clear_error() -> None:
             first.close()
 
     asyncio.run(go())
+
+
+def test_spans_are_built_off_the_loop_and_keep_rare_events_in_order() -> None:
+    """The real batch processor and OTLP exporter to the in-process receiver: the finished
+    span waits in the batch queue unbuilt (no ids, attributes or events made on the event
+    loop); once exported it has the client's parent, its placement and first token read from
+    the core Request's times, and the rare events (preempted, resumed; a hand-off's placements
+    on prefill and decode instances) in order."""
+    receiver = OtlpReceiver()
+    tracing = Tracing(TracerProvider(), "m1")
+    processor = BatchSpanProcessor(
+        KvschedSpanExporter(endpoint=f"http://127.0.0.1:{receiver.port}"),
+        schedule_delay_millis=60_000,
+    )
+    tracing.add_processor(processor)
+    mixed = SimpleNamespace(instance_id="i0")
+    try:
+        req = Request("p", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=time.monotonic())
+        tr = SimpleNamespace(req=req, engine=mixed, span=None)
+        req.tag = tr
+        tracing.request_accepted(tr, dict(traceparent(3)))
+        req.first_scheduled_time = time.monotonic()
+        tracing.lifecycle(mixed, Events(scheduled=[req]))
+        req.first_token_time = time.monotonic()
+        tracing.lifecycle(mixed, Events(first_token=[req]))
+        req.num_preemptions = 1
+        tracing.lifecycle(mixed, Events(preempted=[req]))
+        tracing.lifecycle(mixed, Events(scheduled=[req]))
+        req.finish_reason, req.finished_time = FinishReason.LENGTH, time.monotonic()
+        req.output_token_ids = [5, 6, 7, 8]
+        tracing.request_finished(tr)
+
+        prefill = SimpleNamespace(instance_id="p0", role=Role.PREFILL)
+        decode = SimpleNamespace(instance_id="d0", role=Role.DECODE)
+        pd = Request("pd", [1], SamplingParams(max_tokens=2), arrival_time=time.monotonic())
+        tr2 = SimpleNamespace(req=pd, engine=prefill, span=None)
+        pd.tag = tr2
+        tracing.request_accepted(tr2, {})
+        pd.first_scheduled_time = time.monotonic()
+        tracing.lifecycle(prefill, Events(scheduled=[pd]))
+        pd.first_token_time = time.monotonic()
+        tracing.lifecycle(prefill, Events(first_token=[pd]))
+        tr2.engine = decode  # handed off: the decode instance places it
+        tracing.lifecycle(decode, Events(scheduled=[pd]))
+        pd.finish_reason, pd.finished_time = FinishReason.STOP, time.monotonic()
+        tracing.request_finished(tr2)
+        tracing.request_finished(tr2)  # once only
+
+        queued = list(processor._batch_processor._queue)
+        assert len(queued) == 2 and all("_context" not in s.__dict__ for s in queued)
+        assert tr.span is None and tr2.span is None
+    finally:
+        tracing.shutdown()  # the batch goes out now (flush at shutdown)
+        receiver.stop()
+
+    spans = by_request_id(receiver)
+    _, span = spans["p"]
+    assert span.trace_id == TRACE_ID.to_bytes(16, "big")
+    assert span.parent_span_id == (PARENT_ID + 3).to_bytes(8, "big")
+    assert span.trace_state == "kvt=1"
+    names = [e.name for e in span.events]
+    assert names == ["queued", "scheduled", "first_token", "preempted", "resumed", "finished"]
+    times = [e.time_unix_nano for e in span.events]
+    assert times == sorted(times) and times[0] == span.start_time_unix_nano
+    assert times[1] == tracing.wall_ns(req.first_scheduled_time)  # the placement's time
+    assert attributes(span.events[3].attributes) == {
+        "kvsched.instance": "i0",
+        "kvsched.num_preemptions": 1,
+    }
+    assert attributes(span.attributes)["kvsched.num_preemptions"] == 1
+    assert attributes(span.attributes)["gen_ai.usage.output_tokens"] == 4
+
+    _, span = spans["pd"]
+    assert span.parent_span_id == b"" and len(span.trace_id) == 16
+    placed = [
+        (e.name, attributes(e.attributes).get("kvsched.instance"))
+        for e in span.events
+        if e.name != "finished"
+    ]
+    assert placed == [
+        ("queued", None),
+        ("scheduled", "p0"),
+        ("first_token", None),
+        ("resumed", "d0"),
+    ]
+    assert attributes(span.attributes)["kvsched.instance"] == "d0"
+
+
+def test_spans_of_finished_and_open_requests_are_exported_at_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No export before shutdown (OTEL_BSP_SCHEDULE_DELAY is long, the batch not full): the
+    shutdown flush sends every finished request's span, and that of a request whose instance
+    was lost at the end (end_open's daemon_shutdown itself: test_otlp_encode's daemon_spans)."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
+    receiver = OtlpReceiver()
+    num = 12
+
+    async def go() -> list[Result]:
+        overrides = {
+            "tracing_exporter": "otlp",
+            "otlp_endpoint": f"127.0.0.1:{receiver.port}",
+            "requeue_timeout_s": 600.0,  # its worker stops first: it waits to be placed again
+        }
+        async with running_daemon(overrides, zero_cost=False) as h:
+            done = await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        h.generate(request(f"f{i}", 8, 3, seed=i), traceparent(i))
+                        for i in range(num)
+                    )
+                ),
+                20,
+            )
+            call = h.stub.Generate(request("open", 16, 4000), metadata=traceparent(99))
+            while (await asyncio.wait_for(call.read(), 10)).WhichOneof("kind") != "tokens":
+                pass
+            assert receiver.spans() == []  # nothing exported yet
+        return done
+
+    try:
+        done = asyncio.run(go())
+    finally:
+        receiver.stop()
+
+    spans = by_request_id(receiver)
+    assert set(spans) == {f"f{i}" for i in range(num)} | {"open"}
+    for i, result in enumerate(done):
+        _, span = spans[f"f{i}"]
+        assert result.finished is not None
+        assert span.parent_span_id == (PARENT_ID + i).to_bytes(8, "big")
+        assert [e.name for e in span.events] == [
+            "queued", "scheduled", "first_token", "finished"
+        ]  # fmt: skip
+    _, span = spans["open"]
+    names = [e.name for e in span.events]
+    # the server's stop cancels its stream (an abort) before telemetry's shutdown would end it
+    assert names[:4] == ["queued", "scheduled", "first_token", "instance_lost"]
+    assert names[-1] in ("finished", "daemon_shutdown") and len(names) == 5
+    assert span.parent_span_id == (PARENT_ID + 99).to_bytes(8, "big")
