@@ -3,7 +3,7 @@
     python -m bench.span_cost [--spans 512] [--rounds 20] [--json bench/results/span_cost.json]
 
 Encodes batches of `--spans` spans shaped like the daemon's (one SERVER span per request: the
-attributes of `finish_attributes`, the events queued, scheduled, first_token, finished, one
+attributes the daemon sets (`kvsched.server.tracing._build`), the events queued, scheduled, first_token, finished, one
 resource, one scope; every eighth span has a remote parent, a preemption and an error status)
 with `opentelemetry.exporter.otlp.proto.common.trace_encoder.encode_spans` (what the library's
 OTLPSpanExporter runs on its batch thread, then SerializeToString in the gRPC stub) and with
@@ -136,7 +136,7 @@ def pipeline_run(exporter: str, endpoint: str, num_requests: int) -> tuple[float
         req = Request(
             f"t{i}", [1] * 32, SamplingParams(max_tokens=256), arrival_time=time.monotonic()
         )
-        req.output_token_ids = [7] * 256  # finish_attributes reads its length
+        req.output_token_ids = [7] * 256  # the span reads its length (output tokens)
         tr = SimpleNamespace(req=req, engine=engine, span=None)
         req.tag = tr
         t0 = time.thread_time()  # the hooks' CPU, not the fake request's making
