@@ -235,3 +235,12 @@ def test_role_round_trip() -> None:
         assert convert.role_from_proto(convert.role_to_proto(role)) is role
     with pytest.raises(ValueError, match="InstanceRole 0"):
         convert.role_from_proto(common_pb2.INSTANCE_ROLE_UNSPECIFIED)
+
+
+def test_an_empty_finish_reasons_column_means_none_finished() -> None:
+    # A worker may leave the column out on a step where nothing finished (the core's
+    # StepReport says the same); any other length is refused.
+    pb = convert.report_to_proto(make_report())
+    del pb.finish_reasons[:]
+    back = convert.report_from_proto(pb)
+    assert len(back.finish_reasons) == 0 and len(back.handles) > 0

@@ -282,10 +282,11 @@ class Scheduler:
                 if self.running:
                     self._decay_reserve()
         # Preempts and aborts go first in the message: their blocks may be reused below.
-        if self._pending_preempts and (tasks.extensions or tasks.chunks):
+        if (self._pending_preempts or self._pending_aborts) and (tasks.extensions or tasks.chunks):
             # A request extended or given a chunk earlier in this step may have been preempted
-            # later in it (priority preemption): drop its tasks, their blocks may be reused.
-            gone = set(self._pending_preempts)
+            # (priority preemption) or ended (a lone request out of room) later in it: drop its
+            # tasks, their blocks may be reused.
+            gone = {*self._pending_preempts, *self._pending_aborts}
             tasks.extensions = [e for e in tasks.extensions if e.handle not in gone]
             tasks.chunks = [c for c in tasks.chunks if c.handle not in gone]
         tasks.preempts, self._pending_preempts = self._pending_preempts, []
@@ -719,8 +720,11 @@ class Scheduler:
         for h in list(report.paused):
             req = live.get(int(h))
             if req is not None and req.status == RequestStatus.RUNNING and req.is_prefill_done:
-                self.needs_blocks[req.req_id] = req
                 events.out_of_blocks.append(req)
+                # Its table already reaches past what the worker wrote: an extension is on its
+                # way (queued or in flight) and resumes the slot; another would be waste.
+                if len(req.block_ids) * self.block_size <= req.num_reported_tokens:
+                    self.needs_blocks[req.req_id] = req
         for h in list(report.acked):
             req = live.get(int(h))
             if req is not None and req.status == RequestStatus.PREEMPTED:
@@ -870,16 +874,20 @@ class Scheduler:
             self.requests.pop(req.req_id, None)
             self.events.handed_off.append(req)
             return
+        if self._prefill_role:
+            self._set_check_at(req)  # its first token is a hand-off: it never decodes here
+            return
         if req.num_computed_tokens >= req.num_prefill_tokens:  # prefill done: decoding
             if capacity - len(req.prompt_token_ids) - n_out <= self._threshold + self._spec_k:
                 # Room is low: extend it now (sent with the next Tasks) if the pool has the
                 # blocks; else the next schedule() makes room (or preempts), and until then it
-                # needs a visit only at max_tokens (or when its ring fills).
+                # needs a visit only for its first token, at max_tokens, or when its ring fills.
                 new = None if self.paused else self._grow(req)
                 if new is None:
                     self.needs_blocks[req.req_id] = req
-                    self.slots.set_check(req, req.sampling.max_tokens)
+                    self.slots.set_check(req, req.sampling.max_tokens if n_out else 1)
                     return
+                self.needs_blocks.pop(req.req_id, None)  # (an earlier visit found it dry)
                 if new:
                     self._extended.append(Extension(req.handle, new))
             self._set_check_at(req)
@@ -920,9 +928,12 @@ class Scheduler:
                 fin = None
             elif not 0 <= int(fin.min()) <= int(fin.max()) <= FinishReason.ERROR:
                 raise ProtocolError("report has an unknown finish reason")
-        toks = np.asarray(report.token_ids, dtype=np.int64)
-        h = np.asarray(report.handles, dtype=np.int64)
-        nums = np.asarray(report.num_new_tokens, dtype=np.int64)
+        try:
+            toks = np.asarray(report.token_ids, dtype=np.int64)
+            h = np.asarray(report.handles, dtype=np.int64)
+            nums = np.asarray(report.num_new_tokens, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"report columns must be 64-bit integers: {exc}") from None
         cols = _Columns(h, h & self.slots.mask, toks)
         if n:
             # The common report (every row one token, every handle on its slot) is recognised
@@ -943,6 +954,10 @@ class Scheduler:
             # A handle on its slot was issued; only the others need the range check.
             on_slot = self.slots.handle[cols.s]
             if on_slot.tobytes() == h.tobytes():
+                # An empty slot holds -1: a row naming -1 (or any handle below the first one
+                # issued) would match it.
+                if int(h.min()) < self.first_handle:
+                    self._check_handles(h)  # raises
                 cols.all_match = True
             else:
                 cols.match = match = on_slot == h
@@ -951,11 +966,15 @@ class Scheduler:
             raise ProtocolError("report token_ids length != sum(num_new_tokens)")
         for col in (report.acked, report.paused, report.failed):
             if len(col):
-                self._check_handles(np.asarray(col, dtype=np.int64))
+                self._check_handles(col)
         cols.fins = fin
         return cols
 
-    def _check_handles(self, handles: np.ndarray) -> None:
+    def _check_handles(self, handles: Any) -> None:
+        try:
+            handles = np.asarray(handles, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):
+            raise ProtocolError("report names a handle that is not a 64-bit integer") from None
         if len(handles) and (
             int(handles.min()) < self.first_handle or int(handles.max()) >= self.next_handle
         ):

@@ -305,8 +305,8 @@ def report_from_proto(pb: worker_service_pb2.StepReport) -> core.StepReport:
     finish_reasons = (
         np.array(pb.finish_reasons, dtype=np.int64) if len(pb.finish_reasons) else _EMPTY
     )
-    if len(num_computed) != n or len(num_new_tokens) != n or len(finish_reasons) != n:
-        _check_parallel(
+    if len(num_computed) != n or len(num_new_tokens) != n or len(finish_reasons) not in (0, n):
+        _check_parallel(  # (finish_reasons may also be empty: nothing finished)
             "StepReport",
             handles=handles,
             num_computed=num_computed,

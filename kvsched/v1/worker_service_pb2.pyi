@@ -533,7 +533,9 @@ class StepReport(_message.Message):
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def finish_reasons(self) -> _containers.RepeatedScalarFieldContainer[_common_pb2.FinishReason.ValueType]:
-        """UNSPECIFIED: still running; otherwise the worker stopped handles[i] for that reason."""
+        """UNSPECIFIED: still running; otherwise the worker stopped handles[i] for that reason.
+        One per handle, or empty when no handle finished this step.
+        """
 
     @_builtins.property
     def acked(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

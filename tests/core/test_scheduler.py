@@ -626,6 +626,8 @@ def _decoding(n: int = 2):
         (dict(finish_reasons=[0, 9]), "unknown finish reason"),
         (dict(finish_reasons=[0]), "finish_reasons must be empty or one per handle"),
         (dict(handles="unissued"), "never issued"),
+        (dict(handles="minus_one"), "never issued"),  # -1 is what an empty slot holds
+        (dict(paused=[2**64 - 1]), "not a 64-bit integer"),
         (dict(step="same"), "steps must increase"),
         (dict(applied_seq=99), "applied tasks 99"),
     ],
@@ -644,6 +646,8 @@ def test_a_report_that_breaks_the_protocol_is_refused_and_changes_nothing(
     fields = dict(change)
     if fields.get("handles") == "unissued":
         fields["handles"] = [reqs[0].handle, s.next_handle + 64]
+    if fields.get("handles") == "minus_one":
+        fields["handles"] = [reqs[0].handle, -1]
     if fields.get("step") == "same":
         fields["step"] = s.last_report_step
     bad = dataclasses.replace(good, **fields)
@@ -671,4 +675,99 @@ def test_a_finish_reason_in_a_column_of_zeros_finishes_only_that_request(as_arra
     ev = s.apply_report(rep)
     assert ev.finished == [b] and b.finish_reason == FinishReason.STOP
     assert a.status == RequestStatus.RUNNING and a.output_token_ids[-1] == 5
+    s.check_integrity()
+
+
+def test_a_slot_paused_while_its_extension_is_on_the_way_gets_no_second_one() -> None:
+    # A merged report visits the request (room low: extended at once), and the same report
+    # says its slot paused (the worker filled it before the extension arrived). One extension
+    # must go out; with a pool that holds exactly one more, a second would end the request.
+    from kvsched.core import StepReport
+
+    s = make_scheduler(block_size=16, prealloc_blocks=2, prealloc_threshold=0, num_gpu_blocks=4)
+    r = make_request(20, max_tokens=100)
+    s.add_request(r)
+    step(s)
+    while r.num_output_tokens < 11:
+        assert not s.schedule().extensions
+        s.apply_report(report(s, [(r.handle, r.num_tokens, [7])]))
+    s.schedule()
+    h = r.handle
+    s.apply_report(
+        StepReport(
+            step=s.last_report_step + 1,
+            applied_seq=s.last_tasks_seq,
+            handles=[h, h],
+            num_computed=[r.num_tokens, r.num_tokens + 1],
+            num_new_tokens=[1, 1],
+            token_ids=[7, 7],
+            paused=[h],
+        )
+    )
+    tasks = s.schedule()
+    assert [(e.handle, len(e.block_ids)) for e in tasks.extensions] == [(h, 2)]
+    assert not tasks.aborts and r.status == RequestStatus.RUNNING
+    s.check_integrity()
+
+
+def test_a_request_extended_by_a_later_report_is_not_extended_again() -> None:
+    # Two reports before one schedule(): at the first the pool is dry (the request waits for
+    # blocks), at the second another request's finish freed some and the visit extends it.
+    s = make_scheduler(
+        block_size=16,
+        prealloc_blocks=2,
+        prealloc_threshold=4,
+        num_gpu_blocks=6,
+        num_speculative_tokens=2,
+    )
+    a, b = make_request(20, max_tokens=200), make_request(20, max_tokens=3)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)
+    s.schedule()
+    for _ in range(50):
+        s.apply_report(report(s, [(a.handle, a.num_tokens + 2, [7, 7, 7])]))
+        if a.req_id in s.needs_blocks:
+            break
+        s.schedule()
+    assert a.req_id in s.needs_blocks and s.kv.num_free_blocks < 3
+    rows = [(a.handle, a.num_tokens + 2, [7, 7, 7]), (b.handle, b.num_tokens, [7])]
+    s.apply_report(report(s, rows, finish={b.handle: 1}))
+    blocks = len(a.block_ids)
+    tasks = s.schedule()
+    assert sum(len(e.block_ids) for e in tasks.extensions if e.handle == a.handle) <= blocks
+    assert len(a.block_ids) == blocks, "extended once"
+    assert not tasks.aborts and not tasks.preempts and a.status == RequestStatus.RUNNING
+    s.check_integrity()
+
+
+@pytest.mark.parametrize("role", ["mixed", "prefill"])
+def test_the_first_token_is_seen_when_the_pool_is_dry_at_a_chunk_visit(role: str) -> None:
+    # Pipelined prefill chunks: a chunk's row arrives when the room is already low and the
+    # pool dry (the request waits for blocks); the first token arrives before the next
+    # schedule(). It must still be a first-token event (and, on a prefill instance, a hand-off).
+    s = make_scheduler(
+        block_size=16,
+        prealloc_threshold=2,
+        num_gpu_blocks=4,
+        max_num_batched_tokens=16,
+        role=role,
+    )
+    s._threshold = 12  # as after a measured round trip of 12 worker steps
+    r, d = make_request(40, max_tokens=20), make_request(8, max_tokens=20)
+    if role == "prefill":
+        r.kv_target = d.kv_target = ("d0", 99, [0, 1, 2, 3])
+    s.add_request(r)
+    for _ in range(3):
+        s.schedule()  # r's three chunks in flight
+    s.add_request(d)
+    s.schedule()  # d takes the last blocks
+    assert s.kv.num_free_blocks == 0
+    h = r.handle
+    s.apply_report(report(s, [(h, 16, [])]))
+    s.apply_report(report(s, [(h, 32, [])]))
+    ev = s.apply_report(report(s, [(h, 40, [5])]))
+    assert ev.first_token == [r] and r.first_token_time >= 0
+    if role == "prefill":
+        assert ev.handed_off == [r]
     s.check_integrity()

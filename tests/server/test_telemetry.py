@@ -616,3 +616,21 @@ def test_spans_of_finished_and_open_requests_are_exported_at_shutdown(
     assert names[:4] == ["queued", "scheduled", "first_token", "instance_lost"]
     assert names[-1] in ("finished", "daemon_shutdown") and len(names) == 5
     assert span.parent_span_id == (PARENT_ID + 99).to_bytes(8, "big")
+
+
+def test_a_pending_span_builds_every_field_the_installed_sdk_gives_a_readable_span() -> None:
+    # PendingSpan makes ReadableSpan's fields itself (lazily, off the event loop); an SDK
+    # release that adds one would otherwise fail inside the exporter, dropping whole batches.
+    # The batch queue's `emit` it calls directly must still be there (else it falls back to
+    # on_end, which is correct but builds the span on the loop).
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    from kvsched.server import tracing as tracing_mod
+
+    assert set(vars(ReadableSpan(name="probe"))) == set(tracing_mod._SPAN_FIELDS)
+    processor = BatchSpanProcessor(InMemorySpanExporter())
+    try:
+        sink = tracing_mod._enqueue(processor)
+        assert getattr(sink, "__self__", None) is not processor, "fell back to on_end"
+    finally:
+        processor.shutdown()
