@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import threading
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
@@ -119,6 +120,8 @@ def verdict(msg: rpb.GenerateRequest, live_ids: set[str]) -> Verdict:
         return Verdict("max_model_len")
     if min(prompt) < 0:
         return Verdict("token ids must be in [0, 2^31)")
+    if not (math.isfinite(sp.temperature) and math.isfinite(top_p)):
+        return Verdict("temperature and top_p must be finite numbers")  # NaN, inf (float32)
     if sp.temperature < 0 or not 0 < top_p <= 1 or sp.top_k < 0:
         return Verdict("temperature >= 0, 0 < top_p <= 1, top_k >= 0")
     for r in msg.mm_ranges:
