@@ -148,6 +148,7 @@ class InstanceEngine:
         # Deliver what the scheduler already produced, then move its live requests elsewhere:
         # none of this instance's blocks is used again until its workers register anew.
         self.dispatch(sched.take_events())
+        self._deliver = TokenDelivery()  # let go of the lost scheduler's last batch
         for req in list(sched.requests.values()):
             self.daemon.requeue_lost(req, f"instance {self.instance_id} lost: {reason}")
 
