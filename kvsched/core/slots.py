@@ -101,10 +101,7 @@ class SlotTable:
         n = int(self.n_out[s])
         if start < n - RING or end > n or start >= end or start < int(self.ring_from[s]):
             return None
-        a, b = start & (RING - 1), end & (RING - 1)
-        row: np.ndarray = self.ring[s]
-        data: bytes = row[a:b].tobytes() if a < b else row[a:].tobytes() + row[:b].tobytes()
-        return data
+        return b"".join([part.tobytes() for part in self._stretches(s, start, end)])
 
     def _stretches(self, s: int, start: int, end: int) -> tuple[np.ndarray, ...]:
         """Ring slot s's tokens for output positions [start, end) (0 < end - start <= RING):

@@ -294,8 +294,3 @@ class TokenDelivery:
                 g[0].append(i)
                 g[1].append(tr)
         self._groups = [(sink, rows, g_trs) for sink, (rows, g_trs) in by_sink.items()]
-
-
-def deliver_tokens(deltas: list[Any]) -> None:
-    """TokenDelivery without memory between calls (tests, one-off use)."""
-    TokenDelivery()(deltas)

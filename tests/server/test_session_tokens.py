@@ -9,7 +9,7 @@ import numpy as np
 
 from kvsched.core import Request
 from kvsched.server.daemon import Tracked
-from kvsched.server.engine import TokenDelivery, deliver_tokens
+from kvsched.server.engine import TokenDelivery
 from kvsched.server.frontend import SessionSink, _token_columns
 
 
@@ -35,7 +35,7 @@ def test_deltas_of_several_reports_name_each_request_once_in_order() -> None:
     assert _token_columns(chunks) == (["a", "b", "c"], [2, 3, 1], [1, 5, 2, 3, 4, 6])
 
 
-def test_deliver_tokens_splits_a_step_between_sessions_and_skips_untracked() -> None:
+def test_token_delivery_splits_a_step_between_sessions_and_skips_untracked() -> None:
     async def go() -> None:
         s1, s2 = SessionSink(), SessionSink()
         a, b, c = tracked("a", s1), tracked("b", s2), tracked("c", s1)
@@ -45,7 +45,7 @@ def test_deliver_tokens_splits_a_step_between_sessions_and_skips_untracked() -> 
             (table, np.array([0, 1, 2, 3]), np.array([10, 11, 12, 13])),
             (b.req, None, [14, 15]),
         ]
-        deliver_tokens(deltas)
+        TokenDelivery()(deltas)
         assert _token_columns(s1.chunks) == (["a", "c"], [1, 1], [10, 13])
         assert _token_columns(s2.chunks) == (["b"], [3], [12, 14, 15])
         assert s1.event.is_set() and s1.pending_since is not None
@@ -54,7 +54,7 @@ def test_deliver_tokens_splits_a_step_between_sessions_and_skips_untracked() -> 
 
 
 def test_rounds_of_a_merged_report_join_per_request() -> None:
-    """The rounds of a merged report share one `trs` list (deliver_tokens looks them up once):
+    """The rounds of a merged report share one `trs` list (TokenDelivery looks them up once):
     each request still appears once, with its tokens in step order."""
     a, b = tracked("a", None), tracked("b", None)
     trs = [a, b]
@@ -62,13 +62,13 @@ def test_rounds_of_a_merged_report_join_per_request() -> None:
     assert _token_columns(chunks) == (["a", "b"], [3, 3], [1, 3, 5, 2, 4, 6])  # type: ignore[arg-type]
 
 
-def test_deliver_tokens_reuses_lookups_across_rounds_but_not_across_occupants() -> None:
+def test_token_delivery_reuses_lookups_across_rounds_but_not_across_occupants() -> None:
     async def go() -> None:
         sink = SessionSink()
         a, b, c = tracked("a", sink), tracked("b", sink), tracked("c", sink)
         before = [a.req, b.req]
         after = [c.req, b.req]  # slot 0 changed hands between the rounds
-        deliver_tokens(
+        TokenDelivery()(
             [
                 (before, np.array([0, 1]), np.array([1, 2])),
                 (before, np.array([0, 1]), np.array([3, 4])),  # the core's same snapshot
