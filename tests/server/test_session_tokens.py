@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 
 from kvsched.core import Request
-from kvsched.server.daemon import Tracked
+from kvsched.server.request_table import Tracked
 from kvsched.server.engine import TokenDelivery
 from kvsched.server.frontend import SessionSink, _token_columns
 
