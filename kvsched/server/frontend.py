@@ -45,9 +45,7 @@ class StreamSink:
             self.pending_since = time.monotonic()
         self.event.set()
 
-    def add_tokens(
-        self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /
-    ) -> None:
+    def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /) -> None:
         """News only: the tokens are in the request already (see the `Sink` contract)."""
         self.notify(trs[0])
 
@@ -77,9 +75,7 @@ class SessionSink:
         self.dirty[tr.req.req_id] = tr
         self.event.set()
 
-    def add_tokens(
-        self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /
-    ) -> None:
+    def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /) -> None:
         if self.pending_since is None:
             self.pending_since = time.monotonic()
         self.chunks.append((trs, counts, toks))

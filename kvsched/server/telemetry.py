@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvsched.server.metrics import Metrics
-from kvsched.server.tracing import Tracing, make_tracing
+from kvsched.server.tracing import Tracing
+from kvsched.server.tracing_setup import make_tracing
 
 
 class Telemetry:
