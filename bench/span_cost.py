@@ -3,7 +3,7 @@
     python -m bench.span_cost [--spans 512] [--rounds 20] [--json bench/results/span_cost.json]
 
 Encodes batches of `--spans` spans shaped like the daemon's (one SERVER span per request: the
-attributes the daemon sets (`kvsched.server.tracing._build`), the events queued, scheduled, first_token, finished, one
+attributes the daemon sets (`kvsched.server.spans._build`), the events queued, scheduled, first_token, finished, one
 resource, one scope; every eighth span has a remote parent, a preemption and an error status)
 with `opentelemetry.exporter.otlp.proto.common.trace_encoder.encode_spans` (what the library's
 OTLPSpanExporter runs on its batch thread, then SerializeToString in the gRPC stub) and with
@@ -40,7 +40,8 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from bench.transport import last_match, machine, spawn
 from kvsched.core import Events, FinishReason, Request, SamplingParams
 from kvsched.server.otlp import KvschedSpanExporter, SpanEncoder
-from kvsched.server.tracing import RequestEvents, RequestSpan, Tracing
+from kvsched.server.spans import RequestEvents, RequestSpan
+from kvsched.server.tracing import Tracing
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "span_cost.json"
 

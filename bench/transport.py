@@ -427,9 +427,9 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
 
     from bench.core_step import Worker, build, warm_up
     from kvsched.server import convert
-    from kvsched.server.daemon import Tracked
     from kvsched.server.engine import TokenDelivery
     from kvsched.server.frontend import RequestServicer, SessionSink
+    from kvsched.server.request_table import Tracked
     from kvsched.v1 import worker_service_pb2 as wpb
 
     sched = build(running, 0, seed=1)
@@ -440,7 +440,7 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
     for req in sched.requests.values():
         req.tag = daemon.tracked[req.req_id] = Tracked(req, engine, sink)  # type: ignore[arg-type]
         req.tag.sent = len(req.output_token_ids)
-    servicer = RequestServicer(daemon)  # type: ignore[arg-type]
+    servicer = RequestServicer(daemon, 0)  # type: ignore[arg-type]
     times: dict[str, list[float]] = {k: [] for k in HOT_STAGES}
     deliver = TokenDelivery()  # as the engine holds one
     tasks = sched.schedule()

@@ -140,7 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
     }
     config = load_config(args.config, os.environ, overrides)
     setup_logging(config.log_level, config.log_json)
-    from kvsched.server.daemon import run_server
+    from kvsched.server.app import run_server
 
     return run_server(config)
 

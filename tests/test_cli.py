@@ -98,7 +98,7 @@ def test_serve_builds_config_and_runs_the_daemon(
         seen.append(config)
         return 0
 
-    fake_module(monkeypatch, "kvsched.server.daemon", run_server=run_server)
+    fake_module(monkeypatch, "kvsched.server.app", run_server=run_server)
     path = tmp_path / "k.toml"
     path.write_text(
         'listen = "127.0.0.1:1"\nmodel = "toml"\n[engine.scheduler]\nmax_num_seqs = 8\n'
@@ -117,7 +117,7 @@ def test_serve_builds_config_and_runs_the_daemon(
 
 
 def test_serve_returns_the_daemon_status(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_module(monkeypatch, "kvsched.server.daemon", run_server=lambda config: 3)
+    fake_module(monkeypatch, "kvsched.server.app", run_server=lambda config: 3)
     assert cli.main(["serve", "--metrics-listen", "off"]) == 3
 
 

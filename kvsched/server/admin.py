@@ -7,8 +7,9 @@ from collections.abc import Callable
 import grpc
 
 from kvsched.server import convert
-from kvsched.server.daemon import Daemon
 from kvsched.server.engine import InstanceEngine
+from kvsched.server.registry import InstanceRegistry
+from kvsched.server.request_table import RequestTable
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc
 
@@ -43,14 +44,18 @@ def instance_status(eng: InstanceEngine) -> apb.InstanceStatus:
 
 
 class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    """Reads and steers the instances of `registry`; `requests` tells whether the daemon
+    drains."""
+
+    def __init__(self, registry: InstanceRegistry, requests: RequestTable) -> None:
+        self.registry = registry
+        self.requests = requests
 
     async def GetStatus(
         self, request: apb.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> apb.GetStatusResponse:
-        engines = self.daemon.select(request.instance_id)
-        out = apb.GetStatusResponse(draining=self.daemon.draining, paused=self.daemon.paused)
+        engines = self.registry.select(request.instance_id)
+        out = apb.GetStatusResponse(draining=self.requests.draining, paused=self.registry.paused)
         for eng in engines:
             st = instance_status(eng)
             out.instances.append(st)
@@ -60,7 +65,7 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
 
     def _each(self, instance_id: str, action: Callable[[InstanceEngine], object]) -> list[str]:
         """Apply `action` to the named instance (all when empty), wake it, return the ids."""
-        engines = self.daemon.select(instance_id)
+        engines = self.registry.select(instance_id)
         for eng in engines:
             action(eng)
             eng.wake()
@@ -69,36 +74,26 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
     async def Drain(
         self, request: apb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> apb.DrainResponse:
-        return apb.DrainResponse(instance_ids=self._each(request.instance_id, _drain))
+        return apb.DrainResponse(instance_ids=self._each(request.instance_id, InstanceEngine.drain))
 
     async def Pause(
         self, request: apb.PauseRequest, context: grpc.aio.ServicerContext
     ) -> apb.PauseResponse:
-        ids = self._each(request.instance_id, lambda e: e.sched and e.sched.pause())
+        ids = self._each(request.instance_id, InstanceEngine.pause)
         if not request.instance_id:
-            self.daemon.paused = True
+            self.registry.paused = True
         return apb.PauseResponse(instance_ids=ids)
 
     async def Resume(
         self, request: apb.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> apb.ResumeResponse:
-        ids = self._each(request.instance_id, _resume)
+        ids = self._each(request.instance_id, InstanceEngine.resume)
         if not request.instance_id:
-            self.daemon.paused = False
+            self.registry.paused = False
         return apb.ResumeResponse(instance_ids=ids)
 
     async def ResetPrefixCache(
         self, request: apb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
     ) -> apb.ResetPrefixCacheResponse:
-        ids = self._each(request.instance_id, lambda e: e.sched and e.sched.reset_prefix_cache())
+        ids = self._each(request.instance_id, InstanceEngine.reset_prefix_cache)
         return apb.ResetPrefixCacheResponse(instance_ids=ids)
-
-
-def _drain(eng: InstanceEngine) -> None:
-    eng.draining = True
-
-
-def _resume(eng: InstanceEngine) -> None:
-    eng.draining = False
-    if eng.sched is not None:
-        eng.sched.resume()

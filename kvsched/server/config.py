@@ -1,4 +1,4 @@
-"""The daemon's configuration: one typed, validated object (STYLE rule 10).
+"""The daemon's configuration: one typed, validated object, from file, environment and flags.
 
 Sources, later wins:
 

@@ -1,5 +1,9 @@
 """One instance's engine loop: owns its Scheduler, talks to its worker ranks.
 
+The engine is the only module above `kvsched.core` that touches a Scheduler: the layers above
+call the methods below (add_request, preallocate, abort, add_prefilled, pause / resume, ...) and
+hear back through an `EngineListener` (the request table). It imports nothing above it.
+
     worker rank 0 --StepReport--> reports ─┐
     front ends --add/abort (direct calls)--├─> wake ─> loop: apply_report* ─> schedule() ─> Tasks
                                                                     │                     │
@@ -19,14 +23,24 @@ import copy
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvsched.core import ConfigError, EngineConfig, ProtocolError, Role, Scheduler, Unavailable
+from kvsched.core import (
+    ConfigError,
+    EngineConfig,
+    FinishReason,
+    ProtocolError,
+    Request,
+    Role,
+    Router,
+    Scheduler,
+    Unavailable,
+)
 from kvsched.core.protocol import StepReport
 from kvsched.server import convert
 
 if TYPE_CHECKING:
-    from kvsched.server.daemon import Daemon
+    from kvsched.server.telemetry import Telemetry
 
 log = logging.getLogger("kvsched.engine")
 
@@ -46,15 +60,35 @@ class RankConn:
     closed: bool = False
 
 
+class EngineListener(Protocol):
+    """What an engine reports upwards, synchronously from its loop or from `attach` /
+    `take_out` (implemented by the request table; the engine knows no more of it than this)."""
+
+    def on_instance_ready(self, eng: InstanceEngine) -> None:
+        """The instance's last rank registered: it takes requests now."""
+
+    def on_handed_off(self, eng: InstanceEngine, req: Request) -> None:
+        """A prefill instance finished `req`'s prefill and pushed its KV: it moves to its
+        decode reservation."""
+
+    def on_finished(self, eng: InstanceEngine, req: Request) -> None:
+        """`req` reached a finished state (it may be a stale copy or a decode reservation)."""
+
+    def requeue_lost(self, req: Request, reason: str) -> None:
+        """`req` was live on an instance that was lost (`reason`)."""
+
+
 class InstanceEngine:
     def __init__(
         self,
-        daemon: Daemon,
+        listener: EngineListener,
+        telemetry: Telemetry,
         instance_id: str,
         engine_config: EngineConfig,
         world_size: int = 1,
     ) -> None:
-        self.daemon = daemon
+        self.listener = listener
+        self.telemetry = telemetry
         self.instance_id = instance_id
         self.engine_config = engine_config
         self.role = engine_config.role
@@ -103,7 +137,7 @@ class InstanceEngine:
             self._start([*self.ranks.values(), conn])  # may raise: then nothing is registered
         self.ranks[conn.rank] = conn
         if self.sched is not None:
-            self.daemon.on_instance_ready(self)
+            self.listener.on_instance_ready(self)
             self.wake()
 
     def _start(self, conns: list[RankConn]) -> None:
@@ -150,7 +184,7 @@ class InstanceEngine:
         self.dispatch(sched.take_events())
         self._deliver = TokenDelivery()  # let go of the lost scheduler's last batch
         for req in list(sched.requests.values()):
-            self.daemon.requeue_lost(req, f"instance {self.instance_id} lost: {reason}")
+            self.listener.requeue_lost(req, f"instance {self.instance_id} lost: {reason}")
 
     def detach(self, conn: RankConn, reason: str) -> None:
         if self.ranks.get(conn.rank) is conn:
@@ -182,7 +216,7 @@ class InstanceEngine:
             return
         reports, self.reports = self.reports, []
         try:
-            telemetry = self.daemon.telemetry
+            telemetry = self.telemetry
             for report in reports:
                 self.dispatch(sched.apply_report(report))
                 telemetry.report_applied(self, report)
@@ -191,7 +225,7 @@ class InstanceEngine:
             return
         t0 = time.perf_counter()
         tasks = sched.schedule()
-        self.daemon.telemetry.scheduler_step(self.instance_id, time.perf_counter() - t0)
+        self.telemetry.scheduler_step(self.instance_id, time.perf_counter() - t0)
         self.dispatch(sched.take_events())
         # Reports applied are always answered (Tasks.report_step), even with nothing to do:
         # the worker paces its reports by these answers.
@@ -201,16 +235,66 @@ class InstanceEngine:
                 conn.queue.put_nowait(data)
 
     def dispatch(self, ev: Any) -> None:
-        """Route a batch of core Events to the requests' sinks and the daemon."""
+        """Route a batch of core Events to the requests' sinks and the listener."""
         if ev.tokens:
             self._deliver(ev.tokens)
-        daemon = self.daemon
+        listener = self.listener
         if ev.scheduled or ev.first_token or ev.preempted or ev.requeued:
-            daemon.telemetry.lifecycle(self, ev)
+            self.telemetry.lifecycle(self, ev)
         for req in ev.handed_off:
-            daemon.on_handed_off(self, req)
+            listener.on_handed_off(self, req)
         for req in ev.finished:
-            daemon.on_finished(self, req)
+            listener.on_finished(self, req)
+
+    # ---- requests (the scheduler's, for the layers above) ------------------------------------
+    # Core calls are synchronous: a caller on the event loop may make them between two steps.
+    # The caller wakes the loop (`wake`) when the step should see the change.
+    def add_request(self, req: Request) -> None:
+        """Queue a new (or a lost instance's) request; raises the core's typed errors."""
+        assert self.sched is not None
+        self.sched.add_request(req)
+
+    def holds(self, req: Request) -> bool:
+        """Whether this instance's scheduler holds this very Request object."""
+        sched = self.sched
+        return sched is not None and sched.requests.get(req.req_id) is req
+
+    def abort(self, req_id: str, reason: FinishReason, message: str) -> None:
+        """End a request the scheduler holds; RequestNotFound when it holds none by that id."""
+        assert self.sched is not None
+        self.sched.abort(req_id, reason, message)
+
+    def preallocate(self, req: Request) -> tuple[int, list[int]] | None:
+        """Decode role: reserve a slot and blocks for `req`'s hand-off (None: no room now)."""
+        assert self.sched is not None
+        return self.sched.preallocate(req)
+
+    def add_prefilled(
+        self, req_id: str, output_token_ids: list[int], num_cached_tokens: int
+    ) -> Request:
+        """Decode role: the request prefilled elsewhere takes its reservation; RequestNotFound
+        when the reservation is gone."""
+        assert self.sched is not None
+        return self.sched.add_prefilled(req_id, output_token_ids, num_cached_tokens)
+
+    # ---- admin ------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Take no new requests; the running ones finish."""
+        self.draining = True
+
+    def pause(self) -> None:
+        if self.sched is not None:
+            self.sched.pause()
+
+    def resume(self) -> None:
+        """Lift a drain and a pause."""
+        self.draining = False
+        if self.sched is not None:
+            self.sched.resume()
+
+    def reset_prefix_cache(self) -> None:
+        if self.sched is not None:
+            self.sched.reset_prefix_cache()
 
     # ---- status -----------------------------------------------------------------------------
     def steps_per_s(self) -> float:
@@ -226,6 +310,19 @@ class InstanceEngine:
     @property
     def is_decode(self) -> bool:
         return self.role == Role.DECODE
+
+
+def route(router: Router, engines: list[InstanceEngine], req: Request) -> InstanceEngine:
+    """The engine `router` places a new request on, among ready, accepting `engines`."""
+    if len(engines) == 1:
+        return engines[0]
+    return engines[router.pick([e.sched for e in engines], req)]  # type: ignore[misc]
+
+
+def route_decode(router: Router, engines: list[InstanceEngine]) -> InstanceEngine:
+    """The decode engine `router` reserves a hand-off on, among ready, accepting `engines`."""
+    idx = router.pick_decode([e.sched for e in engines])  # type: ignore[misc]
+    return engines[idx or 0]
 
 
 class TokenDelivery:

@@ -1,4 +1,4 @@
-"""Typed errors -> gRPC status codes, in one place (DESIGN section 4, STYLE rule 3).
+"""Typed errors -> gRPC status codes, in one place (the codes: protos/kvsched/v1/*.proto).
 
 Servicers raise the typed errors of `kvsched.core.errors` (or the two below); `ErrorInterceptor`
 turns whatever escapes a handler into a status with an actionable message, for unary and

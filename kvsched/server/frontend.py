@@ -19,8 +19,8 @@ import numpy as np
 from kvsched.core import KvschedError
 from kvsched.server import convert
 from kvsched.server.auth import current_principal
-from kvsched.server.daemon import Daemon, Tracked
 from kvsched.server.errors import status_for
+from kvsched.server.request_table import RequestTable, Tracked
 from kvsched.v1 import request_service_pb2 as pb
 from kvsched.v1 import request_service_pb2_grpc
 
@@ -29,7 +29,8 @@ log = logging.getLogger("kvsched.frontend")
 
 class StreamSink:
     """One Generate stream. `pending_since` is when it last had news its client has not
-    been sent; the daemon's watchdog cuts streams that stall past stall_timeout_s."""
+    been sent; the daemon's watchdog cuts streams that stall past stall_timeout_s. It keeps
+    no tokens: the stream sends its request's `output_token_ids` past `Tracked.sent`."""
 
     __slots__ = ("event", "pending_since", "stalled", "task")
 
@@ -44,8 +45,9 @@ class StreamSink:
             self.pending_since = time.monotonic()
         self.event.set()
 
-    def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int]) -> None:
-        self.notify(trs[0])  # the stream reads its request's tokens itself (Tracked.sent)
+    def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /) -> None:
+        """News only: the tokens are in the request already (see the `Sink` contract)."""
+        self.notify(trs[0])
 
 
 class SessionSink:
@@ -73,7 +75,7 @@ class SessionSink:
         self.dirty[tr.req.req_id] = tr
         self.event.set()
 
-    def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int]) -> None:
+    def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /) -> None:
         if self.pending_since is None:
             self.pending_since = time.monotonic()
         self.chunks.append((trs, counts, toks))
@@ -91,14 +93,17 @@ def principal(context: Any) -> str:
 
 
 class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    """Accepts requests into the request table and streams their outputs back."""
+
+    def __init__(self, requests: RequestTable, max_session_requests: int) -> None:
+        self.requests = requests
+        self.max_session_requests = max_session_requests
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         sink = StreamSink()
-        tr = self.daemon.submit(
+        tr = self.requests.submit(
             request,
             sink,
             owner=principal(context),
@@ -106,7 +111,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             deadline_s=context.time_remaining(),
         )
         done = False
-        self.daemon.streams.add(sink)
+        self.requests.streams.add(sink)
         try:
             yield pb.GenerateResponse(
                 queued=pb.GenerateResponse.Queued(
@@ -120,7 +125,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 req = tr.req
                 # Decide "finished" and take the tokens at the same instant: more may arrive
                 # while a yield is suspended.
-                finished = req.is_finished and self.daemon.tracked.get(req.req_id) is not tr
+                finished = tr.finished
                 out = req.output_token_ids
                 n = len(out)
                 if n > tr.sent:
@@ -132,14 +137,14 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     yield pb.GenerateResponse(finished=convert.finished_to_proto(req))
                     return
         finally:
-            self.daemon.streams.discard(sink)
+            self.requests.streams.discard(sink)
             if not done and not tr.detachable:
-                self.daemon.abort_tracked(tr, sink_close_reason(sink))
+                self.requests.abort_tracked(tr, sink_close_reason(sink))
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        self.daemon.abort(request.request_id, owner=principal(context) or None)
+        self.requests.abort(request.request_id, owner=principal(context) or None)
         return pb.AbortResponse()
 
     async def Session(
@@ -153,7 +158,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         reader = asyncio.get_running_loop().create_task(
             self._read_session(request_iterator, sink, owner, carrier)
         )
-        self.daemon.streams.add(sink)
+        self.requests.streams.add(sink)
         try:
             while True:
                 await sink.event.wait()
@@ -170,12 +175,12 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 ):
                     return
         finally:
-            self.daemon.streams.discard(sink)
+            self.requests.streams.discard(sink)
             reader.cancel()
             why = sink_close_reason(sink)
             for tr in list(sink.open.values()):
                 if not tr.detachable:
-                    self.daemon.abort_tracked(tr, why)
+                    self.requests.abort_tracked(tr, why)
 
     async def _read_session(
         self,
@@ -184,7 +189,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         owner: str,
         carrier: dict[str, str],
     ) -> None:
-        limit = self.daemon.config.max_session_requests
+        limit = self.max_session_requests
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
@@ -201,7 +206,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                             )
                         )
                     else:
-                        self.daemon.abort_tracked(tr, "aborted by client")
+                        self.requests.abort_tracked(tr, "aborted by client")
                 else:
                     sink.errors.append(
                         pb.SessionResponse.Error(
@@ -226,7 +231,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         try:
             if len(sink.open) >= limit:
                 raise_limit(limit)
-            tr = self.daemon.submit(
+            tr = self.requests.submit(
                 submit.request, sink, owner=owner, client_tag=tag, carrier=carrier
             )
         except KvschedError as exc:
@@ -264,11 +269,9 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             out.request_ids.extend(ids)
             out.num_tokens.extend(counts)
             out.token_ids.extend(tokens)
-        tracked = self.daemon.tracked
         for rid, tr in dirty.items():
-            req = tr.req
-            if req.is_finished and tracked.get(rid) is not tr:
-                msg.finished.append(convert.finished_to_proto(req))
+            if tr.finished:
+                msg.finished.append(convert.finished_to_proto(tr.req))
                 sink.open.pop(rid, None)
         if errors:
             msg.errors.extend(errors)

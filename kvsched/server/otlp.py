@@ -34,7 +34,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope as SDKScope
 from opentelemetry.trace import SpanContext, SpanKind
 
-from kvsched.server.tracing import RequestEvents
+from kvsched.server.spans import RequestEvents
 
 log = logging.getLogger("kvsched.tracing")
 

@@ -4,8 +4,8 @@ The base class does nothing. Hooks run on lifecycle events and once per worker r
 token, so a step with 1024 running requests pays O(1) here plus O(events).
 
 `make_telemetry` returns an `Observability`: Prometheus metrics always (`metrics.py`: plain
-counters and scrape-time reads, cheap), request spans when an exporter is chosen (`tracing.py`;
-with none, no SDK provider exists and the span hooks are skipped).
+counters and scrape-time reads, cheap), request spans when an exporter is chosen (`tracing.py`,
+`tracing_setup.py`; with none, no SDK provider exists and the span hooks are skipped).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvsched.server.metrics import Metrics
-from kvsched.server.tracing import Tracing, make_tracing
+from kvsched.server.tracing import Tracing
+from kvsched.server.tracing_setup import make_tracing
 
 
 class Telemetry:
@@ -98,6 +99,8 @@ class Observability(Telemetry):
 
 
 def make_telemetry(config: Any, daemon: Any) -> Telemetry:
-    """Metrics (always) and request tracing (as config and OTEL_* environment choose)."""
+    """Metrics (always) and request tracing (as config and OTEL_* environment choose).
+    `daemon` (the composition root's `Daemon`) is only read once it is built: its `engines`
+    by the metrics (each step, each scrape), its `tracked` requests at shutdown."""
     metrics = Metrics(daemon, config.model)
     return Observability(daemon, metrics, make_tracing(config), config.metrics_listen)

@@ -16,8 +16,8 @@ import grpc
 
 from kvsched.core import ProtocolError
 from kvsched.server import convert
-from kvsched.server.daemon import Daemon
 from kvsched.server.engine import InstanceEngine, RankConn
+from kvsched.server.registry import InstanceRegistry
 from kvsched.v1 import worker_service_pb2 as wpb
 
 log = logging.getLogger("kvsched.workers")
@@ -29,8 +29,8 @@ def _serialize(msg: Any) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
-def worker_service_handler(daemon: Daemon) -> grpc.GenericRpcHandler:
-    servicer = WorkerServicer(daemon)
+def worker_service_handler(registry: InstanceRegistry) -> grpc.GenericRpcHandler:
+    servicer = WorkerServicer(registry)
     return grpc.method_handlers_generic_handler(
         "kvsched.v1.WorkerService",
         {
@@ -44,8 +44,11 @@ def worker_service_handler(daemon: Daemon) -> grpc.GenericRpcHandler:
 
 
 class WorkerServicer:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    """Attaches each worker rank to its instance in `registry`, then relays: Tasks (and peer
+    lists) from the instance's queue out, StepReports in to its engine."""
+
+    def __init__(self, registry: InstanceRegistry) -> None:
+        self.registry = registry
 
     async def Connect(
         self, request_iterator: AsyncIterator[wpb.ConnectRequest], context: grpc.aio.ServicerContext
@@ -66,7 +69,7 @@ class WorkerServicer:
             )
             return
         try:
-            eng, conn = self.daemon.attach_worker(first.hello)
+            eng, conn = self.registry.attach_worker(first.hello)
         except ProtocolError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             return
@@ -74,9 +77,10 @@ class WorkerServicer:
         reader = asyncio.get_running_loop().create_task(self._read(it, eng, conn))
         reason = "worker stream ended"
         try:
-            yield self.daemon.welcome(eng, conn)
-            for peer_msg in self._peers_now(eng):
-                yield peer_msg
+            yield self.registry.welcome(eng, conn)
+            peers = self.registry.peers_message()
+            if peers is not None:
+                yield peers
             while True:
                 item = await conn.queue.get()
                 if item is None:
@@ -100,17 +104,6 @@ class WorkerServicer:
             log.info(
                 "worker disconnected: instance %s rank %d (%s)", eng.instance_id, conn.rank, reason
             )
-
-    def _peers_now(self, eng: InstanceEngine) -> list[bytes]:
-        peers = [p for e in self.daemon.engines.values() for p in e.peers()]
-        if not peers:
-            return []
-        msg = wpb.ConnectResponse(
-            peers=wpb.Peers(
-                peers=[wpb.Peers.Peer(instance_id=i, rank=r, address=a) for i, r, a in peers]
-            )
-        )
-        return [msg.SerializeToString()]
 
     async def _read(
         self, it: AsyncIterator[wpb.ConnectRequest], eng: InstanceEngine, conn: RankConn

@@ -101,7 +101,8 @@ class Verdict:
 
 def verdict(msg: rpb.GenerateRequest, live_ids: set[str]) -> Verdict:
     """What the daemon answers to `msg`: the checks of request_service.proto step 2, in the
-    order kvsched.server.daemon.submit and kvsched.core.scheduler._validate make them."""
+    order RequestTable.submit (kvsched.server.request_table) and
+    kvsched.core.scheduler._validate make them."""
     sp, prompt = msg.sampling, msg.prompt_token_ids
     n = len(prompt)
     max_tokens = effective_max_tokens(sp)

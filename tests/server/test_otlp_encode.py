@@ -23,7 +23,8 @@ from opentelemetry.trace.span import TraceState
 
 from kvsched.core import Events, FinishReason, Request, SamplingParams
 from kvsched.server.otlp import KvschedSpanExporter, SpanEncoder
-from kvsched.server.tracing import MAX_EVENTS, RequestEvents, RequestSpan, Tracing
+from kvsched.server.spans import MAX_EVENTS, RequestEvents, RequestSpan
+from kvsched.server.tracing import Tracing
 
 from .telemetry_harness import OtlpReceiver
 

@@ -1,0 +1,225 @@
+"""The composition root: builds the daemon's parts, wires them, serves, and shuts down.
+
+    config ─> Daemon: telemetry, InstanceRegistry (engines), RequestTable (engine listener)
+           ─> build_server: interceptors (errors, auth), servicers (request, admin, worker),
+              health, reflection ─> bind (TLS when configured) ─> serve: watchdog, signals,
+              drain
+
+Nothing below imports this module: each servicer is given the parts it uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from kvsched.core import ConfigError, Unavailable
+from kvsched.server.admin import AdminServicer
+from kvsched.server.auth import AuthInterceptor, load_auth_file
+from kvsched.server.config import split_host_port
+from kvsched.server.engine import InstanceEngine
+from kvsched.server.errors import ErrorInterceptor
+from kvsched.server.frontend import RequestServicer
+from kvsched.server.registry import InstanceRegistry
+from kvsched.server.request_table import RequestTable, Tracked
+from kvsched.server.telemetry import make_telemetry
+from kvsched.server.workers import worker_service_handler
+from kvsched.v1 import (
+    admin_service_pb2,
+    admin_service_pb2_grpc,
+    request_service_pb2,
+    request_service_pb2_grpc,
+    worker_service_pb2,
+)
+
+if TYPE_CHECKING:
+    from kvsched.server.config import ServerConfig
+
+log = logging.getLogger("kvsched.daemon")
+
+SERVICE_NAMES = (
+    request_service_pb2.DESCRIPTOR.services_by_name["RequestService"].full_name,
+    worker_service_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+    admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    reflection.SERVICE_NAME,
+)
+
+
+class Daemon:
+    """The daemon's parts, wired. Construct inside a running event loop (engines start their
+    loops at once)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        # Metrics read the engines and tracing the live requests through this object, at
+        # scrape / shutdown time; both owners exist by then.
+        self.telemetry = make_telemetry(config, self)
+        self.health = HealthServicer()
+        self.registry = InstanceRegistry(config, self.telemetry)
+        self.requests = RequestTable(config, self.registry, self.telemetry)
+        self.registry.open(self.requests)
+
+    @property
+    def engines(self) -> dict[str, InstanceEngine]:
+        """The instances' engines (owned by the registry)."""
+        return self.registry.engines
+
+    @property
+    def tracked(self) -> dict[str, Tracked]:
+        """The live requests by id (owned by the request table)."""
+        return self.requests.tracked
+
+    async def watch(self) -> None:
+        """Take out instances whose workers went silent; expire orphaned requests, queue
+        timeouts and deadlines; cut streams whose clients stopped reading."""
+        requests, registry = self.requests, self.registry
+        while True:
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            requests.expire(now)
+            requests.cut_stalled(now)
+            registry.take_out_silent(now)
+            if requests.orphans:
+                requests.place_orphans()
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting, let running requests finish within `grace_s`, abort the rest."""
+        requests = self.requests
+        requests.draining = True
+        await self.health.enter_graceful_shutdown()
+        log.info("draining: %d request(s) in flight, grace %.1f s", len(requests.tracked), grace_s)
+        if requests.tracked:
+            try:
+                await asyncio.wait_for(requests.all_done.wait(), grace_s)
+            except TimeoutError:
+                requests.abort_all("daemon shutting down: grace period over")
+                try:
+                    await asyncio.wait_for(requests.all_done.wait(), 5.0)
+                except TimeoutError:
+                    log.error("%d request(s) did not finish after abort", len(requests.tracked))
+
+
+def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
+    mb = config.max_message_bytes
+    options = [
+        ("grpc.max_send_message_length", mb),
+        ("grpc.max_receive_message_length", mb),
+        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.so_reuseport", 0),  # a second daemon on the same port must fail, not share it
+    ]
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
+    auth_file = config.auth_file
+    if auth_file:
+        interceptors.append(AuthInterceptor(load_auth_file(auth_file)))
+    server = grpc.aio.server(interceptors=interceptors, options=options)
+    requests, registry = daemon.requests, daemon.registry
+    request_service_pb2_grpc.add_RequestServiceServicer_to_server(
+        RequestServicer(requests, config.max_session_requests), server
+    )
+    admin_service_pb2_grpc.add_AdminServiceServicer_to_server(
+        AdminServicer(registry, requests), server
+    )
+    server.add_generic_rpc_handlers((worker_service_handler(registry),))
+    health_pb2_grpc.add_HealthServicer_to_server(daemon.health, server)
+    reflection.enable_server_reflection(SERVICE_NAMES, server)
+    return server
+
+
+def _hostport(listen: str, port: int) -> str:
+    if listen.startswith("unix:"):
+        return listen
+    host = split_host_port(listen)[0]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind(server: grpc.aio.Server, config: ServerConfig) -> int:
+    """Listen on config.listen, with TLS (and client certificates) when configured. Raises
+    ConfigError for unusable TLS files, Unavailable when the address cannot be bound."""
+    try:
+        if not config.tls_cert:
+            return int(server.add_insecure_port(config.listen))
+        creds = _server_credentials(config)
+        return int(server.add_secure_port(config.listen, creds))
+    except RuntimeError as exc:  # grpc raises instead of returning 0 since 1.60
+        raise Unavailable(f"cannot listen on {config.listen}: {exc}") from None
+
+
+def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    """TLS credentials from the configured PEM files, checked first with the ssl module: grpc
+    reports a bad certificate, a key that does not match it, or a bad CA file only as "Failed
+    to bind to address"."""
+    import ssl
+    from pathlib import Path
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(config.tls_cert, config.tls_key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(
+            f"tls_cert = {config.tls_cert!r} / tls_key = {config.tls_key!r}: not a PEM "
+            f"certificate and the private key that matches it ({exc})"
+        ) from None
+    ca = None
+    if config.tls_client_ca:
+        try:
+            ctx.load_verify_locations(cafile=config.tls_client_ca)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(
+                f"tls_client_ca = {config.tls_client_ca!r}: not a PEM CA certificate ({exc})"
+            ) from None
+        ca = Path(config.tls_client_ca).read_bytes()
+    key, cert = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int:
+    daemon = Daemon(config)
+    server = build_server(daemon, config)
+    port = bind(server, config)
+    if port == 0:
+        raise Unavailable(f"cannot listen on {config.listen}")
+    metrics_port = await daemon.telemetry.start_metrics_server()
+    await server.start()
+    await daemon.health.set("", health_pb2.HealthCheckResponse.SERVING)
+    print(f"kvsched listening on {_hostport(config.listen, port)}", flush=True)
+    if metrics_port is not None:
+        print(f"kvsched metrics on {_hostport(config.metrics_listen, metrics_port)}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    watcher = loop.create_task(daemon.watch(), name="watch")
+    await stop.wait()
+    log.info("signal received: draining")
+    await daemon.drain(config.grace_period_s)
+    watcher.cancel()
+    await server.stop(grace=1.0)
+    daemon.telemetry.shutdown()
+    log.info("stopped")
+    return 0
+
+
+def run_server(config: ServerConfig) -> int:
+    try:
+        return asyncio.run(serve(config))
+    except Unavailable as exc:
+        print(f"kvsched: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,181 @@
+"""The instance registry: owns the daemon's engines (one per instance) and the routing.
+
+Workers attach here (one Hello per rank); an instance's engine exists from its configuration or
+from its first rank's Hello (`auto_instances`) and starts when its last rank registers. The
+layers above ask the registry where a request goes (`route`, `route_decode`, `route_moved`);
+they never hold a list of engines of their own.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvsched.core import ProtocolError, Request, RequestNotFound, Role, Router, Unavailable
+from kvsched.server import convert
+from kvsched.server.engine import EngineListener, InstanceEngine, RankConn, route, route_decode
+from kvsched.v1 import worker_service_pb2
+
+if TYPE_CHECKING:
+    from kvsched.server.config import ServerConfig
+    from kvsched.server.telemetry import Telemetry
+
+log = logging.getLogger("kvsched.daemon")
+
+MAX_GPU_BLOCKS = 1 << 22  # 4M blocks; a pool this big takes ~1 s and ~1 GB to set up
+
+
+class InstanceRegistry:
+    def __init__(self, config: ServerConfig, telemetry: Telemetry) -> None:
+        self.config = config
+        self.telemetry = telemetry
+        self.engines: dict[str, InstanceEngine] = {}
+        self.router = Router()
+        self.paused = False  # AdminService Pause without an instance id (shown by GetStatus)
+        self._listener: EngineListener | None = None
+
+    def open(self, listener: EngineListener) -> None:
+        """Create the configured instances' engines, reporting to `listener`. Called once, by
+        the composition root, before any worker attaches."""
+        self._listener = listener
+        for iid, icfg in self.config.instances.items():
+            self.engines[iid] = self._engine(iid, icfg.engine, icfg.world_size)
+
+    def _engine(self, instance_id: str, engine_config: Any, world_size: int) -> InstanceEngine:
+        assert self._listener is not None, "InstanceRegistry.open() was not called"
+        return InstanceEngine(
+            self._listener, self.telemetry, instance_id, engine_config, world_size
+        )
+
+    # ---- workers ----------------------------------------------------------------------------
+    def attach_worker(self, hello: Any) -> tuple[InstanceEngine, RankConn]:
+        """Register a worker rank from its Hello; raises ProtocolError for a bad one."""
+        if hello.protocol_version != convert.PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"worker speaks protocol version {hello.protocol_version}; this daemon speaks "
+                f"{convert.PROTOCOL_VERSION}"
+            )
+        if not hello.instance_id:
+            raise ProtocolError("Hello.instance_id must not be empty")
+        for name, value, hi in (
+            ("num_gpu_blocks", hello.num_gpu_blocks, MAX_GPU_BLOCKS),
+            ("block_size", hello.block_size, 4096),
+            ("num_slots", hello.num_slots, (1 << 32) - 1),  # min()ed with max_num_seqs
+        ):
+            if not 1 <= value <= hi:
+                raise ProtocolError(f"Hello.{name} = {value} is out of range [1, {hi}]")
+        if not 0 <= hello.rank < max(1, hello.world_size) <= 64:
+            raise ProtocolError(
+                f"Hello.rank = {hello.rank} is outside world size {hello.world_size} (ranks 0..world_size-1), "
+                "world_size at most 64"
+            )
+        eng = self.engines.get(hello.instance_id)
+        if eng is None:
+            if not self.config.auto_instances:
+                raise ProtocolError(
+                    f"unknown instance {hello.instance_id!r}; configured: {sorted(self.engines)}"
+                )
+            engine_config = copy.deepcopy(self.config.engine)
+            eng = self._engine(hello.instance_id, engine_config, max(1, hello.world_size))
+            self.engines[hello.instance_id] = eng
+        conn = RankConn(
+            rank=hello.rank,
+            num_gpu_blocks=hello.num_gpu_blocks,
+            block_size=hello.block_size,
+            num_slots=hello.num_slots,
+            address=hello.worker_address,
+            model=hello.model,
+        )
+        was_ready = eng.ready
+        try:
+            eng.attach(conn, max(1, hello.world_size))
+        except Exception:
+            if not eng.ranks and not eng.ready and hello.instance_id not in self.config.instances:
+                del self.engines[hello.instance_id]  # refused before it ever existed
+            raise
+        if eng.ready and not was_ready:
+            self.announce_peers()  # prefill workers push KV to the receivers listed
+        return eng, conn
+
+    def welcome(self, eng: InstanceEngine, conn: RankConn) -> bytes:
+        cfg = eng.engine_config
+        msg = worker_service_pb2.ConnectResponse(
+            welcome=worker_service_pb2.Welcome(
+                protocol_version=convert.PROTOCOL_VERSION,
+                instance_id=eng.instance_id,
+                block_size=conn.block_size,
+                num_speculative_tokens=cfg.speculative.num_speculative_tokens,
+                max_model_len=cfg.scheduler.max_model_len,
+                role=convert.role_to_proto(eng.role),
+                heartbeat_interval_ns=int(self.config.heartbeat_interval_s * 1e9),
+                answers_reports=True,
+            )
+        )
+        return msg.SerializeToString()
+
+    def peers_message(self) -> bytes | None:
+        """Where every connected rank's KV receiver is (None: nowhere yet), serialized."""
+        peers = [p for e in self.engines.values() for p in e.peers()]
+        if not peers:
+            return None
+        return worker_service_pb2.ConnectResponse(
+            peers=worker_service_pb2.Peers(
+                peers=[
+                    worker_service_pb2.Peers.Peer(instance_id=i, rank=r, address=a)
+                    for i, r, a in peers
+                ]
+            )
+        ).SerializeToString()
+
+    def announce_peers(self) -> None:
+        """Tell every connected worker where the KV receivers are."""
+        msg = self.peers_message()
+        if msg is None:
+            return
+        for e in self.engines.values():
+            for conn in e.ranks.values():
+                conn.queue.put_nowait(msg)
+
+    def take_out_silent(self, now: float) -> None:
+        """Take out instances with a rank silent for more than heartbeat_timeout_s."""
+        timeout = self.config.heartbeat_timeout_s
+        for eng in list(self.engines.values()):
+            silent = [c for c in eng.ranks.values() if now - c.last_seen > timeout]
+            if silent:
+                eng.take_out(
+                    f"rank {silent[0].rank} silent for more than {timeout:g} s",
+                    ProtocolError("heartbeat timeout: no message within heartbeat_timeout_s"),
+                )
+
+    # ---- routing ----------------------------------------------------------------------------
+    def route(self, req: Request) -> InstanceEngine:
+        """The instance a new request goes to; Unavailable when none takes new requests."""
+        ready = [e for e in self.engines.values() if e.accepting and not e.is_decode]
+        if not ready:
+            raise Unavailable(
+                "no instance is ready: no worker connected (start one with `kvsched worker`), "
+                "or all are draining or paused"
+            )
+        return route(self.router, ready, req)
+
+    def route_decode(self) -> InstanceEngine:
+        """The decode instance a prefill instance's request will be handed off to."""
+        decodes = [e for e in self.engines.values() if e.is_decode and e.accepting]
+        if not decodes:
+            raise Unavailable("prefill instance has no ready decode instance to hand off to")
+        return route_decode(self.router, decodes)
+
+    def route_moved(self, req: Request) -> InstanceEngine | None:
+        """The mixed instance a lost instance's request is recomputed on (None: none now)."""
+        ready = [e for e in self.engines.values() if e.accepting and e.role == Role.MIXED]
+        return route(self.router, ready, req) if ready else None
+
+    # ---- admin ------------------------------------------------------------------------------
+    def select(self, instance_id: str) -> list[InstanceEngine]:
+        if not instance_id:
+            return list(self.engines.values())
+        eng = self.engines.get(instance_id)
+        if eng is None:
+            raise RequestNotFound(f"no instance {instance_id!r}; known: {sorted(self.engines)}")
+        return [eng]
