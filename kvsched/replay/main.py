@@ -67,6 +67,8 @@ def run_replay(args: argparse.Namespace) -> int:
 
         plots = write_plots(result, args.json.with_suffix(""))
         print(f"wrote {args.json}" + "".join(f", {p}" for p in plots))
+        if not plots:
+            print("(no plots: they need matplotlib, pip install 'kvsched[bench]')")
     return 0 if summary["completed"] == summary["requests"] else 1
 
 
