@@ -43,10 +43,21 @@ from typing import Any
 
 from bench.simulate import KvschedCluster, offered_work_s, simulate
 from kvsched.core import CacheConfig, EngineConfig, SchedulerConfig
+from kvsched.data import CONVERSATION_SLICE
 from kvsched.replay.summary import DEFAULT_SLO_TPOT_S, DEFAULT_SLO_TTFT_S
-from kvsched.traces import DEFAULT_TRACE_DIR, TraceRequest, ideal_lru_hit_rate, load_trace
+from kvsched.traces import TraceRequest, ideal_lru_hit_rate, load_trace
 
-DEFAULT_TRACE = DEFAULT_TRACE_DIR / "mooncake_conversation.jsonl"
+
+def full_trace_or_slice() -> Path:
+    """The full conversation trace where this machine has it (the folder in KVSCHED_TRACE_DIR,
+    or the project's data folder beside the checkout), else the shipped slice: its first 300 s,
+    byte for byte, so the default --duration replays the same requests either way."""
+    beside = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+    full = Path(os.environ.get("KVSCHED_TRACE_DIR") or beside) / "mooncake_conversation.jsonl"
+    return full if full.exists() else CONVERSATION_SLICE
+
+
+DEFAULT_TRACE = full_trace_or_slice()
 DEFAULT_JSON = Path(__file__).parent / "results" / "policies.json"
 BLOCK_SIZE = 64
 NUM_GPU_BLOCKS = 5120  # Llama-3-8B: 8 MiB per 64-token block, 40 GiB of KV on an H100

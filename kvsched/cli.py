@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from kvsched.core.errors import ConfigError
+from kvsched.data import CONVERSATION_SLICE
+from kvsched.replay.args import add_replay_arguments
+from kvsched.tls import channel_credentials
 
 DEFAULT_SERVER = "127.0.0.1:50051"
-# The repository checkout holds the package; the shared data sits next to the checkout.
-_REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = (_REPO / "../shared/data/traces/mooncake_conversation.jsonl").resolve()
+DEFAULT_TRACE = CONVERSATION_SLICE  # shipped in the package, so a wheel or clone can run the demo
 EXIT_CONFIG = 2
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _sleep = time.sleep  # a seam for tests of --watch
@@ -96,10 +97,22 @@ def _add_status(sub: Any) -> None:
 
 
 def _add_demo(sub: Any) -> None:
-    p = sub.add_parser("demo", help="daemon + sim worker replaying a trace", description="Demo.")
+    p = sub.add_parser("demo", help="daemon + sim workers replaying a trace", description="Demo.")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of the trace to replay")
     p.add_argument("--gpu", choices=("h100", "a100"), default="h100")
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, metavar="PATH")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=4,
+        help="simulated instances (default 4: ~75 %% busy on the default trace's first 60 s)",
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=DEFAULT_TRACE,
+        metavar="PATH",
+        help="Mooncake .jsonl or Azure .csv (default: the shipped Mooncake conversation slice)",
+    )
     p.add_argument(
         "--time-scale",
         type=float,
@@ -161,8 +174,6 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_replay(sub: Any) -> None:
-    from kvsched.replay.main import add_replay_arguments
-
     p = sub.add_parser(
         "replay",
         help="replay a request trace against a daemon",
@@ -208,30 +219,6 @@ def _status(args: argparse.Namespace) -> int:
             if args.watch is None:
                 return 0
             _sleep(max(args.watch, 0.1))
-
-
-def channel_credentials(ca: str, cert: str, key: str) -> Any:
-    """TLS credentials for a client of the daemon from `--tls-ca`, `--tls-cert`, `--tls-key`
-    (file paths, "" when not given), or None for plaintext. A client certificate (mutual TLS)
-    implies TLS; without --tls-ca the daemon is verified against the system's CAs.
-    ConfigError for a missing file or a certificate without its key."""
-    if bool(cert) != bool(key):
-        raise ConfigError("--tls-cert and --tls-key go together (mutual TLS needs both)")
-    if not (ca or cert):
-        return None
-    import grpc
-
-    def read(flag: str, path: str) -> bytes | None:
-        if not path:
-            return None
-        try:
-            return Path(path).read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"{flag} {path!r}: {exc.strerror}") from None
-
-    return grpc.ssl_channel_credentials(
-        read("--tls-ca", ca), read("--tls-key", key), read("--tls-cert", cert)
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

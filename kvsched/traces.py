@@ -1,4 +1,4 @@
-"""Real request traces for replay and benchmarks (see ../shared/data/README.md).
+"""Real request traces for replay and benchmarks (the shipped slices: kvsched/data/README.md).
 
 - Mooncake `*.jsonl`: `{"timestamp": ms, "input_length", "output_length", "hash_ids"}`. Each hash
   id stands for one 512-token block of the prompt; equal ids are equal prefixes. A hash id's
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -26,9 +25,6 @@ import numpy as np
 import numpy.typing as npt
 
 HASH_BLOCK_SIZE = 512  # prompt tokens per Mooncake hash id
-DEFAULT_TRACE_DIR = Path(
-    os.environ.get("KVSCHED_TRACE_DIR", Path(__file__).resolve().parents[2] / "shared/data/traces")
-)
 _UNIQUE_KEYS = 1 << 50  # hash-less requests: keys far above any Mooncake id, x512 fits 64 bits
 
 U64Array = npt.NDArray[np.uint64]

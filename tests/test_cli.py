@@ -16,7 +16,6 @@ import grpc
 import pytest
 
 from kvsched import cli
-from kvsched.cli import DEFAULT_TRACE
 from kvsched.server.config import ServerConfig
 from kvsched.v1 import admin_service_pb2, admin_service_pb2_grpc
 
@@ -134,13 +133,13 @@ def test_worker_passes_the_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (args.tls_cert, args.tls_key, args.log_level) == ("", "", "info")
 
 
-def test_demo_default_trace_is_the_shared_mooncake_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_demo_default_trace_is_the_shipped_mooncake_slice(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[argparse.Namespace] = []
     fake_module(monkeypatch, "kvsched.demo", run_demo=lambda a: seen.append(a) or 0)
     assert cli.main(["demo"]) == 0
     (args,) = seen
     assert (args.duration, args.gpu) == (60.0, "h100")
-    expected = (REPO / "../shared/data/traces/mooncake_conversation.jsonl").resolve()
+    expected = REPO / "kvsched/data/mooncake_conversation_slice.jsonl"
     assert args.trace == expected
 
 
@@ -239,7 +238,6 @@ def test_installed_command(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.skipif(not DEFAULT_TRACE.exists(), reason="no ../shared/data/traces on this machine")
 def test_demo_runs_end_to_end_and_prints_its_table(tmp_path: Path) -> None:
     """`kvsched demo` (what `make demo` runs), on a few seconds of the trace, sped up."""
     out = tmp_path / "demo.json"

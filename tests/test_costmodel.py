@@ -1,4 +1,4 @@
-"""The step-time fits of ../shared/data/README.md, at points computed by hand, and the sim's use."""
+"""The step-time fits of kvsched/data/README.md, at points computed by hand, and the sim's use."""
 
 import pytest
 

@@ -9,11 +9,12 @@ import pytest
 
 from bench.simulate import EventLoop, KvschedCluster, SimResult, simulate
 from kvsched.core import CacheConfig, EngineConfig, SchedulerConfig, StepReport, Tasks
+from kvsched.data import CONVERSATION_SLICE
 from kvsched.replay.summary import RequestRecord, summarize
-from kvsched.traces import DEFAULT_TRACE_DIR, TraceRequest, load_trace
+from kvsched.traces import TraceRequest, load_trace
 
 BLOCK = 16
-CONVERSATION = DEFAULT_TRACE_DIR / "mooncake_conversation.jsonl"
+CONVERSATION = CONVERSATION_SLICE
 
 
 def make_trace(
@@ -165,7 +166,6 @@ def test_summary_by_hand() -> None:
     assert s["prefix_hit_rate"] == 0.25
 
 
-@pytest.mark.skipif(not CONVERSATION.exists(), reason="no ../shared/data/traces")
 def test_mooncake_slice_completes() -> None:
     trace = load_trace(CONVERSATION, max_requests=50)  # ~12k-token prompts: no per-step check
     config = make_config(num_blocks=8192)

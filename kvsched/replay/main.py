@@ -5,53 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
+from kvsched.replay.args import BLOCK_SIZE
 from kvsched.replay.launch import start_cluster
 from kvsched.replay.runner import ReplayResult, replay
 from kvsched.replay.summary import summarize
+from kvsched.tls import channel_credentials
 from kvsched.traces import load_trace
-
-H100_BLOCKS = 5120  # Llama-3-8B KV: 64-token blocks of 8 MiB in 40 GiB (shared/data/README.md)
-BLOCK_SIZE = 64
-
-
-def add_replay_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", type=Path, required=True, help="Mooncake .jsonl or Azure .csv")
-    p.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
-    p.add_argument("--duration", type=float, default=None, help="seconds of the trace")
-    p.add_argument("--requests", type=int, default=None, help="first N requests")
-    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
-    p.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        help="run this much faster than real time (pair with the workers' --speed)",
-    )
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="summary JSON path")
-    p.add_argument("--slo-ttft", type=float, default=5.0, help="goodput TTFT SLO, seconds")
-    p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput TPOT SLO, seconds")
-    p.add_argument(
-        "--embedded", action="store_true", help="start a daemon and simulated workers for this run"
-    )
-    p.add_argument("--gpu", choices=("h100", "a100"), default="h100")
-    p.add_argument("--workers", type=int, default=1, help="embedded: simulated instances")
-    p.add_argument("--num-blocks", type=int, default=H100_BLOCKS, help="embedded: KV blocks each")
-    p.add_argument(
-        "--token", default=os.environ.get("KVSCHED_TOKEN", ""), help="bearer token (client role)"
-    )
-    p.add_argument(
-        "--admin-token",
-        default="",
-        help="bearer token (admin role) for the status figures; default: --token",
-    )
-    p.add_argument("--tls-ca", default="", metavar="FILE", help="CA that signed the server")
-    p.add_argument("--tls-cert", default="", metavar="FILE", help="client certificate (mTLS)")
-    p.add_argument("--tls-key", default="", metavar="FILE", help="client key (mTLS)")
-    p.add_argument("--no-progress", action="store_true")
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -59,8 +21,6 @@ def run_replay(args: argparse.Namespace) -> int:
     if not requests:
         print(f"kvsched replay: no requests in {args.trace} for that duration", file=sys.stderr)
         return 2
-    from kvsched.cli import channel_credentials
-
     creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)  # before any launch
     cluster = None
     address = args.server
@@ -107,6 +67,8 @@ def run_replay(args: argparse.Namespace) -> int:
 
         plots = write_plots(result, args.json.with_suffix(""))
         print(f"wrote {args.json}" + "".join(f", {p}" for p in plots))
+        if not plots:
+            print("(no plots: they need matplotlib, pip install 'kvsched[bench]')")
     return 0 if summary["completed"] == summary["requests"] else 1
 
 
@@ -143,8 +105,8 @@ def format_table(s: dict[str, Any]) -> str:
         ("preemptions", f"{s['preemptions']}"),
         (
             "goodput",
-            f"{s['goodput_rps']:.2f} req/s (TTFT <= {s['slo_ttft_s']} s, "
-            f"TPOT <= {s['slo_tpot_s']} s)",
+            f"{s['goodput_rps']:.2f} req/s, {100 * s['goodput_frac']:.0f} % of requests "
+            f"(TTFT <= {s['slo_ttft_s']} s, TPOT <= {s['slo_tpot_s']} s)",
         ),
         ("worker idle on control plane", "-" if idle is None else f"{100 * idle:.2f} %"),
     ]

@@ -1,4 +1,4 @@
-"""GPU step time of Llama-3-8B (bf16, TP1) from the fits in ../shared/data/README.md.
+"""GPU step time of Llama-3-8B (bf16, TP1): fits to Vidur's profiles (kvsched/data/README.md).
 
     step_ms = max(floor, base + per_token * N) + overhead
               + per_ctx * (sum of context tokens of the decoding sequences)

@@ -1,0 +1,53 @@
+"""The flags of `kvsched replay` (and the demo's replay), kept apart from the replayer so that
+building the command line's parser imports neither grpc nor numpy."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from kvsched.data import CONVERSATION_SLICE
+
+H100_BLOCKS = 5120  # Llama-3-8B KV: 64-token blocks of 8 MiB in 40 GiB (kvsched/data/README.md)
+BLOCK_SIZE = 64
+
+
+def add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=CONVERSATION_SLICE,
+        help="Mooncake .jsonl or Azure .csv (default: the shipped Mooncake conversation slice)",
+    )
+    p.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
+    p.add_argument("--duration", type=float, default=None, help="seconds of the trace")
+    p.add_argument("--requests", type=int, default=None, help="first N requests")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="run this much faster than real time (pair with the workers' --speed)",
+    )
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="summary JSON path")
+    p.add_argument("--slo-ttft", type=float, default=5.0, help="goodput TTFT SLO, seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput TPOT SLO, seconds")
+    p.add_argument(
+        "--embedded", action="store_true", help="start a daemon and simulated workers for this run"
+    )
+    p.add_argument("--gpu", choices=("h100", "a100"), default="h100")
+    p.add_argument("--workers", type=int, default=1, help="embedded: simulated instances")
+    p.add_argument("--num-blocks", type=int, default=H100_BLOCKS, help="embedded: KV blocks each")
+    p.add_argument(
+        "--token", default=os.environ.get("KVSCHED_TOKEN", ""), help="bearer token (client role)"
+    )
+    p.add_argument(
+        "--admin-token",
+        default="",
+        help="bearer token (admin role) for the status figures; default: --token",
+    )
+    p.add_argument("--tls-ca", default="", metavar="FILE", help="CA that signed the server")
+    p.add_argument("--tls-cert", default="", metavar="FILE", help="client certificate (mTLS)")
+    p.add_argument("--tls-key", default="", metavar="FILE", help="client key (mTLS)")
+    p.add_argument("--no-progress", action="store_true")
