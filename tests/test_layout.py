@@ -106,9 +106,7 @@ def test_no_import_circles() -> None:
 
 def test_no_module_over_the_size_limit() -> None:
     big = {
-        m: n
-        for m, p in _modules().items()
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
+        m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not big, f"modules over {MAX_LINES} lines (split along a seam): {big}"
 
