@@ -34,11 +34,10 @@ import grpc
 
 from kvsched.core.errors import KvschedError, ProtocolError
 from kvsched.core.protocol import KvSend, StepReport, Tasks
-from kvsched.server import convert
+from kvsched import codec
 from kvsched.v1 import kv_transfer_service_pb2 as kv_pb2
 from kvsched.v1 import kv_transfer_service_pb2_grpc as kv_grpc
 from kvsched.v1 import worker_service_pb2 as pb
-from kvsched.worker_stub import wire
 from kvsched.worker_stub.engine import KvSender, WorkerEngine
 from kvsched.worker_stub.sim import SimExecutor
 
@@ -387,7 +386,7 @@ class Worker:
             block_size=self.block_size,
             num_slots=self.num_slots,
             model=self.model,
-            protocol_version=convert.PROTOCOL_VERSION,
+            protocol_version=codec.PROTOCOL_VERSION,
             worker_address=self.kv_address or "",
             executor=self.executor_name,
         )
@@ -409,7 +408,7 @@ class Worker:
             if kind == "tasks":
                 self.stats.num_tasks += 1
                 self.stats.tasks_digest = zlib.crc32(raw, self.stats.tasks_digest)
-                inbox.put_nowait(wire.tasks_from_proto(msg.tasks))
+                inbox.put_nowait(codec.tasks_from_proto(msg.tasks))
             elif kind == "welcome":
                 inbox.put_nowait(msg.welcome)
             elif kind == "peers":
@@ -477,10 +476,10 @@ class Worker:
 
     def _start_engine(self, welcome: pb.Welcome) -> WorkerEngine:
         """The engine for this session, empty: reset when the settings are unchanged."""
-        if welcome.protocol_version not in (0, convert.PROTOCOL_VERSION):
+        if welcome.protocol_version not in (0, codec.PROTOCOL_VERSION):
             raise WorkerError(
                 f"daemon speaks worker protocol {welcome.protocol_version}, "
-                f"this worker {convert.PROTOCOL_VERSION}"
+                f"this worker {codec.PROTOCOL_VERSION}"
             )
         settings = EngineSettings(
             block_size=welcome.block_size or self.block_size,
@@ -546,7 +545,7 @@ class Worker:
         self.stats.num_tokens += sum(report.num_new_tokens)
         self.stats.num_paused += len(report.paused)
         if self.rank == 0:
-            self._report(outbox, wire.report_message(report))
+            self._report(outbox, codec.report_message(report))
         if self._on_step is not None:
             self._on_step(report)
 
