@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvsched.core.protocol import Chunk, Extension, Placement, SamplingParams, Tasks
 from kvsched import codec
+from kvsched.core.protocol import Chunk, Extension, Placement, SamplingParams, Tasks
 from kvsched.v1 import worker_service_pb2 as pb
 from kvsched.worker_stub.engine import WorkerEngine
 from kvsched.worker_stub.sim import SimExecutor
@@ -141,6 +141,7 @@ def paths(before_rev: str = BEFORE_REV) -> list[Path_]:
             _reference_encode,
         )
     )
+
     def columnar_apply(engine: WorkerEngine, raw: bytes) -> None:
         engine.apply(codec.tasks_from_proto(pb.ConnectResponse.FromString(raw).tasks))
 

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvsched import codec
 from kvsched.core.errors import KvschedError, ProtocolError
 from kvsched.core.protocol import KvSend, StepReport, Tasks
-from kvsched import codec
 from kvsched.v1 import kv_transfer_service_pb2 as kv_pb2
 from kvsched.v1 import kv_transfer_service_pb2_grpc as kv_grpc
 from kvsched.v1 import worker_service_pb2 as pb
