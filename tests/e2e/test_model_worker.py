@@ -316,15 +316,15 @@ def test_decode_worker_lost_before_push_ends_with_error_and_frees_both_pools() -
     async def go() -> tuple[Result, Result]:
         async with model_daemon(PD_NODES, engine=PD_ENGINE) as h:
             p = h.workers["p"]
-            push = p._push
+            push = p.kv._push
 
             async def stop_decode_then_push(due: Any) -> None:
                 await h.stop_worker("d")  # its KV server is closed when this returns
                 await push(due)
 
-            p._push = stop_decode_then_push  # type: ignore[method-assign]
+            p.kv._push = stop_decode_then_push  # type: ignore[method-assign]
             failed = await h.generate("lost", make_prompt(510, 60), 20)
-            p._push = push  # type: ignore[method-assign]
+            p.kv._push = push  # type: ignore[method-assign]
             assert (await h.status("p")).num_free_blocks == PD_NODES["p"].num_gpu_blocks
             h.start_worker("d")
             await h.wait_ready(["d"])
