@@ -1,4 +1,4 @@
-"""The daemon end to end with the `model` executor (issue 4, DESIGN section 5).
+"""The daemon end to end with the `model` executor (issue 4).
 
 Each test starts the daemon in this process on 127.0.0.1:0 with real `Worker`s running the
 seeded transformer over real gRPC streams, sends requests through RequestService.Generate, and
@@ -135,7 +135,7 @@ def test_shared_prefixes_and_full_prompt_hits_match_reference(backend: str) -> N
 
 
 def test_prefix_hit_waits_for_the_writers_report() -> None:
-    """DESIGN 4: a block becomes a hit only once the step writing it has been reported. The
+    """A cached block becomes a prefix hit only once the step writing it has been reported. The
     worker is held while the daemon runs ahead of it (W's next chunks scheduled, not executed);
     R arrives sharing W's prompt, and the worker then applies W's chunks and R's placement at
     one step boundary. W runs one chunk per step, so had R hit W's scheduled-but-unwritten
