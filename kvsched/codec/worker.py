@@ -24,7 +24,7 @@ is the receiver's business, not this module's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sized
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -191,7 +191,7 @@ def _split(
     return out
 
 
-def _check_parallel(kind: str, **columns: Sequence[object]) -> None:
+def _check_parallel(kind: str, **columns: Sized) -> None:
     lengths = {name: len(col) for name, col in columns.items()}
     if len(set(lengths.values())) > 1:
         shown = ", ".join(f"{name}={n}" for name, n in lengths.items())
