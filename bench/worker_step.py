@@ -17,11 +17,11 @@ Paths, each stepped in turn over the same workload so machine noise hits them al
 
     before      engine.py as of git revision --before (default 0919d22, the last commit
                 before the columnar work), loaded from git; Tasks and reports through
-                kvsched.server.convert, as the client did then. Skipped outside a git checkout.
+                kvsched.codec (tasks_from_proto, report_to_proto). Skipped outside a git checkout.
     seqwork     today's WorkerEngine(columnar=False): one SeqWork per decoding handle through
-                Executor.execute (what tests and the model executor use); convert
+                Executor.execute (what tests and the model executor use); as before
     columnar    WorkerEngine(columnar=True), as `kvsched worker --executor sim` runs it: decodes
-                as numpy columns; Tasks and reports through kvsched.worker_stub.wire
+                as numpy columns; the worker's own report_message
 
 p50 and p90 over --steps steps per round, --rounds rounds; the table shows the median round.
 --profile R runs cProfile over the columnar path at R and prints the top functions.
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvsched import codec
 from kvsched.core.protocol import Chunk, Extension, Placement, SamplingParams, Tasks
-from kvsched.server import convert
 from kvsched.v1 import worker_service_pb2 as pb
 from kvsched.worker_stub.engine import WorkerEngine
 from kvsched.worker_stub.sim import SimExecutor
@@ -108,7 +108,7 @@ def _engine_class_at(rev: str) -> Any:
 
 def _reference_apply(engine: WorkerEngine, raw: bytes) -> None:
     msg = pb.ConnectResponse.FromString(raw)
-    engine.apply(convert.tasks_from_proto(msg.tasks))
+    engine.apply(codec.tasks_from_proto(msg.tasks))
 
 
 def _reference_step(engine: WorkerEngine) -> Any:
@@ -117,7 +117,7 @@ def _reference_step(engine: WorkerEngine) -> Any:
 
 
 def _reference_encode(report: Any) -> bytes:
-    return pb.ConnectRequest(report=convert.report_to_proto(report)).SerializeToString()
+    return pb.ConnectRequest(report=codec.report_to_proto(report)).SerializeToString()
 
 
 def paths(before_rev: str = BEFORE_REV) -> list[Path_]:
@@ -141,13 +141,12 @@ def paths(before_rev: str = BEFORE_REV) -> list[Path_]:
             _reference_encode,
         )
     )
-    from kvsched.worker_stub import wire
 
     def columnar_apply(engine: WorkerEngine, raw: bytes) -> None:
-        engine.apply(wire.tasks_from_proto(pb.ConnectResponse.FromString(raw).tasks))
+        engine.apply(codec.tasks_from_proto(pb.ConnectResponse.FromString(raw).tasks))
 
     def columnar_encode(report: Any) -> bytes:
-        return wire.report_message(report).SerializeToString()
+        return codec.report_message(report).SerializeToString()
 
     out.append(
         Path_(
@@ -173,7 +172,7 @@ def setup_tasks(running: int) -> bytes:
             Placement(h, h - 1, f"req-{h}", blocks, 0, PROMPT_LEN, 0, -1, _sampling())
         )
         chunks.append(Chunk(h, 0, list(range(1000 + h, 1000 + h + PROMPT_LEN))))
-    return convert.tasks_to_bytes(Tasks(1, placements=placements, chunks=chunks))
+    return codec.tasks_to_bytes(Tasks(1, placements=placements, chunks=chunks))
 
 
 def step_tasks(running: int, step: int) -> bytes:
@@ -186,7 +185,7 @@ def step_tasks(running: int, step: int) -> bytes:
         for h in range(1, running + 1)
         if (h + step) % BLOCK_SIZE == 0
     ]
-    return convert.tasks_to_bytes(Tasks(step + 1, extensions=ext))
+    return codec.tasks_to_bytes(Tasks(step + 1, extensions=ext))
 
 
 def stagger(path: Path_, engine: WorkerEngine, running: int) -> None:
@@ -195,7 +194,7 @@ def stagger(path: Path_, engine: WorkerEngine, running: int) -> None:
     path.apply(engine, setup_tasks(running))
     path.send(engine)  # prefill: every handle samples its first token
     ext = [Extension(h, [5 * running + h]) for h in range(1, running + 1)]
-    path.apply(engine, convert.tasks_to_bytes(Tasks(2, extensions=ext)))
+    path.apply(engine, codec.tasks_to_bytes(Tasks(2, extensions=ext)))
 
 
 def measure(path: Path_, running: int, steps: int) -> dict[str, list[float]]:

@@ -8,9 +8,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from kvsched import codec
 from kvsched.core import protocol as core
 from kvsched.core.config import Role
-from kvsched.server import convert
 from kvsched.v1 import common_pb2, request_service_pb2, worker_service_pb2
 from tests.reports import listed
 
@@ -108,26 +108,26 @@ def test_generated_code_importable_via_package() -> None:
 
 def test_tasks_round_trip_through_bytes() -> None:
     tasks = make_tasks()
-    data = convert.tasks_to_proto(tasks).SerializeToString()
-    assert convert.tasks_from_proto(worker_service_pb2.Tasks.FromString(data)) == tasks
+    data = codec.tasks_to_proto(tasks).SerializeToString()
+    assert codec.tasks_from_proto(worker_service_pb2.Tasks.FromString(data)) == tasks
 
 
 def test_tasks_to_bytes_is_a_connect_response() -> None:
     tasks = make_tasks()
-    response = worker_service_pb2.ConnectResponse.FromString(convert.tasks_to_bytes(tasks))
+    response = worker_service_pb2.ConnectResponse.FromString(codec.tasks_to_bytes(tasks))
     assert response.WhichOneof("kind") == "tasks"
-    assert convert.tasks_from_proto(response.tasks) == tasks
+    assert codec.tasks_from_proto(response.tasks) == tasks
 
 
 def test_empty_tasks_round_trip() -> None:
     tasks = core.Tasks(seq=1)
-    response = worker_service_pb2.ConnectResponse.FromString(convert.tasks_to_bytes(tasks))
+    response = worker_service_pb2.ConnectResponse.FromString(codec.tasks_to_bytes(tasks))
     assert response.WhichOneof("kind") == "tasks"
-    assert convert.tasks_from_proto(response.tasks) == tasks
+    assert codec.tasks_from_proto(response.tasks) == tasks
 
 
 def test_tasks_are_columnar() -> None:
-    pb = convert.tasks_to_proto(make_tasks())
+    pb = codec.tasks_to_proto(make_tasks())
     assert list(pb.extensions.num_block_ids) == [2, 0, 1]
     assert list(pb.extensions.block_ids) == [20, 21, 22]
     assert list(pb.chunks.starts) == [32, 512]
@@ -136,8 +136,8 @@ def test_tasks_are_columnar() -> None:
 
 def test_report_round_trip_through_bytes() -> None:
     report = make_report()
-    data = convert.report_to_proto(report).SerializeToString()
-    back = convert.report_from_proto(worker_service_pb2.StepReport.FromString(data))
+    data = codec.report_to_proto(report).SerializeToString()
+    back = codec.report_from_proto(worker_service_pb2.StepReport.FromString(data))
     assert listed(back) == report
     # The per-row columns arrive as int64 arrays (finish reasons too: the core checks "none
     # finished" on the array): the core's decode path is vectorized.
@@ -147,8 +147,8 @@ def test_report_round_trip_through_bytes() -> None:
 
 def test_empty_report_round_trip() -> None:
     report = core.StepReport(step=1, applied_seq=0)
-    data = convert.report_to_proto(report).SerializeToString()
-    back = convert.report_from_proto(worker_service_pb2.StepReport.FromString(data))
+    data = codec.report_to_proto(report).SerializeToString()
+    back = codec.report_from_proto(worker_service_pb2.StepReport.FromString(data))
     assert listed(back) == report
 
 
@@ -162,17 +162,17 @@ def test_empty_report_round_trip() -> None:
     ],
 )
 def test_report_column_lengths_checked(column: str, match: str) -> None:
-    pb = convert.report_to_proto(make_report())
+    pb = codec.report_to_proto(make_report())
     getattr(pb, column).append(0)
     with pytest.raises(ValueError, match=match):
-        convert.report_from_proto(pb)
+        codec.report_from_proto(pb)
 
 
 def test_report_unknown_finish_reason_rejected() -> None:
-    pb = convert.report_to_proto(make_report())
+    pb = codec.report_to_proto(make_report())
     pb.finish_reasons[0] = common_pb2.FinishReason.ValueType(9)  # open enum: survives parsing
     with pytest.raises(ValueError, match=r"unknown finish reasons \[9\]"):
-        convert.report_from_proto(worker_service_pb2.StepReport.FromString(pb.SerializeToString()))
+        codec.report_from_proto(worker_service_pb2.StepReport.FromString(pb.SerializeToString()))
 
 
 @pytest.mark.parametrize(
@@ -190,57 +190,57 @@ def test_report_unknown_finish_reason_rejected() -> None:
 def test_tasks_column_lengths_checked(
     mutate: Callable[[worker_service_pb2.Tasks], object], match: str
 ) -> None:
-    pb = convert.tasks_to_proto(make_tasks())
+    pb = codec.tasks_to_proto(make_tasks())
     mutate(pb)
     with pytest.raises(ValueError, match=match):
-        convert.tasks_from_proto(pb)
+        codec.tasks_from_proto(pb)
 
 
 def test_sampling_round_trip() -> None:
     params = make_sampling()
-    data = convert.sampling_to_proto(params).SerializeToString()
-    assert convert.sampling_from_proto(common_pb2.SamplingParams.FromString(data)) == params
+    data = codec.sampling_to_proto(params).SerializeToString()
+    assert codec.sampling_from_proto(common_pb2.SamplingParams.FromString(data)) == params
 
 
 def test_sampling_absent_fields_take_defaults() -> None:
-    params = convert.sampling_from_proto(common_pb2.SamplingParams())
+    params = codec.sampling_from_proto(common_pb2.SamplingParams())
     assert params == core.SamplingParams()
     assert params.top_p == 1.0
-    assert convert.sampling_from_proto(common_pb2.SamplingParams(), 256).max_tokens == 256
+    assert codec.sampling_from_proto(common_pb2.SamplingParams(), 256).max_tokens == 256
     explicit = common_pb2.SamplingParams(max_tokens=0, top_p=0.5)
-    assert convert.sampling_from_proto(explicit, 256).max_tokens == 0
-    assert convert.sampling_from_proto(explicit).top_p == 0.5
+    assert codec.sampling_from_proto(explicit, 256).max_tokens == 0
+    assert codec.sampling_from_proto(explicit).top_p == 0.5
 
 
 def test_mm_ranges_round_trip() -> None:
     ranges = [core.MultimodalRange(5, 576, "sha256:ab"), core.MultimodalRange(600, 64, "cd")]
-    request = request_service_pb2.GenerateRequest(mm_ranges=convert.mm_ranges_to_proto(ranges))
+    request = request_service_pb2.GenerateRequest(mm_ranges=codec.mm_ranges_to_proto(ranges))
     parsed = request_service_pb2.GenerateRequest.FromString(request.SerializeToString())
-    assert convert.mm_ranges_from_proto(parsed.mm_ranges) == ranges
+    assert codec.mm_ranges_from_proto(parsed.mm_ranges) == ranges
 
 
 def test_finish_reason_values_match_proto_enum() -> None:
     for reason in core.FinishReason:
         proto_name = "FINISH_REASON_" + ("UNSPECIFIED" if reason.name == "NONE" else reason.name)
         assert common_pb2.FinishReason.Value(proto_name) == int(reason)
-        assert convert.finish_reason_to_proto(reason) == int(reason)
-        assert convert.finish_reason_from_proto(int(reason)) is reason
+        assert codec.finish_reason_to_proto(reason) == int(reason)
+        assert codec.finish_reason_from_proto(int(reason)) is reason
     assert len(common_pb2.FinishReason.keys()) == len(core.FinishReason)
     with pytest.raises(ValueError, match="unknown FinishReason 5"):
-        convert.finish_reason_from_proto(5)
+        codec.finish_reason_from_proto(5)
 
 
 def test_role_round_trip() -> None:
     for role in Role:
-        assert convert.role_from_proto(convert.role_to_proto(role)) is role
+        assert codec.role_from_proto(codec.role_to_proto(role)) is role
     with pytest.raises(ValueError, match="InstanceRole 0"):
-        convert.role_from_proto(common_pb2.INSTANCE_ROLE_UNSPECIFIED)
+        codec.role_from_proto(common_pb2.INSTANCE_ROLE_UNSPECIFIED)
 
 
 def test_an_empty_finish_reasons_column_means_none_finished() -> None:
     # A worker may leave the column out on a step where nothing finished (the core's
     # StepReport says the same); any other length is refused.
-    pb = convert.report_to_proto(make_report())
+    pb = codec.report_to_proto(make_report())
     del pb.finish_reasons[:]
-    back = convert.report_from_proto(pb)
+    back = codec.report_from_proto(pb)
     assert len(back.finish_reasons) == 0 and len(back.handles) > 0

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvsched import codec
 from kvsched.core.protocol import (
     Chunk,
     FinishReason,
@@ -23,7 +24,6 @@ from kvsched.core.protocol import (
     StepReport,
     Tasks,
 )
-from kvsched.server import convert
 from kvsched.v1 import kv_transfer_service_pb2 as kv_pb2
 from kvsched.v1 import kv_transfer_service_pb2_grpc as kv_grpc
 from kvsched.v1 import worker_service_pb2 as pb
@@ -62,7 +62,7 @@ class Conn:
                 self.hello = msg.hello
                 self._hello.set()
             elif kind == "report":
-                self.reports.put_nowait(listed(convert.report_from_proto(msg.report)))
+                self.reports.put_nowait(listed(codec.report_from_proto(msg.report)))
             elif kind == "heartbeat":
                 self.num_heartbeats += 1
                 self.heartbeat.set()
@@ -75,7 +75,7 @@ class Conn:
     async def welcome(self, heartbeat_s: float = 1.0, answers_reports: bool = False) -> None:
         await self.send(
             welcome=pb.Welcome(
-                protocol_version=convert.PROTOCOL_VERSION,
+                protocol_version=codec.PROTOCOL_VERSION,
                 block_size=BLOCK,
                 max_model_len=256,
                 heartbeat_interval_ns=int(heartbeat_s * 1e9),
@@ -87,7 +87,7 @@ class Conn:
         await self.context.write(pb.ConnectResponse(**kind))
 
     async def send_tasks(self, tasks: Tasks) -> None:
-        await self.send(tasks=convert.tasks_to_proto(tasks))
+        await self.send(tasks=codec.tasks_to_proto(tasks))
 
     async def next_report(self) -> StepReport:
         return await asyncio.wait_for(self.reports.get(), TIMEOUT)
@@ -407,8 +407,8 @@ def test_a_lagging_tp_rank_defers_a_placement_until_its_slot_frees() -> None:
         await conn.welcome(heartbeat_s=0.02)
         first = Tasks(1, placements=[place(1, 0, [0, 1, 2, 3])], chunks=[Chunk(1, 0, PROMPT)])
         second = Tasks(2, placements=[place(2, 0, [4, 5, 6, 7])], chunks=[Chunk(2, 0, PROMPT)])
-        await conn.send(tasks=convert.tasks_to_proto(first))
-        await conn.send(tasks=convert.tasks_to_proto(second))  # slot 0 is still busy there
+        await conn.send(tasks=codec.tasks_to_proto(first))
+        await conn.send(tasks=codec.tasks_to_proto(second))  # slot 0 is still busy there
         deadline = asyncio.get_running_loop().time() + TIMEOUT
         while 2 not in finished_handles(reports):
             assert asyncio.get_running_loop().time() < deadline, "handle 2 never finished"

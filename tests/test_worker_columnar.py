@@ -1,5 +1,5 @@
-"""The columnar decode path (WorkerEngine(columnar=True)) and the worker's wire module give the
-same results as the SeqWork path and kvsched.server.convert."""
+"""The columnar decode path (WorkerEngine(columnar=True)) gives the same results as the SeqWork
+path, and the worker's messages through kvsched.codec round-trip."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from kvsched import codec
 from kvsched.core.protocol import (
     Chunk,
     Extension,
@@ -18,9 +19,7 @@ from kvsched.core.protocol import (
     StepReport,
     Tasks,
 )
-from kvsched.server import convert
 from kvsched.v1 import worker_service_pb2 as pb
-from kvsched.worker_stub import wire
 from kvsched.worker_stub.engine import WorkerEngine
 from kvsched.worker_stub.executor import SeqWork
 from kvsched.worker_stub.sim import SimExecutor
@@ -246,9 +245,9 @@ def test_report_message_matches_convert(num_new: list[int], reasons: list[int]) 
         failed=[],
         step_time_ns=123,
     )
-    got = wire.report_message(report)
-    assert got == pb.ConnectRequest(report=convert.report_to_proto(report))
-    back = convert.report_from_proto(pb.ConnectRequest.FromString(got.SerializeToString()).report)
+    got = codec.report_message(report)
+    assert got == pb.ConnectRequest(report=codec.report_to_proto(report))
+    back = codec.report_from_proto(pb.ConnectRequest.FromString(got.SerializeToString()).report)
     assert listed(back) == report
 
 
@@ -265,8 +264,8 @@ def test_tasks_from_proto_matches_convert() -> None:
         reset_prefix_cache=True,
     )
     for t in (tasks, Tasks(6), Tasks(7, extensions=[Extension(1, [])])):
-        msg = convert.tasks_to_proto(t)
-        assert wire.tasks_from_proto(msg) == convert.tasks_from_proto(msg) == t
+        msg = codec.tasks_to_proto(t)
+        assert codec.tasks_from_proto(msg) == t
 
 
 @pytest.mark.parametrize("section", ["extensions", "chunks", "kv_sends"])
@@ -277,7 +276,7 @@ def test_tasks_from_proto_rejects_columns_that_disagree(section: str) -> None:
         chunks=[Chunk(1, 0, [3])],
         kv_sends=[KvSend(1, "d", 1, [4])],
     )
-    msg = convert.tasks_to_proto(t)
+    msg = codec.tasks_to_proto(t)
     getattr(msg, section).handles.append(2)
     with pytest.raises(ValueError, match=section):
-        wire.tasks_from_proto(msg)
+        codec.tasks_from_proto(msg)

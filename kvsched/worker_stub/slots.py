@@ -2,7 +2,7 @@
 vectorized operations instead of R Python calls.
 
 Index i of every column is slot i. A column's value means something only while `occupied[i]`;
-`decoding[i]` marks occupants whose prompt is done (they decode on their own, DESIGN 4), and
+`decoding[i]` marks occupants whose prompt is done (they decode on their own, step 5 of the WorkerService comment in worker_service.proto), and
 whose newest token `last_token[i]` has no KV yet. A decoding slot runs while it has room for the
 position it writes: `num_computed < capacity`, capacity = len(block table) x block_size.
 """

@@ -1,4 +1,4 @@
-"""The daemon end to end with the `model` executor (issue 4, DESIGN section 5).
+"""The daemon end to end with the `model` executor (issue 4).
 
 Each test starts the daemon in this process on 127.0.0.1:0 with real `Worker`s running the
 seeded transformer over real gRPC streams, sends requests through RequestService.Generate, and
@@ -135,7 +135,7 @@ def test_shared_prefixes_and_full_prompt_hits_match_reference(backend: str) -> N
 
 
 def test_prefix_hit_waits_for_the_writers_report() -> None:
-    """DESIGN 4: a block becomes a hit only once the step writing it has been reported. The
+    """A cached block becomes a prefix hit only once the step writing it has been reported. The
     worker is held while the daemon runs ahead of it (W's next chunks scheduled, not executed);
     R arrives sharing W's prompt, and the worker then applies W's chunks and R's placement at
     one step boundary. W runs one chunk per step, so had R hit W's scheduled-but-unwritten
@@ -316,15 +316,15 @@ def test_decode_worker_lost_before_push_ends_with_error_and_frees_both_pools() -
     async def go() -> tuple[Result, Result]:
         async with model_daemon(PD_NODES, engine=PD_ENGINE) as h:
             p = h.workers["p"]
-            push = p._push
+            push = p.kv._push
 
             async def stop_decode_then_push(due: Any) -> None:
                 await h.stop_worker("d")  # its KV server is closed when this returns
                 await push(due)
 
-            p._push = stop_decode_then_push  # type: ignore[method-assign]
+            p.kv._push = stop_decode_then_push  # type: ignore[method-assign]
             failed = await h.generate("lost", make_prompt(510, 60), 20)
-            p._push = push  # type: ignore[method-assign]
+            p.kv._push = push  # type: ignore[method-assign]
             assert (await h.status("p")).num_free_blocks == PD_NODES["p"].num_gpu_blocks
             h.start_worker("d")
             await h.wait_ready(["d"])

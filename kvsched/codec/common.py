@@ -1,0 +1,95 @@
+"""Messages of `common.proto` both services share: finish reasons, instance roles, sampling
+parameters, multimodal ranges. Ranges of values are not checked here: the request handler and
+the scheduler do that."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvsched.core import protocol as core
+from kvsched.core.config import Role
+from kvsched.v1 import common_pb2
+
+FINISH_REASONS = frozenset(int(r) for r in core.FinishReason)
+"""Every finish reason this version knows, as ints (the proto and core values are equal)."""
+MAX_FINISH_REASON = max(FINISH_REASONS)
+
+
+def finish_reason_to_proto(reason: core.FinishReason) -> common_pb2.FinishReason.ValueType:
+    """The proto enum value of `reason` (the values are equal by design)."""
+    return common_pb2.FinishReason.ValueType(int(reason))
+
+
+def finish_reason_from_proto(value: int) -> core.FinishReason:
+    """The core reason for a proto enum value; `ValueError` for a value this version lacks."""
+    if value not in FINISH_REASONS:
+        raise ValueError(f"unknown FinishReason {value}; this daemon knows 0-{MAX_FINISH_REASON}")
+    return core.FinishReason(value)
+
+
+_ROLE_TO_PROTO = {
+    Role.MIXED: common_pb2.INSTANCE_ROLE_MIXED,
+    Role.PREFILL: common_pb2.INSTANCE_ROLE_PREFILL,
+    Role.DECODE: common_pb2.INSTANCE_ROLE_DECODE,
+}
+_ROLE_FROM_PROTO = {v: k for k, v in _ROLE_TO_PROTO.items()}
+
+
+def role_to_proto(role: Role) -> common_pb2.InstanceRole.ValueType:
+    return _ROLE_TO_PROTO[role]
+
+
+def role_from_proto(value: int) -> Role:
+    """The core role; `ValueError` for UNSPECIFIED or a value this version lacks."""
+    role = _ROLE_FROM_PROTO.get(common_pb2.InstanceRole.ValueType(value))
+    if role is None:
+        raise ValueError(f"InstanceRole {value} is not one of {sorted(_ROLE_FROM_PROTO)}")
+    return role
+
+
+def sampling_to_proto(params: core.SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+    )
+
+
+def sampling_from_proto(
+    pb: common_pb2.SamplingParams, default_max_tokens: int | None = None
+) -> core.SamplingParams:
+    """Core sampling params. Absent max_tokens takes `default_max_tokens` (else the core's
+    default); absent top_p is 1.0."""
+    params = core.SamplingParams(
+        min_tokens=pb.min_tokens,
+        temperature=pb.temperature,
+        top_k=pb.top_k,
+        seed=pb.seed,
+        stop_token_ids=pb.stop_token_ids[:],
+        ignore_eos=pb.ignore_eos,
+    )
+    if pb.HasField("max_tokens"):
+        params.max_tokens = pb.max_tokens
+    elif default_max_tokens is not None:
+        params.max_tokens = default_max_tokens
+    if pb.HasField("top_p"):
+        params.top_p = pb.top_p
+    return params
+
+
+def mm_ranges_to_proto(ranges: Iterable[core.MultimodalRange]) -> list[common_pb2.MultimodalRange]:
+    return [
+        common_pb2.MultimodalRange(offset=r.offset, length=r.length, content_hash=r.content_hash)
+        for r in ranges
+    ]
+
+
+def mm_ranges_from_proto(
+    pbs: Iterable[common_pb2.MultimodalRange],
+) -> list[core.MultimodalRange]:
+    return [core.MultimodalRange(pb.offset, pb.length, pb.content_hash) for pb in pbs]

@@ -1,0 +1,78 @@
+"""The engines a worker can run: what the daemon's Welcome fixes for them, and factories that
+build one per session (a `SimExecutor` or a `PagedModelExecutor` under a `WorkerEngine`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvsched.worker_stub.engine import KvSender, WorkerEngine
+from kvsched.worker_stub.sim import SimExecutor
+
+_SIM_MAX_MODEL_LEN = 1 << 20  # the sim has no length limit of its own
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """What the daemon's Welcome fixes for the engine."""
+
+    block_size: int
+    num_speculative_tokens: int
+    max_model_len: int  # 0: the executor's own limit
+
+
+EngineFactory = Callable[[EngineSettings, KvSender], WorkerEngine]
+
+
+def sim_engine_factory(
+    num_slots: int,
+    *,
+    gpu: str = "h100",
+    speed: float = 1.0,
+    zero_cost: bool = False,
+    seed: int = 0,
+    eos_every: int | None = None,
+) -> EngineFactory:
+    """Engines over a `SimExecutor`; the arguments are checked now, not after the Welcome."""
+    SimExecutor(gpu=gpu, speed=speed, zero_cost=zero_cost, seed=seed, eos_every=eos_every)
+
+    def build(settings: EngineSettings, kv_sender: KvSender) -> WorkerEngine:
+        sim = SimExecutor(gpu=gpu, speed=speed, zero_cost=zero_cost, seed=seed, eos_every=eos_every)
+        return WorkerEngine(
+            sim,
+            settings.block_size,
+            num_slots,
+            sim.eos_token_id,
+            settings.max_model_len or _SIM_MAX_MODEL_LEN,
+            settings.num_speculative_tokens,
+            kv_sender=kv_sender,
+            columnar=True,
+        )
+
+    return build
+
+
+def model_engine_factory(
+    num_slots: int, num_blocks: int, *, seed: int = 0, backend: str = "numpy"
+) -> EngineFactory:
+    """Engines over a `PagedModelExecutor` of `ModelConfig(seed=seed)`. Imports numpy (and
+    Paddle for that backend) when called: set thread-count variables before."""
+    from kvsched.worker_stub.model import ModelConfig, PagedModelExecutor, get_backend
+
+    config = ModelConfig(seed=seed)
+    array_backend = get_backend(backend, config.dtype)
+
+    def build(settings: EngineSettings, kv_sender: KvSender) -> WorkerEngine:
+        executor = PagedModelExecutor(config, num_blocks, settings.block_size, array_backend)
+        max_model_len = min(settings.max_model_len or config.max_model_len, config.max_model_len)
+        return WorkerEngine(
+            executor,
+            settings.block_size,
+            num_slots,
+            config.eos_token_id,
+            max_model_len,
+            settings.num_speculative_tokens,
+            kv_sender=kv_sender,
+        )
+
+    return build

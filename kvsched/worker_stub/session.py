@@ -1,0 +1,311 @@
+"""The worker's session with the daemon: one `WorkerService.Connect` stream at a time (hello,
+welcome, heartbeats), retried with backoff when it breaks. Every session starts from an empty
+cache. The protocol's rules are in the WorkerService comment of
+`protos/kvsched/v1/worker_service.proto`. Inside a session three tasks run:
+
+    daemon --ConnectResponse--> _read_stream ---inbox---> step loop (steps.py): at each step
+             (peers: kept in a map at once)     ^            boundary apply all, step, push KV,
+    peer --KvTransferService.Push---------------+            report
+                                                             sim: sleep out step_time_s
+    _heartbeats: one heartbeat whenever nothing                model: step() in a thread
+    was sent for the interval
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import zlib
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from kvsched import codec
+from kvsched.core.errors import KvschedError, ProtocolError
+from kvsched.core.protocol import StepReport
+from kvsched.v1 import kv_transfer_service_pb2 as kv_pb2
+from kvsched.v1 import worker_service_pb2 as pb
+from kvsched.worker_stub.channels import open_channel
+from kvsched.worker_stub.factories import EngineFactory
+from kvsched.worker_stub.kv_push import KvPush
+from kvsched.worker_stub.stats import WorkerStats
+from kvsched.worker_stub.steps import InboxItem, Outbox, StepLoop
+
+log = logging.getLogger(__name__)
+
+_CONNECT = "/kvsched.v1.WorkerService/Connect"
+# The daemon refused this worker: retrying the same hello cannot help.
+_FATAL_CODES = frozenset(
+    {
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+
+
+class WorkerError(KvschedError):
+    """The daemon refused this worker for good (bad hello, credentials, protocol version)."""
+
+
+class Worker(StepLoop):
+    """A worker process's connection to the daemon. Create it, then `await run()`; call
+    `stop()` (from the loop's thread) to leave. Usable in-process by tests.
+
+    on_step is called after every step on every rank with its report (rank 0 sends it).
+    """
+
+    def __init__(
+        self,
+        server: str,
+        instance_id: str,
+        engine_factory: EngineFactory,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        num_gpu_blocks: int,
+        block_size: int,
+        num_slots: int,
+        model: str = "default",
+        executor_name: str = "sim",
+        channel_credentials: grpc.ChannelCredentials | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        heartbeat_interval_s: float = 1.0,
+        kv_listen: str | None = None,
+        kv_server_credentials: grpc.ServerCredentials | None = None,
+        kv_token: str | None = None,
+        push_timeout_s: float = 30.0,
+        push_wait_s: float = 5.0,
+        reconnect_backoff_s: tuple[float, float] = (0.1, 5.0),
+        on_step: Callable[[StepReport], None] | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
+        stats = WorkerStats()
+        kv = KvPush(
+            instance_id,
+            rank,
+            stats,
+            channel_credentials=channel_credentials,
+            listen=kv_listen,
+            server_credentials=kv_server_credentials,
+            token=kv_token,
+            push_timeout_s=push_timeout_s,
+            push_wait_s=push_wait_s,
+        )
+        super().__init__(
+            engine_factory, kv, stats, rank=rank, block_size=block_size, on_step=on_step
+        )
+        self.server = server
+        self.instance_id = instance_id
+        self.world_size = world_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_slots = num_slots
+        self.model = model
+        self.executor_name = executor_name
+        self._credentials = channel_credentials
+        self._metadata = tuple(metadata)
+        self._default_heartbeat_s = heartbeat_interval_s
+        self._backoff_s = reconnect_backoff_s
+        self._stopping = asyncio.Event()
+        self._inbox: asyncio.Queue[InboxItem] | None = None
+        self._heartbeat_s = heartbeat_interval_s
+        self._last_sent = 0.0
+        self._welcomed = asyncio.Event()  # set once the current session is welcomed
+
+    @property
+    def kv_address(self) -> str | None:
+        """host:port peers push to, once run() started the KV server."""
+        return self.kv.address
+
+    def stop(self) -> None:
+        """Leave: run() closes the stream and returns. Safe to call more than once."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        """Serve the daemon until it ends the stream with OK or stop() is called. A broken
+        stream is retried with jittered exponential backoff. Raises WorkerError when the daemon
+        refuses this worker (FAILED_PRECONDITION, INVALID_ARGUMENT, UNAUTHENTICATED, ...)."""
+        kv_server = await self.kv.start_server(self) if self.kv.listen else None
+        backoff = self._backoff_s[0]
+        try:
+            while not self._stopping.is_set():
+                started = time.monotonic()
+                try:
+                    if await self._session():
+                        if not self._stopping.is_set():
+                            log.info("daemon %s ended the stream (OK): leaving", self.server)
+                        return
+                except grpc.aio.AioRpcError as e:
+                    if e.code() in _FATAL_CODES:
+                        msg = f"daemon refused worker: {e.code().name}: {e.details()}"
+                        raise WorkerError(msg) from e
+                    log.warning(
+                        "stream to %s broke: %s: %s", self.server, e.code().name, e.details()
+                    )
+                except (ProtocolError, ValueError) as e:  # the daemon sent something unusable
+                    log.error("dropping the stream to %s: %s", self.server, e)
+                if time.monotonic() - started >= self._backoff_s[1]:
+                    backoff = self._backoff_s[0]  # it ran a while: not a crash loop
+                delay = backoff * random.uniform(0.5, 1.0)
+                backoff = min(2 * backoff, self._backoff_s[1])
+                log.info("reconnecting to %s in %.2f s", self.server, delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+        finally:
+            await self.kv.close()
+            if kv_server is not None:
+                await kv_server.stop(grace=0.5)
+
+    # ---- KV pushes this rank receives (the Push servicer calls these) ---------------------------
+
+    async def receive_kv(self, request: kv_pb2.PushRequest) -> tuple[grpc.StatusCode, str]:
+        """Queue a received push for the step boundary and wait for its outcome: OK once the
+        data is written into the blocks of a held handle."""
+        return await self.kv.receive(request, self._inbox)
+
+    def check_kv_auth(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        """True when KV pushes need no token or `metadata` carries this worker's."""
+        return self.kv.check_auth(metadata)
+
+    # ---- one session ----------------------------------------------------------------------------
+
+    async def _session(self) -> bool:
+        """One Connect stream. True when it ended for good: the daemon closed it with OK, or
+        stop() was called. Raises when it broke."""
+        inbox: asyncio.Queue[InboxItem] = asyncio.Queue()
+        outbox: Outbox = asyncio.Queue()
+        self._inbox, self._heartbeat_s = inbox, self._default_heartbeat_s
+        self._new_session()
+        self._welcomed = asyncio.Event()
+        async with open_channel(self.server, self._credentials) as channel:
+            # Raw response bytes (no deserializer): the digest covers exactly what was sent.
+            connect = channel.stream_stream(
+                _CONNECT, request_serializer=pb.ConnectRequest.SerializeToString
+            )
+            self._send(outbox, pb.ConnectRequest(hello=self._hello()))
+            call = connect(_drain(outbox), metadata=self._metadata)
+            self.stats.num_connects += 1
+            jobs = [
+                asyncio.create_task(self._read_stream(call, inbox)),
+                asyncio.create_task(self._serve_steps(inbox, outbox)),
+                asyncio.create_task(self._heartbeats(outbox)),
+                asyncio.create_task(self._stopping.wait()),
+            ]
+            try:
+                done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for job in jobs:
+                    job.cancel()
+                await asyncio.gather(*jobs, return_exceptions=True)
+                self._inbox = None
+                self.kv.fail_pending(inbox)
+                outbox.put_nowait(None)  # half-close: the worker leaves
+                call.cancel()
+        for job in done:
+            job.result()  # the first failure, if any
+        return True
+
+    def _hello(self) -> pb.Hello:
+        return pb.Hello(
+            instance_id=self.instance_id,
+            rank=self.rank,
+            world_size=self.world_size,
+            num_gpu_blocks=self.num_gpu_blocks,
+            block_size=self.block_size,
+            num_slots=self.num_slots,
+            model=self.model,
+            protocol_version=codec.PROTOCOL_VERSION,
+            worker_address=self.kv.address or "",
+            executor=self.executor_name,
+        )
+
+    async def _serve_steps(self, inbox: asyncio.Queue[InboxItem], outbox: Outbox) -> None:
+        """Wait for the welcome, take its settings, then run the step loop."""
+        welcome = await self._welcome(inbox)
+        if welcome.protocol_version not in (0, codec.PROTOCOL_VERSION):
+            raise WorkerError(
+                f"daemon speaks worker protocol {welcome.protocol_version}, "
+                f"this worker {codec.PROTOCOL_VERSION}"
+            )
+        engine = self._start_engine(welcome)
+        self._welcomed.set()
+        if welcome.heartbeat_interval_ns:
+            self._heartbeat_s = welcome.heartbeat_interval_ns / 1e9
+        log.info(
+            "welcomed by %s as %s rank %d/%d: %s",
+            self.server,
+            self.instance_id,
+            self.rank,
+            self.world_size,
+            self._settings,
+        )
+        await self._step_loop(engine, inbox, outbox)
+
+    def _send(self, outbox: Outbox, msg: pb.ConnectRequest) -> None:
+        outbox.put_nowait(msg)
+        self._last_sent = time.monotonic()
+
+    async def _read_stream(
+        self, call: grpc.aio.StreamStreamCall, inbox: asyncio.Queue[InboxItem]
+    ) -> None:
+        """Route the daemon's messages until it ends the stream with OK (return) or it breaks
+        (AioRpcError)."""
+        while (raw := await call.read()) is not grpc.aio.EOF:
+            msg = pb.ConnectResponse.FromString(raw)
+            kind = msg.WhichOneof("kind")
+            if kind == "tasks":
+                self.stats.num_tasks += 1
+                self.stats.tasks_digest = zlib.crc32(raw, self.stats.tasks_digest)
+                inbox.put_nowait(codec.tasks_from_proto(msg.tasks))
+            elif kind == "welcome":
+                inbox.put_nowait(msg.welcome)
+            elif kind == "peers":
+                self.kv.peers = {(p.instance_id, p.rank): p.address for p in msg.peers.peers}
+                log.info("KV peers: %s", self.kv.peers)
+            # heartbeat: the message itself is the news
+
+    async def _heartbeats(self, outbox: Outbox) -> None:
+        """A heartbeat whenever nothing else was sent for the interval (the welcome's)."""
+        await self._welcomed.wait()
+        while True:
+            wait = self._last_sent + self._heartbeat_s - time.monotonic()
+            if wait <= 0:
+                self._send(
+                    outbox, pb.ConnectRequest(heartbeat=pb.Heartbeat(time_ns=time.time_ns()))
+                )
+                self.stats.num_heartbeats += 1
+                wait = self._heartbeat_s
+            await asyncio.sleep(wait)
+
+
+async def _drain(outbox: Outbox) -> AsyncIterator[pb.ConnectRequest]:
+    """The stream's messages in order. Reports still queued behind one another (the worker
+    stepped faster than the stream drained) go out merged into one: columns concatenated, the
+    later step number and applied seq. The daemon applies rows in order, so a handle may appear
+    once per merged step; it sees every token sooner and pays for one message instead of many."""
+    carry: object = _NOTHING
+    while True:
+        msg = await outbox.get() if carry is _NOTHING else carry
+        carry = _NOTHING
+        if not isinstance(msg, pb.ConnectRequest):
+            return  # None: the stream is done
+        if msg.WhichOneof("kind") == "report":
+            while not outbox.empty():
+                nxt = outbox.get_nowait()
+                if nxt is not None and nxt.WhichOneof("kind") == "report":
+                    msg.MergeFrom(nxt)  # repeated columns append; scalars take the later
+                else:
+                    carry = nxt
+                    break
+        yield msg
+
+
+_NOTHING = object()

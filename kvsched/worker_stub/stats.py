@@ -1,0 +1,32 @@
+"""The worker's counters, written by its session, step loop and KV pushes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """Counters over the worker's life (all sessions). Times are wall seconds."""
+
+    num_connects: int = 0
+    num_steps: int = 0
+    num_tokens: int = 0  # sampled tokens kept (every rank counts its own)
+    num_reports: int = 0
+    num_paused: int = 0  # report rows saying a slot waits for blocks
+    num_heartbeats: int = 0
+    num_tasks: int = 0
+    tasks_digest: int = 0  # crc32 chained over each Tasks ConnectResponse's bytes, in order
+    busy_s: float = 0.0  # in steps: compute (or simulated GPU time), KV pushes
+    idle_s: float = 0.0  # nothing runnable
+    idle_waiting_on_daemon_s: float = 0.0  # nothing runnable while holding a handle
+    num_kv_pushes: int = 0
+    num_kv_push_failures: int = 0
+    num_kv_received: int = 0
+
+    @property
+    def idle_frac_control_plane(self) -> float:
+        """worker_idle_frac_control_plane: of the time the worker held work, the fraction it
+        sat idle waiting only on the daemon (a chunk, a block extension, a KV reservation)."""
+        active = self.busy_s + self.idle_waiting_on_daemon_s
+        return self.idle_waiting_on_daemon_s / active if active else 0.0
