@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvsched import codec
 from kvsched.core import (
     CacheConfig,
     EngineConfig,
@@ -41,7 +42,6 @@ from kvsched.core import (
     StepReport,
     Tasks,
 )
-from kvsched.server import convert
 from kvsched.worker_stub.engine import WorkerEngine
 from kvsched.worker_stub.sim import SimExecutor
 
@@ -96,7 +96,7 @@ class Worker:
         report = self.engine.step()
         assert report is not None, "the worker had nothing to run"
         self.num_paused += len(report.paused)
-        return convert.report_from_proto(convert.report_to_proto(report))
+        return codec.report_from_proto(codec.report_to_proto(report))
 
 
 def warm_up(s: Scheduler, worker: Worker, running: int, decode_steps: int = 3) -> None:

@@ -426,7 +426,7 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
     from types import SimpleNamespace
 
     from bench.core_step import Worker, build, warm_up
-    from kvsched.server import convert
+    from kvsched import codec
     from kvsched.server.engine import TokenDelivery
     from kvsched.server.frontend import RequestServicer, SessionSink
     from kvsched.server.request_table import Tracked
@@ -448,9 +448,9 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
         worker.engine.apply(tasks)
         report = worker.engine.step()  # the reference worker's report, finish reasons included
         assert report is not None
-        raw = wpb.ConnectRequest(report=convert.report_to_proto(report)).SerializeToString()
+        raw = wpb.ConnectRequest(report=codec.report_to_proto(report)).SerializeToString()
         t0 = time.thread_time()
-        core = convert.report_from_proto(wpb.ConnectRequest.FromString(raw).report)
+        core = codec.report_from_proto(wpb.ConnectRequest.FromString(raw).report)
         t1 = time.thread_time()
         events = sched.apply_report(core)
         t2 = time.thread_time()
@@ -459,7 +459,7 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
         tasks = sched.schedule()
         sched.take_events()
         if not tasks.is_empty():
-            convert.tasks_to_bytes(tasks)
+            codec.tasks_to_bytes(tasks)
         t4 = time.thread_time()
         msg = servicer._batch(sink)
         assert msg is not None

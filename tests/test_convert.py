@@ -1,4 +1,4 @@
-"""Round trips and shape checks of kvsched.server.convert (core <-> kvsched.v1 protobuf)."""
+"""Round trips and shape checks of kvsched.codec (core <-> kvsched.v1 protobuf)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kvsched.server import convert
+from kvsched import codec
 from kvsched.server.engine import InstanceEngine
 from kvsched.server.registry import InstanceRegistry
 from kvsched.server.request_table import RequestTable
@@ -17,7 +17,7 @@ from kvsched.v1 import admin_service_pb2_grpc
 def instance_status(eng: InstanceEngine) -> apb.InstanceStatus:
     st = apb.InstanceStatus(
         instance_id=eng.instance_id,
-        role=convert.role_to_proto(eng.role),
+        role=codec.role_to_proto(eng.role),
         ready=eng.ready,
         draining=eng.draining,
         num_ranks_connected=len(eng.ranks),

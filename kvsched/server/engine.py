@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvsched import codec
 from kvsched.core import (
     ConfigError,
     EngineConfig,
@@ -37,7 +38,6 @@ from kvsched.core import (
     Unavailable,
 )
 from kvsched.core.protocol import StepReport
-from kvsched.server import convert
 
 if TYPE_CHECKING:
     from kvsched.server.telemetry import Telemetry
@@ -230,7 +230,7 @@ class InstanceEngine:
         # Reports applied are always answered (Tasks.report_step), even with nothing to do:
         # the worker paces its reports by these answers.
         if reports or not tasks.is_empty():
-            data = convert.tasks_to_bytes(tasks)
+            data = codec.tasks_to_bytes(tasks)
             for conn in self.ranks.values():
                 conn.queue.put_nowait(data)
 

@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from kvsched import codec
 from kvsched.core import KvschedError
-from kvsched.server import convert
 from kvsched.server.auth import current_principal
 from kvsched.server.errors import status_for
 from kvsched.server.request_table import RequestTable, Tracked
@@ -134,7 +134,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     yield pb.GenerateResponse(tokens=pb.GenerateResponse.Tokens(token_ids=delta))
                 if finished:
                     done = True
-                    yield pb.GenerateResponse(finished=convert.finished_to_proto(req))
+                    yield pb.GenerateResponse(finished=codec.finished_to_proto(req))
                     return
         finally:
             self.requests.streams.discard(sink)
@@ -271,7 +271,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             out.token_ids.extend(tokens)
         for rid, tr in dirty.items():
             if tr.finished:
-                msg.finished.append(convert.finished_to_proto(tr.req))
+                msg.finished.append(codec.finished_to_proto(tr.req))
                 sink.open.pop(rid, None)
         if errors:
             msg.errors.extend(errors)

@@ -12,8 +12,8 @@ import copy
 import logging
 from typing import TYPE_CHECKING, Any
 
+from kvsched import codec
 from kvsched.core import ProtocolError, Request, RequestNotFound, Role, Router, Unavailable
-from kvsched.server import convert
 from kvsched.server.engine import EngineListener, InstanceEngine, RankConn, route, route_decode
 from kvsched.v1 import worker_service_pb2
 
@@ -51,10 +51,10 @@ class InstanceRegistry:
     # ---- workers ----------------------------------------------------------------------------
     def attach_worker(self, hello: Any) -> tuple[InstanceEngine, RankConn]:
         """Register a worker rank from its Hello; raises ProtocolError for a bad one."""
-        if hello.protocol_version != convert.PROTOCOL_VERSION:
+        if hello.protocol_version != codec.PROTOCOL_VERSION:
             raise ProtocolError(
                 f"worker speaks protocol version {hello.protocol_version}; this daemon speaks "
-                f"{convert.PROTOCOL_VERSION}"
+                f"{codec.PROTOCOL_VERSION}"
             )
         if not hello.instance_id:
             raise ProtocolError("Hello.instance_id must not be empty")
@@ -102,12 +102,12 @@ class InstanceRegistry:
         cfg = eng.engine_config
         msg = worker_service_pb2.ConnectResponse(
             welcome=worker_service_pb2.Welcome(
-                protocol_version=convert.PROTOCOL_VERSION,
+                protocol_version=codec.PROTOCOL_VERSION,
                 instance_id=eng.instance_id,
                 block_size=conn.block_size,
                 num_speculative_tokens=cfg.speculative.num_speculative_tokens,
                 max_model_len=cfg.scheduler.max_model_len,
-                role=convert.role_to_proto(eng.role),
+                role=codec.role_to_proto(eng.role),
                 heartbeat_interval_ns=int(self.config.heartbeat_interval_s * 1e9),
                 answers_reports=True,
             )

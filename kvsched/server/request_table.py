@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvsched import codec
 from kvsched.core import (
     FinishReason,
     InvalidRequest,
@@ -31,7 +32,6 @@ from kvsched.core import (
     Unavailable,
 )
 from kvsched.core.request import FINISHED_STATUS
-from kvsched.server import convert
 from kvsched.server.engine import InstanceEngine
 from kvsched.v1 import request_service_pb2
 
@@ -112,7 +112,7 @@ class RequestTable:
         req_id = pb.request_id or uuid.uuid4().hex
         if req_id in self.tracked:
             raise InvalidRequest(f"request_id {req_id!r} is already in use by a live request")
-        req = convert.request_from_proto(pb, req_id, time.monotonic())
+        req = codec.request_from_proto(pb, req_id, time.monotonic())
         eng = self.registry.route(req)
         tr = Tracked(req, eng, sink, pb.detachable, owner, client_tag)
         if eng.role == Role.PREFILL:

@@ -14,8 +14,8 @@ from typing import Any
 
 import grpc
 
+from kvsched import codec
 from kvsched.core import ProtocolError
-from kvsched.server import convert
 from kvsched.server.engine import InstanceEngine, RankConn
 from kvsched.server.registry import InstanceRegistry
 from kvsched.v1 import worker_service_pb2 as wpb
@@ -118,7 +118,7 @@ class WorkerServicer:
                             f"rank {conn.rank} sent a StepReport; only rank 0 reports"
                         )
                     try:
-                        report = convert.report_from_proto(msg.report)
+                        report = codec.report_from_proto(msg.report)
                     except ValueError as exc:
                         raise ProtocolError(f"malformed StepReport: {exc}") from None
                     eng.submit_report(report)

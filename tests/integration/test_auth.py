@@ -22,7 +22,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvsched.server.convert import PROTOCOL_VERSION
+from kvsched.codec import PROTOCOL_VERSION
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import (
     admin_service_pb2_grpc,

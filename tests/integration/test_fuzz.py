@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from kvsched.server.convert import PROTOCOL_VERSION
+from kvsched.codec import PROTOCOL_VERSION
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
@@ -585,7 +585,7 @@ REFUSED_FIRST = {
 }
 
 # A protocol violation after a good start: (kind, needle). Columns that disagree and unknown
-# enum values are caught while converting (convert.report_from_proto); the rest by the core.
+# enum values are caught while converting (codec.report_from_proto); the rest by the core.
 VIOLATIONS = {
     "report names a handle never issued": "never issued",
     "ack of a handle never issued": "never issued",

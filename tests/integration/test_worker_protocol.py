@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from kvsched.server.convert import PROTOCOL_VERSION
+from kvsched.codec import PROTOCOL_VERSION
 from kvsched.v1 import request_service_pb2_grpc, worker_service_pb2_grpc
 from kvsched.v1 import worker_service_pb2 as wpb
 from tests.integration.clients import Spec, generate, run
