@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from kvsched.core import ConfigError, Unavailable
+from kvsched.core import Unavailable
 from kvsched.server.admin import AdminServicer
 from kvsched.server.auth import AuthInterceptor, load_auth_file
 from kvsched.server.config import split_host_port
@@ -33,6 +33,7 @@ from kvsched.server.registry import InstanceRegistry
 from kvsched.server.request_table import RequestTable, Tracked
 from kvsched.server.telemetry import make_telemetry
 from kvsched.server.workers import worker_service_handler
+from kvsched.tls import server_credentials
 from kvsched.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
@@ -152,40 +153,10 @@ def bind(server: grpc.aio.Server, config: ServerConfig) -> int:
     try:
         if not config.tls_cert:
             return int(server.add_insecure_port(config.listen))
-        creds = _server_credentials(config)
+        creds = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
         return int(server.add_secure_port(config.listen, creds))
     except RuntimeError as exc:  # grpc raises instead of returning 0 since 1.60
         raise Unavailable(f"cannot listen on {config.listen}: {exc}") from None
-
-
-def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
-    """TLS credentials from the configured PEM files, checked first with the ssl module: grpc
-    reports a bad certificate, a key that does not match it, or a bad CA file only as "Failed
-    to bind to address"."""
-    import ssl
-    from pathlib import Path
-
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        ctx.load_cert_chain(config.tls_cert, config.tls_key)
-    except (ssl.SSLError, OSError) as exc:
-        raise ConfigError(
-            f"tls_cert = {config.tls_cert!r} / tls_key = {config.tls_key!r}: not a PEM "
-            f"certificate and the private key that matches it ({exc})"
-        ) from None
-    ca = None
-    if config.tls_client_ca:
-        try:
-            ctx.load_verify_locations(cafile=config.tls_client_ca)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(
-                f"tls_client_ca = {config.tls_client_ca!r}: not a PEM CA certificate ({exc})"
-            ) from None
-        ca = Path(config.tls_client_ca).read_bytes()
-    key, cert = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
-    )
 
 
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int:

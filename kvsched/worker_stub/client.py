@@ -19,8 +19,7 @@ import logging
 import os
 import signal
 
-import grpc
-
+from kvsched.tls import channel_credentials, worker_server_credentials
 from kvsched.worker_stub.factories import (
     EngineFactory,
     EngineSettings,
@@ -57,15 +56,9 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         )
     else:
         raise ValueError(f"executor must be 'sim' or 'model', got {args.executor!r}")
-    ca, cert, key = (_read(p) for p in (args.tls_ca, args.tls_cert, args.tls_key))
-    if (cert is None) != (key is None):
-        raise ValueError("--tls-cert and --tls-key go together")
-    credentials = None
-    if ca is not None or cert is not None:
-        credentials = grpc.ssl_channel_credentials(ca, key, cert)
-    kv_server_credentials = None
-    if cert is not None and key is not None:
-        kv_server_credentials = grpc.ssl_server_credentials([(key, cert)])
+    ca, cert, key = args.tls_ca or "", args.tls_cert or "", args.tls_key or ""
+    credentials = channel_credentials(ca, cert, key)
+    kv_server_credentials = worker_server_credentials(cert, key)
     return Worker(
         args.server,
         args.instance,
@@ -82,13 +75,6 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         kv_server_credentials=kv_server_credentials,
         kv_token=args.token or None,
     )
-
-
-def _read(path: str | None) -> bytes | None:
-    if not path:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def run_worker(args: argparse.Namespace) -> int:
