@@ -34,6 +34,8 @@ class StepBudget:
 
 
 class Admission(Preemption):
+    """New requests in, and the step's pieces that spend a `StepBudget`."""
+
     def add_request(self, req: Request) -> None:
         """Queue a new request. Raises InvalidRequest (bad fields, duplicate id) or
         CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises."""

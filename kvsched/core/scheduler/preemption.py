@@ -15,6 +15,8 @@ from kvsched.core.scheduler.placement import Placements
 
 
 class Preemption(Placements):
+    """Victims, preempting them, and the admission reserve (owns `_reserve`, `_relaxed`)."""
+
     def __init__(
         self,
         config: EngineConfig | None = None,

@@ -45,6 +45,8 @@ class _Columns:
 
 
 class Reports(Roles):
+    """apply_report and its parts (owns the last report's step and applied seq)."""
+
     def __init__(
         self,
         config: EngineConfig | None = None,

@@ -14,6 +14,8 @@ from kvsched.core.scheduler.placement import Placements
 
 
 class Roles(Placements):
+    """The prefill/decode roles' ways in and out (owns nothing beyond `Placements`)."""
+
     def preallocate(self, src: Request) -> tuple[int, list[int]] | None:
         """Decode role: hold a slot and blocks for a request another instance will prefill and
         push here. Returns (handle, block ids) for the prefill worker's KvSend, or None when
