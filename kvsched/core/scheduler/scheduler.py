@@ -53,15 +53,13 @@ class Scheduler(Reports, Admission):
                 self._admit(tasks, budget)
                 if self.running:
                     self._decay_reserve()
-        self._add_pending(tasks)
-        tasks.report_step = max(self._last_step, 0)
-        self.stats.num_steps += 1
-        self._note_sent(tasks)
+        self._seal(tasks)
         return tasks
 
-    def _add_pending(self, tasks: Tasks) -> None:
-        """Put what was decided outside the step's pieces into its Tasks. Preempts and aborts
-        go first in the message: their blocks may be reused by the tasks below them."""
+    def _seal(self, tasks: Tasks) -> None:
+        """Complete the step's Tasks: what was decided outside the step's pieces (preempts and
+        aborts go first in the message: their blocks may be reused by the tasks below them),
+        the report it answers, and a note for measuring the round trip (`_observe_lag`)."""
         if (self._pending_preempts or self._pending_aborts) and (tasks.extensions or tasks.chunks):
             # A request extended or given a chunk earlier in this step may have been preempted
             # (priority preemption) or ended (a lone request out of room) later in it: drop its
@@ -76,11 +74,9 @@ class Scheduler(Reports, Admission):
             [],
         )
         tasks.reset_prefix_cache, self._pending_reset = self._pending_reset, False
-
-    def _note_sent(self, tasks: Tasks) -> None:
-        """Remember which report a non-empty Tasks was decided on: the report that says the
-        worker applied it measures the round trip (`_observe_lag`)."""
-        if not tasks.is_empty():
+        tasks.report_step = max(self._last_step, 0)
+        self.stats.num_steps += 1
+        if not tasks.is_empty():  # the report saying it was applied measures the round trip
             self._sent.append((self._seq, self._last_step))
             if len(self._sent) > 4096:  # a worker that never reports applying anything
                 self._sent.popleft()
