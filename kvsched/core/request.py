@@ -1,4 +1,4 @@
-"""A request and its life (DESIGN section 2).
+"""A request and its life (see docs/ARCHITECTURE.md).
 
     WAITING --schedule--> RUNNING --report: finish--> FINISHED_STOPPED | FINISHED_LENGTH
        ^                     | preempt                 FINISHED_ABORTED | FINISHED_ERROR
@@ -14,12 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvsched.core.protocol import FinishReason, MultimodalRange, SamplingParams
-
-if TYPE_CHECKING:
-    from kvsched.core.slots import SlotTable
 
 
 class RequestStatus(IntEnum):
@@ -34,6 +31,27 @@ class RequestStatus(IntEnum):
     @property
     def is_finished(self) -> bool:
         return self > RequestStatus.PREEMPTED
+
+
+class TokenSource(Protocol):
+    """Where a placed request's newest output tokens wait before they are moved to it: the
+    scheduler's slot table (core/slots.py implements this; request.py imports nothing of it).
+    `epoch` changes whenever tokens may have arrived, so a read costs one comparison when none
+    did."""
+
+    epoch: int
+
+    def sync(self, req: Request) -> None:
+        """Move req's waiting tokens to req._out (and its reported count along)."""
+
+    def rebase(self, req: Request) -> None:
+        """req._out was changed directly: make the source's count agree."""
+
+    def unbind(self, req: Request) -> None:
+        """Let go of req, its tokens moved to it first."""
+
+    def packed(self, req: Request, start: int, end: int) -> bytes | None:
+        """Output tokens [start, end) as little-endian int64 bytes, or None if not held."""
 
 
 FINISHED_STATUS = {
@@ -60,7 +78,7 @@ class Request:
     # scheduler's SlotTable first (one vectorized write per step) and are moved here when anyone
     # reads `output_token_ids` or `num_reported_tokens` (see core/slots.py).
     _out: list[int] = field(default_factory=list)
-    _rows: SlotTable | None = None
+    _rows: TokenSource | None = None
     _epoch: int = -1  # the SlotTable epoch of the last sync
     # Placement on a worker slot (None while waiting).
     handle: int = -1

@@ -21,18 +21,17 @@ calls `rebase` (or writes n_out) so the invariant holds again.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from kvsched.core.request import Request
+from kvsched.core.request import Request
 
 RING = 256  # tokens a slot may decode between two visits of the scheduler (a power of two)
 RING_SHIFT = RING.bit_length() - 1
 
 
 class SlotTable:
+    """The per-slot arrays; implements `request.TokenSource` for the requests bound to it."""
+
     def __init__(self, num_slots: int) -> None:
         self.size = 1 << max(0, (num_slots - 1).bit_length())
         self.mask = self.size - 1

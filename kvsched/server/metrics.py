@@ -74,13 +74,13 @@ _COUNTERS = (
 
 
 def _sched_counts(sched: Any) -> tuple[int, ...]:
-    kv, st = sched.kv, sched.stats
+    snap = sched.snapshot()
     return (
-        kv.num_queries,
-        kv.num_hits,
-        st.num_preemptions,
-        st.num_prompt_tokens,
-        st.num_generation_tokens,
+        snap.prefix_cache_query_tokens,
+        snap.prefix_cache_hit_tokens,
+        snap.num_preemptions,
+        snap.num_prompt_tokens,
+        snap.num_generation_tokens,
     )
 
 
@@ -214,7 +214,7 @@ class Metrics:
         if sched is not m.sched:
             m.follow(sched)
         now = time.monotonic()
-        gen = sched.stats.num_generation_tokens
+        gen = sched.stats.num_generation_tokens  # (not snapshot(): this runs every report)
         decode = gen - m.last_gen - m.pending_first
         m.last_gen, m.pending_first = gen, 0
         if decode > 0 and m.last_report > 0.0:
@@ -336,10 +336,11 @@ class _Collector:
                 continue
             mx.instance(iid).follow(sched)
             lv = [iid, model]
-            gauges["running"].add_metric(lv, sched.num_running)
-            gauges["waiting"].add_metric(lv, sched.num_waiting)
-            gauges["usage"].add_metric(lv, sched.kv.usage)
-            gauges["free"].add_metric(lv, sched.kv.num_free_blocks)
+            snap = sched.snapshot()
+            gauges["running"].add_metric(lv, snap.num_running)
+            gauges["waiting"].add_metric(lv, snap.num_waiting)
+            gauges["usage"].add_metric(lv, snap.kv_cache_usage)
+            gauges["free"].add_metric(lv, snap.num_free_blocks)
         success = CounterMetricFamily(
             "kvsched_request_success",
             "Finished requests by reason (stop, length, abort, error).",

@@ -1,0 +1,219 @@
+"""Admission and the step's budget: new requests into the queue (`add_request`), and the three
+pieces of a step that spend the budget, in order: block extensions for decoders
+(`_extend_decoders`), the next chunks of prompts already admitted (`_continue_prefills`), new
+admissions from the queue (`_admit`).
+
+A step's token budget (`StepBudget`):
+
+    max_num_batched_tokens = decoding x (1 + k)  +  continuing prefill chunks  +  new prefills
+                             (worker-autonomous)    (admission order)            (queue order)
+
+Imported by the scheduler facade only; imports `preemption` (and through it `placement`) and
+`validation`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvsched.core.config import Role
+from kvsched.core.errors import CapacityExceeded
+from kvsched.core.protocol import Chunk, Extension, FinishReason, Tasks
+from kvsched.core.request import Request, RequestStatus
+from kvsched.core.scheduler.preemption import Preemption
+from kvsched.core.scheduler.validation import validate
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """What one schedule() call may still hand out, spent as it goes."""
+
+    tokens: int  # prefill tokens left (after the decoders' share)
+    encoder: int = -1  # multimodal encoder tokens left; -1: unlimited
+    preempted: bool = False  # something was preempted this step: admit nothing new
+
+
+class Admission(Preemption):
+    """New requests in, and the step's pieces that spend a `StepBudget`."""
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request. Raises InvalidRequest (bad fields, duplicate id) or
+        CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises."""
+        validate(req, self.config, self.requests, self.kv.pool.num_blocks)
+        if len(self.waiting) >= self.config.scheduler.max_waiting:
+            raise CapacityExceeded(
+                f"waiting queue is full ({self.config.scheduler.max_waiting} requests); "
+                "retry later or raise scheduler.max_waiting"
+            )
+        req.status = RequestStatus.WAITING
+        if req.arrival_time == 0.0:
+            req.arrival_time = self.clock()
+        self.requests[req.req_id] = req
+        self.waiting.push(req)
+
+    def _step_budget(self) -> StepBudget:
+        sc = self.config.scheduler
+        tokens = sc.max_num_batched_tokens - self.num_decoding * (1 + self._spec_k)
+        return StepBudget(tokens, sc.max_num_encoder_tokens or -1)
+
+    # ==== the pieces of a step ================================================================
+    def _extend_decoders(self, tasks: Tasks, budget: StepBudget) -> None:
+        """Give decoding requests whose room is low `prealloc_blocks` more blocks (one more
+        with speculative decoding); preempt LIFO when the pool runs dry. Extensions made by
+        report visits since the last step go out first."""
+        if self._extended:
+            # Made at report time (`_after_report`); drop those whose request left its handle
+            # since (finished, aborted, preempted): their blocks went back with it.
+            live = self.live
+            tasks.extensions = [
+                e
+                for e in self._extended
+                if (r := live.get(e.handle)) is not None and r.status == RequestStatus.RUNNING
+            ]
+            self._extended = []
+        needs = self.needs_blocks
+        while needs:
+            req = next(iter(needs.values()))
+            while (new := self._grow(req)) is None:
+                if len(self.running) == 1:
+                    # Alone and the pool is full: it can never grow here, and preempting it
+                    # would only recompute into the same wall. End it as the model's length
+                    # (the worker drops it with the abort in this same Tasks message).
+                    pool = self.kv.pool
+                    self._pending_aborts.append(req.handle)
+                    self._finish(
+                        req,
+                        FinishReason.LENGTH,
+                        f"KV cache full: the instance holds {pool.num_blocks} blocks "
+                        f"({pool.num_blocks * self.block_size} tokens)",
+                    )
+                    break
+                budget.preempted = True
+                if self._preempt_victim(for_req=req) is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue  # it was the victim (and left needs_blocks)
+            del needs[req.req_id]
+            if new:
+                tasks.extensions.append(Extension(req.handle, new))
+            self._set_check_at(req)
+
+    def _continue_prefills(self, tasks: Tasks, budget: StepBudget) -> None:
+        for req in list(self.prefilling.values()):
+            if budget.tokens <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            n = self._chunk_size(req, req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            end = req.num_computed_tokens + n
+            while (new := self.kv.allocate_slots(req, self._alloc_target(req, end))) is None:
+                budget.preempted = True
+                if self._preempt_victim(for_req=req) is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            assert new is not None
+            if new:
+                tasks.extensions.append(Extension(req.handle, new))
+                self._prefill_debt -= len(new)
+            budget.tokens -= n
+            self._emit_chunk(tasks, req, n, budget)
+
+    def _admit(self, tasks: Tasks, budget: StepBudget) -> None:
+        while budget.tokens > 0 and self.free_slots and (req := self.waiting.peek()) is not None:
+            if self.config.role == Role.DECODE and not req.output_token_ids:
+                break  # a decode instance takes new prompts only through add_prefilled
+            hits = self.kv.find_cached_prefix(req)
+            num_hit = self._trim_hits_for_mm(req, len(hits) * self.block_size)
+            hits = hits[: num_hit // self.block_size]
+            n = self._chunk_size(req, num_hit, budget, num_prefill=req.num_tokens)
+            if n <= 0:
+                break
+            target = self._alloc_target(req, num_hit + n, num_prefill=req.num_tokens)
+            need = self.kv.num_blocks_to_allocate(req, target, hits)
+            if self.config.scheduler.admit_full_prompt:
+                # Admit only what can finish its prefill: the whole prompt must fit beside the
+                # rest of the prompts already admitted, or its later chunks preempt decoders.
+                full = self._alloc_target(req, req.num_tokens, num_prefill=req.num_tokens)
+                need = self.kv.num_blocks_to_allocate(req, full, hits) + self._prefill_debt
+            reserve = self.reserve_blocks_per_running * len(self.running)
+            if need + reserve > self.kv.num_free_blocks:
+                if not self._priority_preempt_for(req):
+                    break
+                continue
+            self.waiting.pop()
+            new = self.kv.allocate_slots(req, target, hits)
+            assert new is not None
+            self._prefill_debt += self._full_blocks(req, req.num_tokens) - len(req.block_ids)
+            self._place(tasks, req, num_hit)
+            budget.tokens -= n
+            self._emit_chunk(tasks, req, n, budget)
+
+    # ==== chunks ==============================================================================
+    def _chunk_size(
+        self, req: Request, start: int, budget: StepBudget, num_prefill: int | None = None
+    ) -> int:
+        """Tokens of req's prefill to run this step starting at `start`, or 0 if none fit."""
+        sc = self.config.scheduler
+        total = req.num_prefill_tokens if num_prefill is None else num_prefill
+        remaining = total - start
+        n = min(remaining, budget.tokens)
+        if sc.long_prefill_token_threshold:
+            n = min(n, sc.long_prefill_token_threshold)
+        if sc.disable_chunked_prefill and n < remaining:
+            return 0
+        if req.mm_ranges:
+            n = self._trim_chunk_for_mm(req, start, n, budget.encoder)
+        return n
+
+    def _trim_chunk_for_mm(self, req: Request, start: int, n: int, enc_left: int) -> int:
+        """Never end a chunk inside an image range (disable_chunked_mm_input), and keep the
+        step's multimodal tokens within the encoder budget (`enc_left`, -1: unlimited): roll
+        back to the range start."""
+        sc = self.config.scheduler
+        end = start + n
+        for r in req.mm_ranges:
+            r_end = r.offset + r.length
+            if r_end <= start or r.offset >= end:
+                continue
+            if sc.disable_chunked_mm_input and r.offset < end < r_end:
+                end = max(r.offset, start)
+                break
+            used = min(r_end, end) - max(r.offset, start)
+            if enc_left >= 0 and used > enc_left:
+                end = max(r.offset, start)
+                break
+            enc_left -= used if enc_left >= 0 else 0
+        return end - start
+
+    @staticmethod
+    def _use_encoder_budget(req: Request, start: int, end: int, budget: StepBudget) -> None:
+        if budget.encoder < 0:
+            return
+        for r in req.mm_ranges:
+            budget.encoder -= max(0, min(r.offset + r.length, end) - max(r.offset, start))
+
+    def _trim_hits_for_mm(self, req: Request, num_hit: int) -> int:
+        """A prefix hit may not end inside an image range when chunked mm input is disabled:
+        roll it back to the block boundary at or before the range start (the seed's
+        revert_chunked_mm_input)."""
+        if not (req.mm_ranges and self.config.scheduler.disable_chunked_mm_input):
+            return num_hit
+        bs = self.block_size
+        for r in sorted(req.mm_ranges, key=lambda r: r.offset, reverse=True):
+            if r.offset < num_hit < r.offset + r.length:
+                num_hit = (r.offset // bs) * bs
+        return num_hit
+
+    def _emit_chunk(self, tasks: Tasks, req: Request, n: int, budget: StepBudget) -> None:
+        start = req.num_computed_tokens
+        tasks.chunks.append(Chunk(req.handle, start, req.token_ids(start, start + n)))
+        req.num_computed_tokens = start + n
+        if req.mm_ranges:
+            self._use_encoder_budget(req, start, start + n, budget)
+        if req.num_computed_tokens >= req.num_prefill_tokens:
+            del self.prefilling[req.req_id]
+            self.num_decoding += 1
+            self._set_check_at(req)

@@ -1,0 +1,104 @@
+"""What a scheduler tells its caller: the events of a step (`Events`, with typed token deltas),
+its running counters (`SchedulerStats`) and a read-only view of its state (`SchedulerSnapshot`).
+
+Plain data, no behaviour: every module of the scheduler package may import this one, and so may
+the server (through `kvsched.core.scheduler`). It imports nothing of the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from kvsched.core.protocol import FinishReason
+from kvsched.core.request import Request
+
+
+class DecodeColumn(NamedTuple):
+    """The plain decode rows of one report round, one token each: `tokens[i]` belongs to
+    `reqs[slots[i]]`. `reqs` is the slot table's snapshot as it was (SlotTable.snapshot: the same
+    list object until a slot changes hands, so a consumer may key a lookup cache on it)."""
+
+    reqs: list[Request | None]
+    slots: np.ndarray  # int64 slot numbers
+    tokens: np.ndarray  # int64 token ids, one per slot
+
+
+class RowTokens(NamedTuple):
+    """New tokens of one request, from a row taken one by one. `slots` is always None: every
+    delta unpacks as (requests, slots, tokens), and None there marks the single-row shape."""
+
+    req: Request
+    slots: None
+    tokens: list[int]
+
+
+# A request's deltas are in report order, and each of its tokens is in exactly one delta.
+TokenDelta = DecodeColumn | RowTokens
+
+
+@dataclass(slots=True)
+class Events:
+    """What changed since the last time events were taken. Requests carry their own state
+    (tokens, status, timings); the lists say which ones to look at."""
+
+    scheduled: list[Request] = field(default_factory=list)  # placed on a slot (again after preempt)
+    first_token: list[Request] = field(default_factory=list)
+    tokens: list[TokenDelta] = field(default_factory=list)  # new output tokens, in report order
+    preempted: list[Request] = field(default_factory=list)  # preemption decided
+    requeued: list[Request] = field(default_factory=list)  # preemption acknowledged, waiting again
+    finished: list[Request] = field(default_factory=list)
+    handed_off: list[Request] = field(default_factory=list)  # prefill role: prompt done, KV sent
+    out_of_blocks: list[Request] = field(default_factory=list)  # a worker slot paused for blocks
+
+    @property
+    def token_reqs(self) -> list[Request]:
+        """The request of every delta (a request once per delta), in order."""
+        out: list[Request] = []
+        for d in self.tokens:
+            if isinstance(d, RowTokens):
+                out.append(d.req)
+            else:
+                reqs = d.reqs
+                out.extend(r for r in map(reqs.__getitem__, d.slots.tolist()) if r is not None)
+        return out
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters since the scheduler was made (the daemon adds up successive schedulers)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_preemption_skips: int = 0  # victims spared because they hit max_preemptions
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_finished: dict[FinishReason, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSnapshot:
+    """Everything the daemon's status, admin and metrics read from a scheduler, taken at once
+    (`Scheduler.snapshot()`): numbers only, nothing that changes afterwards."""
+
+    num_waiting: int
+    num_running: int
+    num_slots: int
+    num_slots_used: int
+    num_gpu_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float  # fraction of blocks in use (free cached blocks count as free)
+    num_steps: int
+    num_preemptions: int
+    num_preemption_skips: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    paused: bool
+    decode_headroom: int  # tokens of room at which a decoding request gets more blocks
+    reserve_blocks_per_running: int  # the admission reserve in force
+    last_report_step: int
+    last_tasks_seq: int

@@ -1,0 +1,77 @@
+"""The scheduler's invariants, asserted (`check_integrity`): O(everything), for tests and
+debugging, never on a hot path. Every block owned as often as tables name it, every placed
+request on its own slot under a live handle, every live request in exactly one state, and the
+counters (`num_decoding`, the prefill debt) equal to what they count.
+
+Reads the state `placement.Placements` owns and changes nothing; imported by the scheduler
+facade only.
+"""
+
+from __future__ import annotations
+
+from kvsched.core.request import RequestStatus
+from kvsched.core.scheduler.placement import Placements
+from kvsched.core.slots import RING
+
+
+def check_integrity(sched: Placements) -> None:
+    """Assert every invariant of the scheduler's state (see the module docstring)."""
+    owners: dict[int, int] = {}
+    placed = list(sched.running.values()) + [
+        r for r in sched.reserved.values() if r.req_id not in sched.running
+    ]
+    for req in placed:
+        assert req.status == RequestStatus.RUNNING, f"{req.req_id}: placed but {req.status!r}"
+        assert len(set(req.block_ids)) == len(req.block_ids), f"{req.req_id}: block twice"
+        for b in req.block_ids:
+            owners[b] = owners.get(b, 0) + 1
+        assert sched.live.get(req.handle) is req, f"{req.req_id}: handle not live"
+        assert req.slot >= 0
+    sched.kv.pool.check_integrity(owners)
+    for req in placed:  # a cached block under a request holds that request's tokens
+        for b, h in zip(req.block_ids, req.block_hashes, strict=False):
+            got = sched.kv.pool.block_hash[b]
+            assert got is None or got == h, f"{req.req_id}: block {b} holds other tokens"
+    # A block in two tables must hold the same tokens in both: the same chained hash at
+    # the same index (it may have lost its cache entry to reset_prefix_cache since).
+    content: dict[int, bytes | None] = {}
+    for req in placed:
+        for i, b in enumerate(req.block_ids):
+            if owners[b] > 1:
+                hb = req.block_hashes[i] if i < len(req.block_hashes) else None
+                assert hb is not None, f"block {b} shared but {req.req_id} has no hash for it"
+                assert content.setdefault(b, hb) == hb, f"block {b} shared with other tokens"
+    slots = [r.slot for r in placed]
+    assert len(set(slots)) == len(slots), "two requests on one slot"
+    table = sched.slots
+    for req in placed:
+        s = req.slot
+        assert table.reqs[s] is req and req._rows is table, f"{req.req_id}: slot row unbound"
+        assert int(table.handle[s]) == req.handle and req.handle & table.mask == s
+        lag = int(table.n_out[s]) - len(req._out)
+        assert 0 <= lag <= RING, f"{req.req_id}: {lag} output tokens in the ring"
+        assert int(table.check[s]) == req.check_out, f"{req.req_id}: slot check drifted"
+    bound = {i for i, r in enumerate(table.reqs) if r is not None}
+    assert bound == set(slots), "slot table rows != placed requests"
+    assert all(int(table.handle[i]) == -1 for i in range(table.size) if i not in bound)
+    assert len(slots) + len(sched.free_slots) == sched.config.scheduler.max_num_seqs
+    assert set(slots).isdisjoint(sched.free_slots), "a slot both used and free"
+    waiting = list(sched.waiting)
+    assert len(waiting) == len(sched.waiting), "queue count drifted"
+    awaiting = [r for r in sched.live.values() if r.status == RequestStatus.PREEMPTED]
+    for r in awaiting:
+        assert not r.block_ids and r.slot < 0, f"{r.req_id}: preempted but holds resources"
+    groups = [
+        set(r.req_id for r in waiting),
+        set(sched.running),
+        set(r.req_id for r in awaiting),
+    ]
+    assert sum(map(len, groups)) == len(set().union(*groups)), "a request in two states"
+    live_ids = set().union(*groups) | set(sched.reserved)
+    assert live_ids == set(sched.requests), "live set != waiting + running + awaiting-ack"
+    assert sched.num_decoding == sum(1 for r in sched.running.values() if r.is_prefill_done)
+    debt = sum(sched._full_blocks(r) - len(r.block_ids) for r in sched.prefilling.values())
+    assert sched._prefill_debt == debt, f"prefill debt {sched._prefill_debt} != {debt}"
+    assert set(sched.prefilling) == {
+        r.req_id for r in sched.running.values() if not r.is_prefill_done
+    }

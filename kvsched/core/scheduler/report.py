@@ -1,0 +1,349 @@
+"""The report path: a worker's StepReport folded into the scheduler (`apply_report`).
+
+Validation first, before anything changes (`_check_report`, `_check_handles`); then the rows:
+plain decode rows (one token, handle still on its slot) as a few vectorized operations over the
+slot table (`_apply_round`), every other row one by one (`_apply_rows`); then a visit to each
+request that needs the scheduler (`_after_report`: caching, finish, hand-off, block extension).
+These loops are tuned (see docs/BENCHMARKS.md, `python -m bench.core_step --breakdown`): keep
+their locals bound and add no attribute hop per row.
+
+Imported by the scheduler facade only; imports `roles` (the hand-off) and through it
+`placement`, and `events`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvsched.core.config import EngineConfig
+from kvsched.core.errors import ProtocolError
+from kvsched.core.protocol import Extension, FinishReason, StepReport
+from kvsched.core.request import Request, RequestStatus
+from kvsched.core.scheduler.events import DecodeColumn, Events, RowTokens
+from kvsched.core.scheduler.roles import Roles
+from kvsched.core.slots import RING, RING_SHIFT
+
+
+@dataclass(slots=True)
+class _Columns:
+    """A validated report's columns as arrays: handles, their slots (handle & mask), tokens;
+    `row_tok` is the token of each one-token row, `one` marks those rows (None: all are),
+    `match` marks rows whose handle is on its slot now (None: not computed)."""
+
+    h: np.ndarray
+    s: np.ndarray
+    toks: np.ndarray
+    row_tok: np.ndarray | None = None
+    one: np.ndarray | None = None
+    match: np.ndarray | None = None
+    all_match: bool = False  # every row's handle is on its slot (match not computed)
+    fins: np.ndarray | None = None  # finish reasons; None: no row finished
+
+
+class Reports(Roles):
+    """apply_report and its parts (owns the last report's step and applied seq)."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = lambda: 0.0,
+        instance_id: str = "",
+        first_handle: int = 0,
+    ) -> None:
+        super().__init__(config, clock, instance_id, first_handle)
+        self._last_step = -1  # the last report's step
+        self._last_applied_seq = -1  # the last Tasks seq a report said the worker applied
+        self._ones_bytes = b""  # int64 ones, as bytes (_check_report)
+        self._zero_bytes = b""  # int64 zeros, as bytes (_check_report)
+
+    @property
+    def last_report_step(self) -> int:
+        return self._last_step
+
+    def apply_report(self, report: StepReport) -> Events:
+        """Fold a worker's step report in: append tokens, register written blocks in the prefix
+        cache, finish what the worker stopped, re-queue acknowledged preemptions. Raises
+        ProtocolError (state unchanged) for reports that break the protocol. Returns the events
+        since the last call (including those of schedule() and abort())."""
+        cols = self._check_report(report)
+        if report.applied_seq > self._last_applied_seq and self._sent:
+            self._observe_lag(report)
+        self._last_step, self._last_applied_seq = report.step, report.applied_seq
+        live, events = self.live, self.events
+        get = live.get
+        # Failures first: a prefill worker reports the prompt's first token in the same report
+        # as its failed KV push, and that row must not hand the request off.
+        if len(report.failed):
+            for h in list(report.failed):
+                req = live.get(int(h))
+                if req is not None:
+                    self._finish(req, FinishReason.ERROR, "worker failed the request (KV transfer)")
+            cols.match, cols.all_match = None, False  # slots were freed: compare again
+        # The hot path: plain decode rows (one token, handle still on its slot) are a handful
+        # of vectorized operations over the slot table; each row's request is looked at only
+        # when its output count reaches its precomputed check (a first token, blocks to extend,
+        # max_tokens). Every other row (a prefill chunk, several tokens, a late row about a
+        # request no longer on its slot) is taken one by one.
+        n_gen = len(cols.toks)
+        slow: list[Request] = []
+        if len(cols.h):
+            # A merged report (the worker stepped faster than the stream drained) names a
+            # handle once per step: apply it in rounds, each handle at most once per round.
+            rounds = self.slots.rounds(cols.s, cols.h)
+            last = rounds[-1]
+            for idx in rounds:
+                n_gen -= self._apply_round(report, cols, idx, slow, idx is last)
+        fins = cols.fins
+        if fins is not None:
+            handles = report.handles
+            for i in np.flatnonzero(fins).tolist():
+                if (req := get(int(handles[i]))) is not None:
+                    self._after_report(req, int(fins[i]))
+        for req in dict.fromkeys(slow):  # a request once, however many rows named it
+            if not req.is_finished and live.get(req.handle) is req:
+                self._after_report(req, 0)
+        self.stats.num_generation_tokens += n_gen
+        for h in list(report.paused):
+            req = live.get(int(h))
+            if req is not None and req.status == RequestStatus.RUNNING and req.is_prefill_done:
+                events.out_of_blocks.append(req)
+                # Its table already reaches past what the worker wrote: an extension is on its
+                # way (queued or in flight) and resumes the slot; another would be waste.
+                if len(req.block_ids) * self.block_size <= req.num_reported_tokens:
+                    self.needs_blocks[req.req_id] = req
+        for h in list(report.acked):
+            req = live.get(int(h))
+            if req is not None and req.status == RequestStatus.PREEMPTED:
+                self._requeue(req)
+        return self.take_events()
+
+    def _apply_round(
+        self,
+        report: StepReport,
+        cols: _Columns,
+        idx: np.ndarray | None,
+        slow: list[Request],
+        last: bool = True,
+    ) -> int:
+        """Apply report rows `idx` (None: all), no handle twice. Plain decode rows whose handle
+        is still on its slot are vectorized; the rest go one by one. `last`: no round of this
+        report follows. Returns the reported tokens not kept."""
+        slots = self.slots
+        s, rt, match, one = cols.s, cols.row_tok, cols.match, cols.one
+        assert rt is not None
+        py_rows: list[int] = []
+        if cols.all_match and one is None:  # every row a plain decode row
+            vs, vt = (s, rt) if idx is None else (s[idx], rt[idx])
+        else:
+            if match is None:
+                match = slots.handle[s] == cols.h
+            if idx is not None:
+                s, rt, match = s[idx], rt[idx], match[idx]
+                if one is not None:
+                    one = one[idx]
+            vec = match if one is None else match & one
+            k = np.flatnonzero(vec)
+            vs, vt = s[k], rt[k]
+            rest = np.flatnonzero(~vec)
+            py_rows = (rest if idx is None else idx[rest]).tolist()
+        if len(vs):
+            pos = slots.n_out[vs]
+            slots.ring_flat[(vs << RING_SHIFT) | (pos & (RING - 1))] = vt  # ring[vs, pos % RING]
+            pos += 1
+            slots.n_out[vs] = pos
+            slots.written()
+            reqs = slots.snapshot()
+            self.events.tokens.append(DecodeColumn(reqs, vs, vt))
+            due = np.flatnonzero(pos >= slots.check[vs])
+            if len(due):
+                due_slots = vs[due]
+                first = self.events.first_token
+                now = -1.0
+                for i in due_slots.tolist():
+                    req = reqs[i]
+                    assert req is not None
+                    if not last:
+                        slots.sync(req)  # its ring is free again for the later rounds
+                    slow.append(req)
+                    if req.first_token_time < 0:
+                        if now < 0:
+                            now = self.clock()
+                        req.first_token_time = now
+                        first.append(req)
+                if not last:
+                    # Later rounds of a merged report find it due again only if its ring
+                    # fills; the visit after the last round sets its real next check.
+                    slots.check[due_slots] = pos[due] + RING
+        return self._apply_rows(report, py_rows, slow) if py_rows else 0
+
+    def _apply_rows(self, report: StepReport, rows: list[int], slow: list[Request]) -> int:
+        """Report rows taken one by one, in order. Returns the reported tokens not kept (rows
+        about requests gone, tokens past max_tokens)."""
+        get, first, deltas = self.live.get, self.events.first_token, self.events.tokens
+        toks, nums, comps, handles = (
+            report.token_ids,
+            report.num_new_tokens,
+            report.num_computed,
+            report.handles,
+        )
+        ends = np.cumsum(np.asarray(nums, dtype=np.int64)).tolist()
+        dropped = 0
+        for i in rows:
+            n_new = int(nums[i])
+            req = get(int(handles[i]))
+            if req is None:  # late report about a finished/aborted occupant
+                dropped += n_new
+                continue
+            req.num_reported_tokens = int(comps[i])  # (moves its ring tokens to it first)
+            out = req._out
+            if n_new:
+                if not out:
+                    req.first_token_time = self.clock()
+                    first.append(req)
+                room = req.sampling.max_tokens - len(out)
+                kept = min(n_new, max(room, 0))
+                start = ends[i] - n_new
+                new = [int(t) for t in toks[start : start + kept]]
+                out.extend(new)
+                dropped += n_new - kept
+                if req._rows is not None:
+                    req._rows.rebase(req)
+                if new:
+                    deltas.append(RowTokens(req, None, new))
+                if n_new == 1 and len(out) < req.check_out:
+                    continue
+            slow.append(req)  # several tokens, or a prefill chunk ran: blocks to cache
+        return dropped
+
+    def _after_report(self, req: Request, finish_reason: int) -> None:
+        """The slow path of a report row: caching, hand-off, finish, block extension."""
+        if req.status == RequestStatus.PREEMPTED:
+            # It finished before the worker saw the preempt: keep that; the ack is ignored.
+            if finish_reason:
+                self._finish(req, FinishReason(finish_reason))
+            elif req.num_output_tokens >= req.sampling.max_tokens:
+                self._finish(req, FinishReason.LENGTH)
+            return
+        if req._rows is not None:
+            req._rows.sync(req)  # below, req._out and req._reported are current
+        capacity = len(req.block_ids) * self.block_size
+        if req._reported > capacity:
+            raise ProtocolError(
+                f"handle {req.handle}: reported {req._reported} KV positions but its "
+                f"table holds {capacity}"
+            )
+        self.kv.cache_reported(req)
+        if finish_reason:
+            self._finish(req, FinishReason(finish_reason))
+            return
+        n_out = len(req._out)
+        if n_out >= req.sampling.max_tokens:
+            self._finish(req, FinishReason.LENGTH)
+            return
+        if n_out and self._prefill_role:
+            self._hand_off(req)
+            return
+        if self._prefill_role:
+            self._set_check_at(req)  # its first token is a hand-off: it never decodes here
+            return
+        if req.num_computed_tokens >= req.num_prefill_tokens:  # prefill done: decoding
+            if capacity - len(req.prompt_token_ids) - n_out <= self._threshold + self._spec_k:
+                # Room is low: extend it now (sent with the next Tasks) if the pool has the
+                # blocks; else the next schedule() makes room (or preempts), and until then it
+                # needs a visit only for its first token, at max_tokens, or when its ring fills.
+                new = None if self.paused else self._grow(req)
+                if new is None:
+                    self.needs_blocks[req.req_id] = req
+                    self.slots.set_check(req, req.sampling.max_tokens if n_out else 1)
+                    return
+                self.needs_blocks.pop(req.req_id, None)  # (an earlier visit found it dry)
+                if new:
+                    self._extended.append(Extension(req.handle, new))
+            self._set_check_at(req)
+
+    def _check_report(self, report: StepReport) -> _Columns:
+        """Validate a report before anything changes; returns its columns as arrays."""
+        if report.step <= self._last_step:
+            raise ProtocolError(
+                f"report for step {report.step} after step {self._last_step}: steps must increase"
+            )
+        if not self._last_applied_seq <= report.applied_seq <= self._seq:
+            raise ProtocolError(
+                f"report says it applied tasks {report.applied_seq}, but tasks "
+                f"{self._last_applied_seq + 1}..{self._seq} are the only ones it could have"
+            )
+        n = len(report.handles)
+        if not (len(report.num_computed) == len(report.num_new_tokens) == n):
+            raise ProtocolError(
+                "report columns handles/num_computed/num_new_tokens differ in length"
+            )
+        fins = report.finish_reasons
+        if len(fins) and len(fins) != n:
+            raise ProtocolError("report column finish_reasons must be empty or one per handle")
+        fin: np.ndarray | None = None  # None: no row finished (the common report)
+        if len(fins):
+            fin = np.asarray(fins, dtype=np.int64)
+            if 8 * n > len(self._zero_bytes):
+                self._zero_bytes = bytes(16 * n)
+            if fin.tobytes() == self._zero_bytes[: 8 * n]:
+                fin = None
+            elif not 0 <= int(fin.min()) <= int(fin.max()) <= FinishReason.ERROR:
+                raise ProtocolError("report has an unknown finish reason")
+        try:
+            toks = np.asarray(report.token_ids, dtype=np.int64)
+            h = np.asarray(report.handles, dtype=np.int64)
+            nums = np.asarray(report.num_new_tokens, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"report columns must be 64-bit integers: {exc}") from None
+        cols = _Columns(h, h & self.slots.mask, toks)
+        if n:
+            # The common report (every row one token, every handle on its slot) is recognised
+            # by comparing bytes: after the worker's conversion numpy's ufunc machinery is cold
+            # in the CPU's caches (~2 us a call), a memcmp is not.
+            ones = self._ones_bytes
+            if len(ones) < 8 * n:
+                ones = self._ones_bytes = np.ones(2 * n, dtype=np.int64).tobytes()
+            if len(toks) == n and nums.tobytes() == ones[: 8 * n]:
+                cols.row_tok = toks  # every row sampled exactly one token: row i has toks[i]
+            else:
+                if int(nums.min()) < 0:
+                    raise ProtocolError("report has a negative token count")
+                if int(nums.sum()) != len(toks):
+                    raise ProtocolError("report token_ids length != sum(num_new_tokens)")
+                cols.one = nums == 1
+                cols.row_tok = toks.take(np.cumsum(nums) - 1, mode="clip") if len(toks) else nums
+            # A handle on its slot was issued; only the others need the range check.
+            on_slot = self.slots.handle[cols.s]
+            if on_slot.tobytes() == h.tobytes():
+                # An empty slot holds -1: a row naming -1 (or any handle below the first one
+                # issued) would match it.
+                if int(h.min()) < self.first_handle:
+                    self._check_handles(h)  # raises
+                cols.all_match = True
+            else:
+                cols.match = match = on_slot == h
+                self._check_handles(h[~match])
+        elif len(toks):
+            raise ProtocolError("report token_ids length != sum(num_new_tokens)")
+        for col in (report.acked, report.paused, report.failed):
+            if len(col):
+                self._check_handles(col)
+        cols.fins = fin
+        return cols
+
+    def _check_handles(self, handles: Any) -> None:
+        try:
+            handles = np.asarray(handles, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):
+            raise ProtocolError("report names a handle that is not a 64-bit integer") from None
+        if len(handles) and (
+            int(handles.min()) < self.first_handle or int(handles.max()) >= self.next_handle
+        ):
+            raise ProtocolError(
+                "report names handle(s) never issued "
+                f"(issued so far: {self.first_handle}..{self.next_handle - 1})"
+            )

@@ -1,0 +1,84 @@
+"""Checks a new request must pass before it is queued: every field in range, and a request the
+instance could ever run (its prompt fits the KV pool, its multimodal items fit a step).
+
+Pure functions of the request and the configuration; imported by admission only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Container
+
+from kvsched.core.config import EngineConfig, QueuePolicy
+from kvsched.core.errors import InvalidRequest
+from kvsched.core.request import Request
+
+_MAX_TOKEN_ID = (1 << 31) - 1
+
+
+def validate(req: Request, config: EngineConfig, live: Container[str], num_blocks: int) -> None:
+    """Raise InvalidRequest naming the first field out of range. `live`: the request ids in
+    use; `num_blocks`: the instance's KV pool."""
+    sc, sp = config.scheduler, req.sampling
+    rid = req.req_id
+    if not rid:
+        raise InvalidRequest("request_id must not be empty")
+    if rid in live:
+        raise InvalidRequest(f"request_id {rid!r} is already in use by a live request")
+    n = len(req.prompt_token_ids)
+    if n == 0:
+        raise InvalidRequest(f"request {rid!r}: prompt_token_ids is empty")
+    if sp.max_tokens < 1:
+        raise InvalidRequest(f"request {rid!r}: max_tokens = {sp.max_tokens} must be >= 1")
+    if sp.min_tokens < 0 or sp.min_tokens > sp.max_tokens:
+        raise InvalidRequest(
+            f"request {rid!r}: min_tokens = {sp.min_tokens} must be in [0, max_tokens]"
+        )
+    if n + sp.max_tokens > sc.max_model_len:
+        raise InvalidRequest(
+            f"request {rid!r}: prompt ({n} tokens) + max_tokens ({sp.max_tokens}) = "
+            f"{n + sp.max_tokens} exceeds max_model_len {sc.max_model_len}"
+        )
+    if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) > _MAX_TOKEN_ID:
+        raise InvalidRequest(f"request {rid!r}: token ids must be in [0, 2^31)")
+    if req.priority < 0 and sc.policy == QueuePolicy.PRIORITY:
+        raise InvalidRequest(f"request {rid!r}: priority = {req.priority} must be >= 0")
+    block_size = config.cache.block_size
+    need_blocks = -(-(n + 1) // block_size)
+    if need_blocks > num_blocks:
+        raise InvalidRequest(
+            f"request {rid!r}: a prompt of {n} tokens needs {need_blocks} KV blocks but the "
+            f"instance has {num_blocks} ({num_blocks * block_size}"
+            " tokens): shorten the prompt"
+        )
+    if not math.isfinite(sp.temperature) or not math.isfinite(sp.top_p):
+        raise InvalidRequest(f"request {rid!r}: temperature and top_p must be finite numbers")
+    if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0:
+        raise InvalidRequest(f"request {rid!r}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+    prev_end = 0
+    for r in req.mm_ranges:
+        if r.offset < prev_end:
+            raise InvalidRequest(
+                f"request {rid!r}: multimodal ranges must be sorted by offset and must not "
+                f"overlap (a range starts at {r.offset}, before {prev_end})"
+            )
+        prev_end = r.offset + r.length
+        if r.offset < 0 or r.length < 1 or r.offset + r.length > n or not r.content_hash:
+            raise InvalidRequest(
+                f"request {rid!r}: multimodal range (offset {r.offset}, length {r.length}) "
+                f"must lie inside the prompt (0..{n}) and carry a content hash"
+            )
+        if _mm_never_fits(config, r.length):
+            raise InvalidRequest(
+                f"request {rid!r}: a multimodal item of {r.length} tokens can never fit "
+                "the per-step token or encoder budget with chunked mm input disabled"
+            )
+
+
+def _mm_never_fits(config: EngineConfig, length: int) -> bool:
+    """A multimodal item that may not be split over steps but exceeds a step's budget."""
+    sc = config.scheduler
+    if not sc.disable_chunked_mm_input:
+        return False
+    enc = sc.max_num_encoder_tokens
+    return length > sc.max_num_batched_tokens or bool(enc and length > enc)
