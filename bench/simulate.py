@@ -3,7 +3,7 @@
 No sleeping, no gRPC: trace arrivals go through `kvsched.core.Router` to one `Scheduler` per
 instance, whose `Tasks` drive a real `WorkerEngine` over a `SimExecutor`; the cost model gives
 each step's duration and the virtual clock jumps from event to event. The asynchronous worker
-protocol of DESIGN section 4 is kept, so tasks planned after report n reach step n + 2:
+worker protocol (protos/kvsched/v1/worker_service.proto) is kept, so tasks planned after report n reach step n + 2:
 
     worker   |---- step n ----|---- step n+1 ----|---- step n+2 ----|
                               ^ report n          ^ boundary: applies every Tasks received

@@ -35,7 +35,14 @@ from kvsched.core.protocol import (
 )
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.router import Router
-from kvsched.core.scheduler import Events, Scheduler
+from kvsched.core.scheduler import (
+    DecodeColumn,
+    Events,
+    RowTokens,
+    Scheduler,
+    SchedulerSnapshot,
+    TokenDelta,
+)
 
 __all__ = [
     "BlockPool",
@@ -43,6 +50,7 @@ __all__ = [
     "CapacityExceeded",
     "Chunk",
     "ConfigError",
+    "DecodeColumn",
     "EngineConfig",
     "Events",
     "Extension",
@@ -59,11 +67,14 @@ __all__ = [
     "RequestStatus",
     "Role",
     "Router",
+    "RowTokens",
     "SamplingParams",
     "Scheduler",
     "SchedulerConfig",
+    "SchedulerSnapshot",
     "SpeculativeConfig",
     "StepReport",
     "Tasks",
+    "TokenDelta",
     "Unavailable",
 ]

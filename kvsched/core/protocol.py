@@ -1,7 +1,8 @@
 """Data that crosses the core's boundary: what the scheduler tells a worker and what it hears back.
 
-These are the core-side shapes of the worker protocol (DESIGN section 4). The server converts
-them to and from protobuf in one module (`kvsched.server.convert`); workers speak protobuf.
+These are the core-side shapes of the worker protocol (`protos/kvsched/v1/worker_service.proto`,
+and docs/ARCHITECTURE.md section 5 for the why). `kvsched.codec` converts them to and from
+protobuf for the daemon and the reference worker alike.
 
 A request placed on a worker slot gets a *handle*: an integer unique per instance and per
 placement (a preempted request that is placed again gets a new one). Every task and every

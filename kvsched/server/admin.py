@@ -24,22 +24,21 @@ def instance_status(eng: InstanceEngine) -> apb.InstanceStatus:
         world_size=eng.world_size,
         model=next((c.model for c in eng.ranks.values()), ""),
     )
-    s = eng.sched
-    if s is not None:
-        kv = s.kv
-        st.paused = s.paused
-        st.num_slots = s.config.scheduler.max_num_seqs
-        st.num_slots_used = st.num_slots - len(s.free_slots)
-        st.num_gpu_blocks = kv.pool.num_blocks
-        st.num_free_blocks = kv.num_free_blocks
-        st.kv_cache_usage = kv.usage
-        st.num_waiting = s.num_waiting
-        st.num_running = s.num_running
-        st.num_steps = s.stats.num_steps
+    snap = eng.snapshot()
+    if snap is not None:
+        st.paused = snap.paused
+        st.num_slots = snap.num_slots
+        st.num_slots_used = snap.num_slots_used
+        st.num_gpu_blocks = snap.num_gpu_blocks
+        st.num_free_blocks = snap.num_free_blocks
+        st.kv_cache_usage = snap.kv_cache_usage
+        st.num_waiting = snap.num_waiting
+        st.num_running = snap.num_running
+        st.num_steps = snap.num_steps
         st.steps_per_s = eng.steps_per_s()
-        st.prefix_cache_query_tokens = kv.num_queries
-        st.prefix_cache_hit_tokens = kv.num_hits
-        st.num_preemptions = s.stats.num_preemptions
+        st.prefix_cache_query_tokens = snap.prefix_cache_query_tokens
+        st.prefix_cache_hit_tokens = snap.prefix_cache_hit_tokens
+        st.num_preemptions = snap.num_preemptions
     return st
 
 

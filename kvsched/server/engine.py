@@ -35,6 +35,7 @@ from kvsched.core import (
     Role,
     Router,
     Scheduler,
+    SchedulerSnapshot,
     Unavailable,
 )
 from kvsched.core.protocol import StepReport
@@ -297,6 +298,10 @@ class InstanceEngine:
             self.sched.reset_prefix_cache()
 
     # ---- status -----------------------------------------------------------------------------
+    def snapshot(self) -> SchedulerSnapshot | None:
+        """The scheduler's numbers for status and metrics; None while the instance is not up."""
+        return None if self.sched is None else self.sched.snapshot()
+
     def steps_per_s(self) -> float:
         times = self._report_times
         if len(times) < 2:

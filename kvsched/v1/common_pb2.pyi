@@ -66,7 +66,7 @@ class _InstanceRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Instance
     """Receives prefilled requests' KV, then decodes."""
 
 class InstanceRole(_InstanceRole, metaclass=_InstanceRoleEnumTypeWrapper):
-    """What an instance computes (DESIGN section 3, item 10)."""
+    """What an instance computes (docs/ARCHITECTURE.md, scheduling rule 10)."""
 
 INSTANCE_ROLE_UNSPECIFIED: InstanceRole.ValueType  # 0
 INSTANCE_ROLE_MIXED: InstanceRole.ValueType  # 1

@@ -1,4 +1,4 @@
-"""Factories that keep core tests short (STYLE rule 11)."""
+"""Factories that keep core tests short (`make_scheduler`, `make_requests`; `check_integrity()` after every step)."""
 
 from __future__ import annotations
 

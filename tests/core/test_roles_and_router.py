@@ -1,4 +1,4 @@
-"""Prefill/decode hand-off (DESIGN 3.10) and the router."""
+"""Prefill/decode hand-off (scheduling rule 10, docs/ARCHITECTURE.md) and the router."""
 
 import ast
 import pathlib

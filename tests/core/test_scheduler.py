@@ -1,4 +1,4 @@
-"""Scheduler scenarios (DESIGN section 3), re-expressed from the peers' public scheduler tests."""
+"""Scheduler scenarios (docs/ARCHITECTURE.md section 4), re-expressed from the peers' public scheduler tests."""
 
 import pytest
 
