@@ -1,6 +1,7 @@
 """CPU cost of one steady decode step of kvsched's scheduler: `schedule()` + `apply_report()`.
 
-The setup of ../shared/tools/vllm_step.py, so the two can be read side by side: R running
+The setup of the vLLM scheduler-step measurement in docs/BENCHMARKS.md section 2, so the two
+can be read side by side: R running
 requests (distinct random 1,024-token prompts, fully prefilled) and W waiting ones that can never
 be admitted (max_num_seqs = R), block size 64, 100,000 blocks, prefix caching on, max_tokens huge
 so nothing finishes and nothing is preempted. Each timed step is one schedule() and one

@@ -49,12 +49,12 @@ from kvsched.traces import TraceRequest, ideal_lru_hit_rate, load_trace
 
 
 def full_trace_or_slice() -> Path:
-    """The full conversation trace where this machine has it (the folder in KVSCHED_TRACE_DIR,
-    or the project's data folder beside the checkout), else the shipped slice: its first 300 s,
-    byte for byte, so the default --duration replays the same requests either way."""
-    beside = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
-    full = Path(os.environ.get("KVSCHED_TRACE_DIR") or beside) / "mooncake_conversation.jsonl"
-    return full if full.exists() else CONVERSATION_SLICE
+    """The full conversation trace where the folder in KVSCHED_TRACE_DIR holds it, else the
+    shipped slice: its first 300 s, byte for byte, so the default --duration replays the same
+    requests either way."""
+    folder = os.environ.get("KVSCHED_TRACE_DIR")
+    full = Path(folder) / "mooncake_conversation.jsonl" if folder else None
+    return full if full is not None and full.exists() else CONVERSATION_SLICE
 
 
 DEFAULT_TRACE = full_trace_or_slice()

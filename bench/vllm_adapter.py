@@ -17,7 +17,7 @@ update_from_output() with a fake ModelRunnerOutput whose tokens are SimExecutor.
 position): the same tokens kvsched's sim worker samples. The next step starts when one ends;
 an idle instance starts one when a request arrives.
 
-Work-arounds for a CPU-only host (the same problems ../shared/tools/vllm_step.py documents;
+Work-arounds for a CPU-only host (the problems any CPU-only vLLM run meets;
 this is our own code): torchvision / torchaudio / torchcodec are hidden before vLLM is imported
 (their CUDA builds do not load against torch+cpu, and transformers imports them eagerly); the
 model-class inspection runs in-process instead of in a subprocess that would not see that; and
