@@ -226,9 +226,14 @@ def check_load(prom: Prometheus, address: str, model: str) -> None:
 
         running = await asyncio.to_thread(prom.wait, "the held request running", seen)
         (inst,) = [i for i, v in running.items() if v == 1]
-        # One scrape: usage and free blocks agree, and the held prompt's blocks are in use.
-        usage = prom.value(f'kvsched_kv_cache_usage_perc{{instance="{inst}"}}')
-        free = prom.value(f'kvsched_num_free_blocks{{instance="{inst}"}}')
+        # Both gauges of one scrape (one query, one timestamp): usage and free blocks agree,
+        # and at least the held prompt's blocks are in use.
+        kv = prom.query(
+            f'{{__name__=~"kvsched_kv_cache_usage_perc|kvsched_num_free_blocks", instance="{inst}"}}'
+        )
+        assert len(kv) == 2 and kv[0]["value"][0] == kv[1]["value"][0], kv
+        got = {r["metric"]["__name__"]: float(r["value"][1]) for r in kv}
+        usage, free = got["kvsched_kv_cache_usage_perc"], got["kvsched_num_free_blocks"]
         assert usage == pytest.approx(1 - free / NUM_BLOCKS, abs=1e-12)
         assert NUM_BLOCKS - free >= math.ceil(len(hold.prompt) / BLOCK_SIZE)
         await stub.Abort(rpb.AbortRequest(request_id="hold"), timeout=10)
