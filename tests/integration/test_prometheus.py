@@ -365,11 +365,13 @@ def check_rules_and_alerts(prom: Prometheus, workers: dict[str, Proc]) -> None:
     prom.wait("the no-instance alert", lambda: active() == want or None)
 
 
-def test_promtool_accepts_the_sample_config_and_rules() -> None:
+def test_promtool_accepts_the_sample_config_and_rules_and_their_unit_tests() -> None:
     promtool = tool("promtool")
     for args in (
         ["check", "config", "prometheus.yml"],  # also checks the rule file it names
         ["check", "rules", "kvsched-alerts.yml"],
+        # The rules' unit tests: each alert fires when (and only when) its case says.
+        ["test", "rules", "kvsched-alerts.test.yml"],
     ):
         res = subprocess.run(
             [promtool, *args], cwd=PROM_DIR, capture_output=True, text=True, timeout=60
