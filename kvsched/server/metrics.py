@@ -3,9 +3,9 @@ and `model`, in a registry of their own per daemon.
 
 Nothing here runs per token, and no prometheus_client object sits on the hot path:
 
-- gauges and the scheduler's own counters (requests running / waiting, KV usage, free blocks,
-  prefix-cache queries and hits, preemptions, prompt and generation tokens) are read from the
-  engines when /metrics is scraped;
+- gauges and the scheduler's own counters (instance ready / accepting, requests running /
+  waiting, KV usage, free blocks, prefix-cache queries and hits, preemptions, prompt and
+  generation tokens) are read from the engines when /metrics is scraped;
 - the hooks bump plain ints and `Hist` buckets (a bisect and two adds), per request at first
   token and at finish, per worker report, per schedule() call.
 
@@ -330,7 +330,21 @@ class _Collector:
         counters = [
             CounterMetricFamily(f"kvsched_{name}", doc, labels=labels) for name, doc in _COUNTERS
         ]
+        ready = GaugeMetricFamily(
+            "kvsched_instance_ready",
+            "1 while the instance has all its worker ranks connected, 0 once a worker is lost "
+            "(or before the first connects).",
+            labels=labels,
+        )
+        accepting = GaugeMetricFamily(
+            "kvsched_instance_accepting",
+            "1 while the instance takes new requests: ready, neither paused nor draining.",
+            labels=labels,
+        )
         for iid, eng in list(mx.daemon.engines.items()):
+            # Every known instance, connected or not: an alert on a lost worker needs the 0.
+            ready.add_metric([iid, model], 1 if eng.ready else 0)
+            accepting.add_metric([iid, model], 1 if eng.accepting else 0)
             sched = eng.sched
             if sched is None:
                 continue
@@ -359,6 +373,8 @@ class _Collector:
             for attr, hist_family in hists.items():
                 h: Hist = getattr(m, attr)
                 hist_family.add_metric(lv, h.cumulative(), h.sum)
+        yield ready
+        yield accepting
         yield from gauges.values()
         yield from counters
         yield success
