@@ -113,7 +113,12 @@ Script = Callable[[Conn], Awaitable[None]]
 
 class FakeDaemon(pb_grpc.WorkerServiceServicer):
     """Runs `script` on every Connect stream; the stream ends with OK when the script returns.
-    A failing script stops every worker in `workers` and is re-raised by `run`."""
+    A failing script stops every worker in `workers` and is re-raised by `run`.
+
+    Scripts keep the worker's heartbeat interval well above the time the stream takes to end:
+    a heartbeat written while the server finishes the call races grpc's own status (the client
+    may then see INTERNAL "Internal error from Core" instead of OK and reconnect), which made
+    tests with a 20 ms interval fail now and then on a loaded machine."""
 
     def __init__(self, script: Script) -> None:
         self.script = script
@@ -194,7 +199,7 @@ def test_worker_runs_pipelined_chunks_and_reports_oracle_tokens() -> None:
 
     async def script(conn: Conn) -> None:
         seen["hello"] = await conn.wait_hello()
-        await conn.welcome(heartbeat_s=0.02)
+        await conn.welcome(heartbeat_s=0.2)
         await conn.send_tasks(Tasks(1, placements=[place(1, 0, [0, 1, 2, 3])], chunks=[]))
         await conn.send_tasks(Tasks(2, chunks=[Chunk(1, 0, PROMPT[:4])]))
         first = await conn.next_report()
@@ -365,7 +370,7 @@ def test_tensor_parallel_ranks_get_identical_tasks_and_only_rank0_reports() -> N
     async def script(conn: Conn) -> None:
         hello = await conn.wait_hello()
         await asyncio.wait_for(both_said_hello.wait(), TIMEOUT)
-        await conn.welcome(heartbeat_s=0.02)
+        await conn.welcome(heartbeat_s=1.0)
         await conn.send_tasks(Tasks(1, placements=[place(1, 2, [5, 6, 7, 8])]))
         await conn.send_tasks(Tasks(2, chunks=[Chunk(1, 0, PROMPT)]))
         if hello.rank == 0:
@@ -404,7 +409,7 @@ def test_a_lagging_tp_rank_defers_a_placement_until_its_slot_frees() -> None:
 
     async def script(conn: Conn) -> None:
         await conn.wait_hello()
-        await conn.welcome(heartbeat_s=0.02)
+        await conn.welcome(heartbeat_s=1.0)
         first = Tasks(1, placements=[place(1, 0, [0, 1, 2, 3])], chunks=[Chunk(1, 0, PROMPT)])
         second = Tasks(2, placements=[place(2, 0, [4, 5, 6, 7])], chunks=[Chunk(2, 0, PROMPT)])
         await conn.send(tasks=codec.tasks_to_proto(first))
