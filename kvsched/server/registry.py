@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvsched import codec
@@ -148,14 +149,37 @@ class InstanceRegistry:
                     ProtocolError("heartbeat timeout: no message within heartbeat_timeout_s"),
                 )
 
+    def send_heartbeats(self, now: float) -> None:
+        """A Heartbeat to every worker rank the daemon has sent nothing for the welcome's
+        heartbeat interval. Called by the watchdog, never per step: what a rank was sent is
+        read off its instance's Tasks count (every Tasks sent has the next seq), so the step
+        path keeps no clock of its own. Other messages (welcome, peers) are rare and at most
+        make a heartbeat early."""
+        interval = self.config.heartbeat_interval_s
+        beat: bytes | None = None
+        for eng in self.engines.values():
+            sched = eng.sched
+            mark = -1 if sched is None else sched.last_tasks_seq
+            for conn in eng.ranks.values():
+                if conn.hb_mark != mark:
+                    conn.hb_mark, conn.hb_since = mark, now
+                elif now - conn.hb_since >= interval and not conn.closed:
+                    if beat is None:
+                        beat = worker_service_pb2.ConnectResponse(
+                            heartbeat=worker_service_pb2.Heartbeat(time_ns=time.time_ns())
+                        ).SerializeToString()
+                    conn.queue.put_nowait(beat)
+                    conn.hb_since = now
+
     # ---- routing ----------------------------------------------------------------------------
     def route(self, req: Request) -> InstanceEngine:
-        """The instance a new request goes to; Unavailable when none takes new requests."""
-        ready = [e for e in self.engines.values() if e.accepting and not e.is_decode]
+        """The instance a new request goes to; Unavailable when none takes new requests. A
+        paused instance queues it (the router prefers one that is not paused)."""
+        ready = [e for e in self.engines.values() if e.queueing and not e.is_decode]
         if not ready:
             raise Unavailable(
                 "no instance is ready: no worker connected (start one with `kvsched worker`), "
-                "or all are draining or paused"
+                "or all are draining"
             )
         return route(self.router, ready, req)
 
@@ -168,7 +192,7 @@ class InstanceRegistry:
 
     def route_moved(self, req: Request) -> InstanceEngine | None:
         """The mixed instance a lost instance's request is recomputed on (None: none now)."""
-        ready = [e for e in self.engines.values() if e.accepting and e.role == Role.MIXED]
+        ready = [e for e in self.engines.values() if e.queueing and e.role == Role.MIXED]
         return route(self.router, ready, req) if ready else None
 
     # ---- admin ------------------------------------------------------------------------------
