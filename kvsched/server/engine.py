@@ -33,7 +33,6 @@ from kvsched.core import (
     ProtocolError,
     Request,
     Role,
-    Router,
     Scheduler,
     SchedulerSnapshot,
     Unavailable,
@@ -59,8 +58,7 @@ class RankConn:
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     last_seen: float = field(default_factory=time.monotonic)
     closed: bool = False
-    # Daemon heartbeats (InstanceRegistry.send_heartbeats): the instance's Tasks count when
-    # the watchdog last saw it change, and when; the welcome is the first message sent.
+    # InstanceRegistry.send_heartbeats: the Tasks count last seen, and since when.
     hb_mark: int = -1
     hb_since: float = field(default_factory=time.monotonic)
 
@@ -122,8 +120,7 @@ class InstanceEngine:
 
     @property
     def queueing(self) -> bool:
-        """Takes new requests, maybe only into its queue: a paused instance holds them until
-        Resume (AdminService.Pause), a draining one takes none."""
+        """Takes new requests, if only into its queue (paused: until Resume)."""
         return self.sched is not None and not self.draining
 
     def attach(self, conn: RankConn, world_size: int) -> None:
@@ -332,19 +329,6 @@ class InstanceEngine:
     @property
     def is_decode(self) -> bool:
         return self.role == Role.DECODE
-
-
-def route(router: Router, engines: list[InstanceEngine], req: Request) -> InstanceEngine:
-    """The engine `router` places a new request on, among ready, accepting `engines`."""
-    if len(engines) == 1:
-        return engines[0]
-    return engines[router.pick([e.sched for e in engines], req)]  # type: ignore[misc]
-
-
-def route_decode(router: Router, engines: list[InstanceEngine]) -> InstanceEngine:
-    """The decode engine `router` reserves a hand-off on, among ready, accepting `engines`."""
-    idx = router.pick_decode([e.sched for e in engines])  # type: ignore[misc]
-    return engines[idx or 0]
 
 
 class TokenDelivery:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvsched import codec
 from kvsched.core import ProtocolError, Request, RequestNotFound, Role, Router, Unavailable
-from kvsched.server.engine import EngineListener, InstanceEngine, RankConn, route, route_decode
+from kvsched.server.engine import EngineListener, InstanceEngine, RankConn
 from kvsched.v1 import worker_service_pb2
 
 if TYPE_CHECKING:
@@ -181,19 +181,19 @@ class InstanceRegistry:
                 "no instance is ready: no worker connected (start one with `kvsched worker`), "
                 "or all are draining"
             )
-        return route(self.router, ready, req)
+        return _route(self.router, ready, req)
 
     def route_decode(self) -> InstanceEngine:
         """The decode instance a prefill instance's request will be handed off to."""
         decodes = [e for e in self.engines.values() if e.is_decode and e.accepting]
         if not decodes:
             raise Unavailable("prefill instance has no ready decode instance to hand off to")
-        return route_decode(self.router, decodes)
+        return _route_decode(self.router, decodes)
 
     def route_moved(self, req: Request) -> InstanceEngine | None:
         """The mixed instance a lost instance's request is recomputed on (None: none now)."""
         ready = [e for e in self.engines.values() if e.queueing and e.role == Role.MIXED]
-        return route(self.router, ready, req) if ready else None
+        return _route(self.router, ready, req) if ready else None
 
     # ---- admin ------------------------------------------------------------------------------
     def select(self, instance_id: str) -> list[InstanceEngine]:
@@ -203,3 +203,16 @@ class InstanceRegistry:
         if eng is None:
             raise RequestNotFound(f"no instance {instance_id!r}; known: {sorted(self.engines)}")
         return [eng]
+
+
+def _route(router: Router, engines: list[InstanceEngine], req: Request) -> InstanceEngine:
+    """The engine `router` places a new request on, among `engines` (ready, taking requests)."""
+    if len(engines) == 1:
+        return engines[0]
+    return engines[router.pick([e.sched for e in engines], req)]  # type: ignore[misc]
+
+
+def _route_decode(router: Router, engines: list[InstanceEngine]) -> InstanceEngine:
+    """The decode engine `router` reserves a hand-off on, among ready, accepting `engines`."""
+    idx = router.pick_decode([e.sched for e in engines])  # type: ignore[misc]
+    return engines[idx or 0]

@@ -19,14 +19,16 @@ from typing import Any
 import grpc
 import pytest
 
-from kvsched.codec import PROTOCOL_VERSION
 from kvsched.v1 import admin_service_pb2 as apb
-from kvsched.v1 import admin_service_pb2_grpc, request_service_pb2_grpc, worker_service_pb2_grpc
-from kvsched.v1 import common_pb2
+from kvsched.v1 import (
+    admin_service_pb2_grpc,
+    common_pb2,
+    request_service_pb2_grpc,
+)
 from kvsched.v1 import request_service_pb2 as rpb
-from kvsched.v1 import worker_service_pb2 as wpb
 from tests.integration.clients import Spec, generate, run
 from tests.integration.harness import start_daemon, start_worker, status, wait_ready
+from tests.integration.rawworker import RawWorker, hello, read_all
 
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 HEARTBEAT_S = 0.2
@@ -46,76 +48,6 @@ def daemon():
     finally:
         ref.stop()
         proc.stop()
-
-
-def hello(instance: str, rank: int = 0, world_size: int = 1, **fields: Any) -> wpb.Hello:
-    h = dict(num_gpu_blocks=64, block_size=16, num_slots=8, model="m")
-    h.update(fields)
-    return wpb.Hello(
-        instance_id=instance,
-        rank=rank,
-        world_size=world_size,
-        protocol_version=PROTOCOL_VERSION,
-        **h,
-    )
-
-
-class RawWorker:
-    """One Connect stream written by hand. Records the seq of every Tasks message and counts
-    the daemon's heartbeats."""
-
-    def __init__(self, channel: grpc.aio.Channel, first: wpb.Hello) -> None:
-        self._out: asyncio.Queue[wpb.ConnectRequest | None] = asyncio.Queue()
-        self._out.put_nowait(wpb.ConnectRequest(hello=first))
-        self.call = worker_service_pb2_grpc.WorkerServiceStub(channel).Connect(self._requests())
-        self.seqs: list[int] = []
-        self.heartbeats = 0
-        self.step = 0
-        self.applied = 0
-
-    async def _requests(self):
-        while (msg := await self._out.get()) is not None:
-            yield msg
-
-    async def read(self, kind: str, timeout: float = 10.0) -> Any:
-        """The next message of `kind` ('welcome', 'tasks', 'heartbeat'); others are recorded
-        and skipped."""
-        while True:
-            msg = await asyncio.wait_for(self.call.read(), timeout)
-            assert msg is not grpc.aio.EOF, f"stream ended waiting for {kind}"
-            got = msg.WhichOneof("kind")
-            if got == "tasks":
-                self.seqs.append(msg.tasks.seq)
-            elif got == "heartbeat":
-                self.heartbeats += 1
-            if got == kind:
-                return getattr(msg, kind)
-
-    async def tasks_where(self, pred: Any, timeout: float = 10.0) -> wpb.Tasks:
-        """The next Tasks message for which `pred` holds; applies the ones skipped."""
-        while True:
-            t = await self.read("tasks", timeout)
-            self.applied = t.seq
-            if pred(t):
-                return t
-
-    def report(self, **cols: Any) -> None:
-        """A StepReport for the next step, having applied every Tasks message read so far."""
-        self.step += 1
-        rep = wpb.StepReport(step=self.step, applied_seq=self.applied, **cols)
-        self._out.put_nowait(wpb.ConnectRequest(report=rep))
-
-    def close(self) -> None:
-        self._out.put_nowait(None)
-        self.call.cancel()
-
-
-async def read_all(call: Any) -> list[Any]:
-    """The rest of a stream already read with read() (the two styles do not mix)."""
-    out = []
-    while (r := await call.read()) is not grpc.aio.EOF:
-        out.append(r)
-    return out
 
 
 @contextlib.asynccontextmanager
@@ -180,7 +112,7 @@ def test_pause_queues_new_requests_until_resume(daemon: str) -> None:
 
 @pytest.mark.parametrize(
     ("field", "mine", "theirs"),
-    [("num_gpu_blocks", 64, 48), ("model", "m", "other-model"), ("num_slots", 8, 4)],
+    [("num_gpu_blocks", 64, 48), ("model", "model-a", "model-b"), ("num_slots", 8, 4)],
 )
 def test_tp_rank_that_disagrees_is_refused(daemon: str, field: str, mine: Any, theirs: Any) -> None:
     instance = f"tp-{field}"
@@ -194,7 +126,8 @@ def test_tp_rank_that_disagrees_is_refused(daemon: str, field: str, mine: Any, t
                 await rank1.read("welcome")
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value
             details = err.value.details() or ""
-            assert field in details and str(mine) in details and str(theirs) in details, details
+            # Names the field and both values: "rank 1 says F = X, rank 0 says Y: ..."
+            assert f"{field} = {theirs!r}" in details and f"rank 0 says {mine!r}" in details
             (st,) = (
                 await stubs(ch)[1].GetStatus(apb.GetStatusRequest(instance_id=instance))
             ).instances
