@@ -36,7 +36,8 @@ class AdminServiceStub:
     requests finish. Returns at once; poll GetStatus until num_waiting and num_running reach 0.
     3. Pause: preempt every running request and hold admissions; used around weight updates.
     New requests are still accepted and queue (the router prefers an instance that is not
-    paused); they are scheduled after Resume. A preempted request counts in num_running
+    paused); they are scheduled after Resume (a queue_timeout_s, when configured, still
+    applies to them). A preempted request counts in num_running
     until its worker acknowledges the preempt (its last tokens may still stream until then),
     then in num_waiting. Returns at once; poll GetStatus until num_running reaches 0: no
     request then runs on a worker and no token streams until Resume.
@@ -89,7 +90,8 @@ class AdminServiceServicer:
     requests finish. Returns at once; poll GetStatus until num_waiting and num_running reach 0.
     3. Pause: preempt every running request and hold admissions; used around weight updates.
     New requests are still accepted and queue (the router prefers an instance that is not
-    paused); they are scheduled after Resume. A preempted request counts in num_running
+    paused); they are scheduled after Resume (a queue_timeout_s, when configured, still
+    applies to them). A preempted request counts in num_running
     until its worker acknowledges the preempt (its last tokens may still stream until then),
     then in num_waiting. Returns at once; poll GetStatus until num_running reaches 0: no
     request then runs on a worker and no token streams until Resume.
@@ -175,7 +177,8 @@ class AdminService:
     requests finish. Returns at once; poll GetStatus until num_waiting and num_running reach 0.
     3. Pause: preempt every running request and hold admissions; used around weight updates.
     New requests are still accepted and queue (the router prefers an instance that is not
-    paused); they are scheduled after Resume. A preempted request counts in num_running
+    paused); they are scheduled after Resume (a queue_timeout_s, when configured, still
+    applies to them). A preempted request counts in num_running
     until its worker acknowledges the preempt (its last tokens may still stream until then),
     then in num_waiting. Returns at once; poll GetStatus until num_running reaches 0: no
     request then runs on a worker and no token streams until Resume.
