@@ -81,9 +81,9 @@ Global___InstanceRole: _TypeAlias = InstanceRole  # noqa: Y015
 class SamplingParams(_message.Message):
     """Sampling and stop conditions. The daemon validates them; the worker samples and applies the
     stop rules (the daemon also ends a request at max_tokens with LENGTH and drops tokens reported
-    past it, so a worker that misses that rule wastes work but breaks nothing). Signed types on purpose: a negative value reaches
-    the daemon, which answers INVALID_ARGUMENT naming the field, instead of wrapping around on the
-    client.
+    past it, so a worker that misses that rule wastes work but breaks nothing). Signed types on
+    purpose: a negative value reaches the daemon, which answers INVALID_ARGUMENT naming the field,
+    instead of wrapping around on the client.
 
     Stop rules, checked by the worker after each sampled token, in order (as vLLM v1), where n is
     the request's output count including that token (Placement.num_output_tokens counts earlier

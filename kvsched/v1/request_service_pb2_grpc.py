@@ -58,14 +58,15 @@ class RequestServiceStub:
     request has already finished (an abort and a finish may cross; the first one seen wins). The
     daemon remembers the last 10,000 finished ids for this; an older one is NOT_FOUND.
 
-    Session, many requests over one bidirectional stream, outputs batched per engine step:
+    Session, many requests over one bidirectional stream, outputs batched (one or more steps):
     1. The client opens the stream and sends SessionRequests: `submit` (a GenerateRequest with a
     client_tag of its choosing) or `abort` (by request id) at any time.
     2. The daemon answers with SessionResponses, each batching what happened since the previous
-    one (so one message may hold several engine steps' tokens): `accepted` submits (request id, client tag, instance), token deltas (columnar),
-    `finished` requests, and `errors` (a rejected submit, named by its client tag, or an abort
-    of an unknown request, named by its request id). Within one message apply them in that
-    order: a request may be accepted, produce tokens and finish in the same message.
+    one (so one message may hold several engine steps' tokens): `accepted` submits (request
+    id, client tag, instance), token deltas (columnar), `finished` requests, and `errors` (a
+    rejected submit, named by its client tag, or an abort of an unknown request, named by its
+    request id). Within one message apply them in that order: a request may be accepted,
+    produce tokens and finish in the same message.
     3. Every accepted request gets exactly one `finished` entry on this stream.
     4. Steps 4-6 of Generate hold per request. When the client half-closes, the daemon keeps the
     stream open until every accepted request has finished. When the stream drops, its
@@ -128,14 +129,15 @@ class RequestServiceServicer:
     request has already finished (an abort and a finish may cross; the first one seen wins). The
     daemon remembers the last 10,000 finished ids for this; an older one is NOT_FOUND.
 
-    Session, many requests over one bidirectional stream, outputs batched per engine step:
+    Session, many requests over one bidirectional stream, outputs batched (one or more steps):
     1. The client opens the stream and sends SessionRequests: `submit` (a GenerateRequest with a
     client_tag of its choosing) or `abort` (by request id) at any time.
     2. The daemon answers with SessionResponses, each batching what happened since the previous
-    one (so one message may hold several engine steps' tokens): `accepted` submits (request id, client tag, instance), token deltas (columnar),
-    `finished` requests, and `errors` (a rejected submit, named by its client tag, or an abort
-    of an unknown request, named by its request id). Within one message apply them in that
-    order: a request may be accepted, produce tokens and finish in the same message.
+    one (so one message may hold several engine steps' tokens): `accepted` submits (request
+    id, client tag, instance), token deltas (columnar), `finished` requests, and `errors` (a
+    rejected submit, named by its client tag, or an abort of an unknown request, named by its
+    request id). Within one message apply them in that order: a request may be accepted,
+    produce tokens and finish in the same message.
     3. Every accepted request gets exactly one `finished` entry on this stream.
     4. Steps 4-6 of Generate hold per request. When the client half-closes, the daemon keeps the
     stream open until every accepted request has finished. When the stream drops, its
@@ -222,14 +224,15 @@ class RequestService:
     request has already finished (an abort and a finish may cross; the first one seen wins). The
     daemon remembers the last 10,000 finished ids for this; an older one is NOT_FOUND.
 
-    Session, many requests over one bidirectional stream, outputs batched per engine step:
+    Session, many requests over one bidirectional stream, outputs batched (one or more steps):
     1. The client opens the stream and sends SessionRequests: `submit` (a GenerateRequest with a
     client_tag of its choosing) or `abort` (by request id) at any time.
     2. The daemon answers with SessionResponses, each batching what happened since the previous
-    one (so one message may hold several engine steps' tokens): `accepted` submits (request id, client tag, instance), token deltas (columnar),
-    `finished` requests, and `errors` (a rejected submit, named by its client tag, or an abort
-    of an unknown request, named by its request id). Within one message apply them in that
-    order: a request may be accepted, produce tokens and finish in the same message.
+    one (so one message may hold several engine steps' tokens): `accepted` submits (request
+    id, client tag, instance), token deltas (columnar), `finished` requests, and `errors` (a
+    rejected submit, named by its client tag, or an abort of an unknown request, named by its
+    request id). Within one message apply them in that order: a request may be accepted,
+    produce tokens and finish in the same message.
     3. Every accepted request gets exactly one `finished` entry on this stream.
     4. Steps 4-6 of Generate hold per request. When the client half-closes, the daemon keeps the
     stream open until every accepted request has finished. When the stream drops, its

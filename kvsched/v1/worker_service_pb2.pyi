@@ -448,12 +448,12 @@ Global___Tasks: _TypeAlias = Tasks  # noqa: Y015
 
 @_typing.final
 class Placement(_message.Message):
-    """Put a request on a slot (once per request and per preemption or move). A placement that never receives
-    chunks holds its slot and blocks idle: that is how a decode instance reserves room for KV a
-    prefill worker pushes to it (pushes for a handle the worker does not hold are refused). Once the
-    KV has arrived, the daemon aborts the reservation handle and places the request again under a
-    new handle, on the same blocks, with num_cached_tokens == num_prefill_tokens and last_token_id
-    set: the worker starts decoding at once.
+    """Put a request on a slot (once per request, and again after each preemption or move). A
+    placement that never receives chunks holds its slot and blocks idle: that is how a decode
+    instance reserves room for KV a prefill worker pushes to it (pushes for a handle the worker does
+    not hold are refused). Once the KV has arrived, the daemon aborts the reservation handle and
+    places the request again under a new handle, on the same blocks, with num_cached_tokens ==
+    num_prefill_tokens and last_token_id set: the worker starts decoding at once.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

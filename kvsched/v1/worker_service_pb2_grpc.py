@@ -54,7 +54,7 @@ class WorkerServiceStub:
     decode position (1 + num_speculative_tokens) for each handle whose last prefill chunk has
     run and whose blocks have room. It never waits for the daemon while it has runnable work.
     A handle without block room pauses and is named in `paused` (once, in the report of the
-    step it first could not run; repeating it is allowed and ignored) until an extension
+    step it first could not run; repeating it is harmless) until an extension
     arrives. With nothing runnable and nothing to acknowledge it sends no report (heartbeats
     only) until a Tasks message arrives.
     6. After every step rank 0 sends `report` (step strictly increasing, from 1 on each stream;
@@ -130,7 +130,7 @@ class WorkerServiceServicer:
     decode position (1 + num_speculative_tokens) for each handle whose last prefill chunk has
     run and whose blocks have room. It never waits for the daemon while it has runnable work.
     A handle without block room pauses and is named in `paused` (once, in the report of the
-    step it first could not run; repeating it is allowed and ignored) until an extension
+    step it first could not run; repeating it is harmless) until an extension
     arrives. With nothing runnable and nothing to acknowledge it sends no report (heartbeats
     only) until a Tasks message arrives.
     6. After every step rank 0 sends `report` (step strictly increasing, from 1 on each stream;
@@ -216,7 +216,7 @@ class WorkerService:
     decode position (1 + num_speculative_tokens) for each handle whose last prefill chunk has
     run and whose blocks have room. It never waits for the daemon while it has runnable work.
     A handle without block room pauses and is named in `paused` (once, in the report of the
-    step it first could not run; repeating it is allowed and ignored) until an extension
+    step it first could not run; repeating it is harmless) until an extension
     arrives. With nothing runnable and nothing to acknowledge it sends no report (heartbeats
     only) until a Tasks message arrives.
     6. After every step rank 0 sends `report` (step strictly increasing, from 1 on each stream;
