@@ -121,7 +121,7 @@ class KvSend:
 class Tasks:
     """One message of work for a worker, produced by one `Scheduler.schedule()` call."""
 
-    seq: int
+    seq: int  # 1, 2, 3, ... per scheduler; 0: nothing to say (no task, no report to answer)
     preempts: list[int] = field(default_factory=list)
     aborts: list[int] = field(default_factory=list)
     placements: list[Placement] = field(default_factory=list)

@@ -92,7 +92,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     # Accounting reported to the client.
-    num_cached_tokens: int = -1  # prefix-hit tokens at first placement (-1: not placed yet)
+    # Prefix-hit tokens at its first placement on the instance that holds it (-1: not placed
+    # there yet); what usage.cached_tokens reports.
+    num_cached_tokens: int = -1
     num_preemptions: int = 0
     first_scheduled_time: float = -1.0
     first_token_time: float = -1.0

@@ -28,10 +28,11 @@ class Router:
 
     def pick(self, schedulers: Sequence[Scheduler], req: Request) -> int:
         """Index of the instance that should take `req` (a new request: never a decode-role
-        instance). Raises Unavailable when no instance can take new requests."""
-        cands = [
-            i for i, s in enumerate(schedulers) if s.config.role != Role.DECODE and not s.paused
-        ]
+        instance). A paused instance queues what it is given, so it is chosen only when every
+        candidate is paused (the request waits for Resume there). Raises Unavailable when no
+        instance can take new requests."""
+        cands = [i for i, s in enumerate(schedulers) if s.config.role != Role.DECODE]
+        cands = [i for i in cands if not schedulers[i].paused] or cands
         if not cands:
             raise Unavailable("no instance is ready to take new requests")
         if len(cands) == 1:

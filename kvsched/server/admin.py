@@ -54,7 +54,11 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
         self, request: apb.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> apb.GetStatusResponse:
         engines = self.registry.select(request.instance_id)
-        out = apb.GetStatusResponse(draining=self.requests.draining, paused=self.registry.paused)
+        every = self.registry.engines.values()
+        # Draining: no new request is admitted anywhere, because the daemon shuts down or
+        # because every instance drains (Drain without an instance id, or one by one).
+        draining = self.requests.draining or (bool(every) and all(e.draining for e in every))
+        out = apb.GetStatusResponse(draining=draining, paused=self.registry.paused)
         for eng in engines:
             st = instance_status(eng)
             out.instances.append(st)

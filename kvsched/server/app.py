@@ -81,8 +81,9 @@ class Daemon:
         return self.requests.tracked
 
     async def watch(self) -> None:
-        """Take out instances whose workers went silent; expire orphaned requests, queue
-        timeouts and deadlines; cut streams whose clients stopped reading."""
+        """Take out instances whose workers went silent and send heartbeats to those the
+        daemon has been silent to; expire orphaned requests, queue timeouts and deadlines; cut
+        streams whose clients stopped reading."""
         requests, registry = self.requests, self.registry
         while True:
             await asyncio.sleep(0.1)
@@ -90,6 +91,7 @@ class Daemon:
             requests.expire(now)
             requests.cut_stalled(now)
             registry.take_out_silent(now)
+            registry.send_heartbeats(now)
             if requests.orphans:
                 requests.place_orphans()
 

@@ -33,7 +33,6 @@ from kvsched.core import (
     ProtocolError,
     Request,
     Role,
-    Router,
     Scheduler,
     SchedulerSnapshot,
     Unavailable,
@@ -59,6 +58,9 @@ class RankConn:
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     last_seen: float = field(default_factory=time.monotonic)
     closed: bool = False
+    # InstanceRegistry.send_heartbeats: the Tasks count last seen, and since when.
+    hb_mark: int = -1
+    hb_since: float = field(default_factory=time.monotonic)
 
 
 class EngineListener(Protocol):
@@ -113,7 +115,13 @@ class InstanceEngine:
 
     @property
     def accepting(self) -> bool:
+        """Takes new requests and schedules them now."""
         return self.sched is not None and not self.draining and not self.sched.paused
+
+    @property
+    def queueing(self) -> bool:
+        """Takes new requests, if only into its queue (paused: until Resume)."""
+        return self.sched is not None and not self.draining
 
     def attach(self, conn: RankConn, world_size: int) -> None:
         """Register a rank that said Hello; the instance becomes ready with its last rank."""
@@ -128,12 +136,17 @@ class InstanceEngine:
             raise ProtocolError(
                 f"rank {conn.rank} of instance {self.instance_id!r} is already connected"
             )
-        first = self.ranks and next(iter(self.ranks.values()))
-        if first and first.block_size != conn.block_size:
-            raise ProtocolError(
-                f"rank {conn.rank} has block size {conn.block_size}, rank {first.rank} "
-                f"has {first.block_size}: all ranks of an instance must agree"
-            )
+        first = next(iter(self.ranks.values()), None)
+        if first is not None:
+            # The ranks run one model sharded: one block table, one slot table, the same
+            # weights. A disagreement is a misconfigured launch, never something to average.
+            for name in ("block_size", "num_gpu_blocks", "num_slots", "model"):
+                mine, theirs = getattr(conn, name), getattr(first, name)
+                if mine != theirs:
+                    raise ProtocolError(
+                        f"rank {conn.rank} says {name} = {mine!r}, rank {first.rank} says "
+                        f"{theirs!r}: all ranks of instance {self.instance_id!r} must agree"
+                    )
         if len(self.ranks) + 1 == self.world_size:
             self._start([*self.ranks.values(), conn])  # may raise: then nothing is registered
         self.ranks[conn.rank] = conn
@@ -144,8 +157,8 @@ class InstanceEngine:
     def _start(self, conns: list[RankConn]) -> None:
         cfg = copy.deepcopy(self.engine_config)
         cfg.cache.block_size = conns[0].block_size
-        cfg.cache.num_gpu_blocks = min(c.num_gpu_blocks for c in conns)
-        cfg.scheduler.max_num_seqs = min(cfg.scheduler.max_num_seqs, *(c.num_slots for c in conns))
+        cfg.cache.num_gpu_blocks = conns[0].num_gpu_blocks  # every rank says the same (attach)
+        cfg.scheduler.max_num_seqs = min(cfg.scheduler.max_num_seqs, conns[0].num_slots)
         try:
             self.sched = Scheduler(
                 cfg,
@@ -229,8 +242,9 @@ class InstanceEngine:
         self.telemetry.scheduler_step(self.instance_id, time.perf_counter() - t0)
         self.dispatch(sched.take_events())
         # Reports applied are always answered (Tasks.report_step), even with nothing to do:
-        # the worker paces its reports by these answers.
-        if reports or not tasks.is_empty():
+        # the worker paces its reports by these answers. The core numbers exactly the
+        # messages worth sending (seq 0: no task and no report to answer).
+        if tasks.seq:
             data = codec.tasks_to_bytes(tasks)
             for conn in self.ranks.values():
                 conn.queue.put_nowait(data)
@@ -315,19 +329,6 @@ class InstanceEngine:
     @property
     def is_decode(self) -> bool:
         return self.role == Role.DECODE
-
-
-def route(router: Router, engines: list[InstanceEngine], req: Request) -> InstanceEngine:
-    """The engine `router` places a new request on, among ready, accepting `engines`."""
-    if len(engines) == 1:
-        return engines[0]
-    return engines[router.pick([e.sched for e in engines], req)]  # type: ignore[misc]
-
-
-def route_decode(router: Router, engines: list[InstanceEngine]) -> InstanceEngine:
-    """The decode engine `router` reserves a hand-off on, among ready, accepting `engines`."""
-    idx = router.pick_decode([e.sched for e in engines])  # type: ignore[misc]
-    return engines[idx or 0]
 
 
 class TokenDelivery:

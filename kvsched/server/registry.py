@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvsched import codec
 from kvsched.core import ProtocolError, Request, RequestNotFound, Role, Router, Unavailable
-from kvsched.server.engine import EngineListener, InstanceEngine, RankConn, route, route_decode
+from kvsched.server.engine import EngineListener, InstanceEngine, RankConn
 from kvsched.v1 import worker_service_pb2
 
 if TYPE_CHECKING:
@@ -148,28 +149,51 @@ class InstanceRegistry:
                     ProtocolError("heartbeat timeout: no message within heartbeat_timeout_s"),
                 )
 
+    def send_heartbeats(self, now: float) -> None:
+        """A Heartbeat to every worker rank the daemon has sent nothing for the welcome's
+        heartbeat interval. Called by the watchdog, never per step: what a rank was sent is
+        read off its instance's Tasks count (every Tasks sent has the next seq), so the step
+        path keeps no clock of its own. Other messages (welcome, peers) are rare and at most
+        make a heartbeat early."""
+        interval = self.config.heartbeat_interval_s
+        beat: bytes | None = None
+        for eng in self.engines.values():
+            sched = eng.sched
+            mark = -1 if sched is None else sched.last_tasks_seq
+            for conn in eng.ranks.values():
+                if conn.hb_mark != mark:
+                    conn.hb_mark, conn.hb_since = mark, now
+                elif now - conn.hb_since >= interval and not conn.closed:
+                    if beat is None:
+                        beat = worker_service_pb2.ConnectResponse(
+                            heartbeat=worker_service_pb2.Heartbeat(time_ns=time.time_ns())
+                        ).SerializeToString()
+                    conn.queue.put_nowait(beat)
+                    conn.hb_since = now
+
     # ---- routing ----------------------------------------------------------------------------
     def route(self, req: Request) -> InstanceEngine:
-        """The instance a new request goes to; Unavailable when none takes new requests."""
-        ready = [e for e in self.engines.values() if e.accepting and not e.is_decode]
+        """The instance a new request goes to; Unavailable when none takes new requests. A
+        paused instance queues it (the router prefers one that is not paused)."""
+        ready = [e for e in self.engines.values() if e.queueing and not e.is_decode]
         if not ready:
             raise Unavailable(
                 "no instance is ready: no worker connected (start one with `kvsched worker`), "
-                "or all are draining or paused"
+                "or all are draining"
             )
-        return route(self.router, ready, req)
+        return _route(self.router, ready, req)
 
     def route_decode(self) -> InstanceEngine:
         """The decode instance a prefill instance's request will be handed off to."""
         decodes = [e for e in self.engines.values() if e.is_decode and e.accepting]
         if not decodes:
             raise Unavailable("prefill instance has no ready decode instance to hand off to")
-        return route_decode(self.router, decodes)
+        return _route_decode(self.router, decodes)
 
     def route_moved(self, req: Request) -> InstanceEngine | None:
         """The mixed instance a lost instance's request is recomputed on (None: none now)."""
-        ready = [e for e in self.engines.values() if e.accepting and e.role == Role.MIXED]
-        return route(self.router, ready, req) if ready else None
+        ready = [e for e in self.engines.values() if e.queueing and e.role == Role.MIXED]
+        return _route(self.router, ready, req) if ready else None
 
     # ---- admin ------------------------------------------------------------------------------
     def select(self, instance_id: str) -> list[InstanceEngine]:
@@ -179,3 +203,16 @@ class InstanceRegistry:
         if eng is None:
             raise RequestNotFound(f"no instance {instance_id!r}; known: {sorted(self.engines)}")
         return [eng]
+
+
+def _route(router: Router, engines: list[InstanceEngine], req: Request) -> InstanceEngine:
+    """The engine `router` places a new request on, among `engines` (ready, taking requests)."""
+    if len(engines) == 1:
+        return engines[0]
+    return engines[router.pick([e.sched for e in engines], req)]  # type: ignore[misc]
+
+
+def _route_decode(router: Router, engines: list[InstanceEngine]) -> InstanceEngine:
+    """The decode engine `router` reserves a hand-off on, among ready, accepting `engines`."""
+    idx = router.pick_decode([e.sched for e in engines])  # type: ignore[misc]
+    return engines[idx or 0]

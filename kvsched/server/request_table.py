@@ -249,7 +249,8 @@ class RequestTable:
             old.mm_ranges,
         )
         new.output_token_ids = list(old.output_token_ids)
-        new.num_cached_tokens = old.num_cached_tokens
+        # Its prefix hit is counted anew where it is placed next: the lost instance's cache
+        # served the tokens it streamed, not the recomputation that will finish it.
         new.num_preemptions = old.num_preemptions
         new.first_scheduled_time, new.first_token_time = (
             old.first_scheduled_time,

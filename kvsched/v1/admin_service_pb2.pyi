@@ -49,11 +49,17 @@ class GetStatusResponse(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _builtins.int
     INSTANCES_FIELD_NUMBER: _builtins.int
     draining: _builtins.bool
+    """No instance admits new requests: the daemon is shutting down, or every instance drains
+    (Drain without an instance_id, or of each one) and no Resume has followed.
+    """
     paused: _builtins.bool
+    """Pause without an instance_id was called and no Resume without one has followed; per
+    instance pauses show in InstanceStatus.paused.
+    """
     num_waiting: _builtins.int
     """Requests queued across the daemon."""
     num_running: _builtins.int
-    """Requests on a worker across the daemon."""
+    """Requests on a worker across the daemon, preempted ones awaiting acknowledgement included."""
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceStatus]: ...
     def __init__(
@@ -106,6 +112,7 @@ class InstanceStatus(_message.Message):
     num_ranks_connected: _builtins.int
     world_size: _builtins.int
     model: _builtins.str
+    """The model its workers named in Hello.model."""
     num_slots_used: _builtins.int
     num_slots: _builtins.int
     num_gpu_blocks: _builtins.int
@@ -114,6 +121,7 @@ class InstanceStatus(_message.Message):
     """Fraction of KV blocks in use, 0 to 1."""
     num_waiting: _builtins.int
     num_running: _builtins.int
+    """Placed on a worker, or preempted and not yet acknowledged by it (see Pause)."""
     num_steps: _builtins.int
     """Engine steps since the instance connected."""
     steps_per_s: _builtins.float

@@ -31,11 +31,16 @@ class AdminServiceStub:
 
     1. GetStatus: a snapshot of the daemon and of each instance (queues, slots, KV blocks,
     prefix cache, step rate), consistent per instance.
-    2. Drain: stop admitting new requests (Generate and Session submits answer UNAVAILABLE; for
-    one instance, the router stops choosing it). Running and queued requests finish. Returns at
-    once; poll GetStatus until num_waiting and num_running reach 0.
-    3. Pause: preempt every running request and hold admissions (new requests queue); used
-    around weight updates. Returns at once; poll GetStatus until num_running reaches 0.
+    2. Drain: stop admitting new requests (Generate and Session submits answer UNAVAILABLE once
+    no instance admits; for one instance, the router stops choosing it). Running and queued
+    requests finish. Returns at once; poll GetStatus until num_waiting and num_running reach 0.
+    3. Pause: preempt every running request and hold admissions; used around weight updates.
+    New requests are still accepted and queue (the router prefers an instance that is not
+    paused); they are scheduled after Resume (a queue_timeout_s, when configured, still
+    applies to them). A preempted request counts in num_running
+    until its worker acknowledges the preempt (its last tokens may still stream until then),
+    then in num_waiting. Returns at once; poll GetStatus until num_running reaches 0: no
+    request then runs on a worker and no token streams until Resume.
     4. Resume: undo Pause and Drain; queued requests are scheduled again.
     5. ResetPrefixCache: forget the prefix cache, so that nothing written before the call is a
     hit after it (e.g. after a weight update), and tell the workers (Tasks.reset_prefix_cache).
@@ -80,11 +85,16 @@ class AdminServiceServicer:
 
     1. GetStatus: a snapshot of the daemon and of each instance (queues, slots, KV blocks,
     prefix cache, step rate), consistent per instance.
-    2. Drain: stop admitting new requests (Generate and Session submits answer UNAVAILABLE; for
-    one instance, the router stops choosing it). Running and queued requests finish. Returns at
-    once; poll GetStatus until num_waiting and num_running reach 0.
-    3. Pause: preempt every running request and hold admissions (new requests queue); used
-    around weight updates. Returns at once; poll GetStatus until num_running reaches 0.
+    2. Drain: stop admitting new requests (Generate and Session submits answer UNAVAILABLE once
+    no instance admits; for one instance, the router stops choosing it). Running and queued
+    requests finish. Returns at once; poll GetStatus until num_waiting and num_running reach 0.
+    3. Pause: preempt every running request and hold admissions; used around weight updates.
+    New requests are still accepted and queue (the router prefers an instance that is not
+    paused); they are scheduled after Resume (a queue_timeout_s, when configured, still
+    applies to them). A preempted request counts in num_running
+    until its worker acknowledges the preempt (its last tokens may still stream until then),
+    then in num_waiting. Returns at once; poll GetStatus until num_running reaches 0: no
+    request then runs on a worker and no token streams until Resume.
     4. Resume: undo Pause and Drain; queued requests are scheduled again.
     5. ResetPrefixCache: forget the prefix cache, so that nothing written before the call is a
     hit after it (e.g. after a weight update), and tell the workers (Tasks.reset_prefix_cache).
@@ -162,11 +172,16 @@ class AdminService:
 
     1. GetStatus: a snapshot of the daemon and of each instance (queues, slots, KV blocks,
     prefix cache, step rate), consistent per instance.
-    2. Drain: stop admitting new requests (Generate and Session submits answer UNAVAILABLE; for
-    one instance, the router stops choosing it). Running and queued requests finish. Returns at
-    once; poll GetStatus until num_waiting and num_running reach 0.
-    3. Pause: preempt every running request and hold admissions (new requests queue); used
-    around weight updates. Returns at once; poll GetStatus until num_running reaches 0.
+    2. Drain: stop admitting new requests (Generate and Session submits answer UNAVAILABLE once
+    no instance admits; for one instance, the router stops choosing it). Running and queued
+    requests finish. Returns at once; poll GetStatus until num_waiting and num_running reach 0.
+    3. Pause: preempt every running request and hold admissions; used around weight updates.
+    New requests are still accepted and queue (the router prefers an instance that is not
+    paused); they are scheduled after Resume (a queue_timeout_s, when configured, still
+    applies to them). A preempted request counts in num_running
+    until its worker acknowledges the preempt (its last tokens may still stream until then),
+    then in num_waiting. Returns at once; poll GetStatus until num_running reaches 0: no
+    request then runs on a worker and no token streams until Resume.
     4. Resume: undo Pause and Drain; queued requests are scheduled again.
     5. ResetPrefixCache: forget the prefix cache, so that nothing written before the call is a
     hit after it (e.g. after a weight update), and tell the workers (Tasks.reset_prefix_cache).

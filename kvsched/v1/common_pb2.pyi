@@ -28,23 +28,23 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     FINISH_REASON_UNSPECIFIED: _FinishReason.ValueType  # 0
     """Not finished (in a StepReport: the handle keeps running)."""
     FINISH_REASON_STOP: _FinishReason.ValueType  # 1
-    """EOS or one of stop_token_ids."""
+    """EOS or one of stop_token_ids (see SamplingParams for the rules)."""
     FINISH_REASON_LENGTH: _FinishReason.ValueType  # 2
-    """max_tokens reached, or the model's length."""
+    """max_tokens reached, or the model's length (max_model_len); wins over STOP when both hold."""
     FINISH_REASON_ABORT: _FinishReason.ValueType  # 3
     """Client abort, dropped stream, drain, pause timeout, deadline."""
     FINISH_REASON_ERROR: _FinishReason.ValueType  # 4
     """Worker failure, KV transfer failure, protocol violation by the worker."""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
-    """Why a request finished. Values are those of kvsched.core.protocol.FinishReason."""
+    """Why a request finished (in StepReport: why the worker stopped a handle)."""
 
 FINISH_REASON_UNSPECIFIED: FinishReason.ValueType  # 0
 """Not finished (in a StepReport: the handle keeps running)."""
 FINISH_REASON_STOP: FinishReason.ValueType  # 1
-"""EOS or one of stop_token_ids."""
+"""EOS or one of stop_token_ids (see SamplingParams for the rules)."""
 FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
-"""max_tokens reached, or the model's length."""
+"""max_tokens reached, or the model's length (max_model_len); wins over STOP when both hold."""
 FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 """Client abort, dropped stream, drain, pause timeout, deadline."""
 FINISH_REASON_ERROR: FinishReason.ValueType  # 4
@@ -79,9 +79,22 @@ Global___InstanceRole: _TypeAlias = InstanceRole  # noqa: Y015
 
 @_typing.final
 class SamplingParams(_message.Message):
-    """Sampling and stop conditions. The daemon checks max_tokens; the worker applies the rest.
-    Signed types on purpose: a negative value reaches the daemon, which answers INVALID_ARGUMENT
-    naming the field, instead of wrapping around on the client.
+    """Sampling and stop conditions. The daemon validates them; the worker samples and applies the
+    stop rules (the daemon also ends a request at max_tokens with LENGTH and drops tokens reported
+    past it, so a worker that misses that rule wastes work but breaks nothing). Signed types on
+    purpose: a negative value reaches the daemon, which answers INVALID_ARGUMENT naming the field,
+    instead of wrapping around on the client.
+
+    Stop rules, checked by the worker after each sampled token, in order (as vLLM v1), where n is
+    the request's output count including that token (Placement.num_output_tokens counts earlier
+    placements' outputs):
+      1. n == max_tokens, or prompt + n == Welcome.max_model_len: FINISH_REASON_LENGTH.
+      2. n >= min_tokens and the token is EOS (unless ignore_eos) or in stop_token_ids:
+         FINISH_REASON_STOP.
+    The stopping token is emitted (reported and streamed) and counts in n, toward min_tokens and
+    max_tokens alike; tokens sampled after it in the same step (speculative drafts) are dropped.
+    When both rules hold, LENGTH wins. EOS is the model's own end-of-sequence token id, which only
+    the worker knows (from its tokenizer or model config); the daemon never sees it.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -95,9 +108,11 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
-    """Output tokens at most. Absent: the daemon's default."""
+    """Output tokens at most, >= 1. Absent: 16 (vLLM's default), fixed by the daemon."""
     min_tokens: _builtins.int
-    """Stop tokens and EOS are ignored until this many tokens were generated."""
+    """EOS and stop_token_ids do not stop the request while fewer than this many tokens were
+    generated (the stopping token itself counts); in [0, max_tokens].
+    """
     temperature: _builtins.float
     """0 = greedy."""
     top_p: _builtins.float
@@ -179,7 +194,11 @@ class Usage(_message.Message):
     prompt_tokens: _builtins.int
     output_tokens: _builtins.int
     cached_tokens: _builtins.int
-    """Prompt tokens served from the prefix cache (or received from a prefill instance)."""
+    """Prompt tokens found in the prefix cache when the request was first placed on the instance
+    that finished it (under disaggregation: on its prefill instance). A request moved off a
+    lost instance counts only what the instance it moved to had cached; recomputations after a
+    preemption do not change it.
+    """
     def __init__(
         self,
         *,

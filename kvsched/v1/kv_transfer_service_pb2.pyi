@@ -33,7 +33,9 @@ class PushRequest(_message.Message):
     dst_handle: _builtins.int
     """The handle the KV belongs to on the receiving instance (KvSend.dst_handle)."""
     kv_data: _builtins.bytes
-    """The executor's export of the source blocks (Executor.export_kv), opaque to the protocol."""
+    """The KV of the source blocks in the sender's own layout, opaque to the protocol: sender and
+    receiver run the same model and executor and agree on it.
+    """
     dst_instance_id: _builtins.str
     """The instance the pusher means to reach; a worker of another instance refuses the push."""
     rank: _builtins.int

@@ -41,7 +41,9 @@ class GenerateRequest(_message.Message):
     cache_salt: _builtins.str
     """Isolates prefix-cache sharing: only requests with the same salt share cached blocks."""
     model: _builtins.str
-    """Empty: the daemon's model. Otherwise it must match an instance's model."""
+    """Empty: the daemon's model. Otherwise it must equal the daemon's configured `model` (the
+    TOML key or KVSCHED_MODEL; "default" unless set), else INVALID_ARGUMENT.
+    """
     detachable: _builtins.bool
     """When true, a dropped stream does not abort the request (see the service comment, step 6)."""
     @_builtins.property
@@ -104,7 +106,7 @@ class GenerateResponse(_message.Message):
 
     @_typing.final
     class Tokens(_message.Message):
-        """Output tokens produced by one engine step."""
+        """Output tokens produced since the previous Tokens message (one or more engine steps)."""
 
         DESCRIPTOR: _descriptor.Descriptor
 

@@ -34,13 +34,18 @@ class RequestServiceStub:
     2. The daemon validates it. A rejected request ends the call with a status and a message a
     person can act on, before any response: INVALID_ARGUMENT (empty prompt, prompt +
     max_tokens over max_model_len, a negative value, a duplicate request_id, an unknown
-    model), RESOURCE_EXHAUSTED (the queue holds max_waiting requests), UNAVAILABLE (draining),
-    UNAUTHENTICATED / PERMISSION_DENIED.
+    model), RESOURCE_EXHAUSTED (the queue holds max_waiting requests), UNAVAILABLE (the
+    daemon is shutting down, every instance drains, or no worker is connected),
+    UNAUTHENTICATED / PERMISSION_DENIED. A paused daemon (AdminService.Pause) accepts the
+    request and queues it until Resume.
     3. Accepted: the first response is `queued` (the request id, assigned if the client left it
     empty, and the instance it was routed to).
-    4. Then `tokens` as the instance produces them: at most one message per engine step, with
-    every token the step produced for the request (more than one with speculative decoding).
-    A preempted request is recomputed; tokens already streamed are never taken back.
+    4. Then `tokens` as the instance produces them, in order. One message carries every token
+    produced for the request since the previous one: often several engine steps' worth
+    (the worker merges its step reports, the daemon applies reports in batches, a slow
+    reader gets larger messages), and more than one per step with speculative decoding.
+    Count tokens, not messages. A preempted request is recomputed; tokens already streamed
+    are never taken back.
     5. Last, exactly one `finished` (reason, usage, timings), then the call ends with OK. Failures
     after acceptance (a worker lost, a KV transfer failed) are FINISH_REASON_ERROR with a
     message, not a call status.
@@ -50,16 +55,18 @@ class RequestServiceStub:
 
     Abort: ends a request by id wherever it is (queued or running). Its stream, if any, gets
     `finished` with FINISH_REASON_ABORT. NOT_FOUND if the id is unknown; OK and no effect if the
-    request has already finished (an abort and a finish may cross; the first one seen wins).
+    request has already finished (an abort and a finish may cross; the first one seen wins). The
+    daemon remembers the last 10,000 finished ids for this; an older one is NOT_FOUND.
 
-    Session, many requests over one bidirectional stream, outputs batched per engine step:
+    Session, many requests over one bidirectional stream, outputs batched (one or more steps):
     1. The client opens the stream and sends SessionRequests: `submit` (a GenerateRequest with a
     client_tag of its choosing) or `abort` (by request id) at any time.
     2. The daemon answers with SessionResponses, each batching what happened since the previous
-    one: `accepted` submits (request id, client tag, instance), token deltas (columnar),
-    `finished` requests, and `errors` (a rejected submit, named by its client tag, or an abort
-    of an unknown request, named by its request id). Within one message apply them in that
-    order: a request may be accepted, produce tokens and finish in the same message.
+    one (so one message may hold several engine steps' tokens): `accepted` submits (request
+    id, client tag, instance), token deltas (columnar), `finished` requests, and `errors` (a
+    rejected submit, named by its client tag, or an abort of an unknown request, named by its
+    request id). Within one message apply them in that order: a request may be accepted,
+    produce tokens and finish in the same message.
     3. Every accepted request gets exactly one `finished` entry on this stream.
     4. Steps 4-6 of Generate hold per request. When the client half-closes, the daemon keeps the
     stream open until every accepted request has finished. When the stream drops, its
@@ -98,13 +105,18 @@ class RequestServiceServicer:
     2. The daemon validates it. A rejected request ends the call with a status and a message a
     person can act on, before any response: INVALID_ARGUMENT (empty prompt, prompt +
     max_tokens over max_model_len, a negative value, a duplicate request_id, an unknown
-    model), RESOURCE_EXHAUSTED (the queue holds max_waiting requests), UNAVAILABLE (draining),
-    UNAUTHENTICATED / PERMISSION_DENIED.
+    model), RESOURCE_EXHAUSTED (the queue holds max_waiting requests), UNAVAILABLE (the
+    daemon is shutting down, every instance drains, or no worker is connected),
+    UNAUTHENTICATED / PERMISSION_DENIED. A paused daemon (AdminService.Pause) accepts the
+    request and queues it until Resume.
     3. Accepted: the first response is `queued` (the request id, assigned if the client left it
     empty, and the instance it was routed to).
-    4. Then `tokens` as the instance produces them: at most one message per engine step, with
-    every token the step produced for the request (more than one with speculative decoding).
-    A preempted request is recomputed; tokens already streamed are never taken back.
+    4. Then `tokens` as the instance produces them, in order. One message carries every token
+    produced for the request since the previous one: often several engine steps' worth
+    (the worker merges its step reports, the daemon applies reports in batches, a slow
+    reader gets larger messages), and more than one per step with speculative decoding.
+    Count tokens, not messages. A preempted request is recomputed; tokens already streamed
+    are never taken back.
     5. Last, exactly one `finished` (reason, usage, timings), then the call ends with OK. Failures
     after acceptance (a worker lost, a KV transfer failed) are FINISH_REASON_ERROR with a
     message, not a call status.
@@ -114,16 +126,18 @@ class RequestServiceServicer:
 
     Abort: ends a request by id wherever it is (queued or running). Its stream, if any, gets
     `finished` with FINISH_REASON_ABORT. NOT_FOUND if the id is unknown; OK and no effect if the
-    request has already finished (an abort and a finish may cross; the first one seen wins).
+    request has already finished (an abort and a finish may cross; the first one seen wins). The
+    daemon remembers the last 10,000 finished ids for this; an older one is NOT_FOUND.
 
-    Session, many requests over one bidirectional stream, outputs batched per engine step:
+    Session, many requests over one bidirectional stream, outputs batched (one or more steps):
     1. The client opens the stream and sends SessionRequests: `submit` (a GenerateRequest with a
     client_tag of its choosing) or `abort` (by request id) at any time.
     2. The daemon answers with SessionResponses, each batching what happened since the previous
-    one: `accepted` submits (request id, client tag, instance), token deltas (columnar),
-    `finished` requests, and `errors` (a rejected submit, named by its client tag, or an abort
-    of an unknown request, named by its request id). Within one message apply them in that
-    order: a request may be accepted, produce tokens and finish in the same message.
+    one (so one message may hold several engine steps' tokens): `accepted` submits (request
+    id, client tag, instance), token deltas (columnar), `finished` requests, and `errors` (a
+    rejected submit, named by its client tag, or an abort of an unknown request, named by its
+    request id). Within one message apply them in that order: a request may be accepted,
+    produce tokens and finish in the same message.
     3. Every accepted request gets exactly one `finished` entry on this stream.
     4. Steps 4-6 of Generate hold per request. When the client half-closes, the daemon keeps the
     stream open until every accepted request has finished. When the stream drops, its
@@ -145,7 +159,7 @@ class RequestServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """Many requests over one stream; outputs batched per engine step.
+        """Many requests over one stream; outputs batched (one or more engine steps per message).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -186,13 +200,18 @@ class RequestService:
     2. The daemon validates it. A rejected request ends the call with a status and a message a
     person can act on, before any response: INVALID_ARGUMENT (empty prompt, prompt +
     max_tokens over max_model_len, a negative value, a duplicate request_id, an unknown
-    model), RESOURCE_EXHAUSTED (the queue holds max_waiting requests), UNAVAILABLE (draining),
-    UNAUTHENTICATED / PERMISSION_DENIED.
+    model), RESOURCE_EXHAUSTED (the queue holds max_waiting requests), UNAVAILABLE (the
+    daemon is shutting down, every instance drains, or no worker is connected),
+    UNAUTHENTICATED / PERMISSION_DENIED. A paused daemon (AdminService.Pause) accepts the
+    request and queues it until Resume.
     3. Accepted: the first response is `queued` (the request id, assigned if the client left it
     empty, and the instance it was routed to).
-    4. Then `tokens` as the instance produces them: at most one message per engine step, with
-    every token the step produced for the request (more than one with speculative decoding).
-    A preempted request is recomputed; tokens already streamed are never taken back.
+    4. Then `tokens` as the instance produces them, in order. One message carries every token
+    produced for the request since the previous one: often several engine steps' worth
+    (the worker merges its step reports, the daemon applies reports in batches, a slow
+    reader gets larger messages), and more than one per step with speculative decoding.
+    Count tokens, not messages. A preempted request is recomputed; tokens already streamed
+    are never taken back.
     5. Last, exactly one `finished` (reason, usage, timings), then the call ends with OK. Failures
     after acceptance (a worker lost, a KV transfer failed) are FINISH_REASON_ERROR with a
     message, not a call status.
@@ -202,16 +221,18 @@ class RequestService:
 
     Abort: ends a request by id wherever it is (queued or running). Its stream, if any, gets
     `finished` with FINISH_REASON_ABORT. NOT_FOUND if the id is unknown; OK and no effect if the
-    request has already finished (an abort and a finish may cross; the first one seen wins).
+    request has already finished (an abort and a finish may cross; the first one seen wins). The
+    daemon remembers the last 10,000 finished ids for this; an older one is NOT_FOUND.
 
-    Session, many requests over one bidirectional stream, outputs batched per engine step:
+    Session, many requests over one bidirectional stream, outputs batched (one or more steps):
     1. The client opens the stream and sends SessionRequests: `submit` (a GenerateRequest with a
     client_tag of its choosing) or `abort` (by request id) at any time.
     2. The daemon answers with SessionResponses, each batching what happened since the previous
-    one: `accepted` submits (request id, client tag, instance), token deltas (columnar),
-    `finished` requests, and `errors` (a rejected submit, named by its client tag, or an abort
-    of an unknown request, named by its request id). Within one message apply them in that
-    order: a request may be accepted, produce tokens and finish in the same message.
+    one (so one message may hold several engine steps' tokens): `accepted` submits (request
+    id, client tag, instance), token deltas (columnar), `finished` requests, and `errors` (a
+    rejected submit, named by its client tag, or an abort of an unknown request, named by its
+    request id). Within one message apply them in that order: a request may be accepted,
+    produce tokens and finish in the same message.
     3. Every accepted request gets exactly one `finished` entry on this stream.
     4. Steps 4-6 of Generate hold per request. When the client half-closes, the daemon keeps the
     stream open until every accepted request has finished. When the stream drops, its

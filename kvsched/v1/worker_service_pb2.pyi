@@ -112,9 +112,16 @@ class Hello(_message.Message):
     block_size: _builtins.int
     """Tokens per KV block."""
     num_slots: _builtins.int
-    """Handles the worker can run at once (max concurrent sequences); slots are 0..num_slots-1."""
+    """Handles the worker can run at once (max concurrent sequences); slots are 0..num_slots-1.
+    The daemon may use fewer (its max_num_seqs), never more.
+    """
     model: _builtins.str
+    """The model this rank serves (e.g. its Hugging Face id), the same on every rank. The daemon
+    only shows it in InstanceStatus.model: it does not compare it with the model front ends
+    name (GenerateRequest.model is checked against the daemon's own configured `model`).
+    """
     protocol_version: _builtins.int
+    """1: the version of the protocol these comments describe."""
     worker_address: _builtins.str
     """host:port where peers push KV blocks to this rank (disaggregation); empty: none."""
     executor: _builtins.str
@@ -156,6 +163,7 @@ class Welcome(_message.Message):
     HEARTBEAT_INTERVAL_NS_FIELD_NUMBER: _builtins.int
     ANSWERS_REPORTS_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
+    """1: the version the daemon speaks (equal to the worker's, or the hello was refused)."""
     instance_id: _builtins.str
     block_size: _builtins.int
     num_speculative_tokens: _builtins.int
@@ -164,6 +172,7 @@ class Welcome(_message.Message):
     """Prompt + output tokens at most per request."""
     role: _common_pb2.InstanceRole.ValueType
     heartbeat_interval_ns: _builtins.int
+    """Send a heartbeat when nothing else was sent for this long (see step 8)."""
     answers_reports: _builtins.bool
     """The daemon answers every batch of StepReports it applies with a Tasks message (empty if
     it has nothing to say) whose report_step names the last report applied. A worker may then
@@ -260,8 +269,11 @@ Global___Peers: _TypeAlias = Peers  # noqa: Y015
 
 @_typing.final
 class Tasks(_message.Message):
-    """One message of work, produced by one schedule() (kvsched.core.protocol.Tasks). A handle is an
-    integer unique per instance and per placement; handles are issued in increasing order.
+    """One message of work: what the daemon decided for the worker's next step. A handle is an
+    integer unique per instance and per placement (a preempted request placed again gets a new
+    one). Handles are issued in increasing order, not consecutively: numbering starts at 0 when
+    the daemon first sees the instance and continues across its workers' reconnects (a handle is
+    never reused while the daemon runs). Treat them as opaque keys: the slot is in Placement.
 
     Columns of one kind are parallel; variable-length lists are flat, split by counts in order:
 
@@ -384,6 +396,9 @@ class Tasks(_message.Message):
     RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     REPORT_STEP_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
+    """1, 2, 3, ... on each stream (see step 3); the worker echoes the last one applied as
+    StepReport.applied_seq.
+    """
     reset_prefix_cache: _builtins.bool
     """The daemon forgot every cached block; a worker that keeps caches keyed by block content
     (an encoder cache, a host-memory KV tier) drops them.
@@ -433,12 +448,12 @@ Global___Tasks: _TypeAlias = Tasks  # noqa: Y015
 
 @_typing.final
 class Placement(_message.Message):
-    """Put a request on a slot (kvsched.core.protocol.Placement). A placement that never receives
-    chunks holds its slot and blocks idle: that is how a decode instance reserves room for KV a
-    prefill worker pushes to it (pushes for a handle the worker does not hold are refused). Once the
-    KV has arrived, the daemon aborts the reservation handle and places the request again under a
-    new handle, on the same blocks, with num_cached_tokens == num_prefill_tokens and last_token_id
-    set: the worker starts decoding at once.
+    """Put a request on a slot (once per request, and again after each preemption or move). A
+    placement that never receives chunks holds its slot and blocks idle: that is how a decode
+    instance reserves room for KV a prefill worker pushes to it (pushes for a handle the worker does
+    not hold are refused). Once the KV has arrived, the daemon aborts the reservation handle and
+    places the request again under a new handle, on the same blocks, with num_cached_tokens ==
+    num_prefill_tokens and last_token_id set: the worker starts decoding at once.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -459,11 +474,17 @@ class Placement(_message.Message):
     num_cached_tokens: _builtins.int
     """Positions whose KV is already in those blocks (prefix hit or transferred)."""
     num_prefill_tokens: _builtins.int
-    """Positions to have KV for before decoding starts (prompt + outputs so far)."""
+    """Positions to have KV for before decoding starts (prompt + outputs so far). Chunks bring
+    the token ids of positions [num_cached_tokens, num_prefill_tokens); a recomputed request
+    (preempted, or moved off a lost instance) gets its earlier outputs back as prompt tokens.
+    """
     num_output_tokens: _builtins.int
-    """Outputs generated before this placement; they count toward max_tokens."""
+    """Outputs generated before this placement; they count toward max_tokens and min_tokens."""
     last_token_id: _builtins.int
-    """The token decoding starts from when num_cached_tokens == num_prefill_tokens, else -1."""
+    """When num_cached_tokens == num_prefill_tokens: the token decoding starts from (its KV is
+    not written yet). Otherwise -1, always: prefill first; the last chunk's sampled token is
+    the next output.
+    """
     lora_name: _builtins.str
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -495,8 +516,9 @@ Global___Placement: _TypeAlias = Placement  # noqa: Y015
 
 @_typing.final
 class StepReport(_message.Message):
-    """What rank 0 ran in one step (kvsched.core.protocol.StepReport). Columns are parallel over
-    handles; token_ids is flat: handles[i] sampled num_new_tokens[i] of them, in order.
+    """What rank 0 ran in one step, or in several merged steps (see step 6). Columns are parallel
+    over rows; token_ids is flat: handles[i] sampled num_new_tokens[i] of them, in order. The
+    daemon applies rows in order, so a merged report may name a handle once per merged step.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -513,8 +535,9 @@ class StepReport(_message.Message):
     FAILED_FIELD_NUMBER: _builtins.int
     STEP_TIME_NS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
+    """Strictly increasing on a stream, from 1; a merged report carries its last step's number."""
     applied_seq: _builtins.int
-    """The last Tasks.seq applied before this step."""
+    """The last Tasks.seq applied before this step (0: none yet); never decreasing."""
     step_time_ns: _builtins.int
     """Wall time of the step on the worker."""
     @_builtins.property
@@ -527,7 +550,9 @@ class StepReport(_message.Message):
 
     @_builtins.property
     def num_new_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Tokens sampled (0 for a prefill chunk that is not the prompt's last; 1 + accepted drafts)."""
+        """Tokens kept (0 for a prefill chunk that is not the prompt's last; 1 + accepted drafts,
+        less any after a stop: the stopping token itself is kept and reported).
+        """
 
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -539,11 +564,13 @@ class StepReport(_message.Message):
 
     @_builtins.property
     def acked(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Handles dropped on a preempt or abort, and handles of tasks acknowledged and discarded."""
+        """Handles dropped on a preempt or abort, and handles of tasks acknowledged and discarded
+        (see step 7). May be the report's only content.
+        """
 
     @_builtins.property
     def paused(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Handles that could not decode for lack of block room."""
+        """Handles that could not decode for lack of block room (see step 5)."""
 
     @_builtins.property
     def failed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

@@ -30,17 +30,22 @@ class WorkerServiceStub:
     opens one Connect stream. The worker decodes on its own; the daemon stays off the GPU's
     critical path by scheduling one step ahead.
 
-    1. The worker opens Connect and sends `hello` first. Anything else first, a second hello on
-    the stream, a rank already connected, or a hello that disagrees with the instance's other
-    ranks (world_size, num_gpu_blocks, block_size, model) ends the stream with
-    FAILED_PRECONDITION. An unsupported protocol_version ends it with FAILED_PRECONDITION
-    naming the versions the daemon speaks.
+    1. The worker opens Connect and sends `hello` first (protocol_version = 1, the only version
+    this daemon speaks). Anything else first, no hello within 10 s, a second hello on the
+    stream, a rank already connected, or a hello that disagrees with the instance's ranks
+    already connected (world_size, num_gpu_blocks, block_size, num_slots, model) ends the
+    stream with FAILED_PRECONDITION; the message names the field and both values. An
+    unsupported protocol_version ends it with FAILED_PRECONDITION naming the version the
+    daemon speaks.
     2. The daemon answers `welcome` with the settings the worker must use. An instance is ready
     when all world_size ranks have said hello. A worker that reconnects with the same
     instance_id starts from an empty KV cache: the daemon forgets every block of that
-    instance and re-queues what ran there.
-    3. The daemon sends `tasks`, seq increasing from 1 per instance. Every rank of an instance
-    receives byte-identical tasks. Tasks are columnar: see Tasks for the layout.
+    instance and re-queues what ran there. Everything below is per stream: a new stream
+    starts again with no handles held, Tasks.seq from 1 and StepReport.step from 1.
+    3. The daemon sends `tasks`, seq 1, 2, 3, ... (no gaps: one number per Tasks message sent)
+    for as long as the instance stays up; it starts again at 1 when the instance becomes
+    ready after being taken out. Every rank of an instance receives byte-identical tasks.
+    Tasks are columnar: see Tasks for the layout.
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
     each in this order: preempts and aborts (drop those handles; their blocks may be reused
     below), placements, extensions (resume a paused handle), chunks (at most one per handle
@@ -48,23 +53,37 @@ class WorkerServiceStub:
     5. The worker runs one step over every runnable handle: the chunks it was given plus one
     decode position (1 + num_speculative_tokens) for each handle whose last prefill chunk has
     run and whose blocks have room. It never waits for the daemon while it has runnable work.
-    A handle without block room pauses and is named in `paused` until an extension arrives.
-    6. After every step rank 0 sends `report` (step increasing from 1; applied_seq = the last
-    tasks seq applied before the step). Other ranks send no reports. The worker checks stop
-    conditions (max_tokens, EOS unless ignore_eos, stop_token_ids, min_tokens, max_model_len)
-    and reports a finish; the handle's slot is free once reported.
+    A handle without block room pauses and is named in `paused` (once, in the report of the
+    step it first could not run; repeating it is harmless) until an extension
+    arrives. With nothing runnable and nothing to acknowledge it sends no report (heartbeats
+    only) until a Tasks message arrives.
+    6. After every step rank 0 sends `report` (step strictly increasing, from 1 on each stream;
+    applied_seq = the last tasks seq applied before the step). A report with no rows is
+    required when only acknowledgements (`acked`) or failures are pending: the daemon waits
+    for them. Merged reports: a worker may send several steps as one StepReport (the
+    columns of each step appended in step order, a handle at most once per step; step and
+    applied_seq those of the last step merged), e.g. while the daemon has not answered its
+    earlier reports (Welcome.answers_reports). Step numbers then skip, which is allowed.
+    Ranks > 0 send only hello and heartbeats: they receive the same welcome and tasks, run
+    the same steps with rank 0 (the collectives), and never report. The worker checks stop
+    conditions after each sampled token and reports a finish (see SamplingParams for the
+    rules); the handle's slot is free once reported.
     7. A preempted or aborted handle, and a task naming a handle the worker has already finished
-    or dropped, is listed once in `acked` and otherwise ignored. The daemon re-queues or ends a
-    preempted or aborted request only on that acknowledgement, so tokens reported before it
-    are kept and none after it are streamed. If a finish and an abort cross, the request ends
-    once, with the reason the daemon saw first.
+    or dropped, is listed in `acked` of the next report and otherwise ignored: once per handle
+    is enough (a handle acknowledged again, in the same or a later report, is ignored). The
+    daemon re-queues or ends a preempted or aborted request only on that acknowledgement, so
+    tokens reported before it are kept and none after it are streamed. If a finish and an
+    abort cross, the request ends once, with the reason the daemon saw first.
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
-    heartbeat_interval_ns. A worker silent for several intervals is taken out as if it had
-    disconnected.
+    heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
+    heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
+    disconnected; a worker may likewise treat a daemon silent for several intervals as gone
+    and reconnect.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
     its instance is taken out and its requests re-queued on other instances. Nothing else is
-    affected.
+    affected. An instance taken out for another reason (a rank lost or silent) ends its
+    other ranks' streams with UNAVAILABLE: reconnect (with backoff).
     10. The worker ends the stream to leave; the daemon treats it as a disconnect (step 9 without
     the status). A draining daemon lets running requests finish, then ends the stream with OK.
     """
@@ -87,17 +106,22 @@ class WorkerServiceServicer:
     opens one Connect stream. The worker decodes on its own; the daemon stays off the GPU's
     critical path by scheduling one step ahead.
 
-    1. The worker opens Connect and sends `hello` first. Anything else first, a second hello on
-    the stream, a rank already connected, or a hello that disagrees with the instance's other
-    ranks (world_size, num_gpu_blocks, block_size, model) ends the stream with
-    FAILED_PRECONDITION. An unsupported protocol_version ends it with FAILED_PRECONDITION
-    naming the versions the daemon speaks.
+    1. The worker opens Connect and sends `hello` first (protocol_version = 1, the only version
+    this daemon speaks). Anything else first, no hello within 10 s, a second hello on the
+    stream, a rank already connected, or a hello that disagrees with the instance's ranks
+    already connected (world_size, num_gpu_blocks, block_size, num_slots, model) ends the
+    stream with FAILED_PRECONDITION; the message names the field and both values. An
+    unsupported protocol_version ends it with FAILED_PRECONDITION naming the version the
+    daemon speaks.
     2. The daemon answers `welcome` with the settings the worker must use. An instance is ready
     when all world_size ranks have said hello. A worker that reconnects with the same
     instance_id starts from an empty KV cache: the daemon forgets every block of that
-    instance and re-queues what ran there.
-    3. The daemon sends `tasks`, seq increasing from 1 per instance. Every rank of an instance
-    receives byte-identical tasks. Tasks are columnar: see Tasks for the layout.
+    instance and re-queues what ran there. Everything below is per stream: a new stream
+    starts again with no handles held, Tasks.seq from 1 and StepReport.step from 1.
+    3. The daemon sends `tasks`, seq 1, 2, 3, ... (no gaps: one number per Tasks message sent)
+    for as long as the instance stays up; it starts again at 1 when the instance becomes
+    ready after being taken out. Every rank of an instance receives byte-identical tasks.
+    Tasks are columnar: see Tasks for the layout.
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
     each in this order: preempts and aborts (drop those handles; their blocks may be reused
     below), placements, extensions (resume a paused handle), chunks (at most one per handle
@@ -105,23 +129,37 @@ class WorkerServiceServicer:
     5. The worker runs one step over every runnable handle: the chunks it was given plus one
     decode position (1 + num_speculative_tokens) for each handle whose last prefill chunk has
     run and whose blocks have room. It never waits for the daemon while it has runnable work.
-    A handle without block room pauses and is named in `paused` until an extension arrives.
-    6. After every step rank 0 sends `report` (step increasing from 1; applied_seq = the last
-    tasks seq applied before the step). Other ranks send no reports. The worker checks stop
-    conditions (max_tokens, EOS unless ignore_eos, stop_token_ids, min_tokens, max_model_len)
-    and reports a finish; the handle's slot is free once reported.
+    A handle without block room pauses and is named in `paused` (once, in the report of the
+    step it first could not run; repeating it is harmless) until an extension
+    arrives. With nothing runnable and nothing to acknowledge it sends no report (heartbeats
+    only) until a Tasks message arrives.
+    6. After every step rank 0 sends `report` (step strictly increasing, from 1 on each stream;
+    applied_seq = the last tasks seq applied before the step). A report with no rows is
+    required when only acknowledgements (`acked`) or failures are pending: the daemon waits
+    for them. Merged reports: a worker may send several steps as one StepReport (the
+    columns of each step appended in step order, a handle at most once per step; step and
+    applied_seq those of the last step merged), e.g. while the daemon has not answered its
+    earlier reports (Welcome.answers_reports). Step numbers then skip, which is allowed.
+    Ranks > 0 send only hello and heartbeats: they receive the same welcome and tasks, run
+    the same steps with rank 0 (the collectives), and never report. The worker checks stop
+    conditions after each sampled token and reports a finish (see SamplingParams for the
+    rules); the handle's slot is free once reported.
     7. A preempted or aborted handle, and a task naming a handle the worker has already finished
-    or dropped, is listed once in `acked` and otherwise ignored. The daemon re-queues or ends a
-    preempted or aborted request only on that acknowledgement, so tokens reported before it
-    are kept and none after it are streamed. If a finish and an abort cross, the request ends
-    once, with the reason the daemon saw first.
+    or dropped, is listed in `acked` of the next report and otherwise ignored: once per handle
+    is enough (a handle acknowledged again, in the same or a later report, is ignored). The
+    daemon re-queues or ends a preempted or aborted request only on that acknowledgement, so
+    tokens reported before it are kept and none after it are streamed. If a finish and an
+    abort cross, the request ends once, with the reason the daemon saw first.
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
-    heartbeat_interval_ns. A worker silent for several intervals is taken out as if it had
-    disconnected.
+    heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
+    heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
+    disconnected; a worker may likewise treat a daemon silent for several intervals as gone
+    and reconnect.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
     its instance is taken out and its requests re-queued on other instances. Nothing else is
-    affected.
+    affected. An instance taken out for another reason (a rank lost or silent) ends its
+    other ranks' streams with UNAVAILABLE: reconnect (with backoff).
     10. The worker ends the stream to leave; the daemon treats it as a disconnect (step 9 without
     the status). A draining daemon lets running requests finish, then ends the stream with OK.
     """
@@ -154,17 +192,22 @@ class WorkerService:
     opens one Connect stream. The worker decodes on its own; the daemon stays off the GPU's
     critical path by scheduling one step ahead.
 
-    1. The worker opens Connect and sends `hello` first. Anything else first, a second hello on
-    the stream, a rank already connected, or a hello that disagrees with the instance's other
-    ranks (world_size, num_gpu_blocks, block_size, model) ends the stream with
-    FAILED_PRECONDITION. An unsupported protocol_version ends it with FAILED_PRECONDITION
-    naming the versions the daemon speaks.
+    1. The worker opens Connect and sends `hello` first (protocol_version = 1, the only version
+    this daemon speaks). Anything else first, no hello within 10 s, a second hello on the
+    stream, a rank already connected, or a hello that disagrees with the instance's ranks
+    already connected (world_size, num_gpu_blocks, block_size, num_slots, model) ends the
+    stream with FAILED_PRECONDITION; the message names the field and both values. An
+    unsupported protocol_version ends it with FAILED_PRECONDITION naming the version the
+    daemon speaks.
     2. The daemon answers `welcome` with the settings the worker must use. An instance is ready
     when all world_size ranks have said hello. A worker that reconnects with the same
     instance_id starts from an empty KV cache: the daemon forgets every block of that
-    instance and re-queues what ran there.
-    3. The daemon sends `tasks`, seq increasing from 1 per instance. Every rank of an instance
-    receives byte-identical tasks. Tasks are columnar: see Tasks for the layout.
+    instance and re-queues what ran there. Everything below is per stream: a new stream
+    starts again with no handles held, Tasks.seq from 1 and StepReport.step from 1.
+    3. The daemon sends `tasks`, seq 1, 2, 3, ... (no gaps: one number per Tasks message sent)
+    for as long as the instance stays up; it starts again at 1 when the instance becomes
+    ready after being taken out. Every rank of an instance receives byte-identical tasks.
+    Tasks are columnar: see Tasks for the layout.
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
     each in this order: preempts and aborts (drop those handles; their blocks may be reused
     below), placements, extensions (resume a paused handle), chunks (at most one per handle
@@ -172,23 +215,37 @@ class WorkerService:
     5. The worker runs one step over every runnable handle: the chunks it was given plus one
     decode position (1 + num_speculative_tokens) for each handle whose last prefill chunk has
     run and whose blocks have room. It never waits for the daemon while it has runnable work.
-    A handle without block room pauses and is named in `paused` until an extension arrives.
-    6. After every step rank 0 sends `report` (step increasing from 1; applied_seq = the last
-    tasks seq applied before the step). Other ranks send no reports. The worker checks stop
-    conditions (max_tokens, EOS unless ignore_eos, stop_token_ids, min_tokens, max_model_len)
-    and reports a finish; the handle's slot is free once reported.
+    A handle without block room pauses and is named in `paused` (once, in the report of the
+    step it first could not run; repeating it is harmless) until an extension
+    arrives. With nothing runnable and nothing to acknowledge it sends no report (heartbeats
+    only) until a Tasks message arrives.
+    6. After every step rank 0 sends `report` (step strictly increasing, from 1 on each stream;
+    applied_seq = the last tasks seq applied before the step). A report with no rows is
+    required when only acknowledgements (`acked`) or failures are pending: the daemon waits
+    for them. Merged reports: a worker may send several steps as one StepReport (the
+    columns of each step appended in step order, a handle at most once per step; step and
+    applied_seq those of the last step merged), e.g. while the daemon has not answered its
+    earlier reports (Welcome.answers_reports). Step numbers then skip, which is allowed.
+    Ranks > 0 send only hello and heartbeats: they receive the same welcome and tasks, run
+    the same steps with rank 0 (the collectives), and never report. The worker checks stop
+    conditions after each sampled token and reports a finish (see SamplingParams for the
+    rules); the handle's slot is free once reported.
     7. A preempted or aborted handle, and a task naming a handle the worker has already finished
-    or dropped, is listed once in `acked` and otherwise ignored. The daemon re-queues or ends a
-    preempted or aborted request only on that acknowledgement, so tokens reported before it
-    are kept and none after it are streamed. If a finish and an abort cross, the request ends
-    once, with the reason the daemon saw first.
+    or dropped, is listed in `acked` of the next report and otherwise ignored: once per handle
+    is enough (a handle acknowledged again, in the same or a later report, is ignored). The
+    daemon re-queues or ends a preempted or aborted request only on that acknowledgement, so
+    tokens reported before it are kept and none after it are streamed. If a finish and an
+    abort cross, the request ends once, with the reason the daemon saw first.
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
-    heartbeat_interval_ns. A worker silent for several intervals is taken out as if it had
-    disconnected.
+    heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
+    heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
+    disconnected; a worker may likewise treat a daemon silent for several intervals as gone
+    and reconnect.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
     its instance is taken out and its requests re-queued on other instances. Nothing else is
-    affected.
+    affected. An instance taken out for another reason (a rank lost or silent) ends its
+    other ranks' streams with UNAVAILABLE: reconnect (with backoff).
     10. The worker ends the stream to leave; the daemon treats it as a disconnect (step 9 without
     the status). A draining daemon lets running requests finish, then ends the stream with OK.
     """

@@ -708,7 +708,7 @@ async def worker_tp(env: Env, variant: str, x: int) -> None:
     rank1.start(hello(instance, **{"world_size": 2, "rank": 1, **second}))
     if variant != "agrees":
         needle = {
-            "block size differs": "block size",
+            "block size differs": "block_size = 32",  # names the Hello field
             "world size differs": "world size",
             "rank 0 twice": "already connected",
             "rank outside world size": "outside world size",

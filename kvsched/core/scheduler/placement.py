@@ -58,7 +58,8 @@ class Placements:
         self.paused = False
         self.stats = SchedulerStats()
         self.events = Events()
-        self._seq = 0  # the last Tasks message's seq
+        self._seq = 0  # the last Tasks message's seq (only messages sent get one)
+        self._answered = -1  # the report step the last message sent answered (report_step)
         # Decode headroom follows the control plane's round trip: `_lag` is how many worker
         # steps pass between the report a Tasks message was decided on and the report showing
         # the worker applied it (fast attack, slow decay); `_threshold` is the room, in tokens,
@@ -92,9 +93,10 @@ class Placements:
     def _place(self, tasks: Tasks, req: Request, num_hit: int) -> None:
         """Give req a slot and a fresh handle; the worker learns it from a Placement."""
         now = self.clock()
-        if req.num_cached_tokens < 0:
+        if req.num_cached_tokens < 0:  # its first placement on this instance
             req.num_cached_tokens = num_hit
-            req.first_scheduled_time = now
+            if req.first_scheduled_time < 0:  # (a request moved off a lost instance keeps it)
+                req.first_scheduled_time = now
             self.kv.record_lookup(req.num_tokens, num_hit)
             self.stats.num_prompt_tokens += len(req.prompt_token_ids)
         req.status = RequestStatus.RUNNING
@@ -105,7 +107,12 @@ class Placements:
         self.live[req.handle] = req
         self.running[req.req_id] = req
         self.prefilling[req.req_id] = req
-        last = req.output_token_ids[-1] if req.output_token_ids else -1
+        # The worker decodes from last_token_id only once no prefill is left; while positions
+        # remain to be computed (a recomputed preemption, a moved request) it must prefill them
+        # first, so it gets -1, never a token it could mistake for a start-decoding signal.
+        last = -1
+        if num_hit >= req.num_prefill_tokens and req.output_token_ids:
+            last = req.output_token_ids[-1]
         tasks.placements.append(
             Placement(
                 handle=req.handle,

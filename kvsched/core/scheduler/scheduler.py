@@ -42,9 +42,10 @@ class Scheduler(Reports, Admission):
 
     def schedule(self) -> Tasks:
         """Plan the next step: block extensions, continuing prefill chunks, new admissions.
-        Cost O(requests touched), independent of the number waiting."""
-        self._seq += 1
-        tasks = Tasks(seq=self._seq)
+        Cost O(requests touched), independent of the number waiting. A message with neither
+        a task nor a report to answer has seq 0 and is not meant to be sent; the others are
+        numbered 1, 2, 3, ... (the worker's applied_seq names them)."""
+        tasks = Tasks(seq=0)  # numbered by _seal if it is to be sent
         if not self.paused:
             budget = self._step_budget()
             self._extend_decoders(tasks, budget)
@@ -76,7 +77,14 @@ class Scheduler(Reports, Admission):
         tasks.reset_prefix_cache, self._pending_reset = self._pending_reset, False
         tasks.report_step = max(self._last_step, 0)
         self.stats.num_steps += 1
-        if not tasks.is_empty():  # the report saying it was applied measures the round trip
+        empty = tasks.is_empty()
+        if empty and self._answered == self._last_step:
+            return  # no task and no report to answer: nothing to send (seq 0)
+        # Only messages sent are numbered, so a worker sees seq 1, 2, 3, ... without gaps.
+        self._seq += 1
+        tasks.seq = self._seq
+        self._answered = self._last_step
+        if not empty:  # the report saying it was applied measures the round trip
             self._sent.append((self._seq, self._last_step))
             if len(self._sent) > 4096:  # a worker that never reports applying anything
                 self._sent.popleft()
@@ -123,9 +131,12 @@ class Scheduler(Reports, Admission):
         """The numbers the daemon's status, admin and metrics show, read at once."""
         kv, st = self.kv, self.stats
         num_slots = self.config.scheduler.max_num_seqs
+        # A preempted request counts as running until its worker acknowledges the preempt:
+        # tokens it reports before that are still streamed (O(live): status reads only).
+        preempting = sum(1 for r in self.live.values() if r.status == RequestStatus.PREEMPTED)
         return SchedulerSnapshot(
             num_waiting=len(self.waiting),
-            num_running=len(self.running),
+            num_running=len(self.running) + preempting,
             num_slots=num_slots,
             num_slots_used=num_slots - len(self.free_slots),
             num_gpu_blocks=kv.pool.num_blocks,
