@@ -37,6 +37,10 @@ class GenerateStream:
                 if kind == "tokens":
                     yield list(msg.tokens.token_ids)
                 elif kind == "finished":
+                    if self.finished is not None:  # the contract says exactly one
+                        raise KvschedClientError(
+                            "stream sent finished twice", request_id=self.request_id
+                        )
                     self.finished = Finished.from_pb(msg.finished)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.request_id) from None
