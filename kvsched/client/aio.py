@@ -157,8 +157,9 @@ class AsyncClient:
             self._channel = grpc.aio.secure_channel(address, conn.credentials, options=conn.options)
         else:
             self._channel = grpc.aio.insecure_channel(address, options=conn.options)
-        self._requests: Any = request_service_pb2_grpc.RequestServiceStub(self._channel)
-        self._admin: Any = admin_service_pb2_grpc.AdminServiceStub(self._channel)
+        stubs: Any = (request_service_pb2_grpc, admin_service_pb2_grpc)  # generated: untyped
+        self._requests: Any = stubs[0].RequestServiceStub(self._channel)
+        self._admin: Any = stubs[1].AdminServiceStub(self._channel)
 
     async def generate(
         self,

@@ -65,8 +65,9 @@ class GenerateStream:
 class Session:
     """Many requests over one stream. `submit` and `abort` may be called from any thread while
     another iterates the batches (SessionBatch). `close()` half-closes: the iteration then ends
-    once every accepted request has finished. Leaving a `with` block closes; `cancel()` drops
-    the stream instead, which aborts its unfinished requests (detachable ones excepted)."""
+    once every accepted request has finished. Leaving a `with` block closes (cancels, on an
+    exception); `cancel()` drops the stream, aborting its unfinished requests (detachable ones
+    excepted)."""
 
     def __init__(self, stub: Any, conn: Connection, timeout: float | None, metadata: Any) -> None:
         self._outbox: queue.SimpleQueue[rpb.SessionRequest | None] = queue.SimpleQueue()
@@ -120,7 +121,10 @@ class Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        if exc[0] is not None:
+            self.cancel()
+        else:
+            self.close()
 
 
 class Client:
@@ -153,8 +157,9 @@ class Client:
             self._channel = grpc.secure_channel(address, conn.credentials, options=conn.options)
         else:
             self._channel = grpc.insecure_channel(address, options=conn.options)
-        self._requests: Any = request_service_pb2_grpc.RequestServiceStub(self._channel)
-        self._admin: Any = admin_service_pb2_grpc.AdminServiceStub(self._channel)
+        stubs: Any = (request_service_pb2_grpc, admin_service_pb2_grpc)  # generated: untyped
+        self._requests: Any = stubs[0].RequestServiceStub(self._channel)
+        self._admin: Any = stubs[1].AdminServiceStub(self._channel)
 
     def generate(
         self,
