@@ -84,6 +84,7 @@ def test_session_submit_abort_and_errors(address: str) -> None:
     finished = {}
     accepted = {}
     errors = []
+    aborted = False
     with Client(address, timeout=60) as client, client.session() as session:
         short = session.submit(PROMPT, request_id="sess-short", max_tokens=7, ignore_eos=True)
         long = session.submit(PROMPT, request_id="sess-long", max_tokens=LONG, ignore_eos=True)
@@ -94,7 +95,8 @@ def test_session_submit_abort_and_errors(address: str) -> None:
                 accepted[a.client_tag] = a.request_id
             for rid, new in batch.tokens.items():
                 tokens.setdefault(rid, []).extend(new)
-                if rid == "sess-long" and "sess-long" not in finished:
+                if rid == "sess-long" and not aborted:
+                    aborted = True
                     session.abort("sess-long")
                     session.close()  # ends once both accepted requests have finished
             finished.update({f.request_id: f for f in batch.finished})
