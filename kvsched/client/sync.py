@@ -106,6 +106,7 @@ class Session:
             for msg in self._call:
                 yield SessionBatch(msg)
         except grpc.RpcError as exc:
+            self.close()  # frees grpc's thread waiting on the outbox for the next request
             raise from_rpc_error(exc) from None
 
     def close(self) -> None:
