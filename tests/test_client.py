@@ -234,6 +234,11 @@ def test_tokens_over_tls_and_typed_auth_errors(secured: tuple[str, str]) -> None
         ):
             anon.generate(PROMPT, max_tokens=3)
         assert err.value.code == grpc.StatusCode.UNAUTHENTICATED and err.value.message
+    # A refused Session stream raises the same typed error when read.
+    with Client(addr, tls_ca=ca, timeout=10) as anon, anon.session() as session:
+        session.submit(PROMPT, max_tokens=3)
+        with pytest.raises(Unauthenticated):
+            list(session)
 
 
 # ---- docs/CLIENT.md ----------------------------------------------------------------------------
