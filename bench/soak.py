@@ -23,12 +23,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import grpc
-
+from kvsched.client import (
+    AsyncClient,
+    Client,
+    KvschedClientError,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvsched.replay.launch import Child, spawn, start_daemon
-from kvsched.v1 import admin_service_pb2 as apb
-from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
-from kvsched.v1 import request_service_pb2 as rpb
 from kvsched.worker_stub.sim import SimExecutor
 
 SIM = SimExecutor(seed=0)
@@ -69,7 +71,7 @@ def expected(req_id: str, prompt_len: int, max_tokens: int) -> list[int]:
 
 
 async def one_request(
-    stub: request_service_pb2_grpc.RequestServiceStub,
+    client: AsyncClient,
     rid: str,
     rng: random.Random,
     prefixes: list[list[int]],
@@ -79,57 +81,51 @@ async def one_request(
     fate = rng.random()
     # Requests meant to be aborted run long enough for the abort to land mid-stream.
     max_tokens = rng.randrange(2000, 4000) if fate < 0.2 else rng.randrange(1, 200)
-    msg = rpb.GenerateRequest(
-        request_id=rid,
-        prompt_token_ids=prompt,
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-    )
-    call = stub.Generate(msg)
-    tokens: list[int] = []
-    finished: list[rpb.Finished] = []
+    try:
+        stream = await client.generate(
+            prompt, request_id=rid, max_tokens=max_tokens, ignore_eos=True
+        )
+    except (Unavailable, ResourceExhausted):
+        fig.rejected += 1  # refused before acceptance (e.g. no instance ready): not lost
+        return
+    except KvschedClientError:
+        fig.lost += 1
+        return
     try:
         if fate < 0.1:  # the client drops its stream mid-way
             await asyncio.sleep(rng.random() * 0.5)
-            call.cancel()
+            stream.cancel()
             fig.disconnected += 1
             return
         if fate < 0.2:  # aborted through the API
 
             async def abort_later() -> None:
                 await asyncio.sleep(rng.random() * 0.5)
-                # NOT_FOUND when the abort overtakes the Generate call (not accepted yet);
-                # the outcome that counts is the Finished the Generate stream receives.
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await stub.Abort(rpb.AbortRequest(request_id=rid))
+                # The outcome that counts is the Finished the Generate stream receives.
+                with contextlib.suppress(KvschedClientError):
+                    await client.abort(rid)
 
             aborter = asyncio.ensure_future(abort_later())
         else:
             aborter = None
-        async for r in call:
-            kind = r.WhichOneof("kind")
-            if kind == "tokens":
-                tokens.extend(r.tokens.token_ids)
-            elif kind == "finished":
-                finished.append(r.finished)
+        tokens = await stream.tokens()
         if aborter is not None:
             await asyncio.gather(aborter, return_exceptions=True)
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-            fig.rejected += 1  # refused before acceptance (e.g. no instance ready): not lost
-            return
-        fig.lost += 1
+    except KvschedClientError as exc:
+        if "finished twice" in exc.message:
+            fig.requests += 1
+            fig.finished_twice += 1
+        else:
+            fig.lost += 1  # accepted, and no finished record: lost
         return
     fig.requests += 1
-    if len(finished) != 1:
-        fig.lost += len(finished) == 0
-        fig.finished_twice += len(finished) > 1
-        return
-    f = finished[0]
+    f = stream.finished
+    assert f is not None  # stream.tokens() raises otherwise
     want = expected(rid, len(prompt), max_tokens)
-    if f.reason == common_pb2.FINISH_REASON_LENGTH:
+    if f.reason == "length":
         fig.completed += 1
         fig.wrong_tokens += tokens != want
-    elif f.reason == common_pb2.FINISH_REASON_ABORT:
+    elif f.reason == "abort":
         fig.aborted_by_rpc += fate < 0.2
         fig.aborted_other += fate >= 0.2
         fig.wrong_tokens += tokens != want[: len(tokens)]
@@ -151,8 +147,7 @@ async def drive(
     prefixes = [
         [rng.randrange(3, 30000) for _ in range(rng.choice((64, 256, 512)))] for _ in range(6)
     ]
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = request_service_pb2_grpc.RequestServiceStub(ch)
+    async with AsyncClient(address) as client:
         tasks: list[asyncio.Task[None]] = []
         start = time.monotonic()
         next_kill = start + 5.0
@@ -161,7 +156,9 @@ async def drive(
             # ~20 requests/s, below what two workers serve, so the backlog and memory stay flat
             for _ in range(rng.randrange(0, 3)):
                 tasks.append(
-                    asyncio.ensure_future(one_request(stub, f"soak-{seed}-{i}", rng, prefixes, fig))
+                    asyncio.ensure_future(
+                        one_request(client, f"soak-{seed}-{i}", rng, prefixes, fig)
+                    )
                 )
                 i += 1
             if time.monotonic() >= next_kill:
@@ -173,8 +170,7 @@ async def drive(
                 )
                 fig.worker_kills += 1
                 fig.daemon_rss_samples_mb.append(round(rss_mb(daemon_pid), 1))
-                admin = admin_service_pb2_grpc.AdminServiceStub(ch)
-                st = await admin.GetStatus(apb.GetStatusRequest())
+                st = await client.status()
                 fig.in_flight_samples.append(st.num_running + st.num_waiting)
                 next_kill += 5.0
             tasks = [t for t in tasks if not t.done()]
@@ -196,8 +192,8 @@ def soak(seconds: float = 60.0, seed: int = 0) -> Figures:
         fig.daemon_rss_start_mb = rss_mb(daemon.popen.pid)
         asyncio.run(drive(address, workers, seconds, seed, fig, daemon.popen.pid))
         fig.daemon_rss_end_mb = rss_mb(daemon.popen.pid)
-        with grpc.insecure_channel(address) as ch:
-            st = admin_service_pb2_grpc.AdminServiceStub(ch).GetStatus(apb.GetStatusRequest())
+        with Client(address, timeout=10) as client:
+            st = client.status()
         for inst in st.instances:
             if inst.ready:
                 fig.leaked_blocks += inst.num_gpu_blocks - inst.num_free_blocks

@@ -57,17 +57,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-
+from kvsched.client import AsyncClient, AsyncSession, KvschedClientError
 from kvsched.replay.launch import Child
-from kvsched.v1 import admin_service_pb2 as apb
-from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
-from kvsched.v1 import request_service_pb2 as rpb
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "transport.json"
 BLOCK_SIZE = 64
@@ -78,10 +73,6 @@ TARGET_STEPS_PER_S = {256: 2000.0, 1024: 600.0}
 TARGET_CPU_US_PER_STEP = {1024: 1000.0}
 TARGET_TRACING_RATIO = 0.90
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-]
 
 
 # ---- child processes ------------------------------------------------------------------------
@@ -211,18 +202,15 @@ def _start_stack(running: int, tracing: str, started: list[Child]) -> Stack:
 
 class FrontEnd:
     """Session streams that keep `running` requests running: one new request per finished one.
-    Per message it only counts: the front end must cost little next to the daemon."""
+    Per message it only counts, from the message's own columns (`batch.raw`): the front end must
+    cost little next to the daemon."""
 
-    def __init__(
-        self, channel: grpc.aio.Channel, running: int, sessions: int, max_tokens: int
-    ) -> None:
-        self.stub = request_service_pb2_grpc.RequestServiceStub(channel)
+    def __init__(self, client: AsyncClient, running: int, sessions: int, max_tokens: int) -> None:
+        self.client = client
         self.running = running
+        self.num_sessions = sessions
         self.max_tokens = max_tokens
-        self.queues: list[asyncio.Queue[rpb.SessionRequest | None]] = [
-            asyncio.Queue() for _ in range(sessions)
-        ]
-        self.calls: list[Any] = []
+        self.sessions: list[AsyncSession] = []
         self.tasks: list[asyncio.Task[None]] = []
         self.rng = random.Random(0)
         self.num_submitted = 0
@@ -232,53 +220,42 @@ class FrontEnd:
         self.errors: list[str] = []
         self.closing = False
 
-    def start(self) -> None:
-        for i in range(self.running):
-            self.submit(self.queues[i % len(self.queues)])
+    async def start(self) -> None:
+        self.sessions = [self.client.session() for _ in range(self.num_sessions)]
         loop = asyncio.get_running_loop()
-        self.tasks = [loop.create_task(self._read(q)) for q in self.queues]
+        self.tasks = [loop.create_task(self._read(s)) for s in self.sessions]
+        for i in range(self.running):
+            await self.submit(self.sessions[i % len(self.sessions)])
 
-    def submit(self, queue: asyncio.Queue[rpb.SessionRequest | None]) -> None:
+    async def submit(self, session: AsyncSession) -> None:
         rid = f"t{self.num_submitted}"
         self.num_submitted += 1
         prompt = [self.rng.randrange(3, 30000) for _ in range(PROMPT_LEN)]
-        request = rpb.GenerateRequest(
-            request_id=rid,
-            prompt_token_ids=prompt,
-            sampling=common_pb2.SamplingParams(max_tokens=self.max_tokens, ignore_eos=True),
-        )
-        queue.put_nowait(
-            rpb.SessionRequest(submit=rpb.SessionRequest.Submit(request=request, client_tag=rid))
+        await session.submit(
+            prompt, client_tag=rid, request_id=rid, max_tokens=self.max_tokens, ignore_eos=True
         )
 
-    async def _requests(
-        self, queue: asyncio.Queue[rpb.SessionRequest | None]
-    ) -> AsyncIterator[rpb.SessionRequest]:
-        while (msg := await queue.get()) is not None:
-            yield msg
-
-    async def _read(self, queue: asyncio.Queue[rpb.SessionRequest | None]) -> None:
-        call = self.stub.Session(self._requests(queue))
-        self.calls.append(call)
+    async def _read(self, session: AsyncSession) -> None:
         try:
-            async for msg in call:
+            async for batch in session:
+                msg = batch.raw
                 self.num_messages += 1
                 self.num_tokens += len(msg.tokens.token_ids)
                 for _ in msg.finished:
                     self.num_finished += 1
                     if not self.closing:
-                        self.submit(queue)
+                        await self.submit(session)
                 for e in msg.errors:
                     self.errors.append(f"{e.client_tag or e.request_id}: {e.code} {e.message}")
-        except grpc.aio.AioRpcError as exc:
+        except KvschedClientError as exc:
             if not self.closing:
-                self.errors.append(f"Session stream: {exc.code().name}: {exc.details()}")
+                self.errors.append(f"Session stream: {exc}")
 
     async def close(self) -> None:
         """Cancel the streams: the daemon aborts their requests (they are not detachable)."""
         self.closing = True
-        for call in self.calls:
-            call.cancel()
+        for session in self.sessions:
+            session.cancel()
         for task in self.tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -287,10 +264,12 @@ class FrontEnd:
 # ---- one case -------------------------------------------------------------------------------
 
 
-async def wait_running(admin: Any, fe: FrontEnd, running: int, timeout: float = 120.0) -> None:
+async def wait_running(
+    admin: AsyncClient, fe: FrontEnd, running: int, timeout: float = 120.0
+) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        st = await admin.GetStatus(apb.GetStatusRequest())
+        st = await admin.status()
         if st.num_running == running and st.num_waiting == 0:
             return
         if fe.errors:
@@ -303,10 +282,10 @@ async def wait_running(admin: Any, fe: FrontEnd, running: int, timeout: float = 
         await asyncio.sleep(0.1)
 
 
-async def wait_idle(admin: Any, timeout: float = 30.0) -> None:
+async def wait_idle(admin: AsyncClient, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        st = await admin.GetStatus(apb.GetStatusRequest())
+        st = await admin.status()
         if st.num_running == 0 and st.num_waiting == 0:
             return
         await asyncio.sleep(0.1)
@@ -326,8 +305,8 @@ class Snapshot:
     machine_busy: float
 
     @classmethod
-    async def take(cls, admin: Any, fe: FrontEnd, stack: Stack) -> Snapshot:
-        st = await admin.GetStatus(apb.GetStatusRequest())
+    async def take(cls, admin: AsyncClient, fe: FrontEnd, stack: Stack) -> Snapshot:
+        st = await admin.status()
         return cls(
             time.monotonic(),
             fe.num_tokens,
@@ -345,17 +324,16 @@ class Snapshot:
 async def measure(
     stack: Stack, running: int, seconds: float, warmup: float, sessions: int, max_tokens: int
 ) -> dict[str, Any]:
-    async with grpc.aio.insecure_channel(stack.address, options=CHANNEL_OPTIONS) as channel:
-        admin = admin_service_pb2_grpc.AdminServiceStub(channel)
-        fe = FrontEnd(channel, running, sessions, max_tokens)
-        fe.start()
+    async with AsyncClient(stack.address, timeout=None) as admin:
+        fe = FrontEnd(admin, running, sessions, max_tokens)
         try:
+            await fe.start()
             await wait_running(admin, fe, running)
             await asyncio.sleep(warmup)
             a = await Snapshot.take(admin, fe, stack)
             await asyncio.sleep(seconds)
             b = await Snapshot.take(admin, fe, stack)
-            st = await admin.GetStatus(apb.GetStatusRequest())
+            st = await admin.status()
         finally:
             await fe.close()
         await wait_idle(admin)

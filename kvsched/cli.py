@@ -18,7 +18,6 @@ from typing import Any
 from kvsched.core.errors import ConfigError
 from kvsched.data import CONVERSATION_SLICE
 from kvsched.replay.args import add_replay_arguments
-from kvsched.tls import channel_credentials
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 DEFAULT_TRACE = CONVERSATION_SLICE  # shipped in the package, so a wheel or clone can run the demo
@@ -190,28 +189,26 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    import grpc
-
+    from kvsched.client import Client, KvschedClientError
     from kvsched.server.status_view import format_status
-    from kvsched.v1 import admin_service_pb2, admin_service_pb2_grpc
 
-    creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
-    if creds is not None:
-        channel = grpc.secure_channel(args.server, creds)
-    else:
-        channel = grpc.insecure_channel(args.server)
-    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
-    stub_class: Any = admin_service_pb2_grpc.AdminServiceStub  # generated code is untyped
-    stub = stub_class(channel)
-    request = admin_service_pb2.GetStatusRequest(instance_id=args.instance)
     clear = "\x1b[H\x1b[2J" if args.watch is not None and sys.stdout.isatty() else ""
-    with channel:
+    with Client(
+        args.server,
+        token=args.token,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        timeout=args.timeout,
+    ) as client:
         while True:
             try:
-                resp = stub.GetStatus(request, timeout=args.timeout, metadata=metadata)
-            except grpc.RpcError as exc:
-                code = exc.code().name if exc.code() else "UNKNOWN"
-                print(f"kvsched status: {args.server}: {code}: {exc.details()}", file=sys.stderr)
+                resp = client.status(args.instance)
+            except KvschedClientError as exc:
+                print(
+                    f"kvsched status: {args.server}: {exc.code.name}: {exc.message}",
+                    file=sys.stderr,
+                )
                 if args.watch is None:
                     return 1
             else:

@@ -33,11 +33,7 @@ def run_replay(args: argparse.Namespace) -> int:
             block_size=BLOCK_SIZE,
         )
         address = cluster.address
-    metadata = [("authorization", f"Bearer {args.token}")] if args.token else []
-    admin_metadata = (
-        [("authorization", f"Bearer {args.admin_token}")] if args.admin_token else metadata
-    )
-    import grpc
+    from kvsched.client import KvschedClientError
 
     try:
         result = asyncio.run(
@@ -47,13 +43,13 @@ def run_replay(args: argparse.Namespace) -> int:
                 rate_scale=args.rate_scale,
                 time_scale=args.time_scale,
                 progress=not args.no_progress,
-                metadata=metadata,
+                token=args.token,
                 credentials=creds,
-                admin_metadata=admin_metadata,
+                admin_token=args.admin_token or None,
             )
         )
-    except grpc.aio.AioRpcError as exc:  # refused (credentials, TLS) or unreachable
-        print(f"kvsched replay: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    except KvschedClientError as exc:  # refused (credentials, TLS) or unreachable
+        print(f"kvsched replay: {address}: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1
     finally:
         idle = cluster.stop() if cluster else {}

@@ -13,20 +13,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
+from kvsched.client import (
+    AsyncClient,
+    AsyncSession,
+    KvschedClientError,
+    PermissionDenied,
+    SessionBatch,
+    Unauthenticated,
+)
 from kvsched.replay.summary import RequestRecord
 from kvsched.traces import TraceRequest
 from kvsched.v1 import admin_service_pb2 as apb
-from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
-from kvsched.v1 import request_service_pb2 as rpb
-
-REASONS = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-    common_pb2.FINISH_REASON_ERROR: "error",
-}
 
 
 @dataclass
@@ -72,42 +69,39 @@ class _Run:
         """Seconds since the start, in trace (simulated GPU) time."""
         return (time.monotonic() - self.t0) * self.time_scale
 
-    async def submissions(self) -> Any:
+    async def submit_all(self, session: AsyncSession) -> None:
+        """Submit every request at its arrival time, then half-close the session."""
         for i, r in enumerate(self.requests):
             delay = self.t0 + r.arrival_s / self.speedup - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            yield rpb.SessionRequest(
-                submit=rpb.SessionRequest.Submit(
-                    client_tag=f"trace-{i}",
-                    request=rpb.GenerateRequest(
-                        request_id=f"trace-{i}",
-                        prompt_token_ids=r.prompt_token_ids,
-                        sampling=common_pb2.SamplingParams(
-                            max_tokens=r.max_tokens, ignore_eos=True
-                        ),
-                    ),
-                )
+            await session.submit(
+                r.prompt_token_ids,
+                client_tag=f"trace-{i}",
+                request_id=f"trace-{i}",
+                max_tokens=r.max_tokens,
+                ignore_eos=True,
             )
+        await session.close()
 
-    def absorb(self, msg: rpb.SessionResponse) -> None:
+    def absorb(self, batch: SessionBatch) -> None:
         now = self.now()
         records = self.records
         pos = 0
-        for rid, n in zip(msg.tokens.request_ids, msg.tokens.num_tokens, strict=True):
+        for rid, n in batch.token_counts():
             rec = records[rid]
             if rec.first_token_s is None:
                 rec.first_token_s = now
             rec.token_times_s.extend([now] * n)
             pos += n
         self.tokens += pos
-        for f in msg.finished:
+        for f in batch.finished:
             rec = records[f.request_id]
             rec.finish_s = now
-            rec.finish_reason = REASONS.get(f.reason, "error")
+            rec.finish_reason = f.reason
             rec.num_cached_tokens = f.usage.cached_tokens
             self._count_done()
-        for e in msg.errors:
+        for e in batch.errors:
             rec = records.get(e.client_tag)
             if rec is not None and not rec.finish_reason:
                 rec.finish_reason = "rejected"
@@ -126,28 +120,22 @@ async def replay(
     rate_scale: float = 1.0,
     time_scale: float = 1.0,
     progress: bool = True,
-    metadata: Sequence[tuple[str, str]] = (),
-    credentials: grpc.ChannelCredentials | None = None,
+    token: str = "",
+    credentials: Any = None,
     sample_every_s: float = 1.0,
-    admin_metadata: Sequence[tuple[str, str]] | None = None,
+    admin_token: str | None = None,
 ) -> ReplayResult:
-    """Replay `requests` over one Session (with `metadata`: the client's token). Status figures
-    (preemptions, KV usage, the timeline) come from AdminService with `admin_metadata` (default:
-    `metadata`); a daemon that refuses those credentials there gets a replay without them."""
+    """Replay `requests` over one Session (with `token`: the client's). Status figures
+    (preemptions, KV usage, the timeline) come from AdminService with `admin_token` (default:
+    `token`); a daemon that refuses those credentials there gets a replay without them.
+    KvschedClientError when the daemon refuses the session or cannot be reached."""
     run = _Run(requests, rate_scale, time_scale)
-    options = [
-        ("grpc.max_receive_message_length", 64 << 20),
-        ("grpc.max_send_message_length", 64 << 20),
-    ]
-    channel = (
-        grpc.aio.secure_channel(address, credentials, options=options)
-        if credentials
-        else grpc.aio.insecure_channel(address, options=options)
-    )
-    admin_md = metadata if admin_metadata is None else admin_metadata
-    async with channel:
-        admin = admin_service_pb2_grpc.AdminServiceStub(channel)
-        before = await _status(admin, admin_md)
+    admin_tok = token if admin_token is None else admin_token
+    async with (
+        AsyncClient(address, token=token, credentials=credentials) as client,
+        AsyncClient(address, token=admin_tok, credentials=credentials) as admin,
+    ):
+        before = await _status(admin)
         if before is None:
             print(
                 "kvsched replay: these credentials may not read the daemon's status "
@@ -155,23 +143,28 @@ async def replay(
                 "(pass --admin-token for them)",
                 file=sys.stderr,
             )
-        stub = request_service_pb2_grpc.RequestServiceStub(channel)
         run.t0 = time.monotonic()
         result = ReplayResult(list(run.records.values()))
         sampler = (
-            asyncio.ensure_future(_sample(admin, admin_md, run, result, sample_every_s, progress))
+            asyncio.ensure_future(_sample(admin, run, result, sample_every_s, progress))
             if before is not None
             else None
         )
+        session = client.session()
+        submitter = asyncio.ensure_future(run.submit_all(session))
         try:
-            async for msg in stub.Session(run.submissions(), metadata=metadata):
-                run.absorb(msg)
+            async for batch in session:
+                run.absorb(batch)
                 if run.finished.is_set():
                     break
+            if submitter.done():
+                submitter.result()  # a refused stream raises here rather than hang
         finally:
-            if sampler is not None:
-                sampler.cancel()
-        after = await _status(admin, admin_md) if before is not None else None
+            for task in (sampler, submitter):
+                if task is not None:
+                    task.cancel()
+            session.cancel()
+        after = await _status(admin) if before is not None else None
     if before is None or after is None:
         return result
     if progress:
@@ -190,22 +183,16 @@ async def replay(
     return result
 
 
-async def _status(admin: Any, metadata: Sequence[tuple[str, str]]) -> apb.GetStatusResponse | None:
+async def _status(admin: AsyncClient) -> apb.GetStatusResponse | None:
     """The daemon's status, or None when the credentials may not read it."""
     try:
-        resp: apb.GetStatusResponse = await admin.GetStatus(
-            apb.GetStatusRequest(), metadata=metadata, timeout=10
-        )
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            return None
-        raise
-    return resp
+        return await admin.status(timeout=10)
+    except (Unauthenticated, PermissionDenied):
+        return None
 
 
 async def _sample(
-    admin: Any,
-    metadata: Sequence[tuple[str, str]],
+    admin: AsyncClient,
     run: _Run,
     result: ReplayResult,
     every_s: float,
@@ -215,8 +202,8 @@ async def _sample(
     while True:
         await asyncio.sleep(every_s / run.time_scale)
         try:
-            st = await admin.GetStatus(apb.GetStatusRequest(), metadata=metadata, timeout=5)
-        except grpc.aio.AioRpcError:
+            st = await admin.status(timeout=5)
+        except KvschedClientError:
             continue
         now = run.now()
         ready = [i for i in st.instances if i.ready]

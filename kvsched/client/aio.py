@@ -1,0 +1,230 @@
+"""The asyncio client: `AsyncClient(address, token=...)`, then `await generate(...)`,
+`session()`, `abort`, `status`. The same calls, records and errors as kvsched.client.sync."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Unpack
+
+import grpc
+import grpc.aio
+
+from kvsched.client.connection import Connection
+from kvsched.client.errors import Cancelled, KvschedClientError, from_rpc_error
+from kvsched.client.types import Finished, RequestOptions, SessionBatch, build_request
+from kvsched.v1 import admin_service_pb2 as apb
+from kvsched.v1 import admin_service_pb2_grpc, request_service_pb2_grpc
+from kvsched.v1 import request_service_pb2 as rpb
+
+
+class AsyncGenerateStream:
+    """One Generate call, accepted: `async for batch in stream` gives token batches (lists of
+    token ids); then `finished` holds the finished record. `cancel()` (or leaving an
+    `async with` block early) drops the stream, which aborts the request unless detachable."""
+
+    def __init__(self, call: Any, queued: rpb.GenerateResponse.Queued) -> None:
+        self._call = call
+        self.request_id: str = queued.request_id
+        self.instance: str = queued.instance
+        self.finished: Finished | None = None
+
+    async def __aiter__(self) -> AsyncIterator[list[int]]:
+        try:
+            while (msg := await self._call.read()) is not grpc.aio.EOF:
+                kind = msg.WhichOneof("kind")
+                if kind == "tokens":
+                    yield list(msg.tokens.token_ids)
+                elif kind == "finished":
+                    if self.finished is not None:  # the contract says exactly one
+                        raise KvschedClientError(
+                            "stream sent finished twice", request_id=self.request_id
+                        )
+                    self.finished = Finished.from_pb(msg.finished)
+        except grpc.RpcError as exc:  # asyncio.CancelledError is not one: it propagates
+            raise from_rpc_error(exc, self.request_id) from None
+        if self.finished is None:
+            raise KvschedClientError("stream ended without finished", request_id=self.request_id)
+
+    async def tokens(self) -> list[int]:
+        """Read the stream to its end; every token, in order."""
+        return [t async for batch in self for t in batch]
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncGenerateStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.finished is None:
+            self.cancel()
+
+
+class AsyncSession:
+    """Many requests over one stream: `await submit(...)` and `await abort(id)` from any task
+    while one task does `async for batch in session` (SessionBatch). `await close()`
+    half-closes: the iteration ends once every accepted request has finished. Leaving an
+    `async with` block closes; `cancel()` drops the stream, aborting its unfinished requests
+    (detachable ones excepted)."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._tags = itertools.count()
+        self._closed = False
+
+    async def _write(self, msg: rpb.SessionRequest) -> None:
+        if self._closed:
+            raise Cancelled("session closed")
+        try:
+            await self._call.write(msg)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    async def submit(
+        self, prompt: Sequence[int], *, client_tag: str = "", **options: Unpack[RequestOptions]
+    ) -> str:
+        """Send a submit; returns its client tag (`client_tag`, or a fresh number). The answer
+        comes in a later batch: `accepted` (with the request id) or `errors`."""
+        tag = client_tag or str(next(self._tags))
+        req = build_request(prompt, options)
+        await self._write(
+            rpb.SessionRequest(submit=rpb.SessionRequest.Submit(request=req, client_tag=tag))
+        )
+        return tag
+
+    async def abort(self, request_id: str) -> None:
+        """Abort one of this session's requests; its `finished` comes in a later batch."""
+        await self._write(rpb.SessionRequest(abort=rpb.SessionRequest.Abort(request_id=request_id)))
+
+    async def __aiter__(self) -> AsyncIterator[SessionBatch]:
+        try:
+            while (msg := await self._call.read()) is not grpc.aio.EOF:
+                yield SessionBatch(msg)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                await self._call.done_writing()
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from None
+
+    def cancel(self) -> None:
+        self._closed = True
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self.cancel()
+        else:
+            await self.close()
+
+
+class AsyncClient:
+    """An asyncio client of one daemon; create it inside the event loop that uses it.
+    Arguments: see Connection (token, TLS files, default timeout). Use `async with` or
+    `await close()`."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str = "",
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout: float | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self._conn = conn = Connection(
+            address,
+            token=token,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            credentials=credentials,
+            timeout=timeout,
+            options=options,
+        )
+        if conn.credentials is not None:
+            self._channel = grpc.aio.secure_channel(address, conn.credentials, options=conn.options)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=conn.options)
+        stubs: Any = (request_service_pb2_grpc, admin_service_pb2_grpc)  # generated: untyped
+        self._requests: Any = stubs[0].RequestServiceStub(self._channel)
+        self._admin: Any = stubs[1].AdminServiceStub(self._channel)
+
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        *,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        **options: Unpack[RequestOptions],
+    ) -> AsyncGenerateStream:
+        """Submit one request and wait until it is queued (a refusal raises here:
+        InvalidArgument, ResourceExhausted, Unavailable, ...). `timeout` bounds the whole
+        stream; `metadata` is sent with the call (e.g. a W3C traceparent)."""
+        call = self._requests.Generate(
+            build_request(prompt, options),
+            timeout=self._conn.deadline(timeout),
+            metadata=self._conn.metadata(metadata),
+        )
+        try:
+            first = await call.read()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, options.get("request_id", "")) from None
+        if first is grpc.aio.EOF:
+            raise KvschedClientError("stream ended before queued")
+        return AsyncGenerateStream(call, first.queued)
+
+    def session(
+        self, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()
+    ) -> AsyncSession:
+        """Open a Session stream (see AsyncSession)."""
+        call = self._requests.Session(
+            timeout=self._conn.deadline(timeout), metadata=self._conn.metadata(metadata)
+        )
+        return AsyncSession(call)
+
+    async def abort(self, request_id: str, *, timeout: float | None = None) -> None:
+        """Abort a request by id, wherever it is. NotFound for an unknown id; nothing happens
+        for one already finished."""
+        try:
+            await self._requests.Abort(
+                rpb.AbortRequest(request_id=request_id),
+                timeout=self._conn.deadline(timeout),
+                metadata=self._conn.metadata(),
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, request_id) from None
+
+    async def status(
+        self, instance: str = "", *, timeout: float | None = None
+    ) -> apb.GetStatusResponse:
+        """AdminService.GetStatus (needs an admin token when the daemon checks tokens)."""
+        try:
+            resp: apb.GetStatusResponse = await self._admin.GetStatus(
+                apb.GetStatusRequest(instance_id=instance),
+                timeout=self._conn.deadline(timeout),
+                metadata=self._conn.metadata(),
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return resp
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,173 @@
+"""The records kvsched.client hands out (plain dataclasses, no protobuf in sight) and the one
+place that turns a call's keyword arguments into a GenerateRequest."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypedDict
+
+from kvsched.client.errors import KvschedClientError, error_for
+from kvsched.v1 import common_pb2
+from kvsched.v1 import request_service_pb2 as rpb
+
+REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+class RequestOptions(TypedDict, total=False):
+    """What a request may set besides its prompt (see GenerateRequest and SamplingParams in
+    request_service.proto / common.proto). Absent keys take the daemon's defaults."""
+
+    request_id: str  # empty or absent: the daemon assigns one
+    max_tokens: int
+    min_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: Sequence[int]
+    ignore_eos: bool
+    priority: int
+    lora_name: str
+    cache_salt: str
+    model: str
+    detachable: bool
+
+
+_SAMPLING = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+_REQUEST = ("request_id", "priority", "lora_name", "cache_salt", "model", "detachable")
+
+
+def build_request(prompt: Sequence[int], options: RequestOptions) -> rpb.GenerateRequest:
+    """A GenerateRequest from a prompt and RequestOptions. Values are passed on unchecked: the
+    daemon validates them and answers InvalidArgument naming the field."""
+    unknown = set(options) - set(_SAMPLING) - set(_REQUEST) - {"stop_token_ids"}
+    if unknown:
+        raise TypeError(f"unknown request option(s): {', '.join(sorted(unknown))}")
+    sampling = common_pb2.SamplingParams(
+        **{k: options[k] for k in _SAMPLING if k in options},  # type: ignore[literal-required]
+        stop_token_ids=list(options.get("stop_token_ids", ())),
+    )
+    return rpb.GenerateRequest(
+        prompt_token_ids=list(prompt),
+        sampling=sampling,
+        **{k: options[k] for k in _REQUEST if k in options},  # type: ignore[literal-required]
+    )
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Measured by the daemon, in seconds from the request's arrival."""
+
+    queue_s: float
+    ttft_s: float
+    e2e_s: float
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end of a request, exactly one per accepted request. `reason` is "stop", "length",
+    "abort" or "error"; `message` says why for abort and error."""
+
+    request_id: str
+    reason: str
+    usage: Usage
+    timings: Timings
+    message: str = ""
+
+    @classmethod
+    def from_pb(cls, f: rpb.Finished) -> Finished:
+        u, t = f.usage, f.timings
+        return cls(
+            f.request_id,
+            REASONS.get(f.reason, "error"),
+            Usage(u.prompt_tokens, u.output_tokens, u.cached_tokens),
+            Timings(t.queue_s, t.ttft_s, t.e2e_s),
+            f.message,
+        )
+
+
+@dataclass(frozen=True)
+class Accepted:
+    request_id: str
+    client_tag: str
+    instance: str
+
+
+@dataclass(frozen=True)
+class SessionError:
+    """A submit refused (named by its client_tag) or an abort of an unknown request (named by
+    its request_id) inside a Session; the session goes on."""
+
+    client_tag: str
+    request_id: str
+    code: int
+    message: str
+
+    def exception(self) -> KvschedClientError:
+        """The typed error this entry stands for (InvalidArgument, NotFound, ...)."""
+        return error_for(self.code, self.message, self.request_id)
+
+
+class SessionBatch:
+    """One SessionResponse: what happened since the previous one. Apply in this order:
+    `accepted`, then the tokens, then `finished`, then `errors` (a request may be accepted,
+    produce tokens and finish in one batch). `raw` is the message itself, for callers that
+    want its columns as they are."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: rpb.SessionResponse) -> None:
+        self.raw = raw
+
+    @property
+    def accepted(self) -> list[Accepted]:
+        a = self.raw.accepted
+        return [
+            Accepted(*row) for row in zip(a.request_ids, a.client_tags, a.instances, strict=True)
+        ]
+
+    def token_counts(self) -> Iterator[tuple[str, int]]:
+        """(request id, number of new tokens), without copying the tokens."""
+        t = self.raw.tokens
+        return zip(t.request_ids, t.num_tokens, strict=True)
+
+    @property
+    def tokens(self) -> dict[str, list[int]]:
+        """The new tokens of each request that produced some."""
+        t = self.raw.tokens
+        out: dict[str, list[int]] = {}
+        pos = 0
+        ids = t.token_ids
+        for rid, n in zip(t.request_ids, t.num_tokens, strict=True):
+            out[rid] = list(ids[pos : pos + n])
+            pos += n
+        return out
+
+    @property
+    def finished(self) -> list[Finished]:
+        return [Finished.from_pb(f) for f in self.raw.finished]
+
+    @property
+    def errors(self) -> list[SessionError]:
+        return [
+            SessionError(e.client_tag, e.request_id, e.code, e.message) for e in self.raw.errors
+        ]
+
+    def __repr__(self) -> str:
+        return (
+            f"SessionBatch(accepted={self.accepted}, tokens={self.tokens}, "
+            f"finished={self.finished}, errors={self.errors})"
+        )
