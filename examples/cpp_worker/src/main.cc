@@ -94,6 +94,18 @@ class Inbox {
 
 enum class End { kDone, kRetry, kRefused };
 
+// Printed when the worker exits (the integration test reads it).
+struct Stats {
+  uint64_t connects = 0, steps = 0, reports = 0, tokens = 0, paused = 0, acked = 0, failed = 0,
+           heartbeats = 0;
+  std::string Line() const {
+    return "stats: connects " + std::to_string(connects) + ", steps " + std::to_string(steps) +
+           ", reports " + std::to_string(reports) + ", tokens " + std::to_string(tokens) +
+           ", paused " + std::to_string(paused) + ", acked " + std::to_string(acked) +
+           ", failed " + std::to_string(failed) + ", heartbeats " + std::to_string(heartbeats);
+  }
+};
+
 class Worker {
  public:
   explicit Worker(Options o)
@@ -109,8 +121,10 @@ class Worker {
     while (!g_stop) {
       auto started = Clock::now();
       End end = Session();
-      if (end == End::kDone) return 0;
-      if (end == End::kRefused) return 1;
+      if (end != End::kRetry) {
+        Log(stats_.Line());
+        return end == End::kDone ? 0 : 1;
+      }
       if (Clock::now() - started >= std::chrono::duration<double>(o_.backoff_max_s)) {
         backoff = o_.backoff_min_s;  // it ran a while: not a crash loop
       }
@@ -122,6 +136,7 @@ class Worker {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
     }
+    Log(stats_.Line());
     return 0;
   }
 
@@ -131,6 +146,7 @@ class Worker {
     grpc::ClientContext ctx;
     if (!o_.token.empty()) ctx.AddMetadata("authorization", "Bearer " + o_.token);
     auto stream = stub_->Connect(&ctx);
+    stats_.connects++;
     Inbox inbox;
     std::thread reader([&] {
       ConnectResponse msg;
@@ -238,6 +254,12 @@ class Worker {
       if (engine.HasRunnable()) {
         ConnectRequest msg;
         engine.Step(msg.mutable_report());
+        const auto& r = msg.report();
+        stats_.steps++;
+        stats_.tokens += r.token_ids_size();
+        stats_.paused += r.paused_size();
+        stats_.acked += r.acked_size();
+        stats_.failed += r.failed_size();
         if (o_.rank == 0 && !Report(std::move(msg))) return false;  // ranks > 0 never report
         continue;  // never wait for the daemon while there is runnable work (step 5)
       }
@@ -252,6 +274,7 @@ class Worker {
                                                 std::chrono::system_clock::now().time_since_epoch())
                                                 .count());
         if (!Send(hb)) return false;
+        stats_.heartbeats++;
       }
       if (o_.daemon_timeout_s > 0 &&
           Clock::now() - last_heard_ > std::chrono::duration<double>(o_.daemon_timeout_s)) {
@@ -286,6 +309,7 @@ class Worker {
       return true;
     }
     if (paced_) unanswered_.push_back(msg.report().step());
+    stats_.reports++;
     return Send(msg);
   }
 
@@ -294,6 +318,7 @@ class Worker {
     while (!unanswered_.empty() && unanswered_.front() <= report_step) unanswered_.pop_front();
     if (held_ && unanswered_.size() < kMaxUnanswered) {
       unanswered_.push_back(held_->report().step());
+      stats_.reports++;
       Send(*held_);  // a failure shows up as the stream ending
       held_.reset();
     }
@@ -312,6 +337,7 @@ class Worker {
   std::deque<uint64_t> unanswered_;  // steps of reports sent and not yet answered
   std::optional<ConnectRequest> held_;
   Clock::time_point last_sent_, last_heard_;
+  Stats stats_;
 };
 
 void Usage() {
