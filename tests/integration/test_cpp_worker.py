@@ -77,6 +77,15 @@ class Worker(Proc):
         self._q: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
+    def wait_count(self, pattern: str, n: int, timeout: float) -> None:
+        """Wait until `n` output lines match `pattern`."""
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while sum(bool(rx.search(line)) for line in list(self.lines)) < n:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: not {n} lines {pattern!r}:\n{self.output()}")
+            time.sleep(0.02)
+
     def stats(self) -> dict[str, int]:
         """The counters the worker logs when it exits."""
         line = self.wait_for(r"stats: (.*)", timeout=5).group(1)
@@ -160,7 +169,8 @@ def check_outcomes(specs: list[Spec], outcomes: list[Outcome]) -> None:
     for spec, out in zip(specs, outcomes, strict=True):
         assert out.code is None and out.finished is not None, (spec.req_id, out)
         tokens, reason = spec.expected()
-        assert out.tokens == tokens, spec  # none lost, none repeated, the worker's own
+        # None lost, none repeated, the worker's own.
+        assert out.tokens == tokens, (spec, len(out.tokens), out.finished)
         assert out.finished.reason == reason, (spec, out.finished)
 
 
@@ -247,4 +257,53 @@ def test_kill9_cpp_worker_under_load_then_restart_loses_nothing(cpp_worker: Path
         worker.wait_for(r"welcomed by .* as cpp rank 0/1")
     finally:
         worker.stop()
+        daemon.stop()
+
+
+def test_cpp_worker_reconnects_with_backoff_when_its_instance_is_lost(cpp_worker: Path) -> None:
+    """Two C++ ranks of one instance; rank 1 dies. The daemon takes the instance out and tells
+    rank 0 (UNAVAILABLE); rank 0 reconnects by itself with an empty cache, and once rank 1 is
+    back the instance serves again: the same prompts (the daemon forgot their cached blocks, so
+    they are prefilled anew) give the formula's tokens.
+
+    Rank 1 dies while the instance is idle: a rank that dies under load leaves rank 0's last
+    reports of the lost stream queued at the daemon, which applies them to the instance's next
+    incarnation (see the kill -9 test for requests interrupted mid-way)."""
+    daemon, address = start_daemon()
+    args = ("--world-size", "2", "--num-blocks", "1024", "--num-slots", "64", "--step-us", "500")
+    args += ("--eos-every", str(EOS_EVERY))
+    ranks = [Worker(cpp_worker, address, *args, "--rank", str(r)) for r in (0, 1)]
+
+    async def serve(specs: list[Spec]) -> list[Outcome]:
+        outcomes = [Outcome() for _ in specs]
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = request_service_pb2_grpc.RequestServiceStub(ch)
+            jobs = (generate(stub, s, o) for s, o in zip(specs, outcomes, strict=True))
+            await asyncio.wait_for(asyncio.gather(*jobs), 60)
+        return outcomes
+
+    try:
+        wait_ready(address, ["cpp"])
+        before = mixed_specs(40, "tp-a", (1, 64), seed=2)
+        check_outcomes(before, asyncio.run(serve(before)))
+        wait_pool_free(address)
+
+        ranks[1].signal(signal.SIGKILL)
+        ranks[1].wait(10)
+        ranks[0].wait_for(r"stream to .* broke: .*taken out", 10)
+        ranks[0].wait_count(r"welcomed by .* as cpp rank 0/2", 2, 15)  # back by itself
+        ranks[1] = Worker(cpp_worker, address, *args, "--rank", "1")
+        wait_ready(address, ["cpp"])
+
+        after = [Spec(f"tp-b{i}", s.prompt, s.max_tokens, s.stop, s.min_tokens, s.ignore_eos)
+                 for i, s in enumerate(before)]  # fmt: skip
+        check_outcomes(after, asyncio.run(serve(after)))
+        wait_pool_free(address)
+        ranks[0].signal(signal.SIGTERM)
+        assert ranks[0].wait(15) == 0, ranks[0].output()
+        stats = ranks[0].stats()
+        assert stats["connects"] == 2 and stats["tokens"] > 0, stats
+    finally:
+        for r in ranks:
+            r.stop()
         daemon.stop()

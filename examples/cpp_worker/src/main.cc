@@ -251,7 +251,10 @@ class Worker {
       // Step boundary: apply every Tasks received, oldest first (step 4).
       for (auto& m : inbox.Take(Clock::now())) Accept(engine, m);
       if (inbox.closed()) return false;  // the daemon ended the stream (or it broke)
+      auto interval = std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(heartbeat_s_));
       if (engine.HasRunnable()) {
+        // Never wait for the daemon while there is runnable work (step 5).
         ConnectRequest msg;
         engine.Step(msg.mutable_report());
         const auto& r = msg.report();
@@ -261,14 +264,14 @@ class Worker {
         stats_.acked += r.acked_size();
         stats_.failed += r.failed_size();
         if (o_.rank == 0 && !Report(std::move(msg))) return false;  // ranks > 0 never report
-        continue;  // never wait for the daemon while there is runnable work (step 5)
+      } else {
+        // Idle: wait for tasks, but no longer than the next heartbeat is due.
+        auto tick = Clock::now() + std::chrono::milliseconds(100);  // to notice signals
+        for (auto& m : inbox.Take(std::min(last_sent_ + interval, tick))) Accept(engine, m);
       }
-      // Idle: wait for tasks, but no longer than the next heartbeat is due (step 8).
-      auto beat = last_sent_ + std::chrono::duration_cast<Clock::duration>(
-                                   std::chrono::duration<double>(heartbeat_s_));
-      auto tick = Clock::now() + std::chrono::milliseconds(100);  // to notice signals
-      for (auto& m : inbox.Take(std::min(beat, tick))) Accept(engine, m);
-      if (Clock::now() >= beat) {
+      // Step 8: a heartbeat when nothing else was sent for the interval (ranks > 0, and a
+      // rank 0 whose reports are held back, send nothing else).
+      if (Clock::now() >= last_sent_ + interval) {
         ConnectRequest hb;
         hb.mutable_heartbeat()->set_time_ns(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                                 std::chrono::system_clock::now().time_since_epoch())
