@@ -1,14 +1,16 @@
 // A kvsched GPU worker in C++: one WorkerService.Connect stream to the daemon (hello, welcome,
 // tasks in, step reports out, heartbeats both ways), reconnected with backoff when it breaks.
 // The protocol is the WorkerService comment of protos/kvsched/v1/worker_service.proto; the
-// numbers in comments ("step 4") are its steps. The model is engine.h's Executor; the toy one
-// here (executor.h) hashes (request, position) into a token.
+// numbers in comments ("step 4") are its steps. The model is an Executor (executor.h); the toy
+// one used here hashes (request, position) into a token.
 //
 //   daemon --ConnectResponse--> reader thread --Inbox--> main thread: at each step boundary
 //                                                         apply every Tasks received, step,
-//   daemon <--ConnectRequest--------------------------- report; heartbeat when idle
+//   daemon <--ConnectRequest--------------------------- report; heartbeat when nothing
+//                                                         else was sent for the interval
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -16,11 +18,13 @@
 #include <cstdlib>
 #include <deque>
 #include <iostream>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "engine.h"
 #include "executor.h"
