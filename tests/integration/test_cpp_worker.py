@@ -181,7 +181,7 @@ def test_cpp_worker_serves_hundreds_of_requests_with_its_tokens(cpp_worker: Path
     env = {"KVSCHED_HEARTBEAT_INTERVAL_S": "0.2", "KVSCHED_HEARTBEAT_TIMEOUT_S": "1.0"}
     daemon, address = start_daemon(env=env)
     # A pool too small for the load: requests wait, get preempted and recomputed.
-    worker = Worker(cpp_worker, address, "--num-blocks", "96", "--block-size", "4", "--num-slots", "32",
+    worker = Worker(cpp_worker, address, "--num-blocks", "48", "--block-size", "4", "--num-slots", "32",
                     "--eos-every", str(EOS_EVERY), "--step-us", "300")  # fmt: skip
     try:
         wait_ready(address, ["cpp"])
