@@ -254,6 +254,7 @@ def test_kill9_cpp_worker_under_load_then_restart_loses_nothing(cpp_worker: Path
                 assert in_flight, "no request was mid-way when the worker died"
 
         asyncio.run(go())
+        daemon.wait_for(r"instance cpp taken out", 5)  # its requests were re-queued
         check_outcomes(specs, outcomes)  # the in-flight ones were re-run: still the formula's
         wait_pool_free(address)
         worker.wait_for(r"welcomed by .* as cpp rank 0/1")
