@@ -146,7 +146,9 @@ class InstanceRegistry:
             if silent:
                 eng.take_out(
                     f"rank {silent[0].rank} silent for more than {timeout:g} s",
-                    ProtocolError("heartbeat timeout: no message within heartbeat_timeout_s"),
+                    # UNAVAILABLE, as for a dropped stream: a worker that was merely stalled
+                    # (SIGSTOP, a long GC) reconnects instead of giving up for good.
+                    Unavailable("heartbeat timeout: no message within heartbeat_timeout_s"),
                 )
 
     def send_heartbeats(self, now: float) -> None:

@@ -110,6 +110,11 @@ class WorkerServicer:
     ) -> None:
         try:
             async for msg in it:
+                if conn.closed:
+                    # The instance was taken out under this stream: what it still sends belongs
+                    # to a scheduler that is gone, and a report queued now would be applied to
+                    # the instance's next scheduler (which never sent those tasks).
+                    break
                 conn.last_seen = time.monotonic()
                 kind = msg.WhichOneof("kind")
                 if kind == "report":

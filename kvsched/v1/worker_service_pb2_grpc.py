@@ -77,7 +77,7 @@ class WorkerServiceStub:
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
     heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
     heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
-    disconnected; a worker may likewise treat a daemon silent for several intervals as gone
+    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat a daemon silent for several intervals as gone
     and reconnect.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
@@ -85,7 +85,10 @@ class WorkerServiceStub:
     affected. An instance taken out for another reason (a rank lost or silent) ends its
     other ranks' streams with UNAVAILABLE: reconnect (with backoff).
     10. The worker ends the stream to leave; the daemon treats it as a disconnect (step 9 without
-    the status). A draining daemon lets running requests finish, then ends the stream with OK.
+    the status). A daemon shutting down (SIGTERM) lets running requests finish, then closes
+    every worker stream with UNAVAILABLE, so workers reconnect to whatever daemon serves the
+    address next (the same one restarted, or a successor) instead of leaving the fleet. A
+    stream ended with OK means "leave for good"; this daemon does not send it today.
     """
 
     def __init__(self, channel):
@@ -153,7 +156,7 @@ class WorkerServiceServicer:
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
     heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
     heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
-    disconnected; a worker may likewise treat a daemon silent for several intervals as gone
+    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat a daemon silent for several intervals as gone
     and reconnect.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
@@ -161,7 +164,10 @@ class WorkerServiceServicer:
     affected. An instance taken out for another reason (a rank lost or silent) ends its
     other ranks' streams with UNAVAILABLE: reconnect (with backoff).
     10. The worker ends the stream to leave; the daemon treats it as a disconnect (step 9 without
-    the status). A draining daemon lets running requests finish, then ends the stream with OK.
+    the status). A daemon shutting down (SIGTERM) lets running requests finish, then closes
+    every worker stream with UNAVAILABLE, so workers reconnect to whatever daemon serves the
+    address next (the same one restarted, or a successor) instead of leaving the fleet. A
+    stream ended with OK means "leave for good"; this daemon does not send it today.
     """
 
     def Connect(self, request_iterator, context):
@@ -239,7 +245,7 @@ class WorkerService:
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
     heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
     heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
-    disconnected; a worker may likewise treat a daemon silent for several intervals as gone
+    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat a daemon silent for several intervals as gone
     and reconnect.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
@@ -247,7 +253,10 @@ class WorkerService:
     affected. An instance taken out for another reason (a rank lost or silent) ends its
     other ranks' streams with UNAVAILABLE: reconnect (with backoff).
     10. The worker ends the stream to leave; the daemon treats it as a disconnect (step 9 without
-    the status). A draining daemon lets running requests finish, then ends the stream with OK.
+    the status). A daemon shutting down (SIGTERM) lets running requests finish, then closes
+    every worker stream with UNAVAILABLE, so workers reconnect to whatever daemon serves the
+    address next (the same one restarted, or a successor) instead of leaving the fleet. A
+    stream ended with OK means "leave for good"; this daemon does not send it today.
     """
 
     @staticmethod

@@ -343,3 +343,60 @@ def test_cached_tokens_of_a_moved_request_are_those_of_the_instance_that_finishe
             if w is not None:
                 w.stop()
         proc.stop()
+
+
+# ---- found by the C++ worker: silence is UNAVAILABLE, stale reports are dropped -------------
+
+
+def test_a_silent_worker_is_told_unavailable_so_it_reconnects() -> None:
+    """worker_service.proto: a rank silent past heartbeat_timeout_s is treated as if it had
+    disconnected. Its stream ends with UNAVAILABLE (reconnect), not FAILED_PRECONDITION (which
+    workers take as final: a worker stalled by SIGSTOP or a long pause would leave for good)."""
+    proc, address = start_daemon(
+        env={"KVSCHED_HEARTBEAT_INTERVAL_S": "0.1", "KVSCHED_HEARTBEAT_TIMEOUT_S": "0.5"}
+    )
+
+    async def go() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(address) as ch:
+            w = RawWorker(ch, hello("quiet"))
+            await w.read("welcome")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while True:  # heartbeats and tasks, until the daemon gives up on the silence
+                    await w.read("never", timeout=10)
+            return err.value.code()
+
+    try:
+        assert run(go()) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        proc.stop()
+
+
+def test_reports_a_taken_out_stream_still_sends_are_dropped() -> None:
+    """An instance taken out while its rank 0 still reports: what that stream sends afterwards
+    must not reach the engine, or the instance's NEXT scheduler applies a report about tasks it
+    never sent and is taken out again (FAILED_PRECONDITION, its requests end with ERROR)."""
+    from kvsched.server.app import Daemon
+    from kvsched.server.config import load_config
+    from kvsched.server.workers import WorkerServicer
+    from kvsched.v1 import worker_service_pb2 as wpb
+
+    async def go() -> tuple[int, int]:
+        config = load_config(None, {}, {"listen": "127.0.0.1:0", "metrics_listen": ""})
+        daemon = Daemon(config)
+        eng, conn = daemon.registry.attach_worker(hello("i0"))
+        eng.take_out("test: rank 1 lost")
+        assert conn.closed
+        stale = wpb.ConnectRequest(report=wpb.StepReport(step=1, applied_seq=157))
+
+        async def stream() -> Any:
+            yield stale
+
+        await WorkerServicer(daemon.registry)._read(stream(), eng, conn)
+        pending_after_take_out = len(eng.reports)
+        _, conn2 = daemon.registry.attach_worker(hello("i0"))  # the instance comes back
+        await WorkerServicer(daemon.registry)._read(stream(), eng, conn2)
+        return pending_after_take_out, len(eng.reports)
+
+    dropped, live = run(go())
+    assert dropped == 0, "a report read after take_out was queued for the next scheduler"
+    assert live == 1, "the new stream's report must still reach the engine"
