@@ -559,7 +559,8 @@ class StepReport(_message.Message):
     @_builtins.property
     def finish_reasons(self) -> _containers.RepeatedScalarFieldContainer[_common_pb2.FinishReason.ValueType]:
         """UNSPECIFIED: still running; otherwise the worker stopped handles[i] for that reason.
-        One per handle, or empty when no handle finished this step.
+        One per handle, or empty when no handle finished this step (a worker that merges steps
+        fills one per row of the merged report once any of its steps has a finish).
         """
 
     @_builtins.property

@@ -77,8 +77,8 @@ class WorkerServiceStub:
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
     heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
     heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
-    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat a daemon silent for several intervals as gone
-    and reconnect.
+    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat
+    a daemon silent for several intervals as gone and reconnect.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
     its instance is taken out and its requests re-queued on other instances. Nothing else is
@@ -89,6 +89,12 @@ class WorkerServiceStub:
     every worker stream with UNAVAILABLE, so workers reconnect to whatever daemon serves the
     address next (the same one restarted, or a successor) instead of leaving the fleet. A
     stream ended with OK means "leave for good"; this daemon does not send it today.
+    Status codes that mean "do not reconnect": FAILED_PRECONDITION, INVALID_ARGUMENT,
+    UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED. Anything else: reconnect with backoff.
+    Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
+    SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
+    num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
+    disaggregation serves only MIXED instances (Welcome.role) and never receives kv_sends.
     """
 
     def __init__(self, channel):
@@ -156,8 +162,8 @@ class WorkerServiceServicer:
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
     heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
     heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
-    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat a daemon silent for several intervals as gone
-    and reconnect.
+    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat
+    a daemon silent for several intervals as gone and reconnect.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
     its instance is taken out and its requests re-queued on other instances. Nothing else is
@@ -168,6 +174,12 @@ class WorkerServiceServicer:
     every worker stream with UNAVAILABLE, so workers reconnect to whatever daemon serves the
     address next (the same one restarted, or a successor) instead of leaving the fleet. A
     stream ended with OK means "leave for good"; this daemon does not send it today.
+    Status codes that mean "do not reconnect": FAILED_PRECONDITION, INVALID_ARGUMENT,
+    UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED. Anything else: reconnect with backoff.
+    Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
+    SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
+    num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
+    disaggregation serves only MIXED instances (Welcome.role) and never receives kv_sends.
     """
 
     def Connect(self, request_iterator, context):
@@ -245,8 +257,8 @@ class WorkerService:
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
     heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
     heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
-    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat a daemon silent for several intervals as gone
-    and reconnect.
+    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat
+    a daemon silent for several intervals as gone and reconnect.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
     its instance is taken out and its requests re-queued on other instances. Nothing else is
@@ -257,6 +269,12 @@ class WorkerService:
     every worker stream with UNAVAILABLE, so workers reconnect to whatever daemon serves the
     address next (the same one restarted, or a successor) instead of leaving the fleet. A
     stream ended with OK means "leave for good"; this daemon does not send it today.
+    Status codes that mean "do not reconnect": FAILED_PRECONDITION, INVALID_ARGUMENT,
+    UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED. Anything else: reconnect with backoff.
+    Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
+    SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
+    num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
+    disaggregation serves only MIXED instances (Welcome.role) and never receives kv_sends.
     """
 
     @staticmethod
