@@ -3,13 +3,17 @@ pieces of a step that spend the budget, in order: block extensions for decoders
 (`_extend_decoders`), the next chunks of prompts already admitted (`_continue_prefills`), new
 admissions from the queue (`_admit`).
 
-A step's token budget (`StepBudget`):
+A worker step's token budget (`StepBudget`):
 
     max_num_batched_tokens = decoding x (1 + k)  +  continuing prefill chunks  +  new prefills
                              (worker-autonomous)    (admission order)            (queue order)
 
-Imported by the scheduler facade only; imports `preemption` (and through it `placement`) and
-`validation`.
+where the prefill chunks count those sent earlier and not yet executed (`step_plan`): the budget
+bounds what one worker step runs, not what one schedule() call sends. While requests decode, a
+second limit: the step-cost model's predicted step time stays under `itl_target_ms`.
+
+Imported by the scheduler facade only; imports `preemption` (and through it `placement`),
+`step_plan` and `validation`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from kvsched.core.errors import CapacityExceeded
 from kvsched.core.protocol import Chunk, Extension, FinishReason, Tasks
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.preemption import Preemption
+from kvsched.core.scheduler.step_plan import PIPELINE_DEPTH, StepPlan
 from kvsched.core.scheduler.validation import validate
 
 
@@ -28,12 +33,18 @@ from kvsched.core.scheduler.validation import validate
 class StepBudget:
     """What one schedule() call may still hand out, spent as it goes."""
 
-    tokens: int  # prefill tokens left (after the decoders' share)
+    tokens: int  # prefill tokens left (after the decoders' and the outstanding chunks' share)
     encoder: int = -1  # multimodal encoder tokens left; -1: unlimited
     preempted: bool = False  # something was preempted this step: admit nothing new
+    # Predicted milliseconds the ITL target leaves for new prefill (inf: no time limit);
+    # computed when the first chunk is sized (a steady decode step never needs it).
+    slack_ms: float | None = None
+    # The first prompt considered may take this many tokens even when the time target leaves
+    # none, so prompts always progress (then 0).
+    floor: int = 0
 
 
-class Admission(Preemption):
+class Admission(Preemption, StepPlan):
     """New requests in, and the step's pieces that spend a `StepBudget`."""
 
     def add_request(self, req: Request) -> None:
@@ -53,8 +64,11 @@ class Admission(Preemption):
 
     def _step_budget(self) -> StepBudget:
         sc = self.config.scheduler
+        if self._out:
+            self._prune_outstanding()
         tokens = sc.max_num_batched_tokens - self.num_decoding * (1 + self._spec_k)
-        return StepBudget(tokens, sc.max_num_encoder_tokens or -1)
+        tokens -= self._out_tokens
+        return StepBudget(tokens, sc.max_num_encoder_tokens or -1, floor=sc.min_prefill_chunk)
 
     # ==== the pieces of a step ================================================================
     def _extend_decoders(self, tasks: Tasks, budget: StepBudget) -> None:
@@ -100,10 +114,11 @@ class Admission(Preemption):
 
     def _continue_prefills(self, tasks: Tasks, budget: StepBudget) -> None:
         for req in list(self.prefilling.values()):
-            if budget.tokens <= 0:
-                break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
+            if self._outstanding_of(req)[0] >= PIPELINE_DEPTH:
+                budget.floor = 0  # it runs a chunk in each of the next steps: progress
+                continue
             n = self._chunk_size(req, req.num_computed_tokens, budget)
             if n <= 0:
                 continue
@@ -118,7 +133,6 @@ class Admission(Preemption):
             if new:
                 tasks.extensions.append(Extension(req.handle, new))
                 self._prefill_debt -= len(new)
-            budget.tokens -= n
             self._emit_chunk(tasks, req, n, budget)
 
     def _admit(self, tasks: Tasks, budget: StepBudget) -> None:
@@ -148,7 +162,6 @@ class Admission(Preemption):
             assert new is not None
             self._prefill_debt += self._full_blocks(req, req.num_tokens) - len(req.block_ids)
             self._place(tasks, req, num_hit)
-            budget.tokens -= n
             self._emit_chunk(tasks, req, n, budget)
 
     # ==== chunks ==============================================================================
@@ -159,11 +172,19 @@ class Admission(Preemption):
         sc = self.config.scheduler
         total = req.num_prefill_tokens if num_prefill is None else num_prefill
         remaining = total - start
-        n = min(remaining, budget.tokens)
+        # A chunk no larger than req's own outstanding ones adds nothing to any worker step.
+        _, own_tokens, own_attn = self._outstanding_of(req)
+        n = min(remaining, budget.tokens + own_tokens)
         if sc.long_prefill_token_threshold:
             n = min(n, sc.long_prefill_token_threshold)
         if sc.disable_chunked_prefill and n < remaining:
             return 0
+        if n > 0:
+            if budget.slack_ms is None:
+                budget.slack_ms = self._time_slack_ms()
+            timed = self._fit_time(start, n, own_tokens, own_attn, budget.slack_ms)
+            n = max(timed, min(n, budget.floor))  # never starve: the first prompt progresses
+            budget.floor = 0
         if req.mm_ranges:
             n = self._trim_chunk_for_mm(req, start, n, budget.encoder)
         return n
@@ -209,6 +230,11 @@ class Admission(Preemption):
 
     def _emit_chunk(self, tasks: Tasks, req: Request, n: int, budget: StepBudget) -> None:
         start = req.num_computed_tokens
+        _, own_tokens, own_attn = self._outstanding_of(req)
+        budget.tokens -= max(0, n - own_tokens)
+        if budget.slack_ms is not None:
+            budget.slack_ms -= self._chunk_extra_ms(start, n, own_tokens, own_attn)
+        self._record_chunk(req, start, n)
         tasks.chunks.append(Chunk(req.handle, start, req.token_ids(start, start + n)))
         req.num_computed_tokens = start + n
         if req.mm_ranges:
