@@ -274,6 +274,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_run_args(ap, DEFAULT_JSON)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"from {list(CONFIGS)}")
+    ap.add_argument(
+        "--itl-target-ms",
+        type=float,
+        default=None,
+        help="every config's scheduler.itl_target_ms (default: each config's own, 100; 0: off)",
+    )
     args = ap.parse_args(argv)
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
@@ -296,7 +302,10 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(header), flush=True)
     rows = []
     for name in names:
-        row = run_kvsched(requests, name, CONFIGS[name](), args)
+        config = CONFIGS[name]()
+        if args.itl_target_ms is not None:
+            config.scheduler.itl_target_ms = args.itl_target_ms
+        row = run_kvsched(requests, name, config, args)
         row["hit_rate_of_ideal"] = (
             row["prefix_hit_rate"] / bounds["total_blocks"] if bounds["total_blocks"] else None
         )

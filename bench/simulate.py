@@ -165,9 +165,7 @@ class KvschedInstance:
         self.sched = Scheduler(config, clock=lambda: loop.now, instance_id=f"sim-{index}")
         cc, sc = config.cache, config.scheduler
         self.stats = InstanceStats()
-        executor = MeteredSim(
-            self.stats, gpu=gpu, vocab_size=VOCAB_SIZE, eos_token_id=EOS_TOKEN_ID
-        )
+        executor = MeteredSim(self.stats, gpu=gpu, vocab_size=VOCAB_SIZE, eos_token_id=EOS_TOKEN_ID)
         self.worker = WorkerEngine(
             executor,
             cc.block_size,

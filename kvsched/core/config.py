@@ -125,8 +125,8 @@ class StepCostConfig:
     per_decode_context_ms: float = 4.9e-5
     per_attention_ms: float = 1.8e-6  # per unit of sum over chunks of c * (c + prefix)
     per_swapped_block_ms: float = 0.0  # no worker swaps KV yet
-    # Weight of the past per measured step, (0, 1]: 0.995 remembers ~200 steps; 1 never forgets.
-    forgetting: float = 0.995
+    # Weight of the past per measured step, (0, 1]: 0.999 remembers ~1,000 steps; 1 never forgets.
+    forgetting: float = 0.999
 
     def validate(self) -> None:
         s = "step_cost"

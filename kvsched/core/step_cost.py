@@ -38,7 +38,7 @@ FEATURES = (
 _SCALE = np.array([1.0, 1e3, 1e2, 1e6, 1e8, 1e2])
 # Ridge towards the seed, in the scaled units (a report adds ~1 per exercised term): small
 # against the forgetting window, so it only decides the terms no recent report exercised.
-_PRIOR = 1e-2
+_PRIOR = 1e-4
 FOLD_EVERY = 16
 # Weight of the newest step in the predicted and measured moving averages.
 EWMA_ALPHA = 0.05
@@ -110,9 +110,7 @@ class StepCostModel:
         measured_ms: float,
     ) -> None:
         """Learn from one measured step."""
-        self._rows.append(
-            (1.0, prefill_tokens, decodes, decode_context, attention, swapped_blocks)
-        )
+        self._rows.append((1.0, prefill_tokens, decodes, decode_context, attention, swapped_blocks))
         self._ys.append(measured_ms)
         if prefill_tokens or len(self._rows) >= FOLD_EVERY:
             self.fold()

@@ -39,9 +39,14 @@ class StepBudget:
     # Predicted milliseconds the ITL target leaves for new prefill (inf: no time limit);
     # computed when the first chunk is sized (a steady decode step never needs it).
     slack_ms: float | None = None
-    # The first prompt considered may take this many tokens even when the time target leaves
-    # none, so prompts always progress (then 0).
+    # The oldest prompt (`floor_for`; None: the first one sized) may take this many tokens even
+    # when the time target leaves none, so prompts always progress (then 0).
     floor: int = 0
+    floor_for: Request | None = None
+
+
+def _prefill_left(req: Request) -> int:
+    return req.num_prefill_tokens - req.num_computed_tokens
 
 
 class Admission(Preemption, StepPlan):
@@ -113,11 +118,22 @@ class Admission(Preemption, StepPlan):
             self._set_check_at(req)
 
     def _continue_prefills(self, tasks: Tasks, budget: StepBudget) -> None:
-        for req in list(self.prefilling.values()):
+        continuing = list(self.prefilling.values())
+        if continuing and self._slack_bound(budget):
+            # The time target limits the step: the prompt with the least prefill left goes
+            # first (a queue head too, admitted ahead when it has less left than every prompt
+            # in), so one long prompt's chunks do not hold every short prompt behind it for
+            # seconds. The oldest prompt keeps the floor chunk: none starves.
+            budget.floor_for = continuing[0]
+            continuing.sort(key=_prefill_left)
+            if self.waiting and not budget.preempted:
+                self._admit(tasks, budget, max_prompt=_prefill_left(continuing[0]) - 1)
+        for req in continuing:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
             if self._outstanding_of(req)[0] >= PIPELINE_DEPTH:
-                budget.floor = 0  # it runs a chunk in each of the next steps: progress
+                if req is budget.floor_for or budget.floor_for is None:
+                    budget.floor = 0  # it runs a chunk in each of the next steps: progress
                 continue
             n = self._chunk_size(req, req.num_computed_tokens, budget)
             if n <= 0:
@@ -135,21 +151,27 @@ class Admission(Preemption, StepPlan):
                 self._prefill_debt -= len(new)
             self._emit_chunk(tasks, req, n, budget)
 
-    def _admit(self, tasks: Tasks, budget: StepBudget) -> None:
+    def _admit(self, tasks: Tasks, budget: StepBudget, max_prompt: int = -1) -> None:
+        """Admit from the queue's head while the budget lasts (max_prompt: only heads with at
+        most this many tokens left to prefill)."""
         while budget.tokens > 0 and self.free_slots and (req := self.waiting.peek()) is not None:
             if self.config.role == Role.DECODE and not req.output_token_ids:
                 break  # a decode instance takes new prompts only through add_prefilled
             hits = self.kv.find_cached_prefix(req)
             num_hit = self._trim_hits_for_mm(req, len(hits) * self.block_size)
             hits = hits[: num_hit // self.block_size]
+            if max_prompt >= 0 and req.num_tokens - num_hit > max_prompt:
+                break
             n = self._chunk_size(req, num_hit, budget, num_prefill=req.num_tokens)
             if n <= 0:
                 break
             target = self._alloc_target(req, num_hit + n, num_prefill=req.num_tokens)
             need = self.kv.num_blocks_to_allocate(req, target, hits)
-            if self.config.scheduler.admit_full_prompt:
+            if self.config.scheduler.admit_full_prompt or max_prompt >= 0:
                 # Admit only what can finish its prefill: the whole prompt must fit beside the
                 # rest of the prompts already admitted, or its later chunks preempt decoders.
+                # (Always so ahead of the continuing prompts: their chunks then find their
+                # blocks, and never preempt the request placed just now.)
                 full = self._alloc_target(req, req.num_tokens, num_prefill=req.num_tokens)
                 need = self.kv.num_blocks_to_allocate(req, full, hits) + self._prefill_debt
             reserve = self.reserve_blocks_per_running * len(self.running)
@@ -163,6 +185,12 @@ class Admission(Preemption, StepPlan):
             self._prefill_debt += self._full_blocks(req, req.num_tokens) - len(req.block_ids)
             self._place(tasks, req, num_hit)
             self._emit_chunk(tasks, req, n, budget)
+
+    def _slack_bound(self, budget: StepBudget) -> bool:
+        """The time target limits this step's prefill (computed once per step)."""
+        if budget.slack_ms is None:
+            budget.slack_ms = self._time_slack_ms()
+        return budget.slack_ms != float("inf")
 
     # ==== chunks ==============================================================================
     def _chunk_size(
@@ -182,9 +210,11 @@ class Admission(Preemption, StepPlan):
         if n > 0:
             if budget.slack_ms is None:
                 budget.slack_ms = self._time_slack_ms()
-            timed = self._fit_time(start, n, own_tokens, own_attn, budget.slack_ms)
-            n = max(timed, min(n, budget.floor))  # never starve: the first prompt progresses
-            budget.floor = 0
+            n_time = self._fit_time(start, n, own_tokens, own_attn, budget.slack_ms)
+            if budget.floor and (budget.floor_for is None or budget.floor_for is req):
+                n_time = max(n_time, min(n, budget.floor))  # never starve: the oldest progresses
+                budget.floor = 0
+            n = n_time
         if req.mm_ranges:
             n = self._trim_chunk_for_mm(req, start, n, budget.encoder)
         return n

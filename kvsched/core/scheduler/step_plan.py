@@ -17,6 +17,12 @@ the worker finishes one (two steps in flight); a further chunk no larger than it
 ones costs no extra budget. The report that shows a chunk ran (its row's num_computed reaches
 the chunk's end) frees its share, and its terms are the features of that measured step.
 
+One refinement keeps the bound and frees a step of budget per request: a request's oldest
+outstanding chunk that the last report says the worker had already applied (its Tasks seq <=
+the report's applied_seq) runs in the worker's current step, before anything planned now can
+land (two steps in flight), so it no longer counts; only a chunk the worker could not fit in
+its blocks would run later, and the daemon never sends a chunk without its blocks.
+
 `StepPlan` is a part of the scheduler like the others (see scheduler.py); admission spends the
 limits, the report path feeds the model (`_learn_step`). Imports `placement` and `step_cost`.
 """
@@ -25,7 +31,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -45,13 +50,15 @@ LOOKAHEAD_STEPS = 2
 class Outstanding:
     """The chunks of one placement sent to the worker and not yet reported executed."""
 
-    __slots__ = ("attn", "chunks", "final_end", "req", "tokens")
+    __slots__ = ("attn", "chunks", "final_end", "head_running", "req", "tokens")
 
     def __init__(self, req: Request) -> None:
         self.req = req
-        self.chunks: collections.deque[tuple[int, int, int]] = collections.deque()  # end, c, attn
-        self.tokens = 0  # the largest chunk's length
-        self.attn = 0  # the largest chunk's c * (c + prefix)
+        # (end, length c, c * (c + prefix), seq of the Tasks that carried it), oldest first
+        self.chunks: collections.deque[tuple[int, int, int, int]] = collections.deque()
+        self.head_running = False  # the oldest was applied by the worker: it runs now
+        self.tokens = 0  # the largest length among the chunks that count (see module doc)
+        self.attn = 0  # the largest c * (c + prefix) among them
         self.final_end = 0  # the prompt's last chunk is among them: its end (else 0)
 
 
@@ -135,7 +142,7 @@ class StepPlan(Placements):
             self._out_slot[req.slot] = h
         attn = n * (n + start)
         end = start + n
-        rec.chunks.append((end, n, attn))
+        rec.chunks.append((end, n, attn, self._seq))
         if n > rec.tokens:
             self._out_tokens += n - rec.tokens
             rec.tokens = n
@@ -166,9 +173,7 @@ class StepPlan(Placements):
             self._out_slot[self._out_slot == h] = -1
 
     # ==== the report's side ===================================================================
-    def _learn_step(
-        self, report: StepReport, h: np.ndarray, s: np.ndarray, single: bool
-    ) -> None:
+    def _learn_step(self, report: StepReport, h: np.ndarray, s: np.ndarray, single: bool) -> None:
         """Before the report's rows are applied: mark the chunks it shows executed, and learn
         the step's measured time from its terms (h, s: the rows' handles and slots; single:
         the report is of one step, not a merge of several)."""
@@ -185,14 +190,16 @@ class StepPlan(Placements):
                 prefill_comp += done
                 chunks = rec.chunks
                 while chunks and chunks[0][0] <= done:
-                    end, c, a = chunks.popleft()
+                    end, c, a, _ = chunks.popleft()
                     prefill += c
                     attn += a
                     if end == rec.final_end:
                         completed_ctx += end
                         self._out_final_ctx -= end
                         rec.final_end = 0
-                self._shrink(h[i], rec)
+            applied = report.applied_seq
+            for hk, rec in list(out.items()):
+                self._shrink(hk, rec, applied)
         if not single:
             return  # a merged report: its time is the last step's, its rows several steps'
         total = int(comps.sum()) if isinstance(comps, np.ndarray) else sum(comps)
@@ -203,13 +210,20 @@ class StepPlan(Placements):
         if report.step_time_ns > 0:
             self.cost.observe(prefill, decodes, ctx, attn, 0, report.step_time_ns / 1e6)
 
-    def _shrink(self, h: Any, rec: Outstanding) -> None:
-        """Recompute a record's largest chunk after some were reported; drop it when empty."""
-        if not rec.chunks:
-            self._drop(int(h), rec)
+    def _shrink(self, h: int, rec: Outstanding, applied_seq: int) -> None:
+        """Recompute a record's largest chunks after a report (some ran, the oldest may be
+        running now); drop it when none is left."""
+        chunks = rec.chunks
+        if not chunks:
+            self._drop(h, rec)
             return
-        tokens = max(c for _, c, _ in rec.chunks)
-        attn = max(a for _, _, a in rec.chunks)
+        rec.head_running = chunks[0][3] <= applied_seq
+        tokens = attn = 0
+        for i, (_, c, a, _) in enumerate(chunks):
+            if i == 0 and rec.head_running:
+                continue
+            tokens = max(tokens, c)
+            attn = max(attn, a)
         self._out_tokens += tokens - rec.tokens
         self._out_attn += attn - rec.attn
         rec.tokens, rec.attn = tokens, attn
