@@ -43,6 +43,7 @@ class StepBudget:
     # when the time target leaves none, so prompts always progress (then 0).
     floor: int = 0
     floor_for: Request | None = None
+    floor_ms: float = 0.0  # slack held back for floor_for's floor chunk until it is sized
 
 
 def _prefill_left(req: Request) -> int:
@@ -124,7 +125,8 @@ class Admission(Preemption, StepPlan):
             # first (a queue head too, admitted ahead when it has less left than every prompt
             # in), so one long prompt's chunks do not hold every short prompt behind it for
             # seconds. The oldest prompt keeps the floor chunk: none starves.
-            budget.floor_for = continuing[0]
+            budget.floor_for = oldest = continuing[0]
+            self._reserve_floor(oldest, budget)
             continuing.sort(key=_prefill_left)
             if self.waiting and not budget.preempted:
                 self._admit(tasks, budget, max_prompt=_prefill_left(continuing[0]) - 1)
@@ -186,6 +188,18 @@ class Admission(Preemption, StepPlan):
             self._place(tasks, req, num_hit)
             self._emit_chunk(tasks, req, n, budget)
 
+    def _reserve_floor(self, req: Request, budget: StepBudget) -> None:
+        """Hold back the time of req's floor chunk before shorter prompts take the slack, so
+        the floor exceeds the target only when the decodes leave less than it."""
+        count, own_tokens, own_attn = self._outstanding_of(req)
+        if count >= PIPELINE_DEPTH or budget.slack_ms is None:
+            return
+        start = req.num_computed_tokens
+        n = min(budget.floor, _prefill_left(req))
+        cost = self._chunk_extra_ms(start, n, own_tokens, own_attn)
+        budget.floor_ms = max(0.0, min(cost, budget.slack_ms))
+        budget.slack_ms -= budget.floor_ms
+
     def _slack_bound(self, budget: StepBudget) -> bool:
         """The time target limits this step's prefill (computed once per step)."""
         if budget.slack_ms is None:
@@ -210,6 +224,9 @@ class Admission(Preemption, StepPlan):
         if n > 0:
             if budget.slack_ms is None:
                 budget.slack_ms = self._time_slack_ms()
+            if req is budget.floor_for:
+                budget.slack_ms += budget.floor_ms  # its floor was held back for it
+                budget.floor_ms = 0.0
             n_time = self._fit_time(start, n, own_tokens, own_attn, budget.slack_ms)
             if budget.floor and (budget.floor_for is None or budget.floor_for is req):
                 n_time = max(n_time, min(n, budget.floor))  # never starve: the oldest progresses

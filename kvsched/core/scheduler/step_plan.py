@@ -17,11 +17,13 @@ the worker finishes one (two steps in flight); a further chunk no larger than it
 ones costs no extra budget. The report that shows a chunk ran (its row's num_computed reaches
 the chunk's end) frees its share, and its terms are the features of that measured step.
 
-One refinement keeps the bound and frees a step of budget per request: a request's oldest
-outstanding chunk that the last report says the worker had already applied (its Tasks seq <=
-the report's applied_seq) runs in the worker's current step, before anything planned now can
-land (two steps in flight), so it no longer counts; only a chunk the worker could not fit in
-its blocks would run later, and the daemon never sends a chunk without its blocks.
+A request's oldest outstanding chunk runs in the worker's current step, before anything
+planned now can land, once the worker has applied it: then it no longer counts. Applied is
+known for sure from a report's applied_seq, a step late, which would leave every other step
+without prefill; so while the measured round trip (`Placements._lag`) is the protocol's two
+steps, every chunk sent before the latest report is taken as applied at the step boundary that
+report's step was followed by (it was sent while the worker ran the step before), and only
+when the control plane falls behind does the report's applied_seq decide.
 
 `StepPlan` is a part of the scheduler like the others (see scheduler.py); admission spends the
 limits, the report path feeds the model (`_learn_step`). Imports `placement` and `step_cost`.
@@ -197,7 +199,9 @@ class StepPlan(Placements):
                         completed_ctx += end
                         self._out_final_ctx -= end
                         rec.final_end = 0
-            applied = report.applied_seq
+            # Two steps in flight (a Tasks message is applied two reports after the one it
+            # answers): everything sent so far is applied at the boundary of the current step.
+            applied = self._seq if self._lag <= 2 else report.applied_seq
             for hk, rec in list(out.items()):
                 self._shrink(hk, rec, applied)
         if not single:
