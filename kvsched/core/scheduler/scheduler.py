@@ -143,6 +143,7 @@ class Scheduler(Reports, Admission):
             reserve_blocks_per_running=self.reserve_blocks_per_running,
             last_report_step=self._last_step,
             last_tasks_seq=self._seq,
+            **self._step_cost_view(),
         )
 
     def prefix_hit_tokens(self, req: Request) -> int:

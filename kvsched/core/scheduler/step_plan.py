@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -88,6 +89,19 @@ class StepPlan(Placements):
         # the prompts it completed), what the next steps start from.
         self._decode_ctx = 0
         self.last_step_terms: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    def _step_cost_view(self) -> dict[str, Any]:
+        """The model's figures for `SchedulerSnapshot` (read only: learning does not depend on
+        who looks)."""
+        cost = self.cost
+        return {
+            "step_predicted_ms": cost.last_predicted_ms,
+            "step_measured_ms": cost.last_measured_ms,
+            "step_predicted_ewma_ms": cost.ewma_predicted_ms,
+            "step_measured_ewma_ms": cost.ewma_measured_ms,
+            "step_cost_coefficients": cost.coefficients,
+            "itl_target_ms": self.itl_target_ms,
+        }
 
     # ==== admission's side ====================================================================
     def _outstanding_of(self, req: Request) -> tuple[int, int, int]:
