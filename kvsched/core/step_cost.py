@@ -39,7 +39,7 @@ _SCALE = np.array([1.0, 1e3, 1e2, 1e6, 1e8, 1e2])
 # Ridge towards the seed, in the scaled units (a report adds ~1 per exercised term): small
 # against the forgetting window, so it only decides the terms no recent report exercised.
 _PRIOR = 1e-4
-FOLD_EVERY = 16
+FOLD_EVERY = 64
 # Weight of the newest step in the predicted and measured moving averages.
 EWMA_ALPHA = 0.05
 
@@ -122,21 +122,24 @@ class StepCostModel:
         x = np.array(self._rows, dtype=np.float64)
         y = np.array(self._ys, dtype=np.float64)
         self._rows, self._ys = [], []
-        # One-step-ahead predictions (before learning these rows), for predicted vs measured.
-        alpha = EWMA_ALPHA
-        ep, em = self.ewma_predicted_ms, self.ewma_measured_ms
-        first = self.num_observed == 0
-        for p, m in zip((x @ self._coef).tolist(), y.tolist(), strict=True):
-            if first:
-                ep, em, first = p, m, False
-            else:
-                ep += alpha * (p - ep)
-                em += alpha * (m - em)
-            self.last_predicted_ms, self.last_measured_ms = p, m
-        self.ewma_predicted_ms, self.ewma_measured_ms = ep, em
-        self.num_observed += len(y)
-        xs = x / _SCALE
+        # One-step-ahead predictions (before learning these rows), for predicted vs measured:
+        # the moving averages e <- e + alpha (v - e) over the rows, unrolled.
+        pred = x @ self._coef
         k = len(y)
+        keep = 1.0 - EWMA_ALPHA
+        if self.num_observed == 0:  # the first row starts the averages
+            ep, em = float(pred[0]), float(y[0])
+            pred, y_new, k_new = pred[1:], y[1:], k - 1
+        else:
+            ep, em = self.ewma_predicted_ms, self.ewma_measured_ms
+            y_new, k_new = y, k
+        w_avg = EWMA_ALPHA * keep ** np.arange(k_new - 1, -1, -1, dtype=np.float64)
+        self.ewma_predicted_ms = keep**k_new * ep + float(w_avg @ pred)
+        self.ewma_measured_ms = keep**k_new * em + float(w_avg @ y_new)
+        self.last_predicted_ms = float(x[-1] @ self._coef)
+        self.last_measured_ms = float(y[-1])
+        self.num_observed += k
+        xs = x / _SCALE
         f = self.forgetting
         w = f ** np.arange(k - 1, -1, -1, dtype=np.float64)  # newest weighs 1
         xw = xs * w[:, None]

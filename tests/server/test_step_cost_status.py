@@ -33,7 +33,7 @@ def test_status_and_metrics_show_predicted_and_measured_step_time() -> None:
     status, metrics = asyncio.run(go())
     (inst,) = status.instances
     assert inst.itl_target_ms == 100.0
-    # ~40 steps of a few ms each: learned (in folds of 16 steps, or at once with prefill).
+    # ~40 steps of a few ms each: learned (every step with prefill folds at once).
     assert 1.0 < inst.step_measured_ewma_ms < 50.0
     assert inst.step_predicted_ewma_ms == pytest.approx(inst.step_measured_ewma_ms, rel=0.5)
     assert inst.step_measured_ms > 0 and inst.step_predicted_ms > 0

@@ -48,6 +48,7 @@ PIPELINE_DEPTH = 2
 # Worker steps between planning a chunk and running it (two steps in flight): decoding
 # contexts grow by this many tokens meanwhile.
 LOOKAHEAD_STEPS = 2
+_add_reduce = np.add.reduce
 
 
 class Outstanding:
@@ -220,7 +221,8 @@ class StepPlan(Placements):
                 self._shrink(hk, rec, applied)
         if not single:
             return  # a merged report: its time is the last step's, its rows several steps'
-        total = int(comps.sum()) if isinstance(comps, np.ndarray) else sum(comps)
+        # (np.add.reduce: the array method's dispatch costs more than the sum itself.)
+        total = int(_add_reduce(comps)) if isinstance(comps, np.ndarray) else sum(comps)
         decodes = len(h) - n_prefill_rows
         ctx = total - prefill_comp
         self._decode_ctx = ctx + completed_ctx
