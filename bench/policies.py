@@ -20,6 +20,10 @@ with ~40 GiB of KV = 5,120 blocks of 64 tokens, 256 slots, 8,192 tokens per step
     no-prefix-cache     default without prefix caching
     no-chunked-prefill  default admitting whole prompts only (budget = max_model_len, as
                         the config requires, so a step may carry a 126k-token prompt)
+    no-itl-target       default without the time budget (itl_target_ms = 0): only the token
+                        budget bounds a worker step
+    seed-x2             default with the daemon's step-cost model seeded at twice the sim's
+                        coefficients: it must learn the real ones from the reports
 
 Defaults: the first 300 s of the Mooncake conversation trace (918 requests) on 4 instances,
 about 80 % utilisation by the cost model (printed). It also prints the prefix-hit rate an ideal
@@ -108,12 +112,31 @@ def no_chunked_prefill_config() -> EngineConfig:
     return cfg
 
 
+def no_itl_target_config() -> EngineConfig:
+    cfg = base_config()
+    cfg.scheduler.itl_target_ms = 0.0
+    return cfg
+
+
+def seed_x2_config() -> EngineConfig:
+    cfg = base_config()
+    sc = cfg.step_cost
+    sc.intercept_ms *= 2
+    sc.per_prefill_token_ms *= 2
+    sc.per_decode_ms *= 2
+    sc.per_decode_context_ms *= 2
+    sc.per_attention_ms *= 2
+    return cfg
+
+
 CONFIGS: dict[str, Callable[[], EngineConfig]] = {
     "default": base_config,
     "chunk-admission": chunk_admission_config,
     "seed": seed_config,
     "no-prefix-cache": no_prefix_cache_config,
     "no-chunked-prefill": no_chunked_prefill_config,
+    "no-itl-target": no_itl_target_config,
+    "seed-x2": seed_x2_config,
 }
 
 
@@ -208,6 +231,10 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1e3 * x:.0f}"
 
 
+def _tok(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
 def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -216,6 +243,7 @@ def table(rows: list[dict[str, Any]], ideal: float | None = None) -> str:
     """One line per run: goodput, TTFT, TPOT, hit rate, preemptions, throughput, CPU."""
     head = (
         f"{'config':20} {'goodput':>12} {'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} {'p99':>6} "
+        f"{'ITL p99':>7} {'prefill/step p99':>16} {'max':>6} "
         f"{'hit %':>6} {'of ideal':>8} {'preempt':>7} {'tok/s':>6} {'sched us/step':>15}"
     )
     lines = [head, "-" * len(head)]
@@ -224,10 +252,12 @@ def table(rows: list[dict[str, Any]], ideal: float | None = None) -> str:
         hit = r["prefix_hit_rate"]
         of_ideal = f"{100 * hit / ideal:.0f} %" if ideal else "-"
         cpu = r["scheduler_cpu_us_per_step"]
+        pf = r.get("prefill_tokens_per_step") or {"p99": None, "max": None}
         cpu_s = f"{cpu['mean']:.0f} / p99 {cpu['p99']:.0f}" if cpu["mean"] is not None else "-"
         lines.append(
             f"{r['name']:20} {good:>12} {_s(r['ttft_s']['p50']):>9} {_s(r['ttft_s']['p99']):>7} "
             f"{_ms(r['tpot_s']['p50']):>7}ms {_ms(r['tpot_s']['p99']):>4}ms "
+            f"{_ms(r['itl_s']['p99']):>5}ms {_tok(pf['p99']):>16} {_tok(pf['max']):>6} "
             f"{100 * hit:>6.1f} {of_ideal:>8} {r['preemptions']:>7} "
             f"{r['output_tokens_per_s']:>6.0f} {cpu_s:>15}"
         )
@@ -244,6 +274,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_run_args(ap, DEFAULT_JSON)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"from {list(CONFIGS)}")
+    ap.add_argument(
+        "--itl-target-ms",
+        type=float,
+        default=None,
+        help="every config's scheduler.itl_target_ms (default: each config's own, 100; 0: off)",
+    )
     args = ap.parse_args(argv)
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
@@ -266,7 +302,10 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(header), flush=True)
     rows = []
     for name in names:
-        row = run_kvsched(requests, name, CONFIGS[name](), args)
+        config = CONFIGS[name]()
+        if args.itl_target_ms is not None:
+            config.scheduler.itl_target_ms = args.itl_target_ms
+        row = run_kvsched(requests, name, config, args)
         row["hit_rate_of_ideal"] = (
             row["prefix_hit_rate"] / bounds["total_blocks"] if bounds["total_blocks"] else None
         )
@@ -276,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows, bounds["total_blocks"]))
     print(
         f"(goodput: req/s with TTFT <= {args.slo_ttft:g} s and TPOT <= "
-        f"{1e3 * args.slo_tpot:g} ms, share of requests in brackets; sched: real CPU of "
+        f"{1e3 * args.slo_tpot:g} ms, share of requests in brackets; prefill/step: prompt "
+        f"tokens in an executed worker step with prefill; sched: real CPU of "
         f"apply_report + schedule per worker step, mean / p99 over calls)"
     )
     meta.update(ideal_lru_hit_rate=bounds, wall_s=time.perf_counter() - t0)

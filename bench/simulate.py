@@ -51,7 +51,8 @@ from kvsched.replay.summary import (
 from kvsched.traces import TraceRequest
 from kvsched.worker_stub.costmodel import fit_for, step_time_s
 from kvsched.worker_stub.engine import WorkerEngine
-from kvsched.worker_stub.sim import SimExecutor
+from kvsched.worker_stub.executor import SeqWork, StepResult
+from kvsched.worker_stub.sim import SimExecutor, _split_work
 
 VOCAB_SIZE = 32000  # the traces' token ids (kvsched.traces.load_trace default)
 EOS_TOKEN_ID = 2  # the sim never samples it unless asked (eos_every): outputs run to max_tokens
@@ -92,6 +93,28 @@ class InstanceStats:
     idle_control_plane_s: float = 0.0
     num_preemptions: int = 0
     sched_ns: list[int] = field(default_factory=list)  # real CPU per daemon step (wake)
+    # Per executed worker step: prompt tokens of its prefill chunks, and its time (seconds).
+    prefill_tokens: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    # The daemon's step-cost model at the end: coefficients (ms per unit, in
+    # kvsched.core.step_cost.FEATURES order), and its last one-step-ahead predicted / measured
+    # moving averages (ms). Empty for schedulers without one.
+    cost_model: dict[str, Any] = field(default_factory=dict)
+
+
+class MeteredSim(SimExecutor):
+    """The sim executor, also recording what each executed step held (`InstanceStats`)."""
+
+    def __init__(self, stats: InstanceStats, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._stats = stats
+
+    def execute(self, work: list[SeqWork]) -> StepResult:
+        result = super().execute(work)
+        chunks, _, _ = _split_work(work)
+        self._stats.prefill_tokens.append(sum(c for c, _ in chunks))
+        self._stats.step_s.append(result.step_time_s)
+        return result
 
 
 class Instance(Protocol):
@@ -141,7 +164,8 @@ class KvschedInstance:
         self.loop = loop
         self.sched = Scheduler(config, clock=lambda: loop.now, instance_id=f"sim-{index}")
         cc, sc = config.cache, config.scheduler
-        executor = SimExecutor(gpu=gpu, vocab_size=VOCAB_SIZE, eos_token_id=EOS_TOKEN_ID)
+        self.stats = InstanceStats()
+        executor = MeteredSim(self.stats, gpu=gpu, vocab_size=VOCAB_SIZE, eos_token_id=EOS_TOKEN_ID)
         self.worker = WorkerEngine(
             executor,
             cc.block_size,
@@ -152,7 +176,6 @@ class KvschedInstance:
         )
         self.control_latency_s = control_latency_s
         self.check = check
-        self.stats = InstanceStats()
         self._inbox: list[Tasks] = []
         self._busy = False
         self._idle_since: float | None = None  # None: never ran yet
@@ -330,12 +353,26 @@ class SimResult:
                 "p99": _pct_us(ns, 99),
             },
             scheduler_calls=len(ns),
+            # What each executed worker step held: prompt tokens of its chunks (the token
+            # budget's bound) and its time by the cost model.
+            prefill_tokens_per_step=_dist(
+                sorted(x for st in self.instances for x in st.prefill_tokens if x)
+            ),
+            step_time_s=_dist(sorted(x for st in self.instances for x in st.step_s)),
+            cost_models=[st.cost_model for st in self.instances],
             router_us_per_request=(
                 sum(self.router_ns) / len(self.router_ns) / 1e3 if self.router_ns else None
             ),
             sim_wall_s=self.wall_s,
         )
         return out
+
+
+def _dist(values: Sequence[float]) -> dict[str, float | None]:
+    """p50 / p99 / max of sorted values (None when there are none)."""
+    if not values:
+        return {"p50": None, "p99": None, "max": None}
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99), "max": values[-1]}
 
 
 def _pct_us(sorted_ns: list[int], p: float) -> float | None:
@@ -362,6 +399,15 @@ def simulate(
         loop.at(rec.arrival_s, cluster.submit, tr, rec)
     t0 = time.perf_counter()
     loop.run(until=until_s)
+    for inst in cluster.instances:
+        cost = getattr(getattr(inst, "sched", None), "cost", None)  # kvsched's step-cost model
+        if cost is not None:
+            inst.stats.cost_model = {
+                "coefficients_ms": list(cost.coefficients),
+                "ewma_predicted_ms": cost.ewma_predicted_ms,
+                "ewma_measured_ms": cost.ewma_measured_ms,
+                "steps_learned": cost.num_observed,
+            }
     return SimResult(
         name=cluster.name,
         records=records,

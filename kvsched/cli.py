@@ -46,6 +46,13 @@ def _add_serve(sub: Any) -> None:
         choices=("none", "console", "otlp"),
         help="OpenTelemetry exporter",
     )
+    p.add_argument(
+        "--itl-target-ms",
+        type=float,
+        metavar="MS",
+        help="time budget of a worker step while requests decode, every instance "
+        "(engine.scheduler.itl_target_ms; default 100; 0: off)",
+    )
     p.set_defaults(func=_serve)
 
 
@@ -150,6 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
             "tracing_exporter",
         )
     }
+    overrides["engine.scheduler.itl_target_ms"] = args.itl_target_ms
     config = load_config(args.config, os.environ, overrides)
     setup_logging(config.log_level, config.log_json)
     from kvsched.server.app import run_server

@@ -252,3 +252,21 @@ def test_demo_runs_end_to_end_and_prints_its_table(tmp_path: Path) -> None:
         assert needle in res.stdout
     summary = json.loads(out.read_text())
     assert summary["completed"] == summary["requests"] > 0
+
+
+def test_serve_itl_target_flag_sets_every_instance_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[ServerConfig] = []
+
+    def run_server(config: ServerConfig) -> int:
+        seen.append(config)
+        return 0
+
+    fake_module(monkeypatch, "kvsched.server.app", run_server=run_server)
+    monkeypatch.setenv("KVSCHED_ENGINE__STEP_COST__FORGETTING", "0.9")
+    assert cli.main(["serve", "--listen", "127.0.0.1:0", "--itl-target-ms", "40"]) == 0
+    (config,) = seen
+    assert config.engine.scheduler.itl_target_ms == 40.0
+    assert config.engine.step_cost.forgetting == 0.9
+    assert cli.main(["serve", "--itl-target-ms", "-1"]) == 2  # a ConfigError naming the field

@@ -74,9 +74,19 @@ class SchedulerConfig:
     # admitted), not just its first chunk: otherwise its later chunks preempt decoding requests
     # and throw their work away (vLLM's scheduler_reserve_full_isl). See docs/BENCHMARKS.md.
     admit_full_prompt: bool = True
+    # Time-budgeted steps: while requests are decoding, prefill chunks are sized so that the
+    # step-cost model predicts every worker step under this many milliseconds (decoding
+    # requests wait for the whole step: this is their inter-token latency). 0: off, only the
+    # token budget applies. With nothing decoding only the token budget applies.
+    itl_target_ms: float = 100.0
+    # Never starve a prompt: the oldest prefilling request may take a chunk of this many
+    # tokens even when the time target leaves none (decoding alone may fill the target).
+    min_prefill_chunk: int = 256
 
     def validate(self) -> None:
         s = "scheduler"
+        _check_range(s, "itl_target_ms", self.itl_target_ms, 0.0, 3.6e6)
+        _check_range(s, "min_prefill_chunk", self.min_prefill_chunk, 1, 1 << 24)
         _check_range(s, "max_num_seqs", self.max_num_seqs, 1, 1 << 20)
         _check_range(s, "max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
         _check_range(s, "max_model_len", self.max_model_len, 2, 1 << 24)
@@ -102,16 +112,61 @@ class SpeculativeConfig:
 
 
 @dataclass(slots=True)
+class StepCostConfig:
+    """The seed of each instance's step-cost model (`kvsched.core.step_cost`) and how fast it
+    forgets. Defaults: the H100-SXM / Llama-3-8B fit of the reference worker's sim executor
+    (kvsched/worker_stub/costmodel.py, `FITS["h100"]`: max(6.3, 4.3 + 0.0211 N) ms + 4.9e-5 ms
+    per decode context token + 1.8e-6 ms per unit of c * (c + prefix)), copied here because the
+    core imports nothing of the worker. The model refits them from the measured steps."""
+
+    intercept_ms: float = 4.3
+    per_prefill_token_ms: float = 0.0211
+    per_decode_ms: float = 0.0211
+    per_decode_context_ms: float = 4.9e-5
+    per_attention_ms: float = 1.8e-6  # per unit of sum over chunks of c * (c + prefix)
+    per_swapped_block_ms: float = 0.0  # no worker swaps KV yet
+    # Weight of the past per measured step, (0, 1]: 0.999 remembers ~1,000 steps; 1 never forgets.
+    forgetting: float = 0.999
+
+    def validate(self) -> None:
+        s = "step_cost"
+        for name in (
+            "intercept_ms",
+            "per_prefill_token_ms",
+            "per_decode_ms",
+            "per_decode_context_ms",
+            "per_attention_ms",
+            "per_swapped_block_ms",
+        ):
+            _check_range(s, name, getattr(self, name), 0.0, 1e6)
+        if not 0.0 < self.forgetting <= 1.0:
+            raise ConfigError(f"step_cost.forgetting = {self.forgetting!r} must be in (0, 1]")
+
+    def seed(self) -> tuple[float, ...]:
+        """The coefficients in `kvsched.core.step_cost.FEATURES` order."""
+        return (
+            self.intercept_ms,
+            self.per_prefill_token_ms,
+            self.per_decode_ms,
+            self.per_decode_context_ms,
+            self.per_attention_ms,
+            self.per_swapped_block_ms,
+        )
+
+
+@dataclass(slots=True)
 class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     role: Role = Role.MIXED
+    step_cost: StepCostConfig = field(default_factory=StepCostConfig)
 
     def validate(self) -> EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.speculative.validate()
+        self.step_cost.validate()
         try:
             self.role = Role(self.role)
         except ValueError:
@@ -140,6 +195,7 @@ class EngineConfig:
             "cache": CacheConfig,
             "scheduler": SchedulerConfig,
             "speculative": SpeculativeConfig,
+            "step_cost": StepCostConfig,
         }
         kwargs: dict[str, Any] = {}
         for key, value in data.items():

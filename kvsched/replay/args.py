@@ -40,6 +40,14 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="embedded: simulated instances")
     p.add_argument("--num-blocks", type=int, default=H100_BLOCKS, help="embedded: KV blocks each")
     p.add_argument(
+        "--itl-target-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="embedded: the daemon's time budget per worker step while requests decode "
+        "(default: the daemon's, 100; 0: off)",
+    )
+    p.add_argument(
         "--token", default=os.environ.get("KVSCHED_TOKEN", ""), help="bearer token (client role)"
     )
     p.add_argument(

@@ -31,6 +31,9 @@ def run_replay(args: argparse.Namespace) -> int:
             speed=args.time_scale,
             num_blocks=args.num_blocks,
             block_size=BLOCK_SIZE,
+            serve_args=()
+            if args.itl_target_ms is None
+            else ("--itl-target-ms", f"{args.itl_target_ms:g}"),
         )
         address = cluster.address
     from kvsched.client import KvschedClientError

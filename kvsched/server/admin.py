@@ -39,6 +39,11 @@ def instance_status(eng: InstanceEngine) -> apb.InstanceStatus:
         st.prefix_cache_query_tokens = snap.prefix_cache_query_tokens
         st.prefix_cache_hit_tokens = snap.prefix_cache_hit_tokens
         st.num_preemptions = snap.num_preemptions
+        st.step_predicted_ms = snap.step_predicted_ms
+        st.step_measured_ms = snap.step_measured_ms
+        st.step_predicted_ewma_ms = snap.step_predicted_ewma_ms
+        st.step_measured_ewma_ms = snap.step_measured_ewma_ms
+        st.itl_target_ms = snap.itl_target_ms
     return st
 
 

@@ -5,7 +5,8 @@ Sources, later wins:
     TOML file (--config, or KVSCHED_CONFIG)  ->  KVSCHED_* environment  ->  command-line flags
 
 - TOML: top-level scalars (`listen = ...`), `[engine]` (`role`, `[engine.cache]`,
-  `[engine.scheduler]`, `[engine.speculative]`: the default engine of every instance) and
+  `[engine.scheduler]`, `[engine.speculative]`, `[engine.step_cost]`: the default engine of
+  every instance) and
   `[instances.<id>]` tables (`role`, `world_size`, and engine sections merged over the default
   engine). `examples/kvsched.toml` documents every field with its default.
 - Environment: `KVSCHED_<FIELD>` for each top-level scalar (`KVSCHED_LISTEN`), and
@@ -49,7 +50,7 @@ MAX_WORLD_SIZE = 64
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 TRACING_EXPORTERS = ("none", "console", "otlp")
 _INT32_MAX = (1 << 31) - 1
-_ENGINE_SECTIONS = ("cache", "scheduler", "speculative")
+_ENGINE_SECTIONS = ("cache", "scheduler", "speculative", "step_cost")
 
 
 class FieldError(ConfigError):

@@ -1,8 +1,12 @@
 """`kvsched status`: a GetStatusResponse as a terminal table. Pure: no I/O, no clock.
 
-instance  role   state  ranks  slots    KV use  free blocks  waiting  running  steps/s  prefix hit  preempt
-i0        mixed  ready  1/1    12/256   37.5%   2560         3        12       41.2     62.0%       0
+instance  role   state  ranks  slots    KV use  free blocks  waiting  running  steps/s  prefix hit  preempt  step ms pred/meas  ITL target
+i0        mixed  ready  1/1    12/256   37.5%   2560         3        12       41.2     62.0%       0        24.1/23.8          100 ms
 daemon: serving; waiting 3, running 12; 1 instance (1 ready)
+
+"step ms pred/meas": moving averages of the worker steps' time as the step-cost model predicted
+it and as the worker measured it. Those two columns are left out when no instance reports a
+step-cost model (a daemon from before it).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from kvsched.v1 import admin_service_pb2, common_pb2
 
 __all__ = ["format_status"]
 
-_HEADERS = (
+_BASE_HEADERS = (
     "instance",
     "role",
     "state",
@@ -25,9 +29,21 @@ _HEADERS = (
     "prefix hit",
     "preempt",
 )
+_COST_HEADERS = ("step ms pred/meas", "ITL target")
+_HEADERS = _BASE_HEADERS + _COST_HEADERS
 _RIGHT = frozenset(
     {"KV use", "free blocks", "waiting", "running", "steps/s", "prefix hit", "preempt"}
 )
+
+
+def _step_ms(inst: admin_service_pb2.InstanceStatus) -> str:
+    if inst.step_measured_ewma_ms <= 0:
+        return "-"  # no measured step yet
+    return f"{inst.step_predicted_ewma_ms:.1f}/{inst.step_measured_ewma_ms:.1f}"
+
+
+def _target(inst: admin_service_pb2.InstanceStatus) -> str:
+    return f"{inst.itl_target_ms:g} ms" if inst.itl_target_ms > 0 else "off"
 
 
 def _role(value: int) -> str:
@@ -66,16 +82,18 @@ def _row(inst: admin_service_pb2.InstanceStatus) -> tuple[str, ...]:
         f"{inst.steps_per_s:.1f}",
         _percent(inst.prefix_cache_hit_tokens, inst.prefix_cache_query_tokens),
         str(inst.num_preemptions),
+        _step_ms(inst),
+        _target(inst),
     )
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_HEADERS))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for row in rows:
         cells = [
             cell.rjust(w) if header in _RIGHT else cell.ljust(w)
-            for cell, w, header in zip(row, widths, _HEADERS, strict=True)
+            for cell, w, header in zip(row, widths, rows[0], strict=True)
         ]
         lines.append("  ".join(cells).rstrip())
     return lines
@@ -94,7 +112,10 @@ def _daemon_line(resp: admin_service_pb2.GetStatusResponse) -> str:
 
 def format_status(resp: admin_service_pb2.GetStatusResponse) -> str:
     """One row per instance, in the response's order, then a line about the whole daemon."""
-    lines = _table([_HEADERS, *(_row(inst) for inst in resp.instances)])
+    cost = any(i.itl_target_ms > 0 or i.step_measured_ewma_ms > 0 for i in resp.instances)
+    width = len(_HEADERS) if cost else len(_BASE_HEADERS)
+    rows = [_HEADERS, *(_row(inst) for inst in resp.instances)]
+    lines = _table([row[:width] for row in rows])
     if not resp.instances:
         lines.append("(no instances: no worker has connected)")
     lines.append(_daemon_line(resp))

@@ -103,6 +103,11 @@ class InstanceStatus(_message.Message):
     PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_PREEMPTIONS_FIELD_NUMBER: _builtins.int
+    STEP_PREDICTED_MS_FIELD_NUMBER: _builtins.int
+    STEP_MEASURED_MS_FIELD_NUMBER: _builtins.int
+    STEP_PREDICTED_EWMA_MS_FIELD_NUMBER: _builtins.int
+    STEP_MEASURED_EWMA_MS_FIELD_NUMBER: _builtins.int
+    ITL_TARGET_MS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     role: _common_pb2.InstanceRole.ValueType
     ready: _builtins.bool
@@ -130,6 +135,16 @@ class InstanceStatus(_message.Message):
     """Prompt tokens looked up in the prefix cache, and of those found there."""
     prefix_cache_hit_tokens: _builtins.int
     num_preemptions: _builtins.int
+    step_predicted_ms: _builtins.float
+    """The instance's step-cost model: the newest measured worker step's time as the model
+    predicted it (before learning from it) and as the worker measured it, milliseconds, and
+    moving averages of both. 0 until a worker step with a measured time was reported.
+    """
+    step_measured_ms: _builtins.float
+    step_predicted_ewma_ms: _builtins.float
+    step_measured_ewma_ms: _builtins.float
+    itl_target_ms: _builtins.float
+    """The time budget of a worker step while requests decode (scheduler.itl_target_ms); 0: off."""
     def __init__(
         self,
         *,
@@ -153,10 +168,15 @@ class InstanceStatus(_message.Message):
         prefix_cache_query_tokens: _builtins.int = ...,
         prefix_cache_hit_tokens: _builtins.int = ...,
         num_preemptions: _builtins.int = ...,
+        step_predicted_ms: _builtins.float = ...,
+        step_measured_ms: _builtins.float = ...,
+        step_predicted_ewma_ms: _builtins.float = ...,
+        step_measured_ewma_ms: _builtins.float = ...,
+        itl_target_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "instance_id", b"instance_id", "kv_cache_usage", b"kv_cache_usage", "model", b"model", "num_free_blocks", b"num_free_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_preemptions", b"num_preemptions", "num_ranks_connected", b"num_ranks_connected", "num_running", b"num_running", "num_slots", b"num_slots", "num_slots_used", b"num_slots_used", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "paused", b"paused", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "ready", b"ready", "role", b"role", "steps_per_s", b"steps_per_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "instance_id", b"instance_id", "itl_target_ms", b"itl_target_ms", "kv_cache_usage", b"kv_cache_usage", "model", b"model", "num_free_blocks", b"num_free_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_preemptions", b"num_preemptions", "num_ranks_connected", b"num_ranks_connected", "num_running", b"num_running", "num_slots", b"num_slots", "num_slots_used", b"num_slots_used", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "paused", b"paused", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "ready", b"ready", "role", b"role", "step_measured_ewma_ms", b"step_measured_ewma_ms", "step_measured_ms", b"step_measured_ms", "step_predicted_ewma_ms", b"step_predicted_ewma_ms", "step_predicted_ms", b"step_predicted_ms", "steps_per_s", b"steps_per_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

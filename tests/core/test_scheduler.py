@@ -746,11 +746,14 @@ def test_the_first_token_is_seen_when_the_pool_is_dry_at_a_chunk_visit(role: str
     # Pipelined prefill chunks: a chunk's row arrives when the room is already low and the
     # pool dry (the request waits for blocks); the first token arrives before the next
     # schedule(). It must still be a first-token event (and, on a prefill instance, a hand-off).
+    # (A request has at most two chunks in flight, and a worker step's budget counts the
+    # chunks sent and not yet run: r's third chunk goes out once its first is reported.)
     s = make_scheduler(
         block_size=16,
         prealloc_threshold=2,
         num_gpu_blocks=4,
-        max_num_batched_tokens=16,
+        max_num_batched_tokens=24,
+        long_prefill_token_threshold=16,
         role=role,
     )
     s._threshold = 12  # as after a measured round trip of 12 worker steps
@@ -758,13 +761,14 @@ def test_the_first_token_is_seen_when_the_pool_is_dry_at_a_chunk_visit(role: str
     if role == "prefill":
         r.kv_target = d.kv_target = ("d0", 99, [0, 1, 2, 3])
     s.add_request(r)
-    for _ in range(3):
-        s.schedule()  # r's three chunks in flight
+    for _ in range(2):
+        s.schedule()  # r's first two chunks in flight
     s.add_request(d)
-    s.schedule()  # d takes the last blocks
-    assert s.kv.num_free_blocks == 0
+    s.schedule()  # d admitted beside them
     h = r.handle
     s.apply_report(report(s, [(h, 16, [])]))
+    s.schedule()  # r's last chunk takes the last blocks
+    assert s.kv.num_free_blocks == 0 and r.num_computed_tokens == 40
     s.apply_report(report(s, [(h, 32, [])]))
     ev = s.apply_report(report(s, [(h, 40, [5])]))
     assert ev.first_token == [r] and r.first_token_time >= 0

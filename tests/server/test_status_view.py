@@ -79,3 +79,13 @@ def test_unknown_role_value_is_shown_as_number() -> None:
         instances=[admin_service_pb2.InstanceStatus(instance_id="x", role=9, ready=True)]
     )
     assert format_status(resp).splitlines()[1].split()[:3] == ["x", "9", "ready"]
+
+
+def test_step_time_columns_show_predicted_and_measured() -> None:
+    resp = make_response()
+    i0 = resp.instances[0]
+    i0.step_predicted_ewma_ms, i0.step_measured_ewma_ms, i0.itl_target_ms = 24.14, 23.81, 100.0
+    header, row0, row1, _ = format_status(resp).splitlines()
+    assert header.endswith("step ms pred/meas  ITL target")
+    assert row0.split()[-3:] == ["24.1/23.8", "100", "ms"]
+    assert row1.split()[-2:] == ["-", "off"]  # nothing measured yet; no target

@@ -3,13 +3,17 @@ pieces of a step that spend the budget, in order: block extensions for decoders
 (`_extend_decoders`), the next chunks of prompts already admitted (`_continue_prefills`), new
 admissions from the queue (`_admit`).
 
-A step's token budget (`StepBudget`):
+A worker step's token budget (`StepBudget`):
 
     max_num_batched_tokens = decoding x (1 + k)  +  continuing prefill chunks  +  new prefills
                              (worker-autonomous)    (admission order)            (queue order)
 
-Imported by the scheduler facade only; imports `preemption` (and through it `placement`) and
-`validation`.
+where the prefill chunks count those sent earlier and not yet executed (`step_plan`): the budget
+bounds what one worker step runs, not what one schedule() call sends. While requests decode, a
+second limit: the step-cost model's predicted step time stays under `itl_target_ms`.
+
+Imported by the scheduler facade only; imports `preemption` (and through it `placement`),
+`step_plan` and `validation`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from kvsched.core.errors import CapacityExceeded
 from kvsched.core.protocol import Chunk, Extension, FinishReason, Tasks
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.preemption import Preemption
+from kvsched.core.scheduler.step_plan import PIPELINE_DEPTH, StepPlan
 from kvsched.core.scheduler.validation import validate
 
 
@@ -28,12 +33,24 @@ from kvsched.core.scheduler.validation import validate
 class StepBudget:
     """What one schedule() call may still hand out, spent as it goes."""
 
-    tokens: int  # prefill tokens left (after the decoders' share)
+    tokens: int  # prefill tokens left (after the decoders' and the outstanding chunks' share)
     encoder: int = -1  # multimodal encoder tokens left; -1: unlimited
     preempted: bool = False  # something was preempted this step: admit nothing new
+    # Predicted milliseconds the ITL target leaves for new prefill (inf: no time limit);
+    # computed when the first chunk is sized (a steady decode step never needs it).
+    slack_ms: float | None = None
+    # The oldest prompt (`floor_for`; None: the first one sized) may take this many tokens even
+    # when the time target leaves none, so prompts always progress (then 0).
+    floor: int = 0
+    floor_for: Request | None = None
+    floor_ms: float = 0.0  # slack held back for floor_for's floor chunk until it is sized
 
 
-class Admission(Preemption):
+def _prefill_left(req: Request) -> int:
+    return req.num_prefill_tokens - req.num_computed_tokens
+
+
+class Admission(Preemption, StepPlan):
     """New requests in, and the step's pieces that spend a `StepBudget`."""
 
     def add_request(self, req: Request) -> None:
@@ -53,8 +70,11 @@ class Admission(Preemption):
 
     def _step_budget(self) -> StepBudget:
         sc = self.config.scheduler
+        if self._out:
+            self._prune_outstanding()
         tokens = sc.max_num_batched_tokens - self.num_decoding * (1 + self._spec_k)
-        return StepBudget(tokens, sc.max_num_encoder_tokens or -1)
+        tokens -= self._out_tokens
+        return StepBudget(tokens, sc.max_num_encoder_tokens or -1, floor=sc.min_prefill_chunk)
 
     # ==== the pieces of a step ================================================================
     def _extend_decoders(self, tasks: Tasks, budget: StepBudget) -> None:
@@ -99,11 +119,24 @@ class Admission(Preemption):
             self._set_check_at(req)
 
     def _continue_prefills(self, tasks: Tasks, budget: StepBudget) -> None:
-        for req in list(self.prefilling.values()):
-            if budget.tokens <= 0:
-                break
+        continuing = list(self.prefilling.values())
+        if continuing and self._slack_bound(budget):
+            # The time target limits the step: the prompt with the least prefill left goes
+            # first (a queue head too, admitted ahead when it has less left than every prompt
+            # in), so one long prompt's chunks do not hold every short prompt behind it for
+            # seconds. The oldest prompt keeps the floor chunk: none starves.
+            budget.floor_for = oldest = continuing[0]
+            self._reserve_floor(oldest, budget)
+            continuing.sort(key=_prefill_left)
+            if self.waiting and not budget.preempted:
+                self._admit(tasks, budget, max_prompt=_prefill_left(continuing[0]) - 1)
+        for req in continuing:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
+            if self._outstanding_of(req)[0] >= PIPELINE_DEPTH:
+                if req is budget.floor_for or budget.floor_for is None:
+                    budget.floor = 0  # it runs a chunk in each of the next steps: progress
+                continue
             n = self._chunk_size(req, req.num_computed_tokens, budget)
             if n <= 0:
                 continue
@@ -118,24 +151,29 @@ class Admission(Preemption):
             if new:
                 tasks.extensions.append(Extension(req.handle, new))
                 self._prefill_debt -= len(new)
-            budget.tokens -= n
             self._emit_chunk(tasks, req, n, budget)
 
-    def _admit(self, tasks: Tasks, budget: StepBudget) -> None:
+    def _admit(self, tasks: Tasks, budget: StepBudget, max_prompt: int = -1) -> None:
+        """Admit from the queue's head while the budget lasts (max_prompt: only heads with at
+        most this many tokens left to prefill)."""
         while budget.tokens > 0 and self.free_slots and (req := self.waiting.peek()) is not None:
             if self.config.role == Role.DECODE and not req.output_token_ids:
                 break  # a decode instance takes new prompts only through add_prefilled
             hits = self.kv.find_cached_prefix(req)
             num_hit = self._trim_hits_for_mm(req, len(hits) * self.block_size)
             hits = hits[: num_hit // self.block_size]
+            if max_prompt >= 0 and req.num_tokens - num_hit > max_prompt:
+                break
             n = self._chunk_size(req, num_hit, budget, num_prefill=req.num_tokens)
             if n <= 0:
                 break
             target = self._alloc_target(req, num_hit + n, num_prefill=req.num_tokens)
             need = self.kv.num_blocks_to_allocate(req, target, hits)
-            if self.config.scheduler.admit_full_prompt:
+            if self.config.scheduler.admit_full_prompt or max_prompt >= 0:
                 # Admit only what can finish its prefill: the whole prompt must fit beside the
                 # rest of the prompts already admitted, or its later chunks preempt decoders.
+                # (Always so ahead of the continuing prompts: their chunks then find their
+                # blocks, and never preempt the request placed just now.)
                 full = self._alloc_target(req, req.num_tokens, num_prefill=req.num_tokens)
                 need = self.kv.num_blocks_to_allocate(req, full, hits) + self._prefill_debt
             reserve = self.reserve_blocks_per_running * len(self.running)
@@ -148,8 +186,25 @@ class Admission(Preemption):
             assert new is not None
             self._prefill_debt += self._full_blocks(req, req.num_tokens) - len(req.block_ids)
             self._place(tasks, req, num_hit)
-            budget.tokens -= n
             self._emit_chunk(tasks, req, n, budget)
+
+    def _reserve_floor(self, req: Request, budget: StepBudget) -> None:
+        """Hold back the time of req's floor chunk before shorter prompts take the slack, so
+        the floor exceeds the target only when the decodes leave less than it."""
+        count, own_tokens, own_attn = self._outstanding_of(req)
+        if count >= PIPELINE_DEPTH or budget.slack_ms is None:
+            return
+        start = req.num_computed_tokens
+        n = min(budget.floor, _prefill_left(req))
+        cost = self._chunk_extra_ms(start, n, own_tokens, own_attn)
+        budget.floor_ms = max(0.0, min(cost, budget.slack_ms))
+        budget.slack_ms -= budget.floor_ms
+
+    def _slack_bound(self, budget: StepBudget) -> bool:
+        """The time target limits this step's prefill (computed once per step)."""
+        if budget.slack_ms is None:
+            budget.slack_ms = self._time_slack_ms()
+        return budget.slack_ms != float("inf")
 
     # ==== chunks ==============================================================================
     def _chunk_size(
@@ -159,11 +214,24 @@ class Admission(Preemption):
         sc = self.config.scheduler
         total = req.num_prefill_tokens if num_prefill is None else num_prefill
         remaining = total - start
-        n = min(remaining, budget.tokens)
+        # A chunk no larger than req's own outstanding ones adds nothing to any worker step.
+        _, own_tokens, own_attn = self._outstanding_of(req)
+        n = min(remaining, budget.tokens + own_tokens)
         if sc.long_prefill_token_threshold:
             n = min(n, sc.long_prefill_token_threshold)
         if sc.disable_chunked_prefill and n < remaining:
             return 0
+        if n > 0:
+            if budget.slack_ms is None:
+                budget.slack_ms = self._time_slack_ms()
+            if req is budget.floor_for:
+                budget.slack_ms += budget.floor_ms  # its floor was held back for it
+                budget.floor_ms = 0.0
+            n_time = self._fit_time(start, n, own_tokens, own_attn, budget.slack_ms)
+            if budget.floor and (budget.floor_for is None or budget.floor_for is req):
+                n_time = max(n_time, min(n, budget.floor))  # never starve: the oldest progresses
+                budget.floor = 0
+            n = n_time
         if req.mm_ranges:
             n = self._trim_chunk_for_mm(req, start, n, budget.encoder)
         return n
@@ -209,6 +277,11 @@ class Admission(Preemption):
 
     def _emit_chunk(self, tasks: Tasks, req: Request, n: int, budget: StepBudget) -> None:
         start = req.num_computed_tokens
+        _, own_tokens, own_attn = self._outstanding_of(req)
+        budget.tokens -= max(0, n - own_tokens)
+        if budget.slack_ms is not None:
+            budget.slack_ms -= self._chunk_extra_ms(start, n, own_tokens, own_attn)
+        self._record_chunk(req, start, n)
         tasks.chunks.append(Chunk(req.handle, start, req.token_ids(start, start + n)))
         req.num_computed_tokens = start + n
         if req.mm_ranges:

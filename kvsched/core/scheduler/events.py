@@ -102,3 +102,12 @@ class SchedulerSnapshot:
     reserve_blocks_per_running: int  # the admission reserve in force
     last_report_step: int
     last_tasks_seq: int
+    # The step-cost model (kvsched.core.step_cost): the newest learned worker step's predicted
+    # milliseconds (made before learning from it) and measured ones, their moving averages, the
+    # coefficients (ms per unit, in step_cost.FEATURES order), and the time target in force.
+    step_predicted_ms: float = 0.0
+    step_measured_ms: float = 0.0
+    step_predicted_ewma_ms: float = 0.0
+    step_measured_ewma_ms: float = 0.0
+    step_cost_coefficients: tuple[float, ...] = ()
+    itl_target_ms: float = 0.0  # 0: time-budgeted steps off

@@ -8,7 +8,7 @@ These loops are tuned (see docs/BENCHMARKS.md, `python -m bench.core_step --brea
 their locals bound and add no attribute hop per row.
 
 Imported by the scheduler facade only; imports `roles` (the hand-off) and through it
-`placement`, and `events`.
+`placement`, `step_plan` (the step-cost model learns from every report) and `events`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from kvsched.core.protocol import Extension, FinishReason, StepReport
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.events import DecodeColumn, Events, RowTokens
 from kvsched.core.scheduler.roles import Roles
+from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.slots import RING, RING_SHIFT
 
 
@@ -44,7 +45,7 @@ class _Columns:
     fins: np.ndarray | None = None  # finish reasons; None: no row finished
 
 
-class Reports(Roles):
+class Reports(Roles, StepPlan):
     """apply_report and its parts (owns the last report's step and applied seq)."""
 
     def __init__(
@@ -70,6 +71,10 @@ class Reports(Roles):
         ProtocolError (state unchanged) for reports that break the protocol. Returns the events
         since the last call (including those of schedule() and abort())."""
         cols = self._check_report(report)
+        # The step's terms and measured time into the cost model, and the chunks it ran off
+        # the outstanding ones (step_plan), before any row changes the slots.
+        single = report.step == self._last_step + 1 or self._last_step < 0
+        self._learn_step(report, cols.h, cols.s, single)
         if report.applied_seq > self._last_applied_seq and self._sent:
             self._observe_lag(report)
         self._last_step, self._last_applied_seq = report.step, report.applied_seq

@@ -12,6 +12,7 @@ methods to the state `placement.Placements` owns:
     placement   placed requests, slots, handles, decode room; the one exit path (`_release`)
     preemption  victims, the admission reserve, pause/resume
     admission   add_request, the step's pieces and their `StepBudget`
+    step_plan   the step-cost model and the chunks in flight: per-worker-step token/time limits
     roles       prefill/decode disaggregation: preallocate, add_prefilled, hand-off
     report      apply_report and its tuned hot path
     integrity   check_integrity (tests)
@@ -154,6 +155,7 @@ class Scheduler(Reports, Admission):
             reserve_blocks_per_running=self.reserve_blocks_per_running,
             last_report_step=self._last_step,
             last_tasks_seq=self._seq,
+            **self._step_cost_view(),
         )
 
     def prefix_hit_tokens(self, req: Request) -> int:

@@ -1,0 +1,246 @@
+"""The step-cost model (kvsched.core.step_cost) and time-budgeted worker steps (step_plan):
+the model learns a known formula, its seed holds where nothing is learned, and with the reference
+worker's engine no executed step runs more prefill than the token budget, nor more predicted
+time than the ITL target, however arrivals and reports interleave."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvsched.core import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    StepReport,
+    Tasks,
+)
+from kvsched.core.config import StepCostConfig
+from kvsched.core.step_cost import FEATURES, StepCostModel
+from kvsched.worker_stub.engine import WorkerEngine
+from kvsched.worker_stub.executor import SeqWork, StepResult
+from kvsched.worker_stub.sim import SimExecutor, _split_work
+
+TRUE = (5.0, 0.02, 0.01, 5e-5, 2e-6, 0.0)  # ms: intercept, per token, decode, context, attention
+
+
+def synthetic_steps(n: int, seed: int = 1) -> list[tuple[int, int, int, int, float]]:
+    """n steps of a mixed workload: decodes with growing contexts, chunks deep into prompts."""
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(n):
+        decodes = rng.randint(0, 200)
+        context = decodes * rng.randint(500, 20_000)
+        chunks = [(rng.randint(16, 4096), rng.randint(0, 80_000)) for _ in range(rng.randint(0, 3))]
+        prefill = sum(c for c, _ in chunks)
+        attention = sum(c * (c + p) for c, p in chunks)
+        ms = TRUE[0] + TRUE[1] * prefill + TRUE[2] * decodes + TRUE[3] * context
+        steps.append((prefill, decodes, context, attention, ms + TRUE[4] * attention))
+    return steps
+
+
+@pytest.mark.parametrize("off", [1.0, 2.0, 0.5])
+def test_the_model_converges_to_a_known_formula(off: float) -> None:
+    model = StepCostModel([c * off for c in TRUE], forgetting=0.999)
+    for prefill, decodes, context, attention, ms in synthetic_steps(600):
+        model.observe(prefill, decodes, context, attention, 0, ms)
+    model.fold()
+    for name, got, want in zip(FEATURES[:5], model.coefficients, TRUE, strict=False):
+        assert got == pytest.approx(want, rel=0.05), name
+    assert model.last_predicted_ms == pytest.approx(model.last_measured_ms, rel=0.05)
+    assert model.num_observed == 600
+
+
+def test_the_model_is_a_function_of_the_report_stream() -> None:
+    a, b = (StepCostModel([c * 2 for c in TRUE], forgetting=0.99) for _ in range(2))
+    for prefill, decodes, context, attention, ms in synthetic_steps(100, seed=7):
+        for m in (a, b):
+            m.observe(prefill, decodes, context, attention, 0, ms)
+    assert a.coefficients == b.coefficients
+    assert a.ewma_predicted_ms == b.ewma_predicted_ms
+
+
+def test_terms_no_step_exercises_keep_their_seed() -> None:
+    seed = [c * 2 for c in TRUE]
+    model = StepCostModel(seed, forgetting=0.99)
+    for _, decodes, context, _, _ in synthetic_steps(300):
+        ms = TRUE[0] + TRUE[2] * decodes + TRUE[3] * context
+        model.observe(0, decodes, context, 0, 0, ms)  # decode-only steps
+    model.fold()
+    coef = model.coefficients
+    assert coef[4] == pytest.approx(seed[4], rel=1e-3)  # attention: never seen
+    assert coef[3] == pytest.approx(TRUE[3], rel=0.05)  # context: learned
+    assert model.predict_ms(0, 100, 10**6, 0) == pytest.approx(
+        TRUE[0] + TRUE[2] * 100 + TRUE[3] * 1e6, rel=0.05
+    )
+
+
+def test_config_checks_name_the_field() -> None:
+    for section, bad in [
+        ("step_cost", {"forgetting": 0.0}),
+        ("step_cost", {"per_attention_ms": -1.0}),
+        ("scheduler", {"itl_target_ms": -5.0}),
+        ("scheduler", {"min_prefill_chunk": 0}),
+    ]:
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            EngineConfig.from_dict({section: bad})
+    cfg = EngineConfig.from_dict({"step_cost": {"per_attention_ms": 3e-6}})
+    assert cfg.step_cost.seed()[4] == 3e-6 and cfg.scheduler.itl_target_ms == 100.0
+    with pytest.raises(ConfigError, match=r"step_cost\.bogus"):
+        EngineConfig.from_dict({"step_cost": {"bogus": 1.0}})
+
+
+# ==== the scheduler with the reference worker's engine ======================================
+@dataclass
+class Executed:
+    """What each executed worker step held: (prefill chunks as (c, prefix), decode contexts)."""
+
+    steps: list[tuple[list[tuple[int, int]], list[int]]] = field(default_factory=list)
+
+
+class RecordingSim(SimExecutor):
+    """The sim executor, recording every executed step's work."""
+
+    def __init__(self, out: Executed, zero_cost: bool) -> None:
+        super().__init__(zero_cost=zero_cost)
+        self.out = out
+
+    def execute(self, work: list[SeqWork]) -> StepResult:
+        chunks, contexts, _ = _split_work(work)
+        self.out.steps.append((chunks, contexts))
+        return super().execute(work)
+
+
+def drive(
+    s: Scheduler,
+    arrivals: dict[int, list[Request]],
+    zero_cost: bool = True,
+    max_steps: int = 5000,
+) -> Executed:
+    """Run `s` against a WorkerEngine as the daemon and the worker interleave: at a step's end
+    the worker starts its next step with what it holds, then the daemon applies the report and
+    schedules (its Tasks land a step later); arrivals between reports each schedule() at once.
+    check_integrity() after every daemon step. Returns what each worker step executed."""
+    out = Executed()
+    sc = s.config.scheduler
+    worker = WorkerEngine(
+        RecordingSim(out, zero_cost), s.block_size, sc.max_num_seqs, 2, sc.max_model_len
+    )
+    inbox: list[Tasks] = []
+
+    def daemon(report: StepReport | None) -> None:
+        if report is not None:
+            s.apply_report(report)
+        tasks = s.schedule()
+        s.check_integrity()
+        if not tasks.is_empty():
+            inbox.append(tasks)
+
+    prev: StepReport | None = None
+    for step in range(max_steps):
+        for tasks in inbox:
+            worker.apply(tasks)
+        inbox.clear()
+        report = worker.step()
+        if prev is not None:
+            daemon(prev)
+        for req in arrivals.get(step, []):
+            s.add_request(req)
+            daemon(None)
+        prev = report
+        if report is None and not inbox and step > max(arrivals, default=0):
+            if not s.requests:
+                return out
+            daemon(None)
+    raise AssertionError("the requests did not finish")
+
+
+def make(itl_ms: float, budget: int = 8192, **step_cost: float) -> Scheduler:
+    return Scheduler(
+        EngineConfig(
+            cache=CacheConfig(block_size=64, num_gpu_blocks=4096),
+            scheduler=SchedulerConfig(
+                max_num_seqs=64, max_num_batched_tokens=budget, itl_target_ms=itl_ms
+            ),
+            step_cost=StepCostConfig(**step_cost),
+        )
+    )
+
+
+def req(i: int, prompt: int, max_tokens: int) -> Request:
+    base = 1000 + i * 200_000  # distinct prompts: no prefix hits
+    return Request(f"r{i}", list(range(base, base + prompt)), SamplingParams(max_tokens))
+
+
+def mixed_arrivals() -> dict[int, list[Request]]:
+    """16 short prompts that decode for a while, then two long prompts (40k, 24k tokens) and
+    more short ones arriving between reports while they prefill."""
+    arrivals: dict[int, list[Request]] = {0: [req(i, 2048, 300) for i in range(16)]}
+    arrivals[30] = [req(16, 40_000, 20)]
+    arrivals[31] = [req(17, 24_000, 20)]
+    for k in range(8):
+        arrivals.setdefault(32 + 3 * k, []).append(req(18 + k, 1500, 50))
+    return arrivals
+
+
+def predicted_ms(s: Scheduler, chunks: list[tuple[int, int]], contexts: list[int]) -> float:
+    prefill = sum(c for c, _ in chunks)
+    attention = sum(c * (c + p) for c, p in chunks)
+    return s.cost.predict_ms(prefill, len(contexts), sum(contexts), attention)
+
+
+def test_chunks_keep_every_predicted_step_under_the_itl_target() -> None:
+    # Zero-cost steps: the model keeps its seed, so the prediction at planning is the one
+    # checked here (learning is tested above).
+    target = 60.0
+    s = make(target)
+    out = drive(s, mixed_arrivals())
+    mixed = [(c, d) for c, d in out.steps if c and d]
+    assert len(mixed) > 20  # prefill ran beside decodes, in many steps
+    worst = max(predicted_ms(s, c, d) for c, d in mixed)
+    assert target * 0.8 < worst <= target + 1e-9
+    # Without the target the same run breaks it: the check above can fail.
+    s_off = make(0.0)
+    out_off = drive(s_off, mixed_arrivals())
+    assert max(predicted_ms(s_off, c, d) for c, d in out_off.steps if d) > 2 * target
+
+
+def test_no_worker_step_runs_more_than_the_token_budget() -> None:
+    # Prompts arriving between reports: each arrival's schedule() used to hand out a fresh
+    # budget while the chunks of the earlier calls still waited in the worker.
+    budget = 512
+    arrivals = {k: [req(2 * k, 700, 8), req(2 * k + 1, 300, 8)] for k in range(40)}
+    s = make(0.0, budget=budget)
+    out = drive(s, arrivals)
+    per_step = [sum(c for c, _ in chunks) + len(d) for chunks, d in out.steps]
+    assert max(per_step) <= budget
+    assert max(sum(c for c, _ in chunks) for chunks, _ in out.steps) > budget // 2  # it is used
+    assert sum(sum(c for c, _ in chunks) for chunks, _ in out.steps) == 40 * 1000
+
+
+def test_a_long_prompt_progresses_when_decoding_alone_fills_the_target() -> None:
+    s = make(5.0)  # below the decode step itself: only the floor chunk is left for prefill
+    arrivals = {0: [req(i, 1024, 60) for i in range(8)], 10: [req(9, 6000, 4)]}
+    out = drive(s, arrivals)
+    chunks = [c for cs, d in out.steps for c, _ in cs if d]
+    assert chunks and max(chunks) <= s.config.scheduler.min_prefill_chunk
+    assert s.stats.num_finished and not s.requests  # every request finished
+
+
+def test_learning_from_the_sim_worker_when_seeded_off_by_two() -> None:
+    # The sim's steps cost what its H100 fit says; the daemon's model starts at twice that and
+    # learns the prefill terms from the reports.
+    seed = StepCostConfig()
+    doubled = {f: 2 * getattr(seed, f) for f in ("per_prefill_token_ms", "per_attention_ms")}
+    s = make(100.0, **doubled)
+    drive(s, mixed_arrivals(), zero_cost=False)
+    coef = s.cost.coefficients
+    assert coef[1] == pytest.approx(seed.per_prefill_token_ms, rel=0.1)
+    assert coef[4] == pytest.approx(seed.per_attention_ms, rel=0.1)
+    assert s.cost.ewma_predicted_ms == pytest.approx(s.cost.ewma_measured_ms, rel=0.1)
