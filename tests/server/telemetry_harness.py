@@ -115,9 +115,20 @@ class Harness:
         return out
 
     async def stop_worker(self, instance_id: str = "i0") -> None:
+        """Stop the worker and wait until the daemon has taken its instance out: the worker's
+        task ends when it has closed its side, which can be before the daemon has read that,
+        and a test that then closes its client channel would see its requests aborted by the
+        dropped streams instead of lost with their instance."""
         self.workers[instance_id].stop()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.tasks[instance_id], 10.0)
+        eng = self.daemon.engines.get(instance_id)
+
+        async def taken_out() -> None:
+            while eng is not None and eng.ready:
+                await asyncio.sleep(0.005)
+
+        await asyncio.wait_for(taken_out(), 10.0)
 
 
 @contextlib.asynccontextmanager
