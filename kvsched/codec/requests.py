@@ -9,13 +9,17 @@ from kvsched.v1 import common_pb2, request_service_pb2
 
 
 def request_from_proto(
-    pb: request_service_pb2.GenerateRequest, req_id: str, arrival_time: float
+    pb: request_service_pb2.GenerateRequest,
+    req_id: str,
+    arrival_time: float,
+    default_max_tokens: int | None = None,
 ) -> Request:
-    """A core request from a GenerateRequest. Field ranges are checked by the scheduler."""
+    """A core request from a GenerateRequest; an absent max_tokens takes `default_max_tokens`
+    (None: the core's default). Field ranges are checked by the scheduler."""
     return Request(
         req_id=req_id,
         prompt_token_ids=pb.prompt_token_ids[:],
-        sampling=sampling_from_proto(pb.sampling),
+        sampling=sampling_from_proto(pb.sampling, default_max_tokens),
         priority=pb.priority,
         arrival_time=arrival_time,
         lora_name=pb.lora_name,

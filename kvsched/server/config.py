@@ -101,6 +101,7 @@ class ServerConfig:
     heartbeat_timeout_s: float = 5.0
     requeue_timeout_s: float = 30.0  # a lost instance's request waits this long for another
     max_session_requests: int = 100000  # open requests per Session stream
+    default_max_tokens: int = 16  # a request that does not set max_tokens gets this many
     stall_timeout_s: float = 30.0  # a stream that does not read its outputs this long is cut
     queue_timeout_s: float = 0.0  # a request never scheduled within this ends (0: no limit)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -182,6 +183,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "heartbeat_timeout_s": (0.01, 86400.0),
     "requeue_timeout_s": (0.0, 86400.0),
     "max_session_requests": (1, _INT32_MAX),
+    "default_max_tokens": (1, _INT32_MAX),
     "stall_timeout_s": (0.1, 86400.0),
     "queue_timeout_s": (0.0, 86400.0),
 }

@@ -112,7 +112,7 @@ class RequestTable:
         req_id = pb.request_id or uuid.uuid4().hex
         if req_id in self.tracked:
             raise InvalidRequest(f"request_id {req_id!r} is already in use by a live request")
-        req = codec.request_from_proto(pb, req_id, time.monotonic())
+        req = codec.request_from_proto(pb, req_id, time.monotonic(), self.config.default_max_tokens)
         eng = self.registry.route(req)
         tr = Tracked(req, eng, sink, pb.detachable, owner, client_tag)
         if eng.role == Role.PREFILL:

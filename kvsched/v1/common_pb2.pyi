@@ -108,7 +108,9 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
-    """Output tokens at most, >= 1. Absent: 16 (vLLM's default), fixed by the daemon."""
+    """Output tokens at most, >= 1. Absent: the daemon's default_max_tokens setting (16 unless
+    configured, vLLM's default).
+    """
     min_tokens: _builtins.int
     """EOS and stop_token_ids do not stop the request while fewer than this many tokens were
     generated (the stopping token itself counts); in [0, max_tokens].

@@ -400,3 +400,37 @@ def test_reports_a_taken_out_stream_still_sends_are_dropped() -> None:
     dropped, live = run(go())
     assert dropped == 0, "a report read after take_out was queued for the next scheduler"
     assert live == 1, "the new stream's report must still reach the engine"
+
+
+def test_an_unset_max_tokens_takes_the_daemons_configured_default() -> None:
+    """common.proto: an absent SamplingParams.max_tokens is the daemon's default_max_tokens
+    (16 unless configured); an explicit one wins."""
+    proc, address = start_daemon(env={"KVSCHED_DEFAULT_MAX_TOKENS": "5"})
+    worker = start_worker(address, "w", "--zero-cost")
+
+    async def go() -> tuple[Any, Any]:
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub, _ = stubs(ch)
+            unset = rpb.GenerateRequest(
+                request_id="unset",
+                prompt_token_ids=[1, 2, 3, 4],
+                sampling=common_pb2.SamplingParams(ignore_eos=True),
+            )
+            explicit = rpb.GenerateRequest(
+                request_id="explicit",
+                prompt_token_ids=[1, 2, 3, 4],
+                sampling=common_pb2.SamplingParams(max_tokens=3, ignore_eos=True),
+            )
+            return await asyncio.gather(
+                generate(stub, unset, timeout=30), generate(stub, explicit, timeout=30)
+            )
+
+    try:
+        wait_ready(address, ["w"])
+        unset, explicit = run(go())
+    finally:
+        worker.stop()
+        proc.stop()
+    assert unset.finished is not None and unset.finished.reason == LENGTH
+    assert len(unset.tokens) == 5 and unset.finished.usage.output_tokens == 5
+    assert explicit.finished is not None and len(explicit.tokens) == 3
