@@ -45,6 +45,13 @@ class Connection:
         self.options = [*DEFAULT_OPTIONS, *options]
         self.auth: Metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
+    def open_channel(self, grpc_module: Any) -> Any:
+        """A channel to the daemon from `grpc` (blocking) or `grpc.aio`: both have the same
+        secure_channel / insecure_channel calls."""
+        if self.credentials is not None:
+            return grpc_module.secure_channel(self.address, self.credentials, options=self.options)
+        return grpc_module.insecure_channel(self.address, options=self.options)
+
     def metadata(self, extra: Sequence[tuple[str, str]] = ()) -> Metadata:
         """The call's metadata: the bearer token, then `extra` (e.g. a traceparent)."""
         return self.auth + tuple(extra)

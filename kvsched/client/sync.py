@@ -154,10 +154,7 @@ class Client:
             timeout=timeout,
             options=options,
         )
-        if conn.credentials is not None:
-            self._channel = grpc.secure_channel(address, conn.credentials, options=conn.options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=conn.options)
+        self._channel = conn.open_channel(grpc)
         stubs: Any = (request_service_pb2_grpc, admin_service_pb2_grpc)  # generated: untyped
         self._requests: Any = stubs[0].RequestServiceStub(self._channel)
         self._admin: Any = stubs[1].AdminServiceStub(self._channel)

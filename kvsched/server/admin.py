@@ -13,6 +13,27 @@ from kvsched.server.request_table import RequestTable
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc
 
+# InstanceStatus fields copied as they are from the scheduler's snapshot (same names).
+_FROM_SNAPSHOT = (
+    "paused",
+    "num_slots",
+    "num_slots_used",
+    "num_gpu_blocks",
+    "num_free_blocks",
+    "kv_cache_usage",
+    "num_waiting",
+    "num_running",
+    "num_steps",
+    "prefix_cache_query_tokens",
+    "prefix_cache_hit_tokens",
+    "num_preemptions",
+    "step_predicted_ms",
+    "step_measured_ms",
+    "step_predicted_ewma_ms",
+    "step_measured_ewma_ms",
+    "itl_target_ms",
+)
+
 
 def instance_status(eng: InstanceEngine) -> apb.InstanceStatus:
     st = apb.InstanceStatus(
@@ -26,24 +47,9 @@ def instance_status(eng: InstanceEngine) -> apb.InstanceStatus:
     )
     snap = eng.snapshot()
     if snap is not None:
-        st.paused = snap.paused
-        st.num_slots = snap.num_slots
-        st.num_slots_used = snap.num_slots_used
-        st.num_gpu_blocks = snap.num_gpu_blocks
-        st.num_free_blocks = snap.num_free_blocks
-        st.kv_cache_usage = snap.kv_cache_usage
-        st.num_waiting = snap.num_waiting
-        st.num_running = snap.num_running
-        st.num_steps = snap.num_steps
+        for name in _FROM_SNAPSHOT:
+            setattr(st, name, getattr(snap, name))
         st.steps_per_s = eng.steps_per_s()
-        st.prefix_cache_query_tokens = snap.prefix_cache_query_tokens
-        st.prefix_cache_hit_tokens = snap.prefix_cache_hit_tokens
-        st.num_preemptions = snap.num_preemptions
-        st.step_predicted_ms = snap.step_predicted_ms
-        st.step_measured_ms = snap.step_measured_ms
-        st.step_predicted_ewma_ms = snap.step_predicted_ewma_ms
-        st.step_measured_ewma_ms = snap.step_measured_ewma_ms
-        st.itl_target_ms = snap.itl_target_ms
     return st
 
 
