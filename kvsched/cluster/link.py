@@ -1,0 +1,80 @@
+"""The daemon's one connection to NATS and JetStream, and the buckets it opens.
+
+`connect_cluster` fails with a message a person can act on when the server cannot be reached or
+has no JetStream; everything else in kvsched.cluster takes a `ClusterLink`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
+from nats.js.errors import BucketNotFoundError
+from nats.js.kv import KeyValue
+
+from kvsched.core.errors import Unavailable
+
+log = logging.getLogger("kvsched.cluster")
+
+
+@dataclass
+class ClusterLink:
+    """A connected NATS client, its JetStream context, and this daemon's identity."""
+
+    url: str
+    daemon_id: str
+    nc: Any  # nats.aio.client.Client
+    js: JetStreamContext
+
+    async def bucket(self, name: str, ttl_s: float = 0.0, history: int = 1) -> KeyValue:
+        """A JetStream KV bucket, created on first use (`ttl_s` 0: entries never expire)."""
+        try:
+            return await self.js.key_value(name)
+        except BucketNotFoundError:
+            config = KeyValueConfig(bucket=name, history=history, ttl=ttl_s or None)
+            return await self.js.create_key_value(config=config)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+
+async def connect_cluster(
+    url: str, daemon_id: str, connect_timeout_s: float = 2.0, attempts: int = 2
+) -> ClusterLink:
+    """Connect to NATS at `url` and check that JetStream answers; `Unavailable` otherwise."""
+
+    async def quiet(exc: Exception) -> None:  # nats-py logs every failed attempt; one line is ours
+        log.debug("nats: %s", exc)
+
+    try:
+        nc = await nats.connect(
+            servers=[url],
+            name=f"kvsched-{daemon_id}",
+            connect_timeout=connect_timeout_s,
+            max_reconnect_attempts=attempts,
+            reconnect_time_wait=0.2,
+            allow_reconnect=True,
+            error_cb=quiet,
+        )
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        raise Unavailable(
+            f"cannot reach NATS at {url} ({type(exc).__name__}: {exc}); start one with "
+            "`kvsched nats`, fix --cluster, or run without --cluster for a standalone daemon"
+        ) from None
+    js = nc.jetstream()
+    try:
+        await js.account_info()
+    except Exception as exc:
+        await nc.close()
+        raise Unavailable(
+            f"NATS at {url} has no JetStream ({type(exc).__name__}: {exc}); "
+            "start nats-server with --jetstream"
+        ) from None
+    # Once up, keep reconnecting for as long as the daemon lives: a NATS restart must heal.
+    nc.options["max_reconnect_attempts"] = -1
+    return ClusterLink(url=url, daemon_id=daemon_id, nc=nc, js=js)
