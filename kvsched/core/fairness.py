@@ -41,6 +41,7 @@ class TenantCounters:
         self.config = config
         self.counters: dict[str, float] = {}
         self.served: dict[str, int] = {}  # tokens served, unweighted (prompt + output)
+        self.shed: dict[str, int] = {}  # requests shed (or demoted) per tenant
         self.floor = 0.0  # the counter of the tenant admitted last
 
     def charge(self, tenant: str, prompt_tokens: int, output_tokens: int = 0) -> None:

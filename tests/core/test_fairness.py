@@ -213,13 +213,13 @@ def test_demote_queues_it_behind_every_request_not_demoted() -> None:
 def test_with_shedding_off_a_late_deadline_only_orders() -> None:
     s = loaded("off")
     s.add_request(req("hopeless", prompt=1000, deadline_ms=2000))
-    assert [r.req_id for r in s.waiting][0] == "hopeless"  # earliest deadline first
+    assert next(r.req_id for r in s.waiting) == "hopeless"  # earliest deadline first
 
 
 def test_fairness_config_checks_name_the_field() -> None:
-    with pytest.raises(ConfigError, match="fairness.shed"):
+    with pytest.raises(ConfigError, match=r"fairness\.shed"):
         EngineConfig(fairness=FairnessConfig(shed="sometimes")).validate()  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="fairness.tenant_weights.a"):
+    with pytest.raises(ConfigError, match=r"fairness\.tenant_weights\.a"):
         EngineConfig(fairness=FairnessConfig(tenant_weights={"a": 0.0})).validate()
     cfg = EngineConfig.from_dict({"fairness": {"tenant_weights": {"a": 2}, "shed": "demote"}})
     assert cfg.fairness.weight("a") == 2 and cfg.fairness.weight("z") == 1.0

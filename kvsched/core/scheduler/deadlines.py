@@ -109,6 +109,8 @@ class Deadlines(StepPlan):
         left_ms = (req.deadline - self.clock()) * 1e3
         if wait_ms <= left_ms:
             return
+        shed = self.tenants.shed
+        shed[req.tenant] = shed.get(req.tenant, 0) + 1
         if fc.shed == ShedPolicy.SHED:
             self.num_shed += 1
             raise CapacityExceeded(
