@@ -67,6 +67,15 @@ class Deadlines(StepPlan):
         """Predicted prefill milliseconds queued on this instance (waiting + being prefilled)."""
         return self.waiting.queued_ms + self._prefill_backlog_ms
 
+    def predicted_backlog_ms(self) -> float:
+        """Predicted milliseconds until this instance has sent every queued prompt's prefill:
+        the queued prefill at the share of each step the decodes leave it (for routing)."""
+        return self.queued_prefill_ms / self._prefill_share()
+
+    def predicted_prefill_ms(self, req: Request, num_hit: int) -> float:
+        """Predicted prefill milliseconds of req's prompt here with num_hit tokens cached."""
+        return self._prefill_ms(min(num_hit, req.num_tokens - 1), req.num_tokens)
+
     def _prefill_share(self) -> float:
         """The share of a worker step the decodes leave to prefill under the time target."""
         target = self.itl_target_ms
@@ -153,21 +162,25 @@ class Deadlines(StepPlan):
 
     def prefill_order(self, continuing: list[Request]) -> list[Request]:
         """The admitted prompts in the order their next chunks are sized while the time
-        target binds: class; then prompts with a deadline of their own not yet passed, earliest
-        first; then prompts past their implicit deadline, earliest first (aging: a long prompt
-        is not overtaken by shorter ones for ever); then the least prefill left. A prompt past
-        a deadline of its own has missed it: it goes by prefill left, behind those that can
-        still make theirs."""
+        target binds: class; then (under the `slo` policy) the tenant with the fewest weighted
+        served tokens, as for admission; then prompts with a deadline of their own not yet
+        passed, earliest first; then prompts past their implicit deadline, earliest first
+        (aging: a long prompt is not overtaken by shorter ones for ever); then the least
+        prefill left. A prompt past a deadline of its own has missed it: it goes by prefill
+        left, behind those that can still make theirs."""
         now = self.clock()
-        fcfs = self.config.scheduler.policy == QueuePolicy.FCFS
+        policy = self.config.scheduler.policy
+        fcfs, slo = policy == QueuePolicy.FCFS, policy == QueuePolicy.SLO
+        counter = self.tenants.counter
 
-        def key(r: Request) -> tuple[bool, int, int, float]:
+        def key(r: Request) -> tuple[bool, int, float, int, float]:
             cls = 0 if fcfs else r.priority
+            share = counter(r.tenant) if slo else 0.0
             if r.deadline > now:
                 if r.ttft_deadline_ms:
-                    return (r.demoted, cls, 0, r.deadline)
+                    return (r.demoted, cls, share, 0, r.deadline)
             elif not r.ttft_deadline_ms:
-                return (r.demoted, cls, 1, r.deadline)
-            return (r.demoted, cls, 2, r.num_prefill_tokens - r.num_computed_tokens)
+                return (r.demoted, cls, share, 1, r.deadline)
+            return (r.demoted, cls, share, 2, r.num_prefill_tokens - r.num_computed_tokens)
 
         return sorted(continuing, key=key)
