@@ -32,6 +32,18 @@ def test_a_hopeless_deadline_is_refused_with_the_predicted_wait() -> None:
                 client.generate([5] * 2000, max_tokens=4, ttft_deadline_ms=500, tenant="t1")
             assert "predicted time to first token" in err.value.message
             assert "ttft_deadline_ms 500" in err.value.message
+            # The same through a Session: an error entry for that submit, the session goes on.
+            with client.session() as session:
+                session.submit([5] * 2000, client_tag="late", max_tokens=4, ttft_deadline_ms=500)
+                errors = []
+                for batch in session:
+                    errors += batch.errors
+                    if errors:
+                        break
+                session.cancel()
+            assert [e.client_tag for e in errors] == ["late"]
+            assert isinstance(errors[0].exception(), ResourceExhausted)
+            assert "predicted time to first token" in errors[0].message
             after = status(address).instances[0]
             assert after.num_waiting == before.num_waiting
             assert after.num_running == before.num_running == 1  # (the hog decodes on)
