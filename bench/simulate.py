@@ -267,9 +267,11 @@ class KvschedCluster:
         control_latency_s: float = 0.0,
         name: str = "kvsched",
         check: bool = False,
+        tenant_of: Callable[[RequestRecord], str] | None = None,
     ) -> None:
         config = copy.deepcopy(config).validate()
         self.name = name
+        self.tenant_of = tenant_of  # each request's tenant (bench.tenants); None: all ""
         self.loop = loop
         self.num_gpu_blocks = config.cache.num_gpu_blocks
         self.block_size = config.cache.block_size
@@ -291,6 +293,7 @@ class KvschedCluster:
             tr.prompt_token_ids,
             SamplingParams(max_tokens=tr.max_tokens),
             arrival_time=self.loop.now,
+            tenant=self.tenant_of(rec) if self.tenant_of is not None else "",
         )
         req.tag = rec
         t0 = time.perf_counter_ns()

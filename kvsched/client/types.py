@@ -37,10 +37,21 @@ class RequestOptions(TypedDict, total=False):
     cache_salt: str
     model: str
     detachable: bool
+    ttft_deadline_ms: int  # time to first token asked for, ms after arrival; 0: none
+    tenant: str  # who the request is served for (fair shares between tenants)
 
 
 _SAMPLING = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
-_REQUEST = ("request_id", "priority", "lora_name", "cache_salt", "model", "detachable")
+_REQUEST = (
+    "request_id",
+    "priority",
+    "lora_name",
+    "cache_salt",
+    "model",
+    "detachable",
+    "ttft_deadline_ms",
+    "tenant",
+)
 
 
 def build_request(prompt: Sequence[int], options: RequestOptions) -> rpb.GenerateRequest:

@@ -25,6 +25,8 @@ def request_from_proto(
         lora_name=pb.lora_name,
         cache_salt=pb.cache_salt,
         mm_ranges=mm_ranges_from_proto(pb.mm_ranges),
+        ttft_deadline_ms=float(pb.ttft_deadline_ms),
+        tenant=pb.tenant,
     )
 
 

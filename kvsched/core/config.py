@@ -22,6 +22,16 @@ class Role(StrEnum):
 class QueuePolicy(StrEnum):
     FCFS = "fcfs"
     PRIORITY = "priority"  # lower value first, then arrival
+    # Lower priority class first; within a class the tenant with the fewest weighted served
+    # tokens (virtual token counters, `kvsched.core.fairness`); within a tenant earliest TTFT
+    # deadline first (implicit deadlines for requests without one: arrival + a default).
+    SLO = "slo"
+
+
+class ShedPolicy(StrEnum):
+    OFF = "off"  # a deadline orders the queue only
+    SHED = "shed"  # reject at once (RESOURCE_EXHAUSTED) when the prediction misses it
+    DEMOTE = "demote"  # queue it behind every request that can still meet its deadline
 
 
 def _check_range(section: str, name: str, value: float, lo: float, hi: float | None = None) -> None:
@@ -66,7 +76,7 @@ class SchedulerConfig:
     disable_chunked_prefill: bool = False
     disable_chunked_mm_input: bool = False
     max_num_encoder_tokens: int = 0  # multimodal tokens admitted per step; 0: unlimited
-    policy: QueuePolicy = QueuePolicy.FCFS
+    policy: QueuePolicy = QueuePolicy.SLO
     priority_preemption: bool = False  # priority policy: a waiting request may preempt lower ones
     max_preemptions: int = 0  # 0: unlimited; else a request preempted this often is kept
     max_waiting: int = 65536
@@ -155,18 +165,59 @@ class StepCostConfig:
 
 
 @dataclass(slots=True)
+class FairnessConfig:
+    """TTFT deadlines, tenants and shedding (the `slo` queue policy; see docs/ARCHITECTURE.md,
+    scheduling rule 12)."""
+
+    # Served-token share per tenant: a tenant with weight 3 gets three times the tokens of one
+    # with weight 1 while both are backlogged. Tenants not listed weigh `default_weight`.
+    tenant_weights: dict[str, float] = field(default_factory=dict)
+    default_weight: float = 1.0
+    # What a served output token costs a tenant's counter, relative to a prompt token.
+    output_token_weight: float = 1.0
+    # The deadline of a request that names none (ms after arrival): past it, its prompt goes
+    # ahead of shorter ones (aging), so a long prompt is not overtaken for ever. Shorter
+    # bounds TTFT p99 better and costs goodput and TTFT p50 (docs/BENCHMARKS.md section 8).
+    default_ttft_deadline_ms: float = 8000.0
+    # What happens to a request whose explicit deadline the cost model predicts it will miss.
+    shed: ShedPolicy = ShedPolicy.OFF
+
+    def validate(self) -> None:
+        s = "fairness"
+        for name, w in self.tenant_weights.items():
+            if not isinstance(name, str) or not isinstance(w, (int, float)) or isinstance(w, bool):
+                raise ConfigError(f"{s}.tenant_weights: {name!r} = {w!r}; expected a number")
+            if not 1e-6 <= w <= 1e6:
+                raise ConfigError(f"{s}.tenant_weights.{name} = {w!r} is out of range [1e-6, 1e6]")
+        _check_range(s, "default_weight", self.default_weight, 1e-6, 1e6)
+        _check_range(s, "output_token_weight", self.output_token_weight, 0.0, 1e6)
+        _check_range(s, "default_ttft_deadline_ms", self.default_ttft_deadline_ms, 1.0, 3.6e9)
+        try:
+            self.shed = ShedPolicy(self.shed)
+        except ValueError:
+            raise ConfigError(
+                f"fairness.shed = {self.shed!r}; expected one of {[p.value for p in ShedPolicy]}"
+            ) from None
+
+    def weight(self, tenant: str) -> float:
+        return self.tenant_weights.get(tenant, self.default_weight)
+
+
+@dataclass(slots=True)
 class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     role: Role = Role.MIXED
     step_cost: StepCostConfig = field(default_factory=StepCostConfig)
+    fairness: FairnessConfig = field(default_factory=FairnessConfig)
 
     def validate(self) -> EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.speculative.validate()
         self.step_cost.validate()
+        self.fairness.validate()
         try:
             self.role = Role(self.role)
         except ValueError:
@@ -196,6 +247,7 @@ class EngineConfig:
             "scheduler": SchedulerConfig,
             "speculative": SpeculativeConfig,
             "step_cost": StepCostConfig,
+            "fairness": FairnessConfig,
         }
         kwargs: dict[str, Any] = {}
         for key, value in data.items():

@@ -16,13 +16,24 @@ class RequestQueue:
 
     def __init__(self) -> None:
         self._live = 0
+        # Predicted prefill milliseconds of the queued requests (their `queued_ms`), for
+        # shedding and routing by queued work.
+        self.queued_ms = 0.0
 
     def __len__(self) -> int:
         return self._live
 
+    def _count(self, req: Request, sign: int) -> None:
+        self._live += sign
+        self.queued_ms = max(0.0, self.queued_ms + sign * req.queued_ms) if self._live else 0.0
+
     def discard(self, req: Request) -> None:
         """Account for a request that left while queued (abort); it is skipped lazily."""
-        self._live -= 1
+        self._count(req, -1)
+
+    def ms_ahead(self, req: Request) -> float:
+        """Predicted prefill milliseconds queued ahead of a new request like req (all of it)."""
+        return self.queued_ms
 
     def peek(self) -> Request | None:
         raise NotImplementedError
@@ -51,11 +62,11 @@ class FcfsQueue(RequestQueue):
 
     def push(self, req: Request) -> None:
         self._q.append(req)
-        self._live += 1
+        self._count(req, 1)
 
     def push_front(self, req: Request) -> None:
         self._q.appendleft(req)
-        self._live += 1
+        self._count(req, 1)
 
     def peek(self) -> Request | None:
         q = self._q
@@ -67,7 +78,7 @@ class FcfsQueue(RequestQueue):
         req = self.peek()
         assert req is not None
         self._q.popleft()
-        self._live -= 1
+        self._count(req, -1)
         return req
 
     def __iter__(self) -> Iterator[Request]:
@@ -85,7 +96,7 @@ class PriorityQueue(RequestQueue):
 
     def push(self, req: Request) -> None:
         heapq.heappush(self._h, (req.priority, req.arrival_time, next(self._seq), req))
-        self._live += 1
+        self._count(req, 1)
 
     push_front = push
 
@@ -99,7 +110,7 @@ class PriorityQueue(RequestQueue):
         req = self.peek()
         assert req is not None
         heapq.heappop(self._h)
-        self._live -= 1
+        self._count(req, -1)
         return req
 
     def __iter__(self) -> Iterator[Request]:

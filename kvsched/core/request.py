@@ -72,6 +72,10 @@ class Request:
     lora_name: str = ""
     cache_salt: str = ""
     mm_ranges: list[MultimodalRange] = field(default_factory=list)
+    # Time to first token asked for, in ms after arrival (0: none, the instance's implicit
+    # deadline applies), and who the request is served for (fair shares between tenants).
+    ttft_deadline_ms: float = 0.0
+    tenant: str = ""
 
     status: RequestStatus = RequestStatus.WAITING
     # Output tokens. While the request is placed, the tokens of plain decode rows land in the
@@ -105,6 +109,15 @@ class Request:
     kv_target: tuple[str, int, list[int]] | None = None
     # Output count at which a decoding request next needs the scheduler's attention.
     check_out: int = 0
+    # Scheduling by deadline and tenant (`kvsched.core.fairness`), set by add_request: the
+    # absolute deadline on the scheduler's clock; demoted (its deadline predicted missed, shed
+    # policy "demote"): queued behind every request that is not; the predicted prefill
+    # milliseconds it adds to the queue while it waits; output tokens already charged to its
+    # tenant's counter.
+    deadline: float = float("inf")
+    demoted: bool = False
+    queued_ms: float = 0.0
+    charged_output: int = 0
     # Opaque to the core: the caller's per-request state (the daemon's stream and tracing).
     tag: object = None
 

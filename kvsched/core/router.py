@@ -1,11 +1,15 @@
-"""Pick an instance for a new request: prefix overlap first, load second.
+"""Pick an instance for a new request: prefix overlap first, predicted queued work second.
 
 score(i) = cached_fraction(i) - load_weight * (load(i) - min load)
     cached_fraction = prompt tokens instance i holds cached now / prompt tokens
-    load            = (running + waiting) / max_num_seqs  +  KV usage
+    load            = predicted queued prefill seconds / load_seconds  +  KV usage
 
-so a request follows its cached prefix unless that instance is clearly busier than the
-least-loaded one; with nothing cached anywhere it goes to the least-loaded instance.
+The queued prefill is each instance's own prediction (`Scheduler.predicted_backlog_ms`: the
+step-cost model's prefill terms over the uncached tokens of the prompts waiting or being
+prefilled there, at the share of a step its decodes leave to prefill), so one 85k-token prompt
+weighs what it costs, not what one short request does. A request follows its cached prefix
+unless that instance is clearly busier than the least-loaded one; with nothing cached anywhere
+it goes to the instance with the least predicted work.
 """
 
 from __future__ import annotations
@@ -19,11 +23,17 @@ from kvsched.core.scheduler import Scheduler
 
 
 class Router:
-    def __init__(self, load_weight: float = 0.5) -> None:
+    def __init__(self, load_weight: float = 0.5, load_seconds: float = 3.0) -> None:
+        """load_seconds: the predicted queued prefill that weighs as much as a full KV pool."""
         self.load_weight = load_weight
+        self.load_seconds = load_seconds
+
+    def load(self, s: Scheduler) -> float:
+        return s.predicted_backlog_ms() / (1e3 * self.load_seconds) + s.kv.usage
 
     @staticmethod
-    def load(s: Scheduler) -> float:
+    def count_load(s: Scheduler) -> float:
+        """Requests placed or queued per slot, plus KV usage (decode instances)."""
         return (s.num_running + s.num_waiting) / s.config.scheduler.max_num_seqs + s.kv.usage
 
     def pick(self, schedulers: Sequence[Scheduler], req: Request) -> int:
@@ -55,8 +65,9 @@ class Router:
         return best
 
     def pick_decode(self, schedulers: Sequence[Scheduler]) -> int | None:
-        """Least-loaded decode-role instance, or None when there is none."""
+        """Least-loaded decode-role instance (by requests per slot and KV usage: a decode
+        instance queues no prefill), or None when there is none."""
         cands = [
             i for i, s in enumerate(schedulers) if s.config.role == Role.DECODE and not s.paused
         ]
-        return min(cands, key=lambda i: self.load(schedulers[i])) if cands else None
+        return min(cands, key=lambda i: self.count_load(schedulers[i])) if cands else None

@@ -5,7 +5,8 @@ Sources, later wins:
     TOML file (--config, or KVSCHED_CONFIG)  ->  KVSCHED_* environment  ->  command-line flags
 
 - TOML: top-level scalars (`listen = ...`), `[engine]` (`role`, `[engine.cache]`,
-  `[engine.scheduler]`, `[engine.speculative]`, `[engine.step_cost]`: the default engine of
+  `[engine.scheduler]`, `[engine.speculative]`, `[engine.step_cost]`, `[engine.fairness]`
+  (with `[engine.fairness.tenant_weights]`): the default engine of
   every instance) and
   `[instances.<id>]` tables (`role`, `world_size`, and engine sections merged over the default
   engine). `examples/kvsched.toml` documents every field with its default.
@@ -51,7 +52,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 TRACING_EXPORTERS = ("none", "console", "otlp")
 CLUSTER_FALLBACKS = ("fail", "standalone")
 _INT32_MAX = (1 << 31) - 1
-_ENGINE_SECTIONS = ("cache", "scheduler", "speculative", "step_cost")
+_ENGINE_SECTIONS = ("cache", "scheduler", "speculative", "step_cost", "fairness")
 
 
 class FieldError(ConfigError):

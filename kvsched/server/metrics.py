@@ -49,6 +49,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvsched.core import FinishReason, Unavailable
 from kvsched.server.config import split_host_port
+from kvsched.server.tenant_metrics import TenantMetrics
 
 log = logging.getLogger("kvsched.metrics")
 
@@ -184,6 +185,7 @@ class Metrics:
         self.daemon = daemon
         self.model = model
         self.instances: dict[str, InstanceMetrics] = {}
+        self.tenants = TenantMetrics(lambda: Hist(TTFT_BUCKETS))
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
         ProcessCollector(registry=self.registry)
@@ -205,6 +207,7 @@ class Metrics:
         m.pending_first += len(first)
         for req in first:
             m.ttft.observe(max(0.0, req.first_token_time - req.arrival_time))
+        self.tenants.first_tokens(engine, first)
 
     def report_applied(self, engine: Any, report: Any) -> None:
         m = self.instance(engine.instance_id)
@@ -380,6 +383,7 @@ class _Collector:
         yield success
         yield from hists.values()
         yield from _step_cost_families(mx, labels)
+        yield from mx.tenants.families(mx.daemon.engines, model)
 
 
 def _step_cost_families(mx: Metrics, labels: list[str]) -> Iterator[Metric]:

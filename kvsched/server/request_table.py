@@ -247,7 +247,10 @@ class RequestTable:
             old.lora_name,
             old.cache_salt,
             old.mm_ranges,
+            tenant=old.tenant,
         )
+        # No ttft_deadline_ms: an accepted request is never shed when it moves (its implicit
+        # deadline from its first arrival keeps its place among the moved ones).
         new.output_token_ids = list(old.output_token_ids)
         # Its prefix hit is counted anew where it is placed next: the lost instance's cache
         # served the tokens it streamed, not the recomputation that will finish it.

@@ -32,10 +32,15 @@ class GenerateRequest(_message.Message):
     MM_RANGES_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     DETACHABLE_FIELD_NUMBER: _builtins.int
+    TTFT_DEADLINE_MS_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among unfinished requests. Empty: the daemon assigns one (returned in `queued`)."""
     priority: _builtins.int
-    """Lower values run first under the `priority` queue policy (as vLLM); ignored under `fcfs`."""
+    """The request's priority class: lower values run first (as vLLM) under the `slo` queue
+    policy (the default) and the `priority` policy; ignored under `fcfs`. Under `slo` any
+    int32 is accepted; under `priority` it must be >= 0.
+    """
     lora_name: _builtins.str
     """LoRA adapter; part of the prefix-cache key."""
     cache_salt: _builtins.str
@@ -46,6 +51,23 @@ class GenerateRequest(_message.Message):
     """
     detachable: _builtins.bool
     """When true, a dropped stream does not abort the request (see the service comment, step 6)."""
+    ttft_deadline_ms: _builtins.int
+    """(Numbers 10-19 are left free for other additions to this message.)
+    Time to first token this request asks for, in milliseconds from its arrival at the daemon
+    (relative, so client and daemon clocks need not agree). 0: none; the daemon then uses its
+    implicit deadline (`fairness.default_ttft_deadline_ms`, 8,000 unless configured), so a
+    request without one still ages. Under the `slo` queue policy requests of one priority
+    class and tenant run earliest deadline first. With `fairness.shed = "shed"` a request
+    whose deadline the instance's cost model predicts it cannot meet is rejected at once with
+    RESOURCE_EXHAUSTED and a message naming the predicted wait; with "demote" it is queued
+    behind every request that can still meet its deadline. At most 3,600,000 (one hour).
+    """
+    tenant: _builtins.str
+    """Who the request is served for. Under the `slo` queue policy tenants of one priority class
+    share the instance by served tokens (virtual token counters), each in proportion to its
+    weight in `fairness.tenant_weights` (1.0 for a tenant not listed). Empty: the tenant "".
+    At most 128 bytes. Metrics label it by name only for tenants listed in the config.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt, tokenized. Must not be empty."""
@@ -68,10 +90,12 @@ class GenerateRequest(_message.Message):
         mm_ranges: _abc.Iterable[_common_pb2.MultimodalRange] | None = ...,
         model: _builtins.str = ...,
         detachable: _builtins.bool = ...,
+        ttft_deadline_ms: _builtins.int = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "detachable", b"detachable", "lora_name", b"lora_name", "mm_ranges", b"mm_ranges", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "detachable", b"detachable", "lora_name", b"lora_name", "mm_ranges", b"mm_ranges", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "tenant", b"tenant", "ttft_deadline_ms", b"ttft_deadline_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -176,3 +176,25 @@ def test_handles_continue_across_a_replacement_scheduler() -> None:
     assert r.handle >= old.next_handle and r.handle & new.slots.mask == r.slot
     with pytest.raises(ProtocolError, match="never issued"):
         new.apply_report(report(new, [(0, 1, [])]))
+
+
+def test_router_weighs_queued_work_in_predicted_seconds_not_requests() -> None:
+    a = make_scheduler(instance_id="a", num_gpu_blocks=4000, max_model_len=65536)
+    b = make_scheduler(instance_id="b", num_gpu_blocks=4000, max_model_len=65536)
+    a.add_request(make_request(40_000, max_tokens=4))  # one prompt: ~1.9 s of prefill
+    for _ in range(40):
+        b.add_request(make_request(16, max_tokens=4))  # many requests: ~14 ms in all
+    assert a.predicted_backlog_ms() > 100 * b.predicted_backlog_ms() > 0
+    router = Router()
+    assert router.count_load(a) < router.count_load(b)  # by counts, a looks idle
+    assert router.pick([a, b], make_request(300)) == 1
+    # Prefix overlap still comes first while the backlogs are close.
+    prefix = list(range(700, 700 + 512))
+    c = make_scheduler(instance_id="c")
+    warm = make_request([*prefix, 1], max_tokens=1)
+    c.add_request(warm)
+    while not warm.is_finished:
+        step(c)
+    d = make_scheduler(instance_id="d")
+    d.add_request(make_request(16, max_tokens=4))
+    assert router.pick([d, c], make_request([*prefix, 2])) == 1

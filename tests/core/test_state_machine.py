@@ -196,7 +196,18 @@ class Harness:
     # ---- what a front end does -----------------------------------------------------------
     def add(self, prompt: list[int], max_tokens: int, priority: int = 0) -> None:
         req_id = f"r{len(self.requests)}"
-        req = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens), priority=priority)
+        n = len(self.requests)
+        # Tenants and deadlines vary (the clock ticks 1 s per read: own deadlines of a few ms
+        # pass at once, the implicit 8 s one a few steps later): the slo queue's classes,
+        # tenants and aging all get exercised; fcfs and priority ignore the tenant.
+        req = Request(
+            req_id,
+            prompt,
+            SamplingParams(max_tokens=max_tokens),
+            priority=priority,
+            ttft_deadline_ms=float((n * 7) % 5 * 3),
+            tenant=f"t{n % 3}",
+        )
         self.scheduler.add_request(req)
         self.requests[req_id] = req
         self.prompts[req_id] = prompt
@@ -340,7 +351,7 @@ setups = st.builds(
     num_blocks=st.one_of(st.integers(12, 20), st.integers(12, 40)),
     max_num_seqs=st.integers(1, 6),
     spec_k=st.sampled_from([0, 2]),
-    policy=st.sampled_from(["fcfs", "priority"]),
+    policy=st.sampled_from(["fcfs", "priority", "slo"]),
     priority_preemption=st.booleans(),
     max_preemptions=st.sampled_from([0, 0, 2]),
     max_num_batched_tokens=st.sampled_from([8, 16, 32]),
@@ -436,8 +447,9 @@ test_scheduler_state_machine = SchedulerMachine.TestCase
             prealloc_blocks=2,
             eos_every=6,
         ),
+        Setup(num_blocks=16, max_num_seqs=4, policy="slo", eos_every=6),
     ],
-    ids=["fcfs", "priority-spec"],
+    ids=["fcfs", "priority-spec", "slo"],
 )
 def test_fixed_seed_long_run(setup: Setup) -> None:
     """~2000 steps of the same loop with a fixed seed: a regression net that needs no search."""

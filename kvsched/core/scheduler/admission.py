@@ -24,8 +24,9 @@ from kvsched.core.config import Role
 from kvsched.core.errors import CapacityExceeded
 from kvsched.core.protocol import Chunk, Extension, FinishReason, Tasks
 from kvsched.core.request import Request, RequestStatus
+from kvsched.core.scheduler.deadlines import Deadlines
 from kvsched.core.scheduler.preemption import Preemption
-from kvsched.core.scheduler.step_plan import PIPELINE_DEPTH, StepPlan
+from kvsched.core.scheduler.step_plan import PIPELINE_DEPTH
 from kvsched.core.scheduler.validation import validate
 
 
@@ -50,7 +51,7 @@ def _prefill_left(req: Request) -> int:
     return req.num_prefill_tokens - req.num_computed_tokens
 
 
-class Admission(Preemption, StepPlan):
+class Admission(Preemption, Deadlines):
     """New requests in, and the step's pieces that spend a `StepBudget`."""
 
     def add_request(self, req: Request) -> None:
@@ -65,6 +66,7 @@ class Admission(Preemption, StepPlan):
         req.status = RequestStatus.WAITING
         if req.arrival_time == 0.0:
             req.arrival_time = self.clock()
+        self._check_deadline(req)  # may shed it (CapacityExceeded) or demote it
         self.requests[req.req_id] = req
         self.waiting.push(req)
 
@@ -127,9 +129,11 @@ class Admission(Preemption, StepPlan):
             # seconds. The oldest prompt keeps the floor chunk: none starves.
             budget.floor_for = oldest = continuing[0]
             self._reserve_floor(oldest, budget)
-            continuing.sort(key=_prefill_left)
+            # Ordered by class, then overdue prompts by deadline, then least left (deadlines).
+            continuing = self.prefill_order(continuing)
             if self.waiting and not budget.preempted:
-                self._admit(tasks, budget, max_prompt=_prefill_left(continuing[0]) - 1)
+                shortest = min(map(_prefill_left, continuing))
+                self._admit(tasks, budget, max_prompt=shortest - 1)
         for req in continuing:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
@@ -182,6 +186,7 @@ class Admission(Preemption, StepPlan):
                     break
                 continue
             self.waiting.pop()
+            self._on_admitted(req, num_hit)
             new = self.kv.allocate_slots(req, target, hits)
             assert new is not None
             self._prefill_debt += self._full_blocks(req, req.num_tokens) - len(req.block_ids)
@@ -290,3 +295,4 @@ class Admission(Preemption, StepPlan):
             del self.prefilling[req.req_id]
             self.num_decoding += 1
             self._set_check_at(req)
+        self._on_chunk(req, start, n)

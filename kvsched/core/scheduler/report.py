@@ -23,9 +23,9 @@ from kvsched.core.config import EngineConfig
 from kvsched.core.errors import ProtocolError
 from kvsched.core.protocol import Extension, FinishReason, StepReport
 from kvsched.core.request import Request, RequestStatus
+from kvsched.core.scheduler.deadlines import Deadlines
 from kvsched.core.scheduler.events import DecodeColumn, Events, RowTokens
 from kvsched.core.scheduler.roles import Roles
-from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.slots import RING, RING_SHIFT
 
 
@@ -45,7 +45,7 @@ class _Columns:
     fins: np.ndarray | None = None  # finish reasons; None: no row finished
 
 
-class Reports(Roles, StepPlan):
+class Reports(Roles, Deadlines):
     """apply_report and its parts (owns the last report's step and applied seq)."""
 
     def __init__(
@@ -242,6 +242,7 @@ class Reports(Roles, StepPlan):
                 f"table holds {capacity}"
             )
         self.kv.cache_reported(req)
+        self._charge_output(req)
         if finish_reason:
             self._finish(req, FinishReason(finish_reason))
             return

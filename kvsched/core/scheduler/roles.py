@@ -31,6 +31,8 @@ class Roles(Placements):
             src.lora_name,
             src.cache_salt,
             list(src.mm_ranges),
+            src.ttft_deadline_ms,
+            src.tenant,
         )
         req.num_prefill_tokens = req.num_tokens
         target = self._alloc_target(req, req.num_tokens)

@@ -43,6 +43,13 @@ def validate(req: Request, config: EngineConfig, live: Container[str], num_block
         raise InvalidRequest(f"request {rid!r}: token ids must be in [0, 2^31)")
     if req.priority < 0 and sc.policy == QueuePolicy.PRIORITY:
         raise InvalidRequest(f"request {rid!r}: priority = {req.priority} must be >= 0")
+    if not 0 <= req.ttft_deadline_ms <= 3.6e6:
+        raise InvalidRequest(
+            f"request {rid!r}: ttft_deadline_ms = {req.ttft_deadline_ms:g} must be in "
+            "[0, 3600000] (0: none)"
+        )
+    if len(req.tenant.encode()) > 128:
+        raise InvalidRequest(f"request {rid!r}: tenant is longer than 128 bytes")
     block_size = config.cache.block_size
     need_blocks = -(-(n + 1) // block_size)
     if need_blocks > num_blocks:

@@ -1,0 +1,186 @@
+"""TTFT deadlines, tenants' served tokens and shedding (scheduling rule 12 in
+docs/ARCHITECTURE.md).
+
+- A request's deadline is absolute on the scheduler's clock: arrival + its `ttft_deadline_ms`,
+  or + `fairness.default_ttft_deadline_ms` when it names none (an implicit deadline: such
+  requests age and keep arrival order among themselves).
+- Queued work is kept in predicted milliseconds of prefill (the step-cost model's prefill
+  terms over the tokens not cached): `queued_ms` of each waiting request (the queue sums
+  them) and `_prefill_backlog_ms` of the prompts admitted and not fully sent. The router reads
+  the sum (`queued_prefill_ms`), shedding the part ahead of a new request.
+- Shedding (`fairness.shed`): a request with a deadline of its own whose predicted time to
+  first token (prefill queued ahead of it in its class and above, plus its own, stretched by
+  the share of each step the decodes leave to prefill) passes its deadline is rejected with
+  CapacityExceeded before anything changes ("shed"), or queued in a lower class ("demote").
+- Order of the admitted prompts while the time target binds (`prefill_order`): priority
+  class; then prompts whose deadline has passed, earliest first (aging: a long prompt is not
+  overtaken by shorter ones for ever); then the least prefill left.
+- Served tokens per tenant (`kvsched.core.fairness.TenantCounters`): prompt tokens when their
+  chunk is sent, output tokens on the report visits of a request and when it leaves its slot.
+
+A part of the scheduler like the others (see scheduler.py); imports `step_plan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvsched.core.config import EngineConfig, QueuePolicy, ShedPolicy
+from kvsched.core.errors import CapacityExceeded
+from kvsched.core.fairness import TenantCounters, make_queue
+from kvsched.core.request import Request
+from kvsched.core.scheduler.step_plan import StepPlan
+
+# Below this share of a step left to prefill by the decodes, the wait is predicted at it
+# (the min_prefill_chunk floor keeps prompts moving however full the decodes are).
+_MIN_PREFILL_SHARE = 0.1
+
+
+class Deadlines(StepPlan):
+    """Owns the tenants' counters, the prefill backlog and the shedding decision."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = lambda: 0.0,
+        instance_id: str = "",
+        first_handle: int = 0,
+    ) -> None:
+        super().__init__(config, clock, instance_id, first_handle)
+        self.tenants = TenantCounters(self.config.fairness)
+        self.waiting = make_queue(self.config.scheduler.policy, self.tenants)
+        self._prefill_backlog_ms = 0.0  # predicted prefill ms of admitted prompts not yet sent
+        self.num_shed = 0
+        self.num_demoted = 0
+
+    # ==== predictions =========================================================================
+    def _prefill_ms(self, start: int, end: int) -> float:
+        """Predicted GPU milliseconds of prefill positions [start, end) in chunks: the token
+        term plus the attention term summed over the chunks, ~ (end^2 - start^2) / 2."""
+        if end <= start:
+            return 0.0
+        a_tok, a_attn = self.cost.prefill_costs
+        return a_tok * (end - start) + a_attn * (end * end - start * start) / 2
+
+    @property
+    def queued_prefill_ms(self) -> float:
+        """Predicted prefill milliseconds queued on this instance (waiting + being prefilled)."""
+        return self.waiting.queued_ms + self._prefill_backlog_ms
+
+    def predicted_backlog_ms(self) -> float:
+        """Predicted milliseconds until this instance has sent every queued prompt's prefill:
+        the queued prefill at the share of each step the decodes leave it (for routing)."""
+        return self.queued_prefill_ms / self._prefill_share()
+
+    def predicted_prefill_ms(self, req: Request, num_hit: int) -> float:
+        """Predicted prefill milliseconds of req's prompt here with num_hit tokens cached."""
+        return self._prefill_ms(min(num_hit, req.num_tokens - 1), req.num_tokens)
+
+    def _prefill_share(self) -> float:
+        """The share of a worker step the decodes leave to prefill under the time target."""
+        target = self.itl_target_ms
+        d = self.num_decoding
+        if target <= 0 or d <= 0:
+            return 1.0
+        decode_ms = self.cost.predict_ms(d * self._spec_k, d, self._decode_ctx, 0)
+        return max(_MIN_PREFILL_SHARE, 1.0 - decode_ms / target)
+
+    def predicted_wait_ms(self, req: Request) -> float:
+        """Predicted milliseconds from now to req's first token if it were queued now."""
+        ahead = self.waiting.ms_ahead(req) + self._prefill_backlog_ms
+        return (ahead + req.queued_ms) / self._prefill_share()
+
+    def prefix_hit_tokens(self, req: Request) -> int:
+        """Tokens of req's prompt this instance holds cached now (for routing); no side effects."""
+        if not self.kv.enable_caching:
+            return 0
+        self.kv.ensure_hashes(req, (req.num_tokens - 1) // self.block_size)
+        lookup = self.kv.pool.cached.get
+        n = 0
+        for h in req.block_hashes:
+            if lookup(h) is None:
+                break
+            n += 1
+        return n * self.block_size
+
+    # ==== admission's side ====================================================================
+    def _check_deadline(self, req: Request) -> None:
+        """A new request (validated, arrival set): its deadline, its queued work, and the shed
+        policy. Raises CapacityExceeded (state unchanged) when it is shed."""
+        fc = self.config.fairness
+        own = req.ttft_deadline_ms
+        req.deadline = req.arrival_time + (own or fc.default_ttft_deadline_ms) / 1e3
+        hit = self.prefix_hit_tokens(req) if self.kv.enable_caching else 0
+        req.queued_ms = self._prefill_ms(min(hit, req.num_tokens - 1), req.num_tokens)
+        if not own or fc.shed == ShedPolicy.OFF:
+            return
+        wait_ms = self.predicted_wait_ms(req)
+        left_ms = (req.deadline - self.clock()) * 1e3
+        if wait_ms <= left_ms:
+            return
+        shed = self.tenants.shed
+        shed[req.tenant] = shed.get(req.tenant, 0) + 1
+        if fc.shed == ShedPolicy.SHED:
+            self.num_shed += 1
+            raise CapacityExceeded(
+                f"request {req.req_id!r}: predicted time to first token {wait_ms:,.0f} ms "
+                f"(prefill queued ahead on instance {self.instance_id or '-'}) exceeds its "
+                f"ttft_deadline_ms {own:,.0f}; retry later, elsewhere, or with a later deadline"
+            )
+        req.demoted = True
+        self.num_demoted += 1
+
+    def _on_admitted(self, req: Request, num_hit: int) -> None:
+        """req left the queue for a slot, num_hit prompt tokens cached: its prefill is now
+        the instance's backlog."""
+        req.queued_ms = self._prefill_ms(num_hit, req.num_tokens)
+        self._prefill_backlog_ms += req.queued_ms
+
+    def _on_chunk(self, req: Request, start: int, n: int) -> None:
+        """A chunk of n prompt tokens from `start` was sent: charge its tenant, shrink the
+        backlog."""
+        self.tenants.charge(req.tenant, n)
+        done = req.num_computed_tokens >= req.num_prefill_tokens
+        ms = req.queued_ms if done else min(req.queued_ms, self._prefill_ms(start, start + n))
+        req.queued_ms -= ms
+        left = self._prefill_backlog_ms - ms
+        self._prefill_backlog_ms = max(0.0, left) if self.prefilling else 0.0
+
+    def _charge_output(self, req: Request) -> None:
+        """Charge req's tenant for the output tokens reported since the last charge."""
+        n = len(req.output_token_ids) - req.charged_output
+        if n > 0:
+            req.charged_output += n
+            self.tenants.charge(req.tenant, 0, n)
+
+    def _release(self, req: Request) -> None:
+        if req.req_id in self.prefilling:
+            self._prefill_backlog_ms = max(0.0, self._prefill_backlog_ms - req.queued_ms)
+        req.queued_ms = 0.0  # requeued after a preempt: counted as no queued work
+        self._charge_output(req)
+        super()._release(req)
+
+    def prefill_order(self, continuing: list[Request]) -> list[Request]:
+        """The admitted prompts in the order their next chunks are sized while the time
+        target binds: class; then (under the `slo` policy) the tenant with the fewest weighted
+        served tokens, as for admission; then prompts with a deadline of their own not yet
+        passed, earliest first; then prompts past their implicit deadline, earliest first
+        (aging: a long prompt is not overtaken by shorter ones for ever); then the least
+        prefill left. A prompt past a deadline of its own has missed it: it goes by prefill
+        left, behind those that can still make theirs."""
+        now = self.clock()
+        policy = self.config.scheduler.policy
+        fcfs, slo = policy == QueuePolicy.FCFS, policy == QueuePolicy.SLO
+        counter = self.tenants.counter
+
+        def key(r: Request) -> tuple[bool, int, float, int, float]:
+            cls = 0 if fcfs else r.priority
+            share = counter(r.tenant) if slo else 0.0
+            if r.deadline > now:
+                if r.ttft_deadline_ms:
+                    return (r.demoted, cls, share, 0, r.deadline)
+            elif not r.ttft_deadline_ms:
+                return (r.demoted, cls, share, 1, r.deadline)
+            return (r.demoted, cls, share, 2, r.num_prefill_tokens - r.num_computed_tokens)
+
+        return sorted(continuing, key=key)
