@@ -71,6 +71,16 @@ class Reports(Roles, StepPlan):
         ProtocolError (state unchanged) for reports that break the protocol. Returns the events
         since the last call (including those of schedule() and abort())."""
         cols = self._check_report(report)
+        host, self._step_swaps = self.kv.host, 0
+        if host is not None and report.applied_seq > self._last_applied_seq:
+            # The copies of every message up to applied_seq are done (or named as failed).
+            host.acknowledge(report.applied_seq, report.failed_swap_outs, report.failed_swap_ins)
+            self._step_swaps = host.swapped_last_ack
+            for h in report.failed_swap_ins:  # its swapped-in KV is not there: recompute
+                req = self.live.get(int(h))
+                if req is not None and req.status == RequestStatus.RUNNING:
+                    self._preempt(req)
+            cols.match, cols.all_match = None, False  # slots may have been freed
         # The step's terms and measured time into the cost model, and the chunks it ran off
         # the outstanding ones (step_plan), before any row changes the slots.
         single = report.step == self._last_step + 1 or self._last_step < 0
@@ -334,7 +344,7 @@ class Reports(Roles, StepPlan):
                 self._check_handles(h[~match])
         elif len(toks):
             raise ProtocolError("report token_ids length != sum(num_new_tokens)")
-        for col in (report.acked, report.paused, report.failed):
+        for col in (report.acked, report.paused, report.failed, report.failed_swap_ins):
             if len(col):
                 self._check_handles(col)
         cols.fins = fin

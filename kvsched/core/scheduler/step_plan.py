@@ -90,6 +90,9 @@ class StepPlan(Placements):
         # the prompts it completed), what the next steps start from.
         self._decode_ctx = 0
         self.last_step_terms: tuple[int, int, int, int] = (0, 0, 0, 0)
+        # Host tier copies done at the boundary of the step being reported (the report path
+        # sets it from the copies it acknowledges): the model's swapped-blocks term.
+        self._step_swaps = 0
 
     def _step_cost_view(self) -> dict[str, Any]:
         """The model's figures for `SchedulerSnapshot` (read only: learning does not depend on
@@ -228,7 +231,8 @@ class StepPlan(Placements):
         self._decode_ctx = ctx + completed_ctx
         self.last_step_terms = (prefill, decodes, ctx, attn)
         if report.step_time_ns > 0:
-            self.cost.observe(prefill, decodes, ctx, attn, 0, report.step_time_ns / 1e6)
+            swaps = self._step_swaps
+            self.cost.observe(prefill, decodes, ctx, attn, swaps, report.step_time_ns / 1e6)
 
     def _shrink(self, h: int, rec: Outstanding, applied_seq: int) -> None:
         """Recompute a record's largest chunks after a report (some ran, the oldest may be
