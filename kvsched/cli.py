@@ -67,6 +67,12 @@ def _add_worker(sub: Any) -> None:
     p.add_argument("--speed", type=float, default=1.0, help="sim: step time divided by this")
     p.add_argument("--zero-cost", action="store_true", help="sim: steps take no time")
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the pool")
+    p.add_argument(
+        "--host-blocks", type=int, default=0, help="KV blocks of the host-memory tier (0: none)"
+    )
+    p.add_argument(
+        "--pcie-gbps", type=float, default=50.0, help="sim: host tier copy bandwidth, GB/s"
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-slots", type=int, default=256, help="concurrent requests")
     p.add_argument("--seed", type=int, default=0)
