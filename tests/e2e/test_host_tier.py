@@ -33,6 +33,19 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+def seed_costs(executor: Any) -> None:
+    """Report every step as untimed: the daemon's step-cost model keeps its seed, so whether a
+    host hit is swapped in or recomputed does not depend on how loaded this machine is."""
+    real = executor.execute
+
+    def execute(work: Any) -> Any:
+        result = real(work)
+        result.step_time_s = 0.0
+        return result
+
+    executor.execute = execute
+
+
 def assert_exact(results: list[Result]) -> None:
     for r in results:
         assert r.finished is not None and r.tokens == r.expected, (
@@ -84,7 +97,9 @@ def test_prefixes_leave_the_gpu_and_come_back_from_a_small_host_tier(
     engine = {"cache.host_write_policy": policy}
 
     async def go() -> tuple[list[Result], apb.InstanceStatus, list[Tasks]]:
-        async with model_daemon(nodes, backend=backend, engine=engine) as h:
+        async with model_daemon(
+            nodes, backend=backend, engine=engine, patch_executor=seed_costs
+        ) as h:
             results = await run_conversations(h, conversations(6, seed=1))
             await h.wait_pool_free()
             return results, await h.status("i0"), h.applied["i0"]
@@ -120,7 +135,9 @@ def test_preemptions_and_resets_while_swaps_are_in_flight(backend: str) -> None:
     convs = conversations(8, seed=2)
 
     async def go() -> tuple[list[Result], apb.InstanceStatus]:
-        async with model_daemon(nodes, backend=backend, engine=engine) as h:
+        async with model_daemon(
+            nodes, backend=backend, engine=engine, patch_executor=seed_costs
+        ) as h:
             first = await asyncio.gather(  # 52-token prompts growing to 92: preemptions
                 *(h.generate(f"a{c}", turns[0], 40) for c, turns in enumerate(convs))
             )
@@ -163,6 +180,7 @@ def test_failed_swap_ins_recompute_to_the_same_tokens() -> None:
                 raise RuntimeError("injected swap-in failure")
             real(host_ids, gpu_ids)
 
+        seed_costs(executor)
         executor.swap_in = swap_in
 
     async def go() -> tuple[list[Result], apb.InstanceStatus]:
@@ -184,6 +202,7 @@ def test_skipped_swap_in_is_detected() -> None:
     engine = {"cache.host_write_policy": "write_back"}
 
     def skip(executor: Any) -> None:
+        seed_costs(executor)
         executor.swap_in = lambda host_ids, gpu_ids: None
 
     async def go() -> tuple[list[Result], apb.InstanceStatus]:
