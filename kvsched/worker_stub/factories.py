@@ -39,7 +39,12 @@ def sim_engine_factory(
     Host tier copies cost a block's bytes (the fitted model's, KV_BYTES_PER_TOKEN a token)
     over pcie_gbps GB/s."""
     SimExecutor(
-        gpu=gpu, speed=speed, zero_cost=zero_cost, seed=seed, eos_every=eos_every, pcie_gbps=pcie_gbps
+        gpu=gpu,
+        speed=speed,
+        zero_cost=zero_cost,
+        seed=seed,
+        eos_every=eos_every,
+        pcie_gbps=pcie_gbps,
     )
 
     def build(settings: EngineSettings, kv_sender: KvSender) -> WorkerEngine:

@@ -64,7 +64,9 @@ class SimExecutor:
         the next step (they are on its critical path)."""
         fit_for(gpu)  # validates the name
         if block_bytes < 0 or pcie_gbps <= 0:
-            raise ValueError(f"need block_bytes >= 0 and pcie_gbps > 0, got {block_bytes}, {pcie_gbps}")
+            raise ValueError(
+                f"need block_bytes >= 0 and pcie_gbps > 0, got {block_bytes}, {pcie_gbps}"
+            )
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
         if vocab_size < 2 or not 0 <= eos_token_id < vocab_size:

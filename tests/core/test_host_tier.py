@@ -46,9 +46,9 @@ def work(
         end = c.start + len(c.token_ids)
         rows.append((c.handle, end, [7] if end >= req.num_prefill_tokens else []))
     for req in list(s.running.values()):
-        if req.handle not in chunked and req.is_prefill_done and req.handle not in skip:
-            if req.num_tokens <= len(req.block_ids) * s.block_size:
-                rows.append((req.handle, req.num_tokens, [7]))
+        runs = req.handle not in chunked and req.is_prefill_done and req.handle not in skip
+        if runs and req.num_tokens <= len(req.block_ids) * s.block_size:
+            rows.append((req.handle, req.num_tokens, [7]))
     s.apply_report(
         StepReport(
             step=s.last_report_step + 1,

@@ -337,7 +337,7 @@ class Harness:
                 want = self.sim.chain(req_id, i * BLOCK + j)
                 assert self.sim.kv.get(where) == want, f"block {block}: cached KV is not its hash"
         host = self.scheduler.kv.host
-        for h, hb in (host.pool.cached.items() if host is not None else ()):
+        for h, hb in host.pool.cached.items() if host is not None else ():
             req_id, i = self._hash_owner[h]
             for j in range(BLOCK):
                 want = self.sim.chain(req_id, i * BLOCK + j)

@@ -8,7 +8,8 @@ These loops are tuned (see docs/BENCHMARKS.md, `python -m bench.core_step --brea
 their locals bound and add no attribute hop per row.
 
 Imported by the scheduler facade only; imports `roles` (the hand-off) and through it
-`placement`, `step_plan` (the step-cost model learns from every report) and `events`.
+`placement`, `preemption` (a request whose swap-in failed is preempted: it recomputes),
+`step_plan` (the step-cost model learns from every report) and `events`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvsched.core.errors import ProtocolError
 from kvsched.core.protocol import Extension, FinishReason, StepReport
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.events import DecodeColumn, Events, RowTokens
+from kvsched.core.scheduler.preemption import Preemption
 from kvsched.core.scheduler.roles import Roles
 from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.slots import RING, RING_SHIFT
@@ -45,7 +47,7 @@ class _Columns:
     fins: np.ndarray | None = None  # finish reasons; None: no row finished
 
 
-class Reports(Roles, StepPlan):
+class Reports(Roles, Preemption, StepPlan):
     """apply_report and its parts (owns the last report's step and applied seq)."""
 
     def __init__(

@@ -23,6 +23,8 @@ Imported by `kvsched.core.scheduler` (the package) only; imports the parts.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvsched.core.errors import RequestNotFound
 from kvsched.core.protocol import FinishReason, Tasks
 from kvsched.core.request import Request, RequestStatus
@@ -174,7 +176,7 @@ class Scheduler(Reports, Admission):
             **self._host_view(),
         )
 
-    def _host_view(self) -> dict[str, int | float]:
+    def _host_view(self) -> dict[str, Any]:
         kv, host = self.kv, self.kv.host
         if host is None:
             return {}

@@ -30,8 +30,12 @@ class HostKvPool:
         self._fills += 1
         rng = np.random.default_rng([c.seed, 0x4B57, self._fills])
         shape = (self.num_blocks * self.block_size, c.num_kv_heads, c.head_dim)
-        self.k = [(rng.standard_normal(shape) * _NOISE_STD).astype(c.dtype) for _ in range(c.num_layers)]
-        self.v = [(rng.standard_normal(shape) * _NOISE_STD).astype(c.dtype) for _ in range(c.num_layers)]
+        self.k = [
+            (rng.standard_normal(shape) * _NOISE_STD).astype(c.dtype) for _ in range(c.num_layers)
+        ]
+        self.v = [
+            (rng.standard_normal(shape) * _NOISE_STD).astype(c.dtype) for _ in range(c.num_layers)
+        ]
 
     def _slots(self, host_ids: list[int]) -> np.ndarray:
         ids = np.asarray(host_ids, dtype=np.int64)
