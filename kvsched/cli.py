@@ -53,6 +53,12 @@ def _add_serve(sub: Any) -> None:
         help="time budget of a worker step while requests decode, every instance "
         "(engine.scheduler.itl_target_ms; default 100; 0: off)",
     )
+    p.add_argument(
+        "--host-write-policy",
+        choices=("write_through", "write_through_selective", "write_back"),
+        help="when KV blocks are copied to a worker's host tier, every instance "
+        "(engine.cache.host_write_policy; default write_through_selective)",
+    )
     p.set_defaults(func=_serve)
 
 
@@ -164,6 +170,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
     }
     overrides["engine.scheduler.itl_target_ms"] = args.itl_target_ms
+    overrides["engine.cache.host_write_policy"] = args.host_write_policy
     config = load_config(args.config, os.environ, overrides)
     setup_logging(config.log_level, config.log_json)
     from kvsched.server.app import run_server
