@@ -109,6 +109,7 @@ class Placements:
             self.kv.record_lookup(req.num_tokens, num_hit, num_swapped)
             self.stats.num_prompt_tokens += len(req.prompt_token_ids)
             if num_swapped:
+                req.num_host_cached_tokens = num_swapped
                 self.events.host_hits.append(req)
         req.status = RequestStatus.RUNNING
         req.slot = self.free_slots.pop()
