@@ -112,11 +112,19 @@ class HostTier:
 
     def copy_out(self, gpu_block: int, h: bytes) -> None:
         """Queue a copy of GPU block `gpu_block` (content `h`) into a host block, unless the
-        host tier has that content or a copy of it is under way. The host block comes from the
-        host LRU (evicting what it held); when every host block is pinned the copy is skipped."""
-        if h in self._copying or h in self.pool.cached:
+        host tier has that content (then it becomes the host LRU's youngest: it was just in use)
+        or a copy of it is under way. The host block comes from the host LRU (evicting what it
+        held); when every host block is pinned the copy is skipped."""
+        pool = self.pool
+        held = pool.cached.get(h)
+        if held is not None:
+            if pool.ref_cnt[held] == 0:
+                pool.touch([held])
+                pool.free([held])
             return
-        got = self.pool.allocate(1)
+        if h in self._copying:
+            return
+        got = pool.allocate(1)
         if got is None:
             self.stats.swap_outs_skipped += 1
             return
