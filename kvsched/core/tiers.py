@@ -72,6 +72,7 @@ class HostTier:
         self._epoch = 0  # reset() count: a swap-out sent before a reset registers nothing
         self.swapped_last_ack = 0  # copies the last acknowledged messages carried (step cost)
         self._pending_record = _Sent(0)  # what `take` handed out, until `sent` numbers it
+        self._outs_avg = 0.0  # swap-outs per message taken (moving average, for planning)
 
     # ---- the index ---------------------------------------------------------------------------
     def lookup(self, h: bytes) -> int | None:
@@ -161,6 +162,7 @@ class HostTier:
             0, [(hb, h) for _, hb, h in self._outs], [(hnd, hb) for hnd, hb, _ in ins], self._epoch
         )
         self._outs, self._ins = [], []
+        self._outs_avg += 0.1 * (len(outs) - self._outs_avg)
         self.stats.swap_outs += len(outs)
         self.stats.swap_ins += len(ins)
         return outs, ins
@@ -175,6 +177,13 @@ class HostTier:
 
     def has_queued(self) -> bool:
         return bool(self._outs or self._ins)
+
+    @property
+    def num_queued(self) -> int:
+        """Copies the next message is expected to carry (they run at its step boundary): those
+        queued now, or, when more, the recent average of swap-outs per message (write_back
+        decides its copies while the step allocates, after its time is planned)."""
+        return max(len(self._outs), round(self._outs_avg)) + len(self._ins)
 
     def acknowledge(
         self, applied_seq: int, failed_outs: list[int], failed_in_handles: list[int]

@@ -122,8 +122,10 @@ class StepPlan(Placements):
             return float("inf")
         d = self.num_decoding
         ctx = self._decode_ctx + self._out_final_ctx + LOOKAHEAD_STEPS * d
+        host = self.kv.host  # copies queued for this message run at the step's boundary
+        copies = host.num_queued if host is not None else 0
         return self.itl_target_ms - self.cost.predict_ms(
-            self._out_tokens + d * self._spec_k, d, ctx, self._out_attn
+            self._out_tokens + d * self._spec_k, d, ctx, self._out_attn, copies
         )
 
     def _fit_time(self, start: int, n: int, own_tokens: int, own_attn: int, slack: float) -> int:
