@@ -183,7 +183,10 @@ class HostTier:
         """Copies the next message is expected to carry (they run at its step boundary): those
         queued now, or, when more, the recent average of swap-outs per message (write_back
         decides its copies while the step allocates, after its time is planned)."""
-        return max(len(self._outs), round(self._outs_avg)) + len(self._ins)
+        outs = len(self._outs)
+        if self.policy is WritePolicy.WRITE_BACK:
+            outs = max(outs, round(self._outs_avg))
+        return outs + len(self._ins)
 
     def acknowledge(
         self, applied_seq: int, failed_outs: list[int], failed_in_handles: list[int]

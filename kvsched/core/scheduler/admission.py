@@ -170,9 +170,6 @@ class Admission(Preemption, StepPlan):
                 num_hit = (len(hits) + len(host_hits)) * self.block_size
             if max_prompt >= 0 and req.num_tokens - num_hit > max_prompt:
                 break
-            if host_hits and self._slack_bound(budget):  # its swap-ins run in the same step
-                assert budget.slack_ms is not None
-                budget.slack_ms -= self.cost.swap_block_ms * len(host_hits)
             n = self._chunk_size(req, num_hit, budget, num_prefill=req.num_tokens)
             if n <= 0:
                 break
