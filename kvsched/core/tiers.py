@@ -65,7 +65,9 @@ class HostTier:
         # write_through_selective: GPU hits of each GPU block since it was registered.
         selective = self.policy is WritePolicy.WRITE_THROUGH_SELECTIVE
         self._gpu_hits = [0] * num_gpu_blocks if selective else []
-        self._outs: list[tuple[int, int, bytes]] = []  # queued swap-outs (gpu, host, hash)
+        # Queued swap-outs (gpu block, hash); their host blocks are taken when the message is
+        # sealed (`take`: one allocation for all of them).
+        self._outs: list[tuple[int, bytes]] = []
         self._ins: list[tuple[int, int, int]] = []  # queued swap-ins (handle, host, gpu)
         self._copying: set[bytes] = set()  # hashes with a swap-out queued or in flight
         self._sent: collections.deque[_Sent] = collections.deque()
@@ -125,12 +127,8 @@ class HostTier:
             return
         if h in self._copying:
             return
-        got = pool.allocate(1)
-        if got is None:
-            self.stats.swap_outs_skipped += 1
-            return
         self._copying.add(h)
-        self._outs.append((gpu_block, got[0], h))
+        self._outs.append((gpu_block, h))
 
     # ---- swap-ins ----------------------------------------------------------------------------
     def pin(self, host_blocks: list[int]) -> None:
@@ -151,15 +149,30 @@ class HostTier:
     ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
         """The queued copies for the Tasks message being sealed: swap-outs (gpu, host) and
         swap-ins (handle, host, gpu). Swap-ins of handles the same message drops are not sent
-        (their pins are released now). Call `sent(seq)` once the message is numbered."""
-        outs = [(g, hb) for g, hb, _ in self._outs]
+        (their pins are released now). Swap-outs get their host blocks now, from the host
+        LRU (evicting what those held); those for which every host block is pinned are skipped.
+        Call `sent(seq)` once the message is numbered."""
+        want = self._outs
+        pool = self.pool
+        n = min(len(want), pool.num_free)
+        if n < len(want):
+            self.stats.swap_outs_skipped += len(want) - n
+            for _, h in want[n:]:
+                self._copying.discard(h)
+            want = want[:n]
+        hosts = pool.allocate(n) if n else []
+        assert hosts is not None
+        outs = [(g, hb) for (g, _), hb in zip(want, hosts, strict=True)]
         ins = self._ins
         if dropped_handles and ins:
             keep = [c for c in ins if c[0] not in dropped_handles]
             self.unpin([hb for hnd, hb, _ in ins if hnd in dropped_handles])
             ins = keep
         self._pending_record = _Sent(
-            0, [(hb, h) for _, hb, h in self._outs], [(hnd, hb) for hnd, hb, _ in ins], self._epoch
+            0,
+            [(hb, h) for hb, (_, h) in zip(hosts, want, strict=True)],
+            [(hnd, hb) for hnd, hb, _ in ins],
+            self._epoch,
         )
         self._outs, self._ins = [], []
         self._outs_avg += 0.1 * (len(outs) - self._outs_avg)
@@ -198,28 +211,32 @@ class HostTier:
         bad_out = set(failed_outs) if failed_outs else ()
         bad_in = set(failed_in_handles) if failed_in_handles else ()
         n = 0
+        copying, cached, block_hash = self._copying, pool.cached, pool.block_hash
         while sent and sent[0].seq <= applied_seq:
             rec = sent.popleft()
             n += len(rec.outs) + len(rec.ins)
+            register = rec.epoch == self._epoch
             for hb, h in rec.outs:
-                self._copying.discard(h)
+                copying.discard(h)
                 if hb in bad_out:
                     self.stats.swap_out_failures += 1
-                elif rec.epoch == self._epoch:
-                    pool.cache_block(hb, h)
-                pool.free([hb])  # its pin: a cached block goes to the LRU's young end
-            for handle, hb in rec.ins:
-                if handle in bad_in:
-                    self.stats.swap_in_failures += 1
-                    pool.forget(hb)  # its content is suspect: never hit again
-                pool.free([hb])
+                elif register and h not in cached:  # (BlockPool.cache_block, inlined)
+                    cached[h] = hb
+                    block_hash[hb] = h
+            # The pins: cached blocks go to the LRU's young end.
+            pool.free([hb for hb, _ in rec.outs])
+            if rec.ins:
+                for handle, hb in rec.ins:
+                    if handle in bad_in:
+                        self.stats.swap_in_failures += 1
+                        pool.forget(hb)  # its content is suspect: never hit again
+                pool.free([hb for _, hb in rec.ins])
         self.swapped_last_ack = n
 
     def reset(self) -> int:
         """Forget every host hash (reset_prefix_cache) and the copies not yet sent; copies in
         flight release their pins on the ack and register nothing. Returns hashes dropped."""
         self._epoch += 1
-        self.unpin([hb for _, hb, _ in self._outs])
         self._outs = []
         self._copying = {h for rec in self._sent for _, h in rec.outs}
         if self._gpu_hits:
@@ -243,7 +260,7 @@ class HostTier:
         """Every host block's ref count equals the copies queued or in flight naming it; a
         block being written holds no hash; the copy set is exactly the swap-outs under way."""
         pins: dict[int, int] = {}
-        writing: list[tuple[int, bytes]] = [(hb, h) for _, hb, h in self._outs]
+        writing: list[tuple[int, bytes]] = []
         reading = [hb for _, hb, _ in self._ins]
         for rec in self._sent:
             writing.extend(rec.outs)
@@ -257,7 +274,7 @@ class HostTier:
             assert pins[hb] == 1, f"host block {hb} written by a copy and pinned otherwise"
             assert self.pool.block_hash[hb] is None, f"host block {hb} cached while written"
         under_way = {h for rec in self._sent if rec.epoch == self._epoch for _, h in rec.outs}
-        under_way |= {h for _, _, h in self._outs}
+        under_way |= {h for _, h in self._outs}
         assert under_way <= self._copying, "a swap-out under way is not in the copy set"
-        live = {h for rec in self._sent for _, h in rec.outs} | {h for _, _, h in self._outs}
+        live = {h for rec in self._sent for _, h in rec.outs} | {h for _, h in self._outs}
         assert self._copying <= live, "the copy set names a hash no copy writes"
