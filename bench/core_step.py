@@ -17,6 +17,7 @@ request's token count each step, which a real worker cannot do, and its reports 
 finish_reasons column, which the reference worker always sends.)
 
     python -m bench.core_step [--steps N] [--quick] [--json PATH] [--vllm-json PATH]
+                              [--host-blocks N [--host-write-policy P]]
 
 --vllm-json takes the file written by vllm_step.py --json and adds its p50 and the ratio.
 """
@@ -55,9 +56,19 @@ DEFAULT_JSON = Path(__file__).parent / "results" / "core_step.json"
 Record = dict[str, Any]
 
 
+# --host-blocks / --host-write-policy: every instance also has a host-memory KV tier (the
+# copies of write_through ride on the decode steps: every block a decode fills is copied out).
+HOST = {"num_host_blocks": 0, "host_write_policy": "write_through"}
+
+
 def build(running: int, waiting: int, seed: int) -> Scheduler:
     config = EngineConfig(
-        cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS),
+        cache=CacheConfig(
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks=NUM_BLOCKS,
+            num_host_blocks=int(HOST["num_host_blocks"]),
+            host_write_policy=HOST["host_write_policy"],  # type: ignore[arg-type]
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=running,
             max_num_batched_tokens=max(8192, running),
@@ -281,7 +292,14 @@ def main() -> None:
     ap.add_argument(
         "--breakdown", action="store_true", help="only: us per step in the main parts, W=0"
     )
+    ap.add_argument("--host-blocks", type=int, default=0, help="a host tier of N blocks")
+    ap.add_argument(
+        "--host-write-policy",
+        default="write_through",
+        choices=("write_through", "write_through_selective", "write_back"),
+    )
     args = ap.parse_args()
+    HOST.update(num_host_blocks=args.host_blocks, host_write_policy=args.host_write_policy)
     steps = 50 if args.quick else args.steps
     if args.breakdown:
         for running in (256, 1024):

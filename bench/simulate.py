@@ -49,7 +49,7 @@ from kvsched.replay.summary import (
     summarize,
 )
 from kvsched.traces import TraceRequest
-from kvsched.worker_stub.costmodel import fit_for, step_time_s
+from kvsched.worker_stub.costmodel import KV_BYTES_PER_TOKEN, fit_for, step_time_s
 from kvsched.worker_stub.engine import WorkerEngine
 from kvsched.worker_stub.executor import SeqWork, StepResult
 from kvsched.worker_stub.sim import SimExecutor, _split_work
@@ -100,6 +100,9 @@ class InstanceStats:
     # kvsched.core.step_cost.FEATURES order), and its last one-step-ahead predicted / measured
     # moving averages (ms). Empty for schedulers without one.
     cost_model: dict[str, Any] = field(default_factory=dict)
+    # The host tier's figures at the end (empty without one): blocks, tokens looked up / hit in
+    # either tier / hit in host memory, blocks copied each way.
+    host: dict[str, Any] = field(default_factory=dict)
 
 
 class MeteredSim(SimExecutor):
@@ -165,7 +168,13 @@ class KvschedInstance:
         self.sched = Scheduler(config, clock=lambda: loop.now, instance_id=f"sim-{index}")
         cc, sc = config.cache, config.scheduler
         self.stats = InstanceStats()
-        executor = MeteredSim(self.stats, gpu=gpu, vocab_size=VOCAB_SIZE, eos_token_id=EOS_TOKEN_ID)
+        executor = MeteredSim(
+            self.stats,
+            gpu=gpu,
+            vocab_size=VOCAB_SIZE,
+            eos_token_id=EOS_TOKEN_ID,
+            block_bytes=KV_BYTES_PER_TOKEN * cc.block_size,  # host tier copies over PCIe
+        )
         self.worker = WorkerEngine(
             executor,
             cc.block_size,
@@ -363,6 +372,7 @@ class SimResult:
             ),
             step_time_s=_dist(sorted(x for st in self.instances for x in st.step_s)),
             cost_models=[st.cost_model for st in self.instances],
+            **_host_summary(self.instances, out["prompt_tokens"]),
             router_us_per_request=(
                 sum(self.router_ns) / len(self.router_ns) / 1e3 if self.router_ns else None
             ),
@@ -376,6 +386,22 @@ def _dist(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p99": None, "max": None}
     return {"p50": percentile(values, 50), "p99": percentile(values, 99), "max": values[-1]}
+
+
+def _host_summary(instances: list[InstanceStats], prompt_tokens: int) -> dict[str, Any]:
+    """num_host_blocks (per instance) and host_hit_rate (prompt tokens swapped in from host
+    memory over prompt tokens, as prefix_hit_rate), and the copies, summed over instances."""
+    hosts = [st.host for st in instances if st.host]
+    if not hosts:
+        return {"num_host_blocks": 0, "host_hit_rate": 0.0}
+    host_hits = sum(h["host_hit_tokens"] for h in hosts)
+    return {
+        "num_host_blocks": hosts[0]["num_host_blocks"],
+        "host_hit_rate": host_hits / prompt_tokens if prompt_tokens else 0.0,
+        "swap_outs": sum(h["swap_outs"] for h in hosts),
+        "swap_ins": sum(h["swap_ins"] for h in hosts),
+        "swap_ins_declined": sum(h["swap_ins_declined"] for h in hosts),
+    }
 
 
 def _pct_us(sorted_ns: list[int], p: float) -> float | None:
@@ -410,6 +436,18 @@ def simulate(
                 "ewma_predicted_ms": cost.ewma_predicted_ms,
                 "ewma_measured_ms": cost.ewma_measured_ms,
                 "steps_learned": cost.num_observed,
+            }
+        sched = getattr(inst, "sched", None)
+        if sched is not None and sched.kv.host is not None:  # the host-memory KV tier
+            snap = sched.snapshot()
+            inst.stats.host = {
+                "num_host_blocks": snap.num_host_blocks,
+                "query_tokens": snap.prefix_cache_query_tokens,
+                "hit_tokens": snap.prefix_cache_hit_tokens,
+                "host_hit_tokens": snap.prefix_cache_host_hit_tokens,
+                "swap_outs": snap.num_swap_outs,
+                "swap_ins": snap.num_swap_ins,
+                "swap_ins_declined": snap.num_swap_ins_declined,
             }
     return SimResult(
         name=cluster.name,

@@ -63,6 +63,12 @@ def _add_serve(sub: Any) -> None:
         choices=("fail", "standalone"),
         help="NATS unreachable at start: fail (default) or run standalone",
     )
+    p.add_argument(
+        "--host-write-policy",
+        choices=("write_through", "write_through_selective", "write_back"),
+        help="when KV blocks are copied to a worker's host tier, every instance "
+        "(engine.cache.host_write_policy; default write_through_selective)",
+    )
     p.set_defaults(func=_serve)
 
 
@@ -96,6 +102,12 @@ def _add_worker(sub: Any) -> None:
     p.add_argument("--speed", type=float, default=1.0, help="sim: step time divided by this")
     p.add_argument("--zero-cost", action="store_true", help="sim: steps take no time")
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the pool")
+    p.add_argument(
+        "--host-blocks", type=int, default=0, help="KV blocks of the host-memory tier (0: none)"
+    )
+    p.add_argument(
+        "--pcie-gbps", type=float, default=50.0, help="sim: host tier copy bandwidth, GB/s"
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-slots", type=int, default=256, help="concurrent requests")
     p.add_argument("--seed", type=int, default=0)
@@ -191,6 +203,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
     }
     overrides["engine.scheduler.itl_target_ms"] = args.itl_target_ms
+    overrides["engine.cache.host_write_policy"] = args.host_write_policy
     config = load_config(args.config, os.environ, overrides)
     setup_logging(config.log_level, config.log_json)
     from kvsched.server.app import run_server

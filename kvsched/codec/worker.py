@@ -125,6 +125,13 @@ def _fill_tasks(pb: worker_service_pb2.Tasks, tasks: core.Tasks) -> None:
         pb.chunks.starts.extend([c.start for c in chunks])
         pb.chunks.num_tokens.extend([len(c.token_ids) for c in chunks])
         pb.chunks.token_ids.extend(chain.from_iterable([c.token_ids for c in chunks]))
+    if tasks.swap_out_gpu:
+        pb.swap_outs.gpu_block_ids.extend(tasks.swap_out_gpu)
+        pb.swap_outs.host_block_ids.extend(tasks.swap_out_host)
+    if tasks.swap_in_gpu:
+        pb.swap_ins.handles.extend(tasks.swap_in_handles)
+        pb.swap_ins.host_block_ids.extend(tasks.swap_in_host)
+        pb.swap_ins.gpu_block_ids.extend(tasks.swap_in_gpu)
     if tasks.kv_sends:
         sends = tasks.kv_sends
         pb.kv_sends.handles.extend([s.handle for s in sends])
@@ -147,6 +154,21 @@ def tasks_from_proto(msg: worker_service_pb2.Tasks) -> core.Tasks:
     if msg.placements:
         tasks.placements = [placement_from_proto(p) for p in msg.placements]
     ext, chk, snd = msg.extensions, msg.chunks, msg.kv_sends
+    outs, ins = msg.swap_outs, msg.swap_ins
+    if outs.gpu_block_ids or outs.host_block_ids:
+        tasks.swap_out_gpu, tasks.swap_out_host = outs.gpu_block_ids[:], outs.host_block_ids[:]
+        _check_parallel(
+            "swap_outs", gpu_block_ids=tasks.swap_out_gpu, host_block_ids=tasks.swap_out_host
+        )
+    if ins.handles or ins.host_block_ids or ins.gpu_block_ids:
+        tasks.swap_in_handles = ins.handles[:]
+        tasks.swap_in_host, tasks.swap_in_gpu = ins.host_block_ids[:], ins.gpu_block_ids[:]
+        _check_parallel(
+            "swap_ins",
+            handles=tasks.swap_in_handles,
+            host_block_ids=tasks.swap_in_host,
+            gpu_block_ids=tasks.swap_in_gpu,
+        )
     if ext.handles or ext.num_block_ids or ext.block_ids:
         handles = ext.handles[:]
         blocks = _split("extensions", handles, ext.num_block_ids[:], "block_ids", ext.block_ids[:])
@@ -230,6 +252,10 @@ def _fill_report(r: worker_service_pb2.StepReport, report: core.StepReport) -> N
         r.paused.extend(report.paused)
     if report.failed:
         r.failed.extend(report.failed)
+    if report.failed_swap_outs:
+        r.failed_swap_outs.extend(report.failed_swap_outs)
+    if report.failed_swap_ins:
+        r.failed_swap_ins.extend(report.failed_swap_ins)
 
 
 def _fill(
@@ -311,4 +337,6 @@ def report_from_proto(pb: worker_service_pb2.StepReport) -> core.StepReport:
         paused=pb.paused[:],
         failed=pb.failed[:],
         step_time_ns=pb.step_time_ns,
+        failed_swap_outs=pb.failed_swap_outs[:],
+        failed_swap_ins=pb.failed_swap_ins[:],
     )

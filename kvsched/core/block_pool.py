@@ -12,6 +12,8 @@ at the head (it has no value). `touch` takes a cached free block back out in O(1
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -29,6 +31,9 @@ class BlockPool:
         self._next[s] = 0 if num_blocks else s
         self._prev[s] = num_blocks - 1 if num_blocks else s
         self.num_free = num_blocks
+        # Called with (block, hash) when `allocate` evicts the block a hash was cached in (the
+        # host tier's write_back policy copies it out); None: nobody listens.
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     # ---- free list primitives -------------------------------------------------------------
     def _unlink(self, b: int) -> None:
@@ -77,6 +82,8 @@ class BlockPool:
                 hashes[b] = None
                 if self.cached.get(h) == b:
                     del self.cached[h]
+                    if self.on_evict is not None:
+                        self.on_evict(b, h)
             out.append(b)
         self.num_free -= num
         return out
@@ -109,6 +116,18 @@ class BlockPool:
         self.cached[block_hash] = block_id
         self.block_hash[block_id] = block_hash
         return True
+
+    def forget(self, block_id: int) -> None:
+        """Drop the hash a block is cached under (a free one moves to the list's head)."""
+        h = self.block_hash[block_id]
+        if h is None:
+            return
+        self.block_hash[block_id] = None
+        if self.cached.get(h) == block_id:
+            del self.cached[h]
+        if self.ref_cnt[block_id] == 0:
+            self._unlink(block_id)
+            self._link_after(self.num_blocks, block_id)
 
     def reset_cache(self) -> int:
         """Forget every cached hash (in-use blocks stay owned). Returns how many were dropped."""

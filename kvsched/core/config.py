@@ -19,6 +19,14 @@ class Role(StrEnum):
     DECODE = "decode"  # receives prefilled requests and decodes them
 
 
+class WritePolicy(StrEnum):
+    """When a GPU block is copied to the host tier (docs/ARCHITECTURE.md, cache tiers)."""
+
+    WRITE_THROUGH = "write_through"  # once it is full and registered
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # once it was hit host_write_hits times
+    WRITE_BACK = "write_back"  # when the GPU pool evicts it
+
+
 class QueuePolicy(StrEnum):
     FCFS = "fcfs"
     PRIORITY = "priority"  # lower value first, then arrival
@@ -55,9 +63,24 @@ class CacheConfig:
     reserve_blocks: int = 0
     reserve_decay: float = 0.0
     reserve_min: int = 0
+    # The host-memory KV tier (kvsched/core/tiers.py): blocks the worker's Hello announces (0:
+    # no tier; the daemon sets it from the Hello like num_gpu_blocks), when blocks are copied
+    # there, and after how many GPU hits under write_through_selective.
+    num_host_blocks: int = 0
+    host_write_policy: WritePolicy = WritePolicy.WRITE_THROUGH_SELECTIVE
+    host_write_hits: int = 1
 
     def validate(self) -> None:
         s = "cache"
+        _check_range(s, "num_host_blocks", self.num_host_blocks, 0, 1 << 31)
+        _check_range(s, "host_write_hits", self.host_write_hits, 1, 1 << 20)
+        try:
+            self.host_write_policy = WritePolicy(self.host_write_policy)
+        except ValueError:
+            raise ConfigError(
+                f"cache.host_write_policy = {self.host_write_policy!r}; expected one of "
+                f"{[p.value for p in WritePolicy]}"
+            ) from None
         _check_range(s, "block_size", self.block_size, 1, 4096)
         _check_range(s, "num_gpu_blocks", self.num_gpu_blocks, 1, 1 << 31)
         _check_range(s, "prealloc_blocks", self.prealloc_blocks, 1, 1024)
@@ -134,7 +157,9 @@ class StepCostConfig:
     per_decode_ms: float = 0.0211
     per_decode_context_ms: float = 4.9e-5
     per_attention_ms: float = 1.8e-6  # per unit of sum over chunks of c * (c + prefix)
-    per_swapped_block_ms: float = 0.0  # no worker swaps KV yet
+    # One block copied between host and GPU memory: a 16-token Llama-3-8B block is 2 MiB, ~0.04
+    # ms at ~50 GB/s of PCIe (learned from the steps that swap, like the other terms).
+    per_swapped_block_ms: float = 0.04
     # Weight of the past per measured step, (0, 1]: 0.999 remembers ~1,000 steps; 1 never forgets.
     forgetting: float = 0.999
 

@@ -18,7 +18,9 @@ import hashlib
 import struct
 
 from kvsched.core.block_pool import BlockPool
+from kvsched.core.config import WritePolicy
 from kvsched.core.request import Request
+from kvsched.core.tiers import HostTier
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -26,10 +28,26 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        enable_caching: bool = True,
+        num_host_blocks: int = 0,
+        host_write_policy: WritePolicy = WritePolicy.WRITE_THROUGH_SELECTIVE,
+        host_write_hits: int = 1,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        # The host tier (none without host blocks or prefix caching: then nothing changes).
+        self.host: HostTier | None = None
+        self._on_registered = None
+        if num_host_blocks and enable_caching:
+            self.host = HostTier(num_host_blocks, num_blocks, host_write_policy, host_write_hits)
+            self.pool.on_evict = self.host.on_evicted
+            self._on_registered = self.host.on_registered
+        self.num_host_hits = 0  # prefix-cache hit tokens that came from the host tier
         # Only full blocks are hashed: one precompiled packer (faster than array().tobytes()).
         self._pack_block = struct.Struct(f"<{block_size}q").pack
         # Prefix-cache statistics, in tokens (as vLLM's prefix_cache_queries / _hits).
@@ -108,9 +126,26 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+    def find_host_run(self, req: Request, start: int) -> list[int]:
+        """Host blocks continuing req's cached prefix after its first `start` blocks (the GPU
+        hits), capped like find_cached_prefix. [] without a host tier."""
+        if self.host is None:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        return self.host.run_from(req.block_hashes[start:max_blocks])
+
+    def where(self, block_hash: bytes) -> tuple[int | None, int | None]:
+        """The prefix index over both tiers: (GPU block, host block) holding this content."""
+        host = self.host.lookup(block_hash) if self.host is not None else None
+        return self.pool.lookup(block_hash), host
+
+    def record_lookup(
+        self, num_query_tokens: int, num_hit_tokens: int, num_host_hit_tokens: int = 0
+    ) -> None:
+        """num_hit_tokens counts hits in either tier; num_host_hit_tokens those from host."""
         self.num_queries += num_query_tokens
         self.num_hits += num_hit_tokens
+        self.num_host_hits += num_host_hit_tokens
 
     def num_blocks_to_allocate(self, req: Request, num_tokens: int, hits: list[int]) -> int:
         """Blocks, counting hits that must leave the free list, needed so req's table covers
@@ -136,6 +171,8 @@ class KVCacheManager:
             pool.touch(hits)
             req.block_ids.extend(hits)
             req.num_cached_blocks = len(req.block_ids)
+            if self.host is not None:
+                self.host.on_gpu_hits(hits, [pool.block_hash[b] for b in hits])
         new = pool.allocate(need) if need else []
         assert new is not None
         req.block_ids.extend(new)
@@ -154,12 +191,15 @@ class KVCacheManager:
         hashes = req.block_hashes
         n = min(n, len(hashes))
         block_hash, cached = self.pool.block_hash, self.pool.cached
+        on_registered = self._on_registered
         for i in range(start, n):
             b, h = ids[i], hashes[i]
             # A block already holding a hash is a prefix hit; content another block already
             # holds is not registered twice (BlockPool.cache_block, inlined: decode visits).
             if block_hash[b] is None and cached.setdefault(h, b) == b:
                 block_hash[b] = h
+                if on_registered is not None:
+                    on_registered(b, h)  # the host tier's write policy
         req.num_cached_blocks = n
 
     def free(self, req: Request) -> None:
@@ -177,3 +217,10 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    def reset_cache(self) -> int:
+        """Forget every cached hash in both tiers. Returns how many were dropped."""
+        n = self.pool.reset_cache()
+        if self.host is not None:
+            n += self.host.reset()
+        return n

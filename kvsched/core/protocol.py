@@ -12,11 +12,18 @@ one to be issued was never sent: that is a protocol violation, not a late report
 
 Order in which a worker applies one `Tasks` message, at a step boundary:
 
+    0. swap-outs             copy GPU blocks to host blocks (before anything below, or any
+                             later message, may overwrite those GPU blocks)
     1. preempts, aborts      drop those handles (their blocks may be reused below)
     2. placements            occupy a slot: block table, sampling, where decoding starts
     3. extensions            append block ids to a handle's table (resumes a paused slot)
+    3b. swap-ins             copy host blocks into a handle's fresh GPU blocks (before any chunk
+                             reads them)
     4. chunks                queue prefill chunks; one chunk per handle per step, in order
     5. kv_sends              (prefill role) where to push a handle's KV when its prompt is done
+
+Copies are done once the worker has applied their message: a report whose applied_seq reaches
+it acknowledges them, except those it names as failed (kvsched/core/tiers.py).
 
 A placement that never receives chunks holds its slot and blocks idle: that is how a decode
 instance reserves room for KV pushed to it by a prefill worker (pushes for a handle the worker
@@ -130,10 +137,19 @@ class Tasks:
     kv_sends: list[KvSend] = field(default_factory=list)
     reset_prefix_cache: bool = False
     report_step: int = 0  # the last report applied before this message was built (0: none)
+    # Host tier copies, columnar: GPU block swap_out_gpu[i] -> host block swap_out_host[i];
+    # host block swap_in_host[i] -> GPU block swap_in_gpu[i] of handle swap_in_handles[i].
+    swap_out_gpu: list[int] = field(default_factory=list)
+    swap_out_host: list[int] = field(default_factory=list)
+    swap_in_handles: list[int] = field(default_factory=list)
+    swap_in_host: list[int] = field(default_factory=list)
+    swap_in_gpu: list[int] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (
-            self.preempts
+            self.swap_out_gpu
+            or self.swap_in_gpu
+            or self.preempts
             or self.aborts
             or self.placements
             or self.extensions
@@ -167,4 +183,8 @@ class StepReport:
     acked: list[int] = field(default_factory=list)
     paused: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)  # e.g. KV transfer failed: ends with ERROR
+    # Copies of the messages up to applied_seq that failed: swap-outs by host block id,
+    # swap-ins by handle (that handle did not run; the daemon preempts it: it recomputes).
+    failed_swap_outs: list[int] = field(default_factory=list)
+    failed_swap_ins: list[int] = field(default_factory=list)
     step_time_ns: int = 0

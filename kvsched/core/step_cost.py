@@ -7,7 +7,8 @@ prefill_tokens: prompt tokens of the step's chunks; decodes: sequences that deco
 decode_context: the context tokens those sequences attend over, summed; attention: the
 quadratic term of the chunks, sum of c * (c + prefix) (c the chunk's length, prefix the tokens
 before it: a chunk deep into a long prompt costs far more than its token count says);
-swapped_blocks: KV blocks moved to or from host memory (no worker swaps yet: kept at 0).
+swapped_blocks: KV blocks copied to or from host memory at the step's boundary (the copies of
+the Tasks messages the step's report first says applied; kvsched/core/tiers.py).
 
 The coefficients start from the config's seed and are refitted by recursive least squares
 with exponential forgetting, kept in information form: R = f R + x x', r = f r + x y, solved for
@@ -99,6 +100,11 @@ class StepCostModel:
     def prefill_costs(self) -> tuple[float, float]:
         """(ms per prefill token, ms per unit of attention term) used for planning."""
         return self._plan[1], self._plan[4]
+
+    @property
+    def swap_block_ms(self) -> float:
+        """Planned ms per block copied between host and GPU memory."""
+        return self._plan[5]
 
     def observe(
         self,

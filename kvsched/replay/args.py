@@ -40,6 +40,19 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="embedded: simulated instances")
     p.add_argument("--num-blocks", type=int, default=H100_BLOCKS, help="embedded: KV blocks each")
     p.add_argument(
+        "--host-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="embedded: KV blocks of each worker's host-memory tier (0: none)",
+    )
+    p.add_argument(
+        "--host-write-policy",
+        choices=("write_through", "write_through_selective", "write_back"),
+        default=None,
+        help="embedded: when blocks are copied to the host tier (default: the daemon's)",
+    )
+    p.add_argument(
         "--itl-target-ms",
         type=float,
         default=None,

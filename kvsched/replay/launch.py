@@ -109,6 +109,7 @@ def start_cluster(
     num_blocks: int = 5120,
     block_size: int = 64,
     num_slots: int = 256,
+    host_blocks: int = 0,
     serve_args: tuple[str, ...] = (),
 ) -> Cluster:
     daemon, address = start_daemon(*serve_args)
@@ -132,6 +133,8 @@ def start_cluster(
             str(block_size),
             "--num-slots",
             str(num_slots),
+            "--host-blocks",
+            str(host_blocks),
         )
         for i in range(num_workers)
     ]

@@ -31,9 +31,8 @@ def run_replay(args: argparse.Namespace) -> int:
             speed=args.time_scale,
             num_blocks=args.num_blocks,
             block_size=BLOCK_SIZE,
-            serve_args=()
-            if args.itl_target_ms is None
-            else ("--itl-target-ms", f"{args.itl_target_ms:g}"),
+            host_blocks=args.host_blocks,
+            serve_args=serve_args(args),
         )
         address = cluster.address
     from kvsched.client import KvschedClientError
@@ -71,9 +70,20 @@ def run_replay(args: argparse.Namespace) -> int:
     return 0 if summary["completed"] == summary["requests"] else 1
 
 
+def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The embedded daemon's flags from replay's."""
+    out: tuple[str, ...] = ()
+    if args.itl_target_ms is not None:
+        out += ("--itl-target-ms", f"{args.itl_target_ms:g}")
+    if getattr(args, "host_write_policy", None):
+        out += ("--host-write-policy", args.host_write_policy)
+    return out
+
+
 def make_summary(
     result: ReplayResult, args: argparse.Namespace, idle: dict[str, float]
 ) -> dict[str, Any]:
+    num_prompt = sum(r.num_prompt_tokens for r in result.records if r.completed)
     return summarize(
         result.records,
         num_gpu_blocks=result.num_gpu_blocks,
@@ -86,6 +96,8 @@ def make_summary(
         worker_idle_frac_control_plane=max(idle.values()) if idle else None,
         time_scale=args.time_scale,
         rate_scale=args.rate_scale,
+        num_host_blocks=result.num_host_blocks,
+        host_hit_rate=result.host_hit_tokens / num_prompt if num_prompt else 0.0,
     )
 
 
@@ -101,6 +113,10 @@ def format_table(s: dict[str, Any]) -> str:
         ("TTFT p50 / p99", f"{ms(s['ttft_s'], 'p50')} / {ms(s['ttft_s'], 'p99')}"),
         ("TPOT p50 / p99", f"{ms(s['tpot_s'], 'p50')} / {ms(s['tpot_s'], 'p99')}"),
         ("prefix-cache hit", f"{100 * s['prefix_hit_rate']:.1f} %"),
+        (
+            "  of it from host memory",
+            f"{100 * s.get('host_hit_rate', 0.0):.1f} % ({s.get('num_host_blocks', 0)} host blocks)",
+        ),
         ("preemptions", f"{s['preemptions']}"),
         (
             "goodput",

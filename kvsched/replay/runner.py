@@ -41,6 +41,8 @@ class ReplayResult:
     timeline: list[Sample] = field(default_factory=list)
     preemptions: int = 0
     num_gpu_blocks: int = 0
+    num_host_blocks: int = 0  # each instance's host tier (the first ready one's)
+    host_hit_tokens: int = 0  # prompt tokens swapped in from host tiers during the run
     block_size: int = 0
     instances: list[dict[str, Any]] = field(default_factory=list)
 
@@ -180,6 +182,11 @@ async def replay(
     ]
     ready = [i for i in after.instances if i.ready]
     result.num_gpu_blocks = ready[0].num_gpu_blocks if ready else 0
+    result.num_host_blocks = ready[0].num_host_blocks if ready else 0
+    prev_host = {i.instance_id: i.prefix_cache_host_hit_tokens for i in before.instances}
+    result.host_hit_tokens = sum(
+        i.prefix_cache_host_hit_tokens - prev_host.get(i.instance_id, 0) for i in after.instances
+    )
     return result
 
 

@@ -32,6 +32,13 @@ _FROM_SNAPSHOT = (
     "step_predicted_ewma_ms",
     "step_measured_ewma_ms",
     "itl_target_ms",
+    "num_host_blocks",
+    "num_free_host_blocks",
+    "host_cache_usage",
+    "prefix_cache_host_hit_tokens",
+    "num_swap_outs",
+    "num_swap_ins",
+    "num_swap_failures",
 )
 
 

@@ -55,6 +55,7 @@ class RankConn:
     num_slots: int
     address: str
     model: str
+    num_host_blocks: int = 0  # the host-memory KV tier (Hello.num_host_blocks)
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     last_seen: float = field(default_factory=time.monotonic)
     closed: bool = False
@@ -140,7 +141,7 @@ class InstanceEngine:
         if first is not None:
             # The ranks run one model sharded: one block table, one slot table, the same
             # weights. A disagreement is a misconfigured launch, never something to average.
-            for name in ("block_size", "num_gpu_blocks", "num_slots", "model"):
+            for name in ("block_size", "num_gpu_blocks", "num_host_blocks", "num_slots", "model"):
                 mine, theirs = getattr(conn, name), getattr(first, name)
                 if mine != theirs:
                     raise ProtocolError(
@@ -158,6 +159,7 @@ class InstanceEngine:
         cfg = copy.deepcopy(self.engine_config)
         cfg.cache.block_size = conns[0].block_size
         cfg.cache.num_gpu_blocks = conns[0].num_gpu_blocks  # every rank says the same (attach)
+        cfg.cache.num_host_blocks = conns[0].num_host_blocks
         cfg.scheduler.max_num_seqs = min(cfg.scheduler.max_num_seqs, conns[0].num_slots)
         try:
             self.sched = Scheduler(

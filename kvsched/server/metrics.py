@@ -49,6 +49,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvsched.core import FinishReason, Unavailable
 from kvsched.server.config import split_host_port
+from kvsched.server.host_metrics import host_tier_families
 from kvsched.server.tenant_metrics import TenantMetrics
 
 log = logging.getLogger("kvsched.metrics")
@@ -71,6 +72,9 @@ _COUNTERS = (
     ("num_preemptions", "Requests preempted (recompute)."),
     ("prompt_tokens", "Prompt tokens of requests placed on a worker."),
     ("generation_tokens", "Output tokens accepted from workers."),
+    ("prefix_cache_host_hits", "Prefix cache hits swapped in from the host tier, in tokens."),
+    ("kv_swap_out_blocks", "KV blocks copied GPU -> host tier."),
+    ("kv_swap_in_blocks", "KV blocks copied host tier -> GPU."),
 )
 
 
@@ -82,6 +86,9 @@ def _sched_counts(sched: Any) -> tuple[int, ...]:
         snap.num_preemptions,
         snap.num_prompt_tokens,
         snap.num_generation_tokens,
+        snap.prefix_cache_host_hit_tokens,
+        snap.num_swap_outs,
+        snap.num_swap_ins,
     )
 
 
@@ -384,6 +391,7 @@ class _Collector:
         yield from hists.values()
         yield from _step_cost_families(mx, labels)
         yield from mx.tenants.families(mx.daemon.engines, model)
+        yield from host_tier_families(mx.daemon, model, labels)
 
 
 def _step_cost_families(mx: Metrics, labels: list[str]) -> Iterator[Metric]:

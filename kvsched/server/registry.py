@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvsched.daemon")
 
 MAX_GPU_BLOCKS = 1 << 22  # 4M blocks; a pool this big takes ~1 s and ~1 GB to set up
+MAX_HOST_BLOCKS = 1 << 24  # host memory is larger; the pool's cost per block is the same
 
 
 class InstanceRegistry:
@@ -66,6 +67,11 @@ class InstanceRegistry:
         ):
             if not 1 <= value <= hi:
                 raise ProtocolError(f"Hello.{name} = {value} is out of range [1, {hi}]")
+        if hello.num_host_blocks > MAX_HOST_BLOCKS:  # 0: no host tier
+            raise ProtocolError(
+                f"Hello.num_host_blocks = {hello.num_host_blocks} is out of range "
+                f"[0, {MAX_HOST_BLOCKS}]"
+            )
         if not 0 <= hello.rank < max(1, hello.world_size) <= 64:
             raise ProtocolError(
                 f"Hello.rank = {hello.rank} is outside world size {hello.world_size} (ranks 0..world_size-1), "
@@ -83,6 +89,7 @@ class InstanceRegistry:
         conn = RankConn(
             rank=hello.rank,
             num_gpu_blocks=hello.num_gpu_blocks,
+            num_host_blocks=hello.num_host_blocks,
             block_size=hello.block_size,
             num_slots=hello.num_slots,
             address=hello.worker_address,

@@ -7,6 +7,10 @@ daemon: serving; waiting 3, running 12; 1 instance (1 ready)
 "step ms pred/meas": moving averages of the worker steps' time as the step-cost model predicted
 it and as the worker measured it. Those two columns are left out when no instance reports a
 step-cost model (a daemon from before it).
+
+With a host-memory KV tier on any instance, two columns follow "preempt": "host use" (host
+blocks in use, of how many) and "host hit" (prompt tokens swapped in from host memory, of the
+tokens looked up; "prefix hit" counts hits in either tier).
 """
 
 from __future__ import annotations
@@ -29,10 +33,20 @@ _BASE_HEADERS = (
     "prefix hit",
     "preempt",
 )
+_HOST_HEADERS = ("host use", "host hit")
 _COST_HEADERS = ("step ms pred/meas", "ITL target")
-_HEADERS = _BASE_HEADERS + _COST_HEADERS
 _RIGHT = frozenset(
-    {"KV use", "free blocks", "waiting", "running", "steps/s", "prefix hit", "preempt"}
+    {
+        "KV use",
+        "free blocks",
+        "waiting",
+        "running",
+        "steps/s",
+        "prefix hit",
+        "preempt",
+        "host use",
+        "host hit",
+    }
 )
 
 
@@ -68,7 +82,24 @@ def _percent(part: float, whole: float) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole > 0 else "-"
 
 
-def _row(inst: admin_service_pb2.InstanceStatus) -> tuple[str, ...]:
+def _host(inst: admin_service_pb2.InstanceStatus) -> tuple[str, ...]:
+    if inst.num_host_blocks == 0:
+        return ("-", "-")
+    return (
+        f"{100.0 * inst.host_cache_usage:.1f}% of {inst.num_host_blocks}",
+        _percent(inst.prefix_cache_host_hit_tokens, inst.prefix_cache_query_tokens),
+    )
+
+
+def _row(inst: admin_service_pb2.InstanceStatus, host: bool, cost: bool) -> tuple[str, ...]:
+    return (
+        *_base(inst),
+        *(_host(inst) if host else ()),
+        *((_step_ms(inst), _target(inst)) if cost else ()),
+    )
+
+
+def _base(inst: admin_service_pb2.InstanceStatus) -> tuple[str, ...]:
     return (
         inst.instance_id,
         _role(inst.role),
@@ -82,8 +113,6 @@ def _row(inst: admin_service_pb2.InstanceStatus) -> tuple[str, ...]:
         f"{inst.steps_per_s:.1f}",
         _percent(inst.prefix_cache_hit_tokens, inst.prefix_cache_query_tokens),
         str(inst.num_preemptions),
-        _step_ms(inst),
-        _target(inst),
     )
 
 
@@ -113,9 +142,9 @@ def _daemon_line(resp: admin_service_pb2.GetStatusResponse) -> str:
 def format_status(resp: admin_service_pb2.GetStatusResponse) -> str:
     """One row per instance, in the response's order, then a line about the whole daemon."""
     cost = any(i.itl_target_ms > 0 or i.step_measured_ewma_ms > 0 for i in resp.instances)
-    width = len(_HEADERS) if cost else len(_BASE_HEADERS)
-    rows = [_HEADERS, *(_row(inst) for inst in resp.instances)]
-    lines = _table([row[:width] for row in rows])
+    host = any(i.num_host_blocks > 0 for i in resp.instances)
+    headers = _BASE_HEADERS + (_HOST_HEADERS if host else ()) + (_COST_HEADERS if cost else ())
+    lines = _table([headers, *(_row(inst, host, cost) for inst in resp.instances)])
     if not resp.instances:
         lines.append("(no instances: no worker has connected)")
     lines.append(_daemon_line(resp))

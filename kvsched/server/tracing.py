@@ -2,9 +2,13 @@
 
     client span (traceparent in gRPC metadata)
       └─ "text_completion <model>"  SERVER span, start = arrival, end = finish
-           events: queued, scheduled{instance}, first_token,
+           events: queued, scheduled{instance}, [host_cache_hit{instance, cached_tokens,
+                   host_cached_tokens}], first_token,
                    (preempted{instance} | instance_lost{instance, reason}, resumed{instance})*,
                    finished{finish_reason}
+
+"host_cache_hit": part of the prompt's prefix was swapped in from the instance's host-memory
+KV tier at the first placement (kvsched.core.tiers).
 
 "resumed" is any placement after the first. A preemption the worker overtakes by finishing
 the request first shows as a last "preempted" with no "resumed" (the finish is kept).
@@ -136,6 +140,8 @@ class Tracing:
         prefill or decode instance are recorded too (a hand-off moves the request)."""
         preempted, scheduled, awaiting = events.preempted, events.scheduled, self._awaiting
         explicit = scheduled and getattr(engine, "role", Role.MIXED) != Role.MIXED
+        if events.host_hits:
+            self._host_hits(engine, events.host_hits)
         if not (preempted or explicit or (scheduled and awaiting)):
             return  # the common step: nothing rare
         now = self.wall_ns(time.monotonic())
@@ -159,6 +165,20 @@ class Tracing:
                 attrs = {**where, "kvsched.num_preemptions": req.num_preemptions}
                 trace.add_event("preempted", attrs, now)
                 awaiting.add(req.req_id)
+
+    def _host_hits(self, engine: Any, reqs: list[Any]) -> None:
+        """Requests whose first placement swapped part of their prefix in from host memory."""
+        now = self.wall_ns(time.monotonic())
+        where = self.where(engine.instance_id)
+        for req in reqs:
+            trace = _trace_of(req)
+            if trace is not None:
+                attrs = {
+                    **where,
+                    "kvsched.cached_tokens": req.num_cached_tokens,
+                    "kvsched.host_cached_tokens": req.num_host_cached_tokens,
+                }
+                trace.add_event("host_cache_hit", attrs, now)
 
     def request_moved(self, tr: Any, reason: str) -> None:
         """The instance holding the request was lost; it waits to be placed again."""

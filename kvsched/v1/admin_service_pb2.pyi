@@ -108,6 +108,13 @@ class InstanceStatus(_message.Message):
     STEP_PREDICTED_EWMA_MS_FIELD_NUMBER: _builtins.int
     STEP_MEASURED_EWMA_MS_FIELD_NUMBER: _builtins.int
     ITL_TARGET_MS_FIELD_NUMBER: _builtins.int
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_FREE_HOST_BLOCKS_FIELD_NUMBER: _builtins.int
+    HOST_CACHE_USAGE_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_HOST_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_SWAP_OUTS_FIELD_NUMBER: _builtins.int
+    NUM_SWAP_INS_FIELD_NUMBER: _builtins.int
+    NUM_SWAP_FAILURES_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     role: _common_pb2.InstanceRole.ValueType
     ready: _builtins.bool
@@ -145,6 +152,18 @@ class InstanceStatus(_message.Message):
     step_measured_ewma_ms: _builtins.float
     itl_target_ms: _builtins.float
     """The time budget of a worker step while requests decode (scheduler.itl_target_ms); 0: off."""
+    num_host_blocks: _builtins.int
+    """The host-memory KV tier (Hello.num_host_blocks; 0 = none): its blocks, those free
+    (cached ones count as free), the fraction in use. prefix_cache_hit_tokens above counts hits
+    in either tier; prefix_cache_host_hit_tokens those swapped in from host memory.
+    """
+    num_free_host_blocks: _builtins.int
+    host_cache_usage: _builtins.float
+    prefix_cache_host_hit_tokens: _builtins.int
+    num_swap_outs: _builtins.int
+    """Blocks copied GPU -> host and host -> GPU (sent to the worker), and copies it failed."""
+    num_swap_ins: _builtins.int
+    num_swap_failures: _builtins.int
     def __init__(
         self,
         *,
@@ -173,10 +192,17 @@ class InstanceStatus(_message.Message):
         step_predicted_ewma_ms: _builtins.float = ...,
         step_measured_ewma_ms: _builtins.float = ...,
         itl_target_ms: _builtins.float = ...,
+        num_host_blocks: _builtins.int = ...,
+        num_free_host_blocks: _builtins.int = ...,
+        host_cache_usage: _builtins.float = ...,
+        prefix_cache_host_hit_tokens: _builtins.int = ...,
+        num_swap_outs: _builtins.int = ...,
+        num_swap_ins: _builtins.int = ...,
+        num_swap_failures: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "instance_id", b"instance_id", "itl_target_ms", b"itl_target_ms", "kv_cache_usage", b"kv_cache_usage", "model", b"model", "num_free_blocks", b"num_free_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_preemptions", b"num_preemptions", "num_ranks_connected", b"num_ranks_connected", "num_running", b"num_running", "num_slots", b"num_slots", "num_slots_used", b"num_slots_used", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "paused", b"paused", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "ready", b"ready", "role", b"role", "step_measured_ewma_ms", b"step_measured_ewma_ms", "step_measured_ms", b"step_measured_ms", "step_predicted_ewma_ms", b"step_predicted_ewma_ms", "step_predicted_ms", b"step_predicted_ms", "steps_per_s", b"steps_per_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "host_cache_usage", b"host_cache_usage", "instance_id", b"instance_id", "itl_target_ms", b"itl_target_ms", "kv_cache_usage", b"kv_cache_usage", "model", b"model", "num_free_blocks", b"num_free_blocks", "num_free_host_blocks", b"num_free_host_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_preemptions", b"num_preemptions", "num_ranks_connected", b"num_ranks_connected", "num_running", b"num_running", "num_slots", b"num_slots", "num_slots_used", b"num_slots_used", "num_steps", b"num_steps", "num_swap_failures", b"num_swap_failures", "num_swap_ins", b"num_swap_ins", "num_swap_outs", b"num_swap_outs", "num_waiting", b"num_waiting", "paused", b"paused", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_host_hit_tokens", b"prefix_cache_host_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "ready", b"ready", "role", b"role", "step_measured_ewma_ms", b"step_measured_ewma_ms", "step_measured_ms", b"step_measured_ms", "step_predicted_ewma_ms", b"step_predicted_ewma_ms", "step_predicted_ms", b"step_predicted_ms", "steps_per_s", b"steps_per_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

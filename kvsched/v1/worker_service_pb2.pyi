@@ -103,6 +103,7 @@ class Hello(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     WORKER_ADDRESS_FIELD_NUMBER: _builtins.int
     EXECUTOR_FIELD_NUMBER: _builtins.int
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """The instance (model replica) this worker is a rank of; the same for all its ranks."""
     rank: _builtins.int
@@ -126,6 +127,10 @@ class Hello(_message.Message):
     """host:port where peers push KV blocks to this rank (disaggregation); empty: none."""
     executor: _builtins.str
     """The executor's name ("sim", "model"), for status and logs."""
+    num_host_blocks: _builtins.int
+    """KV blocks of this rank's host-memory tier (the same on every rank; the same block_size);
+    0 = no host tier: the daemon then never sends swap_outs or swap_ins.
+    """
     def __init__(
         self,
         *,
@@ -139,10 +144,11 @@ class Hello(_message.Message):
         protocol_version: _builtins.int = ...,
         worker_address: _builtins.str = ...,
         executor: _builtins.str = ...,
+        num_host_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -386,6 +392,64 @@ class Tasks(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SwapOuts(_message.Message):
+        """Host tier copies GPU -> host (see step 4): GPU block gpu_block_ids[i] into host block
+        host_block_ids[i]. Decided by the daemon's write policy; the host block holds the data for
+        the daemon only once a report acknowledges the copy.
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        GPU_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        HOST_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def gpu_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        @_builtins.property
+        def host_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        def __init__(
+            self,
+            *,
+            gpu_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+            host_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_block_ids", b"gpu_block_ids", "host_block_ids", b"host_block_ids"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SwapIns(_message.Message):
+        """Host tier copies host -> GPU (see step 4): host block host_block_ids[i] into GPU block
+        gpu_block_ids[i] of handles[i] (a prefix hit in host memory; the handle's chunks start
+        after those positions). A handle's copies are consecutive.
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        HANDLES_FIELD_NUMBER: _builtins.int
+        HOST_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        GPU_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        @_builtins.property
+        def host_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        @_builtins.property
+        def gpu_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        def __init__(
+            self,
+            *,
+            handles: _abc.Iterable[_builtins.int] | None = ...,
+            host_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+            gpu_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_block_ids", b"gpu_block_ids", "handles", b"handles", "host_block_ids", b"host_block_ids"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SEQ_FIELD_NUMBER: _builtins.int
     PREEMPTS_FIELD_NUMBER: _builtins.int
     ABORTS_FIELD_NUMBER: _builtins.int
@@ -395,6 +459,8 @@ class Tasks(_message.Message):
     KV_SENDS_FIELD_NUMBER: _builtins.int
     RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     REPORT_STEP_FIELD_NUMBER: _builtins.int
+    SWAP_OUTS_FIELD_NUMBER: _builtins.int
+    SWAP_INS_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """1, 2, 3, ... on each stream (see step 3); the worker echoes the last one applied as
     StepReport.applied_seq.
@@ -425,6 +491,14 @@ class Tasks(_message.Message):
     def chunks(self) -> Global___Tasks.Chunks: ...
     @_builtins.property
     def kv_sends(self) -> Global___Tasks.KvSends: ...
+    @_builtins.property
+    def swap_outs(self) -> Global___Tasks.SwapOuts:
+        """Run first in this message (see step 4)."""
+
+    @_builtins.property
+    def swap_ins(self) -> Global___Tasks.SwapIns:
+        """Run after extensions, before chunks (see step 4)."""
+
     def __init__(
         self,
         *,
@@ -437,10 +511,12 @@ class Tasks(_message.Message):
         kv_sends: Global___Tasks.KvSends | None = ...,
         reset_prefix_cache: _builtins.bool = ...,
         report_step: _builtins.int = ...,
+        swap_outs: Global___Tasks.SwapOuts | None = ...,
+        swap_ins: Global___Tasks.SwapIns | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborts", b"aborts", "chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends", "placements", b"placements", "preempts", b"preempts", "report_step", b"report_step", "reset_prefix_cache", b"reset_prefix_cache", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborts", b"aborts", "chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends", "placements", b"placements", "preempts", b"preempts", "report_step", b"report_step", "reset_prefix_cache", b"reset_prefix_cache", "seq", b"seq", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -534,6 +610,8 @@ class StepReport(_message.Message):
     PAUSED_FIELD_NUMBER: _builtins.int
     FAILED_FIELD_NUMBER: _builtins.int
     STEP_TIME_NS_FIELD_NUMBER: _builtins.int
+    FAILED_SWAP_OUTS_FIELD_NUMBER: _builtins.int
+    FAILED_SWAP_INS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Strictly increasing on a stream, from 1; a merged report carries its last step's number."""
     applied_seq: _builtins.int
@@ -577,6 +655,14 @@ class StepReport(_message.Message):
     def failed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Handles that failed (e.g. a KV transfer); their requests end with FINISH_REASON_ERROR."""
 
+    @_builtins.property
+    def failed_swap_outs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Host block ids of swap-outs (of the messages up to applied_seq) that failed; see step 4."""
+
+    @_builtins.property
+    def failed_swap_ins(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Handles whose swap-ins (of the messages up to applied_seq) failed; see step 4."""
+
     def __init__(
         self,
         *,
@@ -591,10 +677,12 @@ class StepReport(_message.Message):
         paused: _abc.Iterable[_builtins.int] | None = ...,
         failed: _abc.Iterable[_builtins.int] | None = ...,
         step_time_ns: _builtins.int = ...,
+        failed_swap_outs: _abc.Iterable[_builtins.int] | None = ...,
+        failed_swap_ins: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "applied_seq", b"applied_seq", "failed", b"failed", "finish_reasons", b"finish_reasons", "handles", b"handles", "num_computed", b"num_computed", "num_new_tokens", b"num_new_tokens", "paused", b"paused", "step", b"step", "step_time_ns", b"step_time_ns", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "applied_seq", b"applied_seq", "failed", b"failed", "failed_swap_ins", b"failed_swap_ins", "failed_swap_outs", b"failed_swap_outs", "finish_reasons", b"finish_reasons", "handles", b"handles", "num_computed", b"num_computed", "num_new_tokens", b"num_new_tokens", "paused", b"paused", "step", b"step", "step_time_ns", b"step_time_ns", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -47,9 +47,18 @@ class WorkerServiceStub:
     ready after being taken out. Every rank of an instance receives byte-identical tasks.
     Tasks are columnar: see Tasks for the layout.
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
-    each in this order: preempts and aborts (drop those handles; their blocks may be reused
-    below), placements, extensions (resume a paused handle), chunks (at most one per handle
-    per step, in order), kv_sends, reset_prefix_cache.
+    each in this order: swap_outs (copy GPU blocks to host blocks now, before anything in
+    this or a later message may overwrite those GPU blocks), preempts and aborts (drop those
+    handles; their blocks may be reused below), placements, extensions (resume a paused
+    handle), swap_ins (copy host blocks into a handle's fresh GPU blocks now, before any
+    chunk reads them), chunks (at most one per handle per step, in order), kv_sends,
+    reset_prefix_cache. Copies run when their message is applied: the next report's
+    applied_seq acknowledges them (step 6). A swap-out that failed is named by host block
+    id in failed_swap_outs (the daemon never treats that host block as holding the data); a
+    swap-in that failed is named by handle in failed_swap_ins and that handle runs nothing
+    more (its chunks are dropped): the daemon preempts it and the request recomputes its
+    prompt, nothing is lost. A worker with no host tier (Hello.num_host_blocks = 0) never
+    receives copies.
     5. The worker runs one step over every runnable handle: the chunks it was given plus one
     decode position (1 + num_speculative_tokens) for each handle whose last prefill chunk has
     run and whose blocks have room. It never waits for the daemon while it has runnable work.
@@ -59,8 +68,8 @@ class WorkerServiceStub:
     only) until a Tasks message arrives.
     6. After every step rank 0 sends `report` (step strictly increasing, from 1 on each stream;
     applied_seq = the last tasks seq applied before the step). A report with no rows is
-    required when only acknowledgements (`acked`) or failures are pending: the daemon waits
-    for them. Merged reports: a worker may send several steps as one StepReport (the
+    required when only acknowledgements (`acked`), failures, or copies applied since the last
+    report are pending: the daemon waits for them (a host block stays pinned until then). Merged reports: a worker may send several steps as one StepReport (the
     columns of each step appended in step order, a handle at most once per step; step and
     applied_seq those of the last step merged), e.g. while the daemon has not answered its
     earlier reports (Welcome.answers_reports). Step numbers then skip, which is allowed.
@@ -132,9 +141,18 @@ class WorkerServiceServicer:
     ready after being taken out. Every rank of an instance receives byte-identical tasks.
     Tasks are columnar: see Tasks for the layout.
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
-    each in this order: preempts and aborts (drop those handles; their blocks may be reused
-    below), placements, extensions (resume a paused handle), chunks (at most one per handle
-    per step, in order), kv_sends, reset_prefix_cache.
+    each in this order: swap_outs (copy GPU blocks to host blocks now, before anything in
+    this or a later message may overwrite those GPU blocks), preempts and aborts (drop those
+    handles; their blocks may be reused below), placements, extensions (resume a paused
+    handle), swap_ins (copy host blocks into a handle's fresh GPU blocks now, before any
+    chunk reads them), chunks (at most one per handle per step, in order), kv_sends,
+    reset_prefix_cache. Copies run when their message is applied: the next report's
+    applied_seq acknowledges them (step 6). A swap-out that failed is named by host block
+    id in failed_swap_outs (the daemon never treats that host block as holding the data); a
+    swap-in that failed is named by handle in failed_swap_ins and that handle runs nothing
+    more (its chunks are dropped): the daemon preempts it and the request recomputes its
+    prompt, nothing is lost. A worker with no host tier (Hello.num_host_blocks = 0) never
+    receives copies.
     5. The worker runs one step over every runnable handle: the chunks it was given plus one
     decode position (1 + num_speculative_tokens) for each handle whose last prefill chunk has
     run and whose blocks have room. It never waits for the daemon while it has runnable work.
@@ -144,8 +162,8 @@ class WorkerServiceServicer:
     only) until a Tasks message arrives.
     6. After every step rank 0 sends `report` (step strictly increasing, from 1 on each stream;
     applied_seq = the last tasks seq applied before the step). A report with no rows is
-    required when only acknowledgements (`acked`) or failures are pending: the daemon waits
-    for them. Merged reports: a worker may send several steps as one StepReport (the
+    required when only acknowledgements (`acked`), failures, or copies applied since the last
+    report are pending: the daemon waits for them (a host block stays pinned until then). Merged reports: a worker may send several steps as one StepReport (the
     columns of each step appended in step order, a handle at most once per step; step and
     applied_seq those of the last step merged), e.g. while the daemon has not answered its
     earlier reports (Welcome.answers_reports). Step numbers then skip, which is allowed.
@@ -227,9 +245,18 @@ class WorkerService:
     ready after being taken out. Every rank of an instance receives byte-identical tasks.
     Tasks are columnar: see Tasks for the layout.
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
-    each in this order: preempts and aborts (drop those handles; their blocks may be reused
-    below), placements, extensions (resume a paused handle), chunks (at most one per handle
-    per step, in order), kv_sends, reset_prefix_cache.
+    each in this order: swap_outs (copy GPU blocks to host blocks now, before anything in
+    this or a later message may overwrite those GPU blocks), preempts and aborts (drop those
+    handles; their blocks may be reused below), placements, extensions (resume a paused
+    handle), swap_ins (copy host blocks into a handle's fresh GPU blocks now, before any
+    chunk reads them), chunks (at most one per handle per step, in order), kv_sends,
+    reset_prefix_cache. Copies run when their message is applied: the next report's
+    applied_seq acknowledges them (step 6). A swap-out that failed is named by host block
+    id in failed_swap_outs (the daemon never treats that host block as holding the data); a
+    swap-in that failed is named by handle in failed_swap_ins and that handle runs nothing
+    more (its chunks are dropped): the daemon preempts it and the request recomputes its
+    prompt, nothing is lost. A worker with no host tier (Hello.num_host_blocks = 0) never
+    receives copies.
     5. The worker runs one step over every runnable handle: the chunks it was given plus one
     decode position (1 + num_speculative_tokens) for each handle whose last prefill chunk has
     run and whose blocks have room. It never waits for the daemon while it has runnable work.
@@ -239,8 +266,8 @@ class WorkerService:
     only) until a Tasks message arrives.
     6. After every step rank 0 sends `report` (step strictly increasing, from 1 on each stream;
     applied_seq = the last tasks seq applied before the step). A report with no rows is
-    required when only acknowledgements (`acked`) or failures are pending: the daemon waits
-    for them. Merged reports: a worker may send several steps as one StepReport (the
+    required when only acknowledgements (`acked`), failures, or copies applied since the last
+    report are pending: the daemon waits for them (a host block stays pinned until then). Merged reports: a worker may send several steps as one StepReport (the
     columns of each step appended in step order, a handle at most once per step; step and
     applied_seq those of the last step merged), e.g. while the daemon has not answered its
     earlier reports (Welcome.answers_reports). Step numbers then skip, which is allowed.

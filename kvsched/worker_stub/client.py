@@ -46,13 +46,25 @@ __all__ = [
 
 def worker_from_args(args: argparse.Namespace) -> Worker:
     """A Worker configured from the CLI's arguments; ValueError / OSError on bad ones."""
+    host_blocks = getattr(args, "host_blocks", 0)
+    if host_blocks < 0:
+        raise ValueError(f"--host-blocks must be >= 0, got {host_blocks}")
     if args.executor == "sim":
         factory = sim_engine_factory(
-            args.num_slots, gpu=args.gpu, speed=args.speed, zero_cost=args.zero_cost, seed=args.seed
+            args.num_slots,
+            gpu=args.gpu,
+            speed=args.speed,
+            zero_cost=args.zero_cost,
+            seed=args.seed,
+            pcie_gbps=getattr(args, "pcie_gbps", 50.0),
         )
     elif args.executor == "model":
         factory = model_engine_factory(
-            args.num_slots, args.num_blocks, seed=args.seed, backend=args.backend
+            args.num_slots,
+            args.num_blocks,
+            seed=args.seed,
+            backend=args.backend,
+            num_host_blocks=host_blocks,
         )
     else:
         raise ValueError(f"executor must be 'sim' or 'model', got {args.executor!r}")
@@ -66,6 +78,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         rank=args.rank,
         world_size=args.world_size,
         num_gpu_blocks=args.num_blocks,
+        num_host_blocks=host_blocks,
         block_size=args.block_size,
         num_slots=args.num_slots,
         executor_name=args.executor,

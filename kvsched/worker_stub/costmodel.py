@@ -26,6 +26,10 @@ class StepFit:
     per_attn_ms: float
 
 
+# KV bytes of one token of the fitted model (Llama-3-8B: 32 layers x 8 KV heads x 128 dims x
+# K and V x 2 bytes): what the sim's host-tier copies move over PCIe.
+KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+
 FITS: dict[str, StepFit] = {
     "h100": StepFit(6.3, 4.3, 0.0211, 0.0, 4.9e-5, 1.8e-6),
     "a100": StepFit(10.5, 5.5, 0.0666, 0.6, 8.0e-5, 4.3e-6),

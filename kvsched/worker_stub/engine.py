@@ -40,6 +40,7 @@ from kvsched.core.protocol import (
     Tasks,
 )
 from kvsched.worker_stub.executor import ColumnarExecutor, Executor, SeqWork
+from kvsched.worker_stub.host_kv import HostCopies
 from kvsched.worker_stub.slots import IntArray, SlotTable
 from kvsched.worker_stub.tokens import DraftFn, check_stop, ngram_draft
 
@@ -128,6 +129,8 @@ class WorkerEngine:
         self._prefills: dict[int, None] = {}  # prompt not done, chunk at num_computed queued
         self._acked: dict[int, None] = {}  # ordered sets of handles for the next report
         self._failed: dict[int, None] = {}
+        self._copies = HostCopies(self.executor)  # the host KV tier's copies (host_kv.py)
+        self._stalled: set[int] = set()  # handles whose swap-in failed: they wait for a preempt
         self._sends_due: dict[int, KvSend] = {}  # handle -> where its prompt's KV goes
         self.applied_seq = 0  # highest Tasks.seq applied
         self.step_count = 0  # reports produced
@@ -156,6 +159,8 @@ class WorkerEngine:
         does not hold are acknowledged (next report's `acked`) and dropped; so are preempted
         and aborted handles. Raises ProtocolError on tasks that cannot be right (a handle or
         slot already taken, a chunk past the prompt)."""
+        if tasks.swap_out_gpu:  # before anything in this message may overwrite those blocks
+            self._copies.swap_out(tasks.swap_out_gpu, tasks.swap_out_host)
         for handle in (*tasks.preempts, *tasks.aborts):
             if handle in self._held:
                 self._free(handle)
@@ -164,12 +169,24 @@ class WorkerEngine:
             self._place(placement)
         for extension in tasks.extensions:
             self._extend(extension)
+        if tasks.swap_in_gpu:  # before any chunk that reads them
+            self._swap_in(tasks.swap_in_handles, tasks.swap_in_host, tasks.swap_in_gpu)
         for chunk in tasks.chunks:
             self._queue_chunk(chunk)
         for send in tasks.kv_sends:
             self._attach_send(send)
-        # reset_prefix_cache concerns the daemon's block index only: the KV stays where it is.
+        if tasks.reset_prefix_cache:
+            self._copies.drop()  # host blocks hold nothing the daemon will name again
         self.applied_seq = max(self.applied_seq, tasks.seq)
+
+    def _swap_in(self, handles: list[int], host_ids: list[int], gpu_ids: list[int]) -> None:
+        """A handle whose swap-in failed does not run: its chunks are dropped (and later ones
+        ignored) until the daemon's preempt arrives."""
+        for handle in self._copies.swap_in(handles, host_ids, gpu_ids):
+            if handle in self._held:
+                self._stalled.add(handle)
+                self._prefills.pop(handle, None)
+                self._held[handle].chunks.clear()
 
     def slots_free_for(self, tasks: Tasks) -> bool:
         """Whether every placement in `tasks` finds its slot free once its own preempts and
@@ -196,6 +213,7 @@ class WorkerEngine:
         self._table.vacate(s.slot)
         self._prefills.pop(handle, None)
         self._sends_due.pop(handle, None)
+        self._stalled.discard(handle)
 
     def _place(self, p: Placement) -> None:
         if p.handle in self._held:
@@ -238,8 +256,8 @@ class WorkerEngine:
 
     def _queue_chunk(self, c: Chunk) -> None:
         s = self._lookup(c.handle)
-        if s is None or self._table.decoding[s.slot]:
-            return  # the prompt is done: a stale chunk
+        if s is None or self._table.decoding[s.slot] or c.handle in self._stalled:
+            return  # the prompt is done (a stale chunk), or its swap-in failed
         num_computed = int(self._table.num_computed[s.slot])
         if c.start < num_computed:
             return  # a stale chunk: those positions already have KV
@@ -263,8 +281,8 @@ class WorkerEngine:
     def has_runnable(self) -> bool:
         """True when step() would return a report: a slot can run, a slot newly lacks room,
         a KV push is due, or acknowledgements and failures wait to be reported."""
-        if self._acked or self._failed or self._sends_due:
-            return True
+        if self._acked or self._failed or self._sends_due or self._copies.pending:
+            return True  # (copies: the report's applied_seq acknowledges them)
         for handle in self._prefills:
             s = self._held[handle]
             if self._chunk_readiness(s) is _Ready.RUN or not self._table.paused[s.slot]:
@@ -305,6 +323,7 @@ class WorkerEngine:
         report.failed = list(self._failed)
         self._acked.clear()
         self._failed.clear()
+        self._copies.fill(report)
         return report
 
     def _chunk_readiness(self, s: _Slot) -> _Ready:

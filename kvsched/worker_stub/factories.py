@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvsched.worker_stub.costmodel import KV_BYTES_PER_TOKEN
 from kvsched.worker_stub.engine import KvSender, WorkerEngine
 from kvsched.worker_stub.sim import SimExecutor
 
@@ -32,12 +33,30 @@ def sim_engine_factory(
     zero_cost: bool = False,
     seed: int = 0,
     eos_every: int | None = None,
+    pcie_gbps: float = 50.0,
 ) -> EngineFactory:
-    """Engines over a `SimExecutor`; the arguments are checked now, not after the Welcome."""
-    SimExecutor(gpu=gpu, speed=speed, zero_cost=zero_cost, seed=seed, eos_every=eos_every)
+    """Engines over a `SimExecutor`; the arguments are checked now, not after the Welcome.
+    Host tier copies cost a block's bytes (the fitted model's, KV_BYTES_PER_TOKEN a token)
+    over pcie_gbps GB/s."""
+    SimExecutor(
+        gpu=gpu,
+        speed=speed,
+        zero_cost=zero_cost,
+        seed=seed,
+        eos_every=eos_every,
+        pcie_gbps=pcie_gbps,
+    )
 
     def build(settings: EngineSettings, kv_sender: KvSender) -> WorkerEngine:
-        sim = SimExecutor(gpu=gpu, speed=speed, zero_cost=zero_cost, seed=seed, eos_every=eos_every)
+        sim = SimExecutor(
+            gpu=gpu,
+            speed=speed,
+            zero_cost=zero_cost,
+            seed=seed,
+            eos_every=eos_every,
+            block_bytes=KV_BYTES_PER_TOKEN * settings.block_size,
+            pcie_gbps=pcie_gbps,
+        )
         return WorkerEngine(
             sim,
             settings.block_size,
@@ -53,7 +72,12 @@ def sim_engine_factory(
 
 
 def model_engine_factory(
-    num_slots: int, num_blocks: int, *, seed: int = 0, backend: str = "numpy"
+    num_slots: int,
+    num_blocks: int,
+    *,
+    seed: int = 0,
+    backend: str = "numpy",
+    num_host_blocks: int = 0,
 ) -> EngineFactory:
     """Engines over a `PagedModelExecutor` of `ModelConfig(seed=seed)`. Imports numpy (and
     Paddle for that backend) when called: set thread-count variables before."""
@@ -63,7 +87,9 @@ def model_engine_factory(
     array_backend = get_backend(backend, config.dtype)
 
     def build(settings: EngineSettings, kv_sender: KvSender) -> WorkerEngine:
-        executor = PagedModelExecutor(config, num_blocks, settings.block_size, array_backend)
+        executor = PagedModelExecutor(
+            config, num_blocks, settings.block_size, array_backend, num_host_blocks
+        )
         max_model_len = min(settings.max_model_len or config.max_model_len, config.max_model_len)
         return WorkerEngine(
             executor,

@@ -71,6 +71,7 @@ class Worker(StepLoop):
         num_gpu_blocks: int,
         block_size: int,
         num_slots: int,
+        num_host_blocks: int = 0,
         model: str = "default",
         executor_name: str = "sim",
         channel_credentials: grpc.ChannelCredentials | None = None,
@@ -107,6 +108,7 @@ class Worker(StepLoop):
         self.instance_id = instance_id
         self.world_size = world_size
         self.num_gpu_blocks = num_gpu_blocks
+        self.num_host_blocks = num_host_blocks  # the host KV tier the engine's executor holds
         self.num_slots = num_slots
         self.model = model
         self.executor_name = executor_name
@@ -219,6 +221,7 @@ class Worker(StepLoop):
             rank=self.rank,
             world_size=self.world_size,
             num_gpu_blocks=self.num_gpu_blocks,
+            num_host_blocks=self.num_host_blocks,
             block_size=self.block_size,
             num_slots=self.num_slots,
             model=self.model,

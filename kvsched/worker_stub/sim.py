@@ -56,8 +56,17 @@ class SimExecutor:
         seed: int = 0,
         eos_token_id: int = 2,
         eos_every: int | None = None,
+        block_bytes: int = 0,
+        pcie_gbps: float = 50.0,
     ) -> None:
+        """block_bytes: bytes of one KV block, what a host-tier copy moves over PCIe at
+        pcie_gbps GB/s (0: copies are free); the copies of a step boundary add their time to
+        the next step (they are on its critical path)."""
         fit_for(gpu)  # validates the name
+        if block_bytes < 0 or pcie_gbps <= 0:
+            raise ValueError(
+                f"need block_bytes >= 0 and pcie_gbps > 0, got {block_bytes}, {pcie_gbps}"
+            )
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
         if vocab_size < 2 or not 0 <= eos_token_id < vocab_size:
@@ -76,6 +85,24 @@ class SimExecutor:
         self._seed = _mix64(seed)
         self._accept_salt = _mix64(seed ^ 0x5EED)
         self.num_steps = 0
+        self._copy_s_per_block = block_bytes / (pcie_gbps * 1e9)
+        self._copy_s = 0.0  # copies since the last step, in seconds
+        self.num_copied_blocks = 0
+
+    # ---- the host tier: the sim holds no KV, it only prices the copies -----------------------
+    def swap_out(self, gpu_ids: list[int], host_ids: list[int]) -> None:
+        self._copied(len(gpu_ids))
+
+    def swap_in(self, host_ids: list[int], gpu_ids: list[int]) -> None:
+        self._copied(len(gpu_ids))
+
+    def _copied(self, n: int) -> None:
+        self.num_copied_blocks += n
+        self._copy_s += n * self._copy_s_per_block
+
+    def _take_copy_s(self) -> float:
+        t, self._copy_s = self._copy_s, 0.0
+        return 0.0 if self.zero_cost else t / self.speed
 
     def token_at(self, req_id: str, position: int) -> int:
         """The token the simulated model puts at `position` of `req_id`."""
@@ -128,6 +155,7 @@ class SimExecutor:
                 )
                 / self.speed
             )
+        step_time += self._take_copy_s()
         return StepResult(tokens, step_time), self.decode_tokens(keys, positions)
 
     def num_accepted(self, w: SeqWork) -> int:
@@ -140,7 +168,7 @@ class SimExecutor:
     def execute(self, work: list[SeqWork]) -> StepResult:
         self.num_steps += 1
         tokens = [self._sample(w) for w in work]
-        return StepResult(tokens=tokens, step_time_s=self.step_time_s(work))
+        return StepResult(tokens=tokens, step_time_s=self.step_time_s(work) + self._take_copy_s())
 
     def _sample(self, w: SeqWork) -> list[int]:
         if not w.sample:
@@ -176,6 +204,7 @@ class SimExecutor:
 
     def reset(self) -> None:
         """Nothing to forget: the sim holds no KV."""
+        self._copy_s = 0.0
 
 
 def _split_work(work: list[SeqWork]) -> tuple[list[tuple[int, int]], list[int], int]:

@@ -8,6 +8,11 @@ exactly once with the right reason and count, every token a client saw is the si
 that request and position (so recompute after preemption continues correctly), and every block
 is free. A shadow of the paged KV cache (`CheckedSim`) checks every step reads only KV written
 for its own tokens, and that no block enters the prefix cache before its owner wrote it.
+
+With a host tier (Setup.num_host_blocks > 0) the shadow covers host blocks too: swap-outs copy
+the shadow GPU block, swap-ins copy it back, reset_prefix_cache wipes it, and some copies fail
+(Setup.copy_fail_every). Every host block in the prefix index must then hold the KV its hash
+names, every host pin is a copy in flight (check_integrity), and all are released at the end.
 """
 
 from __future__ import annotations
@@ -66,12 +71,50 @@ class CheckedSim(SimExecutor):
     in the same step as its writer), or is fed a wrong token, fails at once. The sim's tokens
     do not depend on the KV: without this shadow such bugs would be invisible."""
 
-    def __init__(self, prompts: dict[str, list[int]], eos_every: int | None) -> None:
+    def __init__(
+        self, prompts: dict[str, list[int]], eos_every: int | None, fail_every: int | None = None
+    ) -> None:
         super().__init__(zero_cost=True, eos_token_id=EOS, eos_every=eos_every)
         self.prompts = prompts
         self.kv: dict[tuple[int, int], int] = {}  # (block id, offset) -> chain value
         self.writer: dict[tuple[int, int], int] = {}  # (block id, offset) -> handle
+        self.host: dict[tuple[int, int], int | None] = {}  # (host block, offset) -> chain value
         self._chains: dict[str, list[int]] = {}
+        self._forget: list[int] = []  # fresh blocks of the message being applied
+        self._fail_every = fail_every
+        self._copies = 0
+        self._ins = 0
+        self.swap_owner: dict[int, int] = {}  # GPU block -> handle of its swap-in (its writer)
+
+    def _maybe_fail(self, swap_in: bool = False) -> None:
+        """Every fail_every-th copy batch fails (every second swap-in: they are rarer)."""
+        self._copies += 1
+        self._ins += swap_in
+        every = 2 if swap_in else self._fail_every
+        if self._fail_every and (self._ins if swap_in else self._copies) % every == 0:
+            raise RuntimeError("injected copy failure")
+
+    def swap_out(self, gpu_ids: list[int], host_ids: list[int]) -> None:
+        self._maybe_fail()
+        for g, hb in zip(gpu_ids, host_ids, strict=True):
+            for j in range(BLOCK):
+                self.host[(hb, j)] = self.kv.get((g, j))
+        self.flush_forget()  # the message's fresh blocks hold garbage from here on
+
+    def swap_in(self, host_ids: list[int], gpu_ids: list[int]) -> None:
+        self.flush_forget()
+        self._maybe_fail(swap_in=True)
+        for hb, g in zip(host_ids, gpu_ids, strict=True):
+            for j in range(BLOCK):
+                value = self.host.get((hb, j))
+                if value is None:
+                    self.kv.pop((g, j), None)
+                else:
+                    self.kv[(g, j)] = value
+                self.writer[(g, j)] = self.swap_owner[g]
+
+    def drop_host(self) -> None:
+        self.host.clear()
 
     def true_token(self, req_id: str, pos: int) -> int:
         prompt = self.prompts[req_id]
@@ -102,10 +145,16 @@ class CheckedSim(SimExecutor):
     def forget_fresh_blocks(self, tasks: Tasks) -> None:
         """Blocks newly given to a handle hold garbage until it writes them. (A reused block
         may still hold the same content from an earlier placement: that luck must not hide a
-        block read before it is written.)"""
-        for b, _ in fresh_blocks(tasks):
+        block read before it is written.) Done once the message's swap-outs have read them
+        (`flush_forget`: at its swap-outs, its swap-ins, or after it is applied)."""
+        self._forget = [b for b, _ in fresh_blocks(tasks)]
+        self.swap_owner = dict(zip(tasks.swap_in_gpu, tasks.swap_in_handles, strict=True))
+
+    def flush_forget(self) -> None:
+        for b in self._forget:
             for j in range(BLOCK):
                 self.kv.pop((b, j), None)
+        self._forget = []
 
     @staticmethod
     def _where(w: SeqWork, pos: int) -> tuple[int, int]:
@@ -127,6 +176,8 @@ def merge_reports(a: StepReport, b: StepReport) -> StepReport:
         paused=[*a.paused, *b.paused],
         failed=[*a.failed, *b.failed],
         step_time_ns=a.step_time_ns + b.step_time_ns,
+        failed_swap_outs=[*a.failed_swap_outs, *b.failed_swap_outs],
+        failed_swap_ins=[*a.failed_swap_ins, *b.failed_swap_ins],
     )
 
 
@@ -135,7 +186,8 @@ def fresh_blocks(tasks: Tasks) -> list[tuple[int, int]]:
     fresh = [
         (b, p.handle) for p in tasks.placements for b in p.block_ids[p.num_cached_tokens // BLOCK :]
     ]
-    return fresh + [(b, e.handle) for e in tasks.extensions for b in e.block_ids]
+    swapped = list(zip(tasks.swap_in_gpu, tasks.swap_in_handles, strict=True))
+    return fresh + swapped + [(b, e.handle) for e in tasks.extensions for b in e.block_ids]
 
 
 @dataclass(frozen=True)
@@ -151,6 +203,9 @@ class Setup:
     prealloc_blocks: int = 1
     prealloc_threshold: int = 2
     eos_every: int | None = None
+    num_host_blocks: int = 0
+    write_policy: str = "write_through_selective"
+    copy_fail_every: int | None = None
 
 
 class Harness:
@@ -171,11 +226,13 @@ class Harness:
             num_speculative_tokens=setup.spec_k,
             prealloc_blocks=setup.prealloc_blocks,
             prealloc_threshold=setup.prealloc_threshold,
+            num_host_blocks=setup.num_host_blocks,
+            host_write_policy=setup.write_policy,
         )
         ticks = itertools.count(1)
         self.scheduler = Scheduler(config, clock=lambda: float(next(ticks)))
         self.prompts: dict[str, list[int]] = {}
-        self.sim = CheckedSim(self.prompts, setup.eos_every)
+        self.sim = CheckedSim(self.prompts, setup.eos_every, setup.copy_fail_every)
         self.worker = WorkerEngine(
             self.sim, BLOCK, setup.max_num_seqs, EOS, MAX_MODEL_LEN, setup.spec_k
         )
@@ -241,6 +298,7 @@ class Harness:
             due = self.to_worker.popleft()[1]
             self.sim.forget_fresh_blocks(due)
             self.worker.apply(due)
+            self.sim.flush_forget()
         report = self.worker.step()
         if report is not None:
             self._send(self.to_scheduler, report, report_delay)
@@ -289,6 +347,13 @@ class Harness:
                 assert written, f"block {block} is a cached prefix before its owner wrote it"
                 want = self.sim.chain(req_id, i * BLOCK + j)
                 assert self.sim.kv.get(where) == want, f"block {block}: cached KV is not its hash"
+        host = self.scheduler.kv.host
+        for h, hb in host.pool.cached.items() if host is not None else ():
+            req_id, i = self._hash_owner[h]
+            for j in range(BLOCK):
+                want = self.sim.chain(req_id, i * BLOCK + j)
+                got = self.sim.host.get((hb, j))
+                assert got == want, f"host block {hb}: cached KV is not its hash"
 
     # ---- the end -------------------------------------------------------------------------
     def drain(self, rng: random.Random) -> None:
@@ -330,6 +395,10 @@ class Harness:
             self._verify_reason(req, out)
         num_tokens = sum(len(out) for out in self.seen.values())
         assert s.stats.num_generation_tokens == num_tokens
+        host = s.kv.host
+        if host is not None:  # every pin released: nothing queued or in flight
+            assert not host.has_queued() and host.num_in_flight == 0
+            assert host.num_free == host.num_blocks, "host blocks leaked"
 
     def _verify_reason(self, req: Request, out: list[int]) -> None:
         reason = req.finish_reason
@@ -359,6 +428,9 @@ setups = st.builds(
     prealloc_blocks=st.integers(1, 2),
     prealloc_threshold=st.integers(0, 4),
     eos_every=st.sampled_from([None, 4, 8]),
+    num_host_blocks=st.sampled_from([0, 0, 4, 12, 40]),
+    write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+    copy_fail_every=st.sampled_from([None, None, 3, 7]),
 )
 delays = st.integers(0, 2)
 

@@ -20,13 +20,14 @@ import grpc
 import numpy as np
 
 from kvsched.core import Role
-from kvsched.core.protocol import StepReport
+from kvsched.core.protocol import StepReport, Tasks
 from kvsched.server import app as daemon_mod
 from kvsched.server.config import InstanceConfig, load_config
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
-from kvsched.worker_stub.client import Worker, model_engine_factory
+from kvsched.worker_stub.client import EngineFactory, EngineSettings, Worker, model_engine_factory
+from kvsched.worker_stub.engine import KvSender, WorkerEngine
 from kvsched.worker_stub.model import ModelConfig, generate_reference
 
 MODEL = ModelConfig()  # what model_engine_factory(seed=0) builds in every worker
@@ -55,6 +56,7 @@ class Node:
     num_gpu_blocks: int = 256
     num_slots: int = 16
     kv_listen: bool = False  # accept KV pushes (a decode instance)
+    num_host_blocks: int = 0  # the worker's host-memory KV tier (0: none)
 
 
 @dataclass(slots=True)
@@ -103,6 +105,9 @@ class ModelHarness:
         self.backend = backend
         self.block_size = block_size
         self.reports: dict[str, list[StepReport]] = {iid: [] for iid in nodes}
+        self.applied: dict[str, list[Tasks]] = {iid: [] for iid in nodes}  # Tasks, as applied
+        # Called with each engine's executor when a worker session builds it (fault injection).
+        self.patch_executor: Callable[[Any], None] | None = None
         self.workers: dict[str, Worker] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.channel = grpc.aio.insecure_channel(self.address)
@@ -116,8 +121,9 @@ class ModelHarness:
         worker = Worker(
             self.address,
             iid,
-            model_engine_factory(node.num_slots, node.num_gpu_blocks, backend=self.backend),
+            self._factory(iid, node),
             num_gpu_blocks=node.num_gpu_blocks,
+            num_host_blocks=node.num_host_blocks,
             block_size=self.block_size,
             num_slots=node.num_slots,
             executor_name="model",
@@ -129,6 +135,31 @@ class ModelHarness:
         self.workers[iid] = worker
         self.tasks[iid] = asyncio.get_running_loop().create_task(worker.run())
         return worker
+
+    def _factory(self, iid: str, node: Node) -> EngineFactory:
+        """model_engine_factory, recording every Tasks message the engine applies."""
+        base = model_engine_factory(
+            node.num_slots,
+            node.num_gpu_blocks,
+            backend=self.backend,
+            num_host_blocks=node.num_host_blocks,
+        )
+        log = self.applied[iid]
+
+        def build(settings: EngineSettings, kv_sender: KvSender) -> WorkerEngine:
+            engine = base(settings, kv_sender)
+            if self.patch_executor is not None:
+                self.patch_executor(engine.executor)
+            apply = engine.apply
+
+            def recorded(tasks: Tasks) -> None:
+                log.append(tasks)
+                apply(tasks)
+
+            engine.apply = recorded  # type: ignore[method-assign]
+            return engine
+
+        return build
 
     async def stop_worker(self, iid: str) -> None:
         """Stop the worker and wait until it has left (its KV server closed too)."""
@@ -218,6 +249,7 @@ async def model_daemon(
     backend: str = "numpy",
     block_size: int = 8,
     engine: dict[str, Any] | None = None,
+    patch_executor: Callable[[Any], None] | None = None,
 ) -> AsyncIterator[ModelHarness]:
     """A daemon with one model worker per node. `engine` maps `scheduler.max_num_seqs`-style
     paths (below `engine.`) to values for every instance. Nodes with a role other than mixed
@@ -238,6 +270,7 @@ async def model_daemon(
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     h = ModelHarness(daemon, port, nodes, backend, block_size)
+    h.patch_executor = patch_executor
     try:
         for iid in nodes:
             h.start_worker(iid)

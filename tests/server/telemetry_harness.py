@@ -139,6 +139,7 @@ async def running_daemon(
     num_slots: int = 16,
     zero_cost: bool = True,
     instances: tuple[str, ...] = ("i0",),
+    num_host_blocks: int = 0,
 ) -> AsyncIterator[Harness]:
     """Yield a Harness; on exit stop the workers and the server, then shut telemetry down
     (which flushes the span exporters)."""
@@ -153,6 +154,7 @@ async def running_daemon(
             iid,
             sim_engine_factory(num_slots, zero_cost=zero_cost),
             num_gpu_blocks=num_gpu_blocks,
+            num_host_blocks=num_host_blocks,
             block_size=block_size,
             num_slots=num_slots,
             reconnect_backoff_s=(0.01, 0.05),

@@ -89,3 +89,16 @@ def test_step_time_columns_show_predicted_and_measured() -> None:
     assert header.endswith("step ms pred/meas  ITL target")
     assert row0.split()[-3:] == ["24.1/23.8", "100", "ms"]
     assert row1.split()[-2:] == ["-", "off"]  # nothing measured yet; no target
+
+
+def test_host_tier_columns_appear_when_an_instance_has_one() -> None:
+    resp = make_response()
+    i0 = resp.instances[0]
+    i0.num_host_blocks, i0.num_free_host_blocks, i0.host_cache_usage = 16384, 12288, 0.25
+    i0.prefix_cache_host_hit_tokens = 200
+    header, row, other, _ = format_status(resp).splitlines()
+    assert "host use" in header and "host hit" in header
+    # prefix hit counts either tier (62 %); host hit the share swapped in from host memory.
+    assert row.split()[10:] == ["62.0%", "5", "25.0%", "of", "16384", "20.0%"]
+    assert other.split()[-2:] == ["-", "-"], "an instance without a host tier shows dashes"
+    assert "host" not in format_status(make_response()), "no host tier anywhere: no columns"

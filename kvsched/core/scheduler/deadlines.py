@@ -101,6 +101,8 @@ class Deadlines(StepPlan):
             if lookup(h) is None:
                 break
             n += 1
+        if self.kv.host is not None:  # the run continues in host memory (swapped in)
+            n += len(self.kv.host.run_from(req.block_hashes[n:]))
         return n * self.block_size
 
     # ==== admission's side ====================================================================

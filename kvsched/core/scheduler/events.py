@@ -52,6 +52,7 @@ class Events:
     finished: list[Request] = field(default_factory=list)
     handed_off: list[Request] = field(default_factory=list)  # prefill role: prompt done, KV sent
     out_of_blocks: list[Request] = field(default_factory=list)  # a worker slot paused for blocks
+    host_hits: list[Request] = field(default_factory=list)  # placed with a prefix from host memory
 
     @property
     def token_reqs(self) -> list[Request]:
@@ -111,3 +112,13 @@ class SchedulerSnapshot:
     step_measured_ewma_ms: float = 0.0
     step_cost_coefficients: tuple[float, ...] = ()
     itl_target_ms: float = 0.0  # 0: time-budgeted steps off
+    # The host-memory KV tier (0 blocks: none). Hit tokens above count either tier; these count
+    # those from host memory. Swaps are blocks copied (sent), failures those the worker failed.
+    num_host_blocks: int = 0
+    num_free_host_blocks: int = 0
+    host_cache_usage: float = 0.0
+    prefix_cache_host_hit_tokens: int = 0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    num_swap_failures: int = 0
+    num_swap_ins_declined: int = 0

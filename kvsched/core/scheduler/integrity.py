@@ -28,6 +28,8 @@ def check_integrity(sched: Placements) -> None:
         assert sched.live.get(req.handle) is req, f"{req.req_id}: handle not live"
         assert req.slot >= 0
     sched.kv.pool.check_integrity(owners)
+    if sched.kv.host is not None:  # the host pool: every pin is a copy queued or in flight
+        sched.kv.host.check_integrity()
     for req in placed:  # a cached block under a request holds that request's tokens
         for b, h in zip(req.block_ids, req.block_hashes, strict=False):
             got = sched.kv.pool.block_hash[b]

@@ -42,7 +42,14 @@ class Placements:
         self.instance_id = instance_id
         cc, sc = config.cache, config.scheduler
         self.block_size = cc.block_size
-        self.kv = KVCacheManager(cc.block_size, cc.num_gpu_blocks, cc.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            cc.block_size,
+            cc.num_gpu_blocks,
+            cc.enable_prefix_caching,
+            cc.num_host_blocks,
+            cc.host_write_policy,
+            cc.host_write_hits,
+        )
         self.waiting = make_queue(sc.policy)
         self.requests: dict[str, Request] = {}  # every live (unfinished) request
         self.running: dict[str, Request] = {}  # placed, in admission order (LIFO victims)
@@ -90,20 +97,26 @@ class Placements:
         return self._threshold
 
     # ==== in ==================================================================================
-    def _place(self, tasks: Tasks, req: Request, num_hit: int) -> None:
-        """Give req a slot and a fresh handle; the worker learns it from a Placement."""
+    def _place(self, tasks: Tasks, req: Request, num_hit: int, num_swapped: int = 0) -> None:
+        """Give req a slot and a fresh handle; the worker learns it from a Placement.
+        num_swapped: tokens of num_hit that swap-ins bring from the host tier (their blocks
+        are registered only once a report shows them: num_reported_tokens stops before)."""
         now = self.clock()
         if req.num_cached_tokens < 0:  # its first placement on this instance
             req.num_cached_tokens = num_hit
             if req.first_scheduled_time < 0:  # (a request moved off a lost instance keeps it)
                 req.first_scheduled_time = now
-            self.kv.record_lookup(req.num_tokens, num_hit)
+            self.kv.record_lookup(req.num_tokens, num_hit, num_swapped)
             self.stats.num_prompt_tokens += len(req.prompt_token_ids)
+            if num_swapped:
+                req.num_host_cached_tokens = num_swapped
+                self.events.host_hits.append(req)
         req.status = RequestStatus.RUNNING
         req.slot = self.free_slots.pop()
         self._issue_handle(req)
         req.num_prefill_tokens = req.num_tokens
-        req.num_computed_tokens = req.num_reported_tokens = num_hit
+        req.num_computed_tokens = num_hit
+        req.num_reported_tokens = num_hit - num_swapped
         self.live[req.handle] = req
         self.running[req.req_id] = req
         self.prefilling[req.req_id] = req

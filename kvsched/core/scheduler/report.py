@@ -8,7 +8,8 @@ These loops are tuned (see docs/BENCHMARKS.md, `python -m bench.core_step --brea
 their locals bound and add no attribute hop per row.
 
 Imported by the scheduler facade only; imports `roles` (the hand-off) and through it
-`placement`, `step_plan` (the step-cost model learns from every report) and `events`.
+`placement`, `preemption` (a request whose swap-in failed is preempted: it recomputes),
+`step_plan` (the step-cost model learns from every report) and `events`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvsched.core.protocol import Extension, FinishReason, StepReport
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.deadlines import Deadlines
 from kvsched.core.scheduler.events import DecodeColumn, Events, RowTokens
+from kvsched.core.scheduler.preemption import Preemption
 from kvsched.core.scheduler.roles import Roles
 from kvsched.core.slots import RING, RING_SHIFT
 
@@ -45,7 +47,7 @@ class _Columns:
     fins: np.ndarray | None = None  # finish reasons; None: no row finished
 
 
-class Reports(Roles, Deadlines):
+class Reports(Roles, Preemption, Deadlines):
     """apply_report and its parts (owns the last report's step and applied seq)."""
 
     def __init__(
@@ -71,6 +73,16 @@ class Reports(Roles, Deadlines):
         ProtocolError (state unchanged) for reports that break the protocol. Returns the events
         since the last call (including those of schedule() and abort())."""
         cols = self._check_report(report)
+        host, self._step_swaps = self.kv.host, 0
+        if host is not None and report.applied_seq > self._last_applied_seq:
+            # The copies of every message up to applied_seq are done (or named as failed).
+            host.acknowledge(report.applied_seq, report.failed_swap_outs, report.failed_swap_ins)
+            self._step_swaps = host.swapped_last_ack
+            for h in report.failed_swap_ins:  # its swapped-in KV is not there: recompute
+                req = self.live.get(int(h))
+                if req is not None and req.status == RequestStatus.RUNNING:
+                    self._preempt(req)
+            cols.match, cols.all_match = None, False  # slots may have been freed
         # The step's terms and measured time into the cost model, and the chunks it ran off
         # the outstanding ones (step_plan), before any row changes the slots.
         single = report.step == self._last_step + 1 or self._last_step < 0
@@ -335,7 +347,7 @@ class Reports(Roles, Deadlines):
                 self._check_handles(h[~match])
         elif len(toks):
             raise ProtocolError("report token_ids length != sum(num_new_tokens)")
-        for col in (report.acked, report.paused, report.failed):
+        for col in (report.acked, report.paused, report.failed, report.failed_swap_ins):
             if len(col):
                 self._check_handles(col)
         cols.fins = fin

@@ -23,6 +23,8 @@ Imported by `kvsched.core.scheduler` (the package) only; imports the parts.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvsched.core.errors import RequestNotFound
 from kvsched.core.protocol import FinishReason, Tasks
 from kvsched.core.request import Request, RequestStatus
@@ -69,6 +71,19 @@ class Scheduler(Reports, Admission):
             gone = {*self._pending_preempts, *self._pending_aborts}
             tasks.extensions = [e for e in tasks.extensions if e.handle not in gone]
             tasks.chunks = [c for c in tasks.chunks if c.handle not in gone]
+        host = self.kv.host
+        if host is not None and host.has_queued():
+            gone_h = {*self._pending_preempts, *self._pending_aborts}
+            outs, ins = host.take(gone_h)
+            if outs:
+                tasks.swap_out_gpu, tasks.swap_out_host = map(list, zip(*outs, strict=True))
+            if ins:
+                h_, hb_, gb_ = zip(*ins, strict=True)
+                tasks.swap_in_handles, tasks.swap_in_host, tasks.swap_in_gpu = (
+                    list(h_),
+                    list(hb_),
+                    list(gb_),
+                )
         tasks.preempts, self._pending_preempts = self._pending_preempts, []
         tasks.aborts, self._pending_aborts = self._pending_aborts, []
         tasks.placements, self._pending_placements = (
@@ -84,6 +99,8 @@ class Scheduler(Reports, Admission):
         # Only messages sent are numbered, so a worker sees seq 1, 2, 3, ... without gaps.
         self._seq += 1
         tasks.seq = self._seq
+        if host is not None and (tasks.swap_out_gpu or tasks.swap_in_gpu):
+            host.sent(self._seq)
         self._answered = self._last_step
         if not empty:  # the report saying it was applied measures the round trip
             self._sent.append((self._seq, self._last_step))
@@ -109,7 +126,7 @@ class Scheduler(Reports, Admission):
     def reset_prefix_cache(self) -> int:
         """Forget all cached prefixes; the worker is told in the next Tasks. Returns the
         number of hashes dropped."""
-        n = self.kv.pool.reset_cache()
+        n = self.kv.reset_cache()  # both tiers
         for req in self.running.values():
             req.num_cached_blocks = len(req.block_ids)  # do not re-register old content
         self._pending_reset = True
@@ -156,7 +173,24 @@ class Scheduler(Reports, Admission):
             last_report_step=self._last_step,
             last_tasks_seq=self._seq,
             **self._step_cost_view(),
+            **self._host_view(),
         )
+
+    def _host_view(self) -> dict[str, Any]:
+        kv, host = self.kv, self.kv.host
+        if host is None:
+            return {}
+        st = host.stats
+        return {
+            "num_host_blocks": host.num_blocks,
+            "num_free_host_blocks": host.num_free,
+            "host_cache_usage": host.pool.usage,
+            "prefix_cache_host_hit_tokens": kv.num_host_hits,
+            "num_swap_outs": st.swap_outs,
+            "num_swap_ins": st.swap_ins,
+            "num_swap_failures": st.swap_out_failures + st.swap_in_failures,
+            "num_swap_ins_declined": st.swap_ins_declined,
+        }
 
     def check_integrity(self) -> None:
         """Assert every invariant of the scheduler's state (O(everything): tests only)."""

@@ -90,6 +90,9 @@ class StepPlan(Placements):
         # the prompts it completed), what the next steps start from.
         self._decode_ctx = 0
         self.last_step_terms: tuple[int, int, int, int] = (0, 0, 0, 0)
+        # Host tier copies done at the boundary of the step being reported (the report path
+        # sets it from the copies it acknowledges): the model's swapped-blocks term.
+        self._step_swaps = 0
 
     def _step_cost_view(self) -> dict[str, Any]:
         """The model's figures for `SchedulerSnapshot` (read only: learning does not depend on
@@ -119,8 +122,10 @@ class StepPlan(Placements):
             return float("inf")
         d = self.num_decoding
         ctx = self._decode_ctx + self._out_final_ctx + LOOKAHEAD_STEPS * d
+        host = self.kv.host  # copies queued for this message run at the step's boundary
+        copies = host.num_queued if host is not None else 0
         return self.itl_target_ms - self.cost.predict_ms(
-            self._out_tokens + d * self._spec_k, d, ctx, self._out_attn
+            self._out_tokens + d * self._spec_k, d, ctx, self._out_attn, copies
         )
 
     def _fit_time(self, start: int, n: int, own_tokens: int, own_attn: int, slack: float) -> int:
@@ -228,7 +233,8 @@ class StepPlan(Placements):
         self._decode_ctx = ctx + completed_ctx
         self.last_step_terms = (prefill, decodes, ctx, attn)
         if report.step_time_ns > 0:
-            self.cost.observe(prefill, decodes, ctx, attn, 0, report.step_time_ns / 1e6)
+            swaps = self._step_swaps
+            self.cost.observe(prefill, decodes, ctx, attn, swaps, report.step_time_ns / 1e6)
 
     def _shrink(self, h: int, rec: Outstanding, applied_seq: int) -> None:
         """Recompute a record's largest chunks after a report (some ran, the oldest may be

@@ -26,6 +26,7 @@ import numpy as np
 
 from kvsched.worker_stub.executor import SeqWork, StepResult
 from kvsched.worker_stub.model.backend import Array, Backend, get_backend
+from kvsched.worker_stub.model.host_pool import HostKvPool
 
 # Initial weight scales, chosen so greedy decoding neither sticks to one token nor falls into a
 # short cycle, and so attention is sharp enough that replacing a block of K/V changes the output.
@@ -209,10 +210,12 @@ class PagedModelExecutor:
         num_blocks: int,
         block_size: int,
         backend: Backend | str = "numpy",
+        num_host_blocks: int = 0,
     ) -> None:
-        if num_blocks < 1 or block_size < 1:
+        if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
             raise ValueError(
-                f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}"
+                f"num_blocks and block_size must be >= 1 and num_host_blocks >= 0, got "
+                f"{num_blocks}, {block_size}, {num_host_blocks}"
             )
         self.config = config
         self.num_blocks = num_blocks
@@ -221,6 +224,7 @@ class PagedModelExecutor:
         self.backend = self.model.backend
         self.k_cache: list[Array] = []
         self.v_cache: list[Array] = []
+        self.host = HostKvPool(config, num_host_blocks, block_size)
         self.reset()
 
     @property
@@ -240,6 +244,33 @@ class PagedModelExecutor:
 
         self.k_cache = [noise() for _ in range(c.num_layers)]
         self.v_cache = [noise() for _ in range(c.num_layers)]
+        self.host.fill_noise()
+
+    # ---- the host tier (host_pool.HostKvPool holds the memory) -------------------------------
+    def swap_out(self, gpu_ids: list[int], host_ids: list[int]) -> None:
+        """Copy GPU blocks (all layers' K and V) into host blocks."""
+        b = self.backend
+        src = b.asindex(self._block_slots(gpu_ids))
+        rows = [
+            b.to_numpy(b.gather(cache[i], src))
+            for i in range(self.config.num_layers)
+            for cache in (self.k_cache, self.v_cache)
+        ]
+        self.host.write(host_ids, rows)
+
+    def swap_in(self, host_ids: list[int], gpu_ids: list[int]) -> None:
+        """Copy host blocks into GPU blocks."""
+        b = self.backend
+        dst = b.asindex(self._block_slots(gpu_ids))
+        rows = self.host.read(host_ids)
+        for i in range(self.config.num_layers):
+            b.scatter_(self.k_cache[i], dst, b.asarray(rows[2 * i]))
+            b.scatter_(self.v_cache[i], dst, b.asarray(rows[2 * i + 1]))
+
+    def drop_host(self) -> None:
+        """The daemon forgot the host tier: refill it with noise, so a swap-in of a block it
+        no longer names would change tokens."""
+        self.host.fill_noise()
 
     def execute(self, work: list[SeqWork]) -> StepResult:
         """Compute the K/V of every SeqWork's tokens into its blocks, then sample where asked.
