@@ -12,6 +12,8 @@ at the head (it has no value). `touch` takes a cached free block back out in O(1
 
 from __future__ import annotations
 
+from kvsched.core.kv_events import AllBlocksCleared, BlockRemoved, KvEvent
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -29,6 +31,8 @@ class BlockPool:
         self._next[s] = 0 if num_blocks else s
         self._prev[s] = num_blocks - 1 if num_blocks else s
         self.num_free = num_blocks
+        # Prefix-cache changes for a consumer (None: nobody asked: nothing is recorded).
+        self.events: list[KvEvent] | None = None
 
     # ---- free list primitives -------------------------------------------------------------
     def _unlink(self, b: int) -> None:
@@ -66,6 +70,7 @@ class BlockPool:
             self.block_hash,
         )
         out = []
+        evicted: list[bytes] | None = None
         for _ in range(num):
             b = nxt[s]  # the head: unlinked here (as _unlink, inlined: every extension)
             n = nxt[b]
@@ -77,8 +82,15 @@ class BlockPool:
                 hashes[b] = None
                 if self.cached.get(h) == b:
                     del self.cached[h]
+                    if self.events is not None:
+                        if evicted is None:
+                            evicted = []
+                        evicted.append(h)
             out.append(b)
         self.num_free -= num
+        if evicted:
+            assert self.events is not None
+            self.events.append(BlockRemoved(evicted))
         return out
 
     def free(self, block_ids: list[int]) -> None:
@@ -116,6 +128,8 @@ class BlockPool:
         for b in self.cached.values():
             self.block_hash[b] = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return n
 
     @property

@@ -18,6 +18,7 @@ import hashlib
 import struct
 
 from kvsched.core.block_pool import BlockPool
+from kvsched.core.kv_events import BlockStored
 from kvsched.core.request import Request
 
 
@@ -154,13 +155,30 @@ class KVCacheManager:
         hashes = req.block_hashes
         n = min(n, len(hashes))
         block_hash, cached = self.pool.block_hash, self.pool.cached
+        events = self.pool.events
+        first = -1  # the first block this call registered (events only)
         for i in range(start, n):
             b, h = ids[i], hashes[i]
             # A block already holding a hash is a prefix hit; content another block already
             # holds is not registered twice (BlockPool.cache_block, inlined: decode visits).
             if block_hash[b] is None and cached.setdefault(h, b) == b:
                 block_hash[b] = h
+                if first < 0:
+                    first = i
         req.num_cached_blocks = n
+        if events is not None and first >= 0:
+            # One chain from the first new block on (blocks in it already cached elsewhere
+            # are stored again: harmless for a consumer, and keeps the chain whole).
+            bs = self.block_size
+            events.append(
+                BlockStored(
+                    hashes[first:n],
+                    hashes[first - 1] if first else None,
+                    req.token_ids(first * bs, n * bs),
+                    bs,
+                    req.lora_name or None,
+                )
+            )
 
     def free(self, req: Request) -> None:
         """Return req's blocks, chain tail first, and clear its table."""
