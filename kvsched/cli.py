@@ -63,6 +63,11 @@ def _add_serve(sub: Any) -> None:
         choices=("fail", "standalone"),
         help="NATS unreachable at start: fail (default) or run standalone",
     )
+    p.add_argument(
+        "--cluster-token",
+        metavar="TOKEN",
+        help="bearer token (role client) sent to peer daemons when forwarding requests",
+    )
     p.set_defaults(func=_serve)
 
 
@@ -87,7 +92,13 @@ def _nats(args: argparse.Namespace) -> int:
 
 def _add_worker(sub: Any) -> None:
     p = sub.add_parser("worker", help="run a reference GPU worker", description="Run a worker.")
-    p.add_argument("--server", default=DEFAULT_SERVER, metavar="HOST:PORT")
+    p.add_argument(
+        "--server",
+        default=DEFAULT_SERVER,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the daemon, or a cluster's daemons (tried in order; a daemon that does not own "
+        "the instance redirects the worker to the one that does)",
+    )
     p.add_argument("--instance", default="i0", metavar="ID", help="instance id (default i0)")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
@@ -188,6 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
             "daemon_id",
             "advertise",
             "cluster_fallback",
+            "cluster_token",
         )
     }
     overrides["engine.scheduler.itl_target_ms"] = args.itl_target_ms

@@ -12,7 +12,8 @@ Public API (the request journal's takeover, issue 16, builds on this):
     m = Membership(link, address="10.0.0.5:50051", ttl_s=6.0, load=callable_returning_dict)
     await m.start()                   # first entry written, refresh + poll loop running
     m.members  -> dict[str, Member]   # the live daemons as of the last poll (self included)
-    m.alive(daemon_id) -> bool
+    m.alive(daemon_id) -> bool        # in the polled view
+    await m.lookup(daemon_id)         # its entry read now (None: expired or leaving)
     q = m.departures()                # asyncio.Queue[Departure]: one item per daemon that left
                                       #   (graceful: marked `leaving`) or expired (its entry
                                       #   timed out: graceful False, the takeover case)
@@ -40,6 +41,7 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
 from kvsched.cluster.link import ClusterLink
+from kvsched.core.errors import Unavailable
 
 log = logging.getLogger("kvsched.cluster")
 
@@ -104,6 +106,21 @@ class Membership:
         self._kv = await self.link.bucket(MEMBERS_BUCKET, ttl_s=self.ttl_s)
         await self.refresh()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="membership")
+
+    async def lookup(self, daemon_id: str) -> Member | None:
+        """A daemon's entry read from NATS now: None when it has none (expired) or it says
+        `leaving`. Raises Unavailable when NATS cannot be asked (never guess "dead")."""
+        assert self._kv is not None, "Membership.start() was not called"
+        try:
+            entry = await self._kv.get(daemon_id)
+        except KeyNotFoundError:
+            return None
+        except Exception as exc:
+            raise Unavailable(f"membership of {daemon_id!r}: NATS: {exc}") from None
+        if not entry.value:
+            return None
+        member = Member.from_json(entry.value)
+        return None if member.leaving else member
 
     def alive(self, daemon_id: str) -> bool:
         return daemon_id in self.members

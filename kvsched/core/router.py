@@ -18,6 +18,23 @@ from kvsched.core.request import Request
 from kvsched.core.scheduler import Scheduler
 
 
+def load_value(running: float, waiting: float, max_num_seqs: float, kv_usage: float) -> float:
+    """An instance's load from its numbers (as `Router.load` reads them off a scheduler)."""
+    return (running + waiting) / max(1.0, max_num_seqs) + kv_usage
+
+
+def best_by_score(hits: Sequence[float], loads: Sequence[float], load_weight: float) -> int:
+    """Index maximising hit - load_weight * (load - min load): the rule of `Router.pick`, for
+    candidates known only by numbers (a cluster's instances on other daemons). First wins ties."""
+    base = min(loads)
+    best, best_score = 0, float("-inf")
+    for i, (hit, load) in enumerate(zip(hits, loads, strict=True)):
+        score = hit - load_weight * (load - base)
+        if score > best_score:
+            best, best_score = i, score
+    return best
+
+
 class Router:
     def __init__(self, load_weight: float = 0.5) -> None:
         self.load_weight = load_weight

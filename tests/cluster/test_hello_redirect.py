@@ -1,0 +1,45 @@
+"""Workers in a cluster: a worker pointed at a daemon that does not own its instance ends up
+attached to the owner (real nats-server, daemons and workers)."""
+
+from __future__ import annotations
+
+import time
+
+from kvsched.cluster.natsd import NatsServer
+from tests.integration.harness import Proc, start_daemon, start_worker, status, wait_ready
+
+
+def _instances(address: str) -> dict[str, bool]:
+    return {i.instance_id: i.ready for i in status(address).instances}
+
+
+def test_worker_at_non_owner_is_redirected_to_owner(nats_server: NatsServer) -> None:
+    procs: list[Proc] = []
+    try:
+        a, addr_a = start_daemon("--cluster", nats_server.url, "--daemon-id", "rd-a")
+        procs.append(a)
+        b, addr_b = start_daemon("--cluster", nats_server.url, "--daemon-id", "rd-b")
+        procs.append(b)
+        # The first worker of instance rd0 reaches a first: a takes the lease.
+        w1 = start_worker(addr_a, "rd0", "--zero-cost")
+        procs.append(w1)
+        wait_ready(addr_a, ["rd0"])
+        w1.stop()
+        deadline = time.monotonic() + 20
+        while _instances(addr_a).get("rd0") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # The instance's next worker is pointed at b first: b redirects it to a (the owner).
+        w2 = start_worker(f"{addr_b},{addr_a}", "rd0", "--zero-cost")
+        procs.append(w2)
+        wait_ready(addr_a, ["rd0"])
+        w2.wait_for(r"redirected from \S+ to " + addr_a.replace(".", r"\."))
+        assert "rd0" not in _instances(addr_b)
+        b.wait_for(r"worker of instance rd0 redirected to daemon rd-a")
+        # A worker of an unowned instance is taken by the daemon it reached first.
+        w3 = start_worker(f"{addr_b},{addr_a}", "rd1", "--zero-cost")
+        procs.append(w3)
+        wait_ready(addr_b, ["rd1"])
+        assert "rd1" not in _instances(addr_a)
+    finally:
+        for p in reversed(procs):
+            p.stop()
