@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvsched.cluster.forward import FORWARD_INSTANCE, FORWARDED_BY, Forwarder, relay_owner
@@ -29,6 +31,7 @@ from kvsched.cluster.routing import ClusterRouter, RemoteInstance
 from kvsched.core import Request, Scheduler, Unavailable
 from kvsched.server.auth import principal_of
 from kvsched.server.engine import InstanceEngine
+from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import worker_service_pb2 as wpb
 
 if TYPE_CHECKING:
@@ -225,18 +228,43 @@ class ClusterNode:
             await msg.respond(b"ok")
 
     # ---- status -------------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        """The cluster as this daemon sees it (admin status)."""
-        index = self.stream.index
-        return {
-            "daemon_id": self.daemon_id,
-            "connected": self.connected,
-            "daemons": {d: m.address for d, m in self.membership.members.items()},
-            "owners": {i: lease.owner for i, lease in self.leases.owners().items()},
-            "load": {i: dict(v.load) for i, v in index.instances.items() if v.synced},
-            "num_forwarded": self.router.num_forwarded,
-            "num_local": self.router.num_local,
-            "num_prefix_routed": self.router.num_prefix_routed,
-            "num_gaps": index.num_gaps,
-            "num_snapshots": index.num_snapshots,
-        }
+    def cluster_status(self) -> apb.ClusterStatus:
+        """The cluster as this daemon sees it (AdminService.GetStatus)."""
+        index, router = self.stream.index, self.router
+        out = apb.ClusterStatus(
+            daemon_id=self.daemon_id,
+            connected=self.connected,
+            num_routed_local=router.num_local,
+            num_forwarded=router.num_forwarded,
+            num_prefix_routed=router.num_prefix_routed,
+            num_event_gaps=index.num_gaps,
+            num_snapshots=index.num_snapshots,
+        )
+        for did, m in sorted(self.membership.members.items()):
+            out.daemons.append(
+                apb.ClusterStatus.Daemon(daemon_id=did, address=m.address, instances=m.instances)
+            )
+        owners = {i: lease.owner for i, lease in self.leases.owners().items()}
+        now = time.monotonic()
+        for iid in sorted(set(owners) | set(index.instances)):
+            st = apb.ClusterStatus.Instance(instance_id=iid, owner_daemon_id=owners.get(iid, ""))
+            v = index.instances.get(iid)
+            if v is not None and v.synced:
+                ld = v.load
+                st.load_known = bool(ld) and now - v.heard <= router.stale_s
+                st.num_running = ld.get("running", 0.0)
+                st.num_waiting = ld.get("waiting", 0.0)
+                st.kv_cache_usage = ld.get("kv_usage", 0.0)
+                st.queued_prefill_tokens = ld.get("queued_prefill_tokens", 0.0)
+                st.num_indexed_blocks = len(v.hashes)
+                st.events_seq = v.seq
+                st.index_digest = hash_digest(v.hashes)
+            out.instances.append(st)
+        return out
+
+
+def hash_digest(hashes: set[bytes]) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for x in sorted(hashes):
+        h.update(x)
+    return h.hexdigest()
