@@ -84,13 +84,17 @@ class KvStream:
         self.num_published = 0
         self.drop_next = False  # tests: drop the next batch instead of publishing it
 
-    async def start(self) -> None:
+    async def start(self, publish_every_flush_s: bool = True) -> None:
+        """Subscribe to everyone's batches and answer snapshot requests for this daemon's
+        instances; publish every `flush_s` (False: only when `flush()` is called)."""
         nc = self.link.nc
         self._subs = [
             await nc.subscribe(f"{EVENTS_SUBJECT}.>", cb=self._on_batch),
             await nc.subscribe(f"{SNAPSHOT_SUBJECT}.>", cb=self._on_snapshot_request),
         ]
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="kv-stream")
+        await nc.flush()  # the server has the subscriptions before anything is published
+        if publish_every_flush_s:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="kv-stream")
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -84,6 +84,7 @@ class ClusterNode:
         await self.leases.start()
         await self.stream.start()
         self._subs.append(await self.link.nc.subscribe(ABORT_SUBJECT, cb=self._on_abort))
+        await self.link.nc.flush()
         self._refresh_views()
         for iid, lease in self.leases.owners().items():
             if lease.owner != self.daemon_id:
