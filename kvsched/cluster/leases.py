@@ -15,6 +15,7 @@ Public API:
     lease = await leases.owner(iid)           # Lease(instance_id, owner, revision) or None
     leases.cached_owner(iid)                  # the watcher's latest view, no round trip
     leases.owners() -> dict[str, Lease]       # every lease as the watcher saw it last
+    await leases.reload()                     # re-read every lease (after an outage)
     got = await leases.acquire(iid)           # the lease after trying to create it for this
                                               #   daemon: got.owner tells who won
     ok = await leases.try_take(iid, from_daemon)  # CAS: True only if it moved from
@@ -65,13 +66,20 @@ class Leases:
 
     async def start(self) -> None:
         self._kv = await self.link.bucket(LEASES_BUCKET)
-        with contextlib.suppress(NoKeysError):
-            for key in await self._kv.keys():
-                with contextlib.suppress(KeyNotFoundError):
-                    entry = await self._kv.get(key)
-                    if entry.value:
-                        self._cache[key] = Lease(key, entry.value.decode(), entry.revision or 0)
+        await self.reload()
         self._watch = asyncio.get_running_loop().create_task(self._watcher(), name="leases")
+
+    async def reload(self) -> None:
+        """Read every lease from NATS into the cache (start, and after an outage: a watcher
+        may miss what changed while the server was away)."""
+        fresh: dict[str, Lease] = {}
+        with contextlib.suppress(NoKeysError):
+            for key in await self.kv.keys():
+                with contextlib.suppress(KeyNotFoundError):
+                    entry = await self.kv.get(key)
+                    if entry.value:
+                        fresh[key] = Lease(key, entry.value.decode(), entry.revision or 0)
+        self._cache = fresh
 
     async def stop(self) -> None:
         if self._watch is not None:

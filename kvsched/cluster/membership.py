@@ -23,7 +23,8 @@ Public API (the request journal's takeover, issue 16, builds on this):
 Departures are found by polling the bucket every refresh (JetStream does not notify watchers of
 an entry removed by TTL), so a daemon learns of a peer's expiry at most `ttl_s + ttl_s / 4`
 after its last refresh. While NATS is unreachable the loop keeps trying; `members` keeps its
-last view (`stale` is True) and no departure is reported from a stale view.
+last view (`stale` is True) and no departure is reported from a stale view, nor for one TTL
+after NATS is back (peers need that long to write their entries again).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class Membership:
         self._queues: list[asyncio.Queue[Departure]] = []
         self._task: asyncio.Task[None] | None = None
         self._left: set[str] = set()  # ids whose entry says `leaving`, at the last poll
+        self._grace_until = 0.0  # after an outage: no expiry is believed before this
 
     async def start(self) -> None:
         self._kv = await self.link.bucket(MEMBERS_BUCKET, ttl_s=self.ttl_s)
@@ -148,12 +150,19 @@ class Membership:
                 log.warning("membership: cannot reach NATS (%s); keeping the last view", exc)
             self.stale = True
             return
+        now = time.monotonic()
         if self.stale and self.members:
             log.info("membership: NATS reachable again, %d daemon(s)", len(seen))
-        was_stale, self.stale = self.stale, False
-        old, self.members = self.members, seen
-        if was_stale:
-            return  # a view from before an outage is no basis for declaring anyone gone
+            # Peers refresh within a TTL of NATS coming back: until then an entry that
+            # expired during the outage is no sign of a dead daemon.
+            self._grace_until = now + self.ttl_s
+        self.stale = False
+        old = self.members
+        if now < self._grace_until:
+            for did, last in old.items():
+                if did not in seen and did not in self._left:
+                    seen[did] = last
+        self.members = seen
         for did, last in old.items():
             if did not in seen:
                 dep = Departure(did, did in self._left, last)

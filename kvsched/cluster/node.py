@@ -130,8 +130,15 @@ class ClusterNode:
         self._owners.update({i: lease.owner for i, lease in self.leases.owners().items()})
 
     async def _views(self) -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(0.2)
+            ticks += 1
+            if ticks % 10 == 0 and self.connected:
+                try:  # the watcher may have missed changes made while NATS was away
+                    await asyncio.wait_for(self.leases.reload(), NATS_TIMEOUT_S)
+                except Exception as exc:
+                    log.debug("leases reload: %r", exc)
             self._refresh_views()
 
     # ---- workers ------------------------------------------------------------------------------
