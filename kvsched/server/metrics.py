@@ -48,6 +48,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.utils import floatToGoString
 
 from kvsched.core import FinishReason, Unavailable
+from kvsched.server.cluster_metrics import cluster_families
 from kvsched.server.config import split_host_port
 
 log = logging.getLogger("kvsched.metrics")
@@ -380,6 +381,7 @@ class _Collector:
         yield success
         yield from hists.values()
         yield from _step_cost_families(mx, labels)
+        yield from cluster_families(mx.daemon, mx.model)
 
 
 def _step_cost_families(mx: Metrics, labels: list[str]) -> Iterator[Metric]:

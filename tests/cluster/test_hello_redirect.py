@@ -43,3 +43,32 @@ def test_worker_at_non_owner_is_redirected_to_owner(nats_server: NatsServer) -> 
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def test_prometheus_names_the_daemon(nats_server: NatsServer) -> None:
+    import urllib.request
+
+    proc = Proc(
+        [
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--cluster",
+            nats_server.url,
+            "--daemon-id",
+            "pm-a",
+        ],
+        name="daemon",
+    )
+    try:
+        m = proc.wait_for(r"kvsched metrics on (\S+:\d+)")
+        with urllib.request.urlopen(f"http://{m.group(1)}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        line = next(x for x in text.splitlines() if x.startswith("kvsched_daemon_info{"))
+        assert 'daemon_id="pm-a"' in line and f'cluster="{nats_server.url}"' in line
+        assert line.endswith(" 1.0")
+        assert 'kvsched_cluster_forwarded_total{daemon_id="pm-a"' in text
+    finally:
+        proc.stop()
