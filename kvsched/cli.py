@@ -166,6 +166,13 @@ def _add_demo(sub: Any) -> None:
         help="simulate this much faster than real time (figures stay in simulated seconds)",
     )
     p.add_argument("--json", type=Path, default=Path("bench/results/demo.json"), metavar="OUT")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run several daemons joined through a local NATS (docs/CLUSTER.md); requests are "
+        "spread over them",
+    )
+    p.add_argument("--daemons", type=int, default=2, help="with --cluster: daemons (default 2)")
     p.set_defaults(func=_demo)
 
 

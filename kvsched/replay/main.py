@@ -34,6 +34,7 @@ def run_replay(args: argparse.Namespace) -> int:
             serve_args=()
             if args.itl_target_ms is None
             else ("--itl-target-ms", f"{args.itl_target_ms:g}"),
+            num_daemons=args.daemons,
         )
         address = cluster.address
     from kvsched.client import KvschedClientError
