@@ -72,3 +72,25 @@ def test_prometheus_names_the_daemon(nats_server: NatsServer) -> None:
         assert 'kvsched_cluster_forwarded_total{daemon_id="pm-a"' in text
     finally:
         proc.stop()
+
+
+def test_demo_cluster_replays_across_daemons(tmp_path: object) -> None:
+    """`make demo-cluster` (kvsched demo --cluster) on a few seconds of the trace, sped up."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.integration.harness import REPO, child_env
+
+    out = Path(str(tmp_path)) / "demo.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "kvsched.cli", "demo", "--cluster", "--daemons", "2",
+         "--workers", "2", "--duration", "4", "--time-scale", "5", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=REPO, env=child_env(),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "2 daemons in one cluster" in res.stdout
+    summary = json.loads(out.read_text())
+    assert summary["completed"] == summary["requests"] > 0
+    assert len(summary["instances"]) == 2
