@@ -137,9 +137,23 @@ class ClusterNode:
             if ticks % 10 == 0 and self.connected:
                 try:  # the watcher may have missed changes made while NATS was away
                     await asyncio.wait_for(self.leases.reload(), NATS_TIMEOUT_S)
+                    await self._claim_unleased()
                 except Exception as exc:
                     log.debug("leases reload: %r", exc)
             self._refresh_views()
+
+    async def _claim_unleased(self) -> None:
+        """Instances attached here while NATS was away have no lease: take it now (a
+        conflict, another daemon holding it meanwhile, is logged: both drive it until one
+        worker reconnects)."""
+        for iid in list(self._schedulers()):
+            if self.leases.cached_owner(iid) == self.daemon_id:
+                continue
+            lease = await asyncio.wait_for(self.leases.acquire(iid), NATS_TIMEOUT_S)
+            if lease.owner != self.daemon_id:
+                log.warning(
+                    "instance %s is attached here but leased to daemon %s", iid, lease.owner
+                )
 
     # ---- workers ------------------------------------------------------------------------------
     async def admit_worker(self, hello: Any) -> bytes | None:
@@ -248,6 +262,7 @@ class ClusterNode:
             num_event_gaps=index.num_gaps,
             num_snapshots=index.num_snapshots,
         )
+        out.route_us_p50, out.route_us_p99 = router.route_percentiles_us()
         for did, m in sorted(self.membership.members.items()):
             out.daemons.append(
                 apb.ClusterStatus.Daemon(daemon_id=did, address=m.address, instances=m.instances)

@@ -10,6 +10,7 @@ what it last published plus the requests this daemon forwarded to it since.
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -63,6 +64,7 @@ class ClusterRouter:
         self.num_local = 0
         self.num_forwarded = 0
         self.num_prefix_routed = 0  # placements on an instance holding part of the prompt
+        self.route_s: collections.deque[float] = collections.deque(maxlen=2048)
 
     def remote_candidates(self, now: float) -> list[InstanceView]:
         out = []
@@ -79,6 +81,20 @@ class ClusterRouter:
     def route(self, req: Request) -> InstanceEngine | RemoteInstance:
         """Where `req` goes. With no peer instance known this is the daemon's own routing
         (including its errors: Unavailable when nothing is ready)."""
+        t0 = time.perf_counter()
+        try:
+            return self._route(req)
+        finally:
+            self.route_s.append(time.perf_counter() - t0)
+
+    def route_percentiles_us(self) -> tuple[float, float]:
+        """Median and p99 of the recent routing decisions, microseconds (0 when none)."""
+        xs = sorted(self.route_s)
+        if not xs:
+            return 0.0, 0.0
+        return 1e6 * xs[len(xs) // 2], 1e6 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+    def _route(self, req: Request) -> InstanceEngine | RemoteInstance:
         remotes = self.remote_candidates(time.monotonic())
         if not remotes:
             eng = self.registry.route(req)

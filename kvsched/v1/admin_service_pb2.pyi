@@ -180,6 +180,8 @@ class ClusterStatus(_message.Message):
     NUM_PREFIX_ROUTED_FIELD_NUMBER: _builtins.int
     NUM_EVENT_GAPS_FIELD_NUMBER: _builtins.int
     NUM_SNAPSHOTS_FIELD_NUMBER: _builtins.int
+    ROUTE_US_P50_FIELD_NUMBER: _builtins.int
+    ROUTE_US_P99_FIELD_NUMBER: _builtins.int
     daemon_id: _builtins.str
     connected: _builtins.bool
     """NATS reachable now (false: routing is local only until it is back)."""
@@ -192,6 +194,11 @@ class ClusterStatus(_message.Message):
     num_event_gaps: _builtins.int
     """KV-event gaps detected, and snapshots applied (a late join, or a gap repaired)."""
     num_snapshots: _builtins.int
+    route_us_p50: _builtins.float
+    """Time this daemon took to choose an instance for a new request (the cluster-wide routing
+    decision), over its last 2,048 requests: median and 99th percentile, microseconds.
+    """
+    route_us_p99: _builtins.float
     @_builtins.property
     def daemons(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterStatus.Daemon]: ...
     @_builtins.property
@@ -208,10 +215,12 @@ class ClusterStatus(_message.Message):
         num_prefix_routed: _builtins.int = ...,
         num_event_gaps: _builtins.int = ...,
         num_snapshots: _builtins.int = ...,
+        route_us_p50: _builtins.float = ...,
+        route_us_p99: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "daemon_id", b"daemon_id", "daemons", b"daemons", "instances", b"instances", "num_event_gaps", b"num_event_gaps", "num_forwarded", b"num_forwarded", "num_prefix_routed", b"num_prefix_routed", "num_routed_local", b"num_routed_local", "num_snapshots", b"num_snapshots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "daemon_id", b"daemon_id", "daemons", b"daemons", "instances", b"instances", "num_event_gaps", b"num_event_gaps", "num_forwarded", b"num_forwarded", "num_prefix_routed", b"num_prefix_routed", "num_routed_local", b"num_routed_local", "num_snapshots", b"num_snapshots", "route_us_p50", b"route_us_p50", "route_us_p99", b"route_us_p99"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
