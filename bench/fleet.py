@@ -228,6 +228,9 @@ async def _measure(
         "window_s": round(window, 2),
         "instance_steps_per_s": round(steps / window, 1),
         "mean_step_ms": round(1000 * sum(busy) / steps, 2) if steps else 0.0,
+        # Of the window, the fraction the sim GPUs computed (mean over instances): below 1
+        # with no control-plane idle means the worker host itself ran short of CPU.
+        "gpu_busy_frac": round(sum(busy) / (len(busy) * window), 3),
         "daemon_cpu_us_per_step": round(1e6 * sum(cpu) / steps, 1) if steps else 0.0,
         "daemon_cpu_cores": [round(c / window, 3) for c in cpu],
         "idle_frac_control_plane_max": round(max(idle), 4),
@@ -256,6 +259,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         ("instances", "inst"),
         ("instance_steps_per_s", "steps/s"),
         ("mean_step_ms", "step ms"),
+        ("gpu_busy_frac", "gpu busy"),
         ("daemon_cpu_us_per_step", "cpu us/step"),
         ("daemon_cpu_cores", "daemon cores"),
         ("idle_frac_control_plane_max", "cp idle max"),

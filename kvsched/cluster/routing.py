@@ -66,6 +66,20 @@ class ClusterRouter:
         self.num_prefix_routed = 0  # placements on an instance holding part of the prompt
         self.route_s: collections.deque[float] = collections.deque(maxlen=2048)
 
+    def _hashes(
+        self, req: Request, block_size: int, by_size: dict[int, list[bytes]]
+    ) -> list[bytes]:
+        """The prompt's chained block hashes for `block_size` (computed once per size)."""
+        got = by_size.get(block_size)
+        if got is None:
+            hasher = self._hashers.get(block_size)
+            if hasher is None:
+                hasher = self._hashers[block_size] = KVCacheManager(block_size, 0)
+            req.block_hashes = []
+            hasher.ensure_hashes(req, (req.num_tokens - 1) // block_size)
+            got = by_size[block_size] = req.block_hashes
+        return got
+
     def remote_candidates(self, now: float) -> list[InstanceView]:
         out = []
         for iid, v in self.index.instances.items():
@@ -108,20 +122,16 @@ class ClusterRouter:
         n = max(1, len(req.prompt_token_ids))
         hits: list[float] = []
         loads: list[float] = []
+        by_size: dict[int, list[bytes]] = {}  # the prompt's block hashes, once per block size
         for e in engines:
             sched = e.sched
             assert sched is not None
-            req.block_hashes = []  # hashes depend on the block size: one instance at a time
+            req.block_hashes = self._hashes(req, sched.block_size, by_size)
             hits.append(sched.prefix_hit_tokens(req) / n)
             loads.append(Router.load(sched))
         for v in remotes:
             bs = v.block_size or 16
-            req.block_hashes = []
-            hasher = self._hashers.get(bs)
-            if hasher is None:
-                hasher = self._hashers[bs] = KVCacheManager(bs, 0)
-            hasher.ensure_hashes(req, (req.num_tokens - 1) // bs)
-            hits.append(v.prefix_blocks(req.block_hashes) * bs / n)
+            hits.append(v.prefix_blocks(self._hashes(req, bs, by_size)) * bs / n)
             ld = v.load
             loads.append(
                 load_value(
@@ -131,7 +141,7 @@ class ClusterRouter:
                     ld.get("kv_usage", 0.0),
                 )
             )
-        req.block_hashes = []
+        req.block_hashes = []  # the instance chosen hashes with its own block size
         i = best_by_score(hits, loads, self.load_weight)
         if hits[i] > 0:
             self.num_prefix_routed += 1
