@@ -8,6 +8,13 @@
                        answer a Redirect to its owner
     stop:              release this daemon's leases, mark its membership entry `leaving`
 
+For the failover takeover (issue 16): `daemon.cluster_node.membership.departures()` yields the
+daemons whose entry expired (`Departure.graceful` False) with their last entry (`last.instances`);
+`cluster_node.leases.try_take(instance_id, from_daemon=dead_id)` moves each lease by CAS (True
+for exactly one daemon). The dead daemon's workers find the new owner on their own: they try
+their next daemon address, and a Hello for an instance leased to a live peer is redirected
+there (one whose lessee is dead is taken by the daemon reached, with the same CAS).
+
 While NATS is unreachable the node degrades: requests are routed among this daemon's own
 instances, workers are admitted locally, and nothing accepted waits on NATS. It heals when the
 connection comes back (nats-py reconnects; the loops retry).
