@@ -170,6 +170,8 @@ class ClusterNode:
         eng = self.registry.engines.get(iid)
         if eng is not None and eng.ranks:
             return None  # another rank of it is attached here already: it is ours
+        if eng is None and not self.config.auto_instances:
+            return None  # an instance this daemon does not know: attach refuses it, no lease
         if not self.connected:
             log.warning("NATS unreachable: attaching instance %s here without a lease", iid)
             return None

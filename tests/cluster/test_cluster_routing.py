@@ -94,22 +94,31 @@ def test_aborts_and_dropped_clients_through_any_daemon(nats_server: NatsServer) 
     try:
         addrs = cluster.addresses
 
-        def long_msg(rid: str, instance_hint: int) -> rpb.GenerateRequest:
+        rng = random.Random(7)
+        prefixes = [[rng.randrange(3, 30000) for _ in range(128)] for _ in range(3)]
+
+        def long_msg(rid: str, k: int) -> rpb.GenerateRequest:
             return rpb.GenerateRequest(
                 request_id=rid,
-                prompt_token_ids=[instance_hint, *range(100, 140)],
+                prompt_token_ids=[*prefixes[k % 3], *range(100 + k, 108 + k)],
                 sampling=common_pb2.SamplingParams(max_tokens=2000, ignore_eos=True),
             )
 
         async def go() -> None:
             channels = [grpc.aio.insecure_channel(a) for a in addrs]
             stubs = [request_service_pb2_grpc.RequestServiceStub(ch) for ch in channels]
+            # Warm prefix j through daemon j: some instance holds each prefix from now on.
+            for j in range(3):
+                s = Spec(f"ab-warm-{j}", [*prefixes[j], 1, 2], 2)
+                o = await generate(stubs[j], s.message(), timeout=30)
+                assert o.tokens == s.expected
+            await asyncio.sleep(0.5)  # their KV events reach every daemon
             cases = []
-            for k in range(9):  # submit through daemon k % 3; abort through (k // 3 + k) % 3
+            for k in range(9):  # prefix (k+1) % 3 through daemon k % 3: it follows its prefix
                 rid = f"ab-{k}"
                 queued = asyncio.Event()
                 task = asyncio.create_task(
-                    generate(stubs[k % 3], long_msg(rid, k), queued=queued, timeout=60)
+                    generate(stubs[k % 3], long_msg(rid, k + 1), queued=queued, timeout=60)
                 )
                 await asyncio.wait_for(queued.wait(), 20)
                 cases.append((rid, task, (k // 3 + k) % 3))
@@ -118,6 +127,7 @@ def test_aborts_and_dropped_clients_through_any_daemon(nats_server: NatsServer) 
                 await stubs[via].Abort(rpb.AbortRequest(request_id=rid), timeout=10)
             outs = [await asyncio.wait_for(t, 30) for _, t, _ in cases]
             ran_elsewhere = [k for k, o in enumerate(outs) if o.instance != f"ab{k % 3}"]
+            # (a request keeps its queued instance: forwarded ones name the peer's)
             assert ran_elsewhere, "no request was forwarded: the test did not exercise relaying"
             for (rid, _, via), o in zip(cases, outs, strict=True):
                 assert o.finished is not None, (rid, o.code, o.details)
@@ -132,7 +142,7 @@ def test_aborts_and_dropped_clients_through_any_daemon(nats_server: NatsServer) 
             # Dropped clients: cancel the calls; the requests end wherever they ran.
             tasks = [
                 asyncio.create_task(
-                    generate(stubs[k % 3], long_msg(f"drop-{k}", k + 50), timeout=60)
+                    generate(stubs[k % 3], long_msg(f"drop-{k}", k + 1), timeout=60)
                 )
                 for k in range(6)
             ]
