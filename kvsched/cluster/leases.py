@@ -186,6 +186,7 @@ class Leases:
     async def _watcher(self) -> None:
         """Keep `owners()` current from the bucket's updates (across NATS reconnects)."""
         while True:
+            watcher = None
             try:
                 watcher = await self.kv.watchall()
                 async for entry in watcher:
@@ -198,6 +199,9 @@ class Leases:
                     else:
                         self._note(Lease(entry.key, entry.value.decode(), entry.revision or 0))
             except asyncio.CancelledError:
+                if watcher is not None:  # its subscription would hold up the link's drain
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(watcher.stop(), 1.0)
                 raise
             except Exception as exc:
                 log.debug("leases watcher: %r; restarting", exc)
