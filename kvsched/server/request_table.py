@@ -92,8 +92,9 @@ class RequestTable:
         self.streams: set[Any] = set()  # open Generate / Session sinks (stall watchdog)
         self.num_requeued = 0
         # A cluster's routing and forwarding (kvsched.cluster.node.ClusterNode; None: alone):
-        # `route(req)` -> an engine here or a peer's instance, `forward(tr, pb, remote,
-        # carrier, deadline_s)`, `pinned(carrier)` -> (instance id or None, owner or None).
+        # `route_new(req, carrier, owner)` -> (an engine here or a peer's instance, the owner
+        # to track it under), `forward(tr, pb, remote, carrier, deadline_s)`, and
+        # `abort_elsewhere(request_id, owner)` (awaited by the Abort RPC).
         self.cluster: Any = None
 
     # ---- requests ---------------------------------------------------------------------------
