@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROTOS  := $(wildcard protos/kvsched/v1/*.proto)
 
-.PHONY: install proto proto-check lint typecheck test test-fast demo bench bench-peers clean
+.PHONY: install proto proto-check lint typecheck test test-fast demo demo-cluster bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,6 +45,10 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvsched demo
+
+# The same trace under two daemons joined through a local NATS (docs/CLUSTER.md).
+demo-cluster: $(STAMP)
+	$(BIN)/kvsched demo --cluster --daemons 2 --json bench/results/demo_cluster.json
 
 # The benchmark suite; figures and how to read them: docs/BENCHMARKS.md.
 bench: $(STAMP)

@@ -69,6 +69,11 @@ def _add_serve(sub: Any) -> None:
         help="when KV blocks are copied to a worker's host tier, every instance "
         "(engine.cache.host_write_policy; default write_through_selective)",
     )
+    p.add_argument(
+        "--cluster-token",
+        metavar="TOKEN",
+        help="bearer token (role client) sent to peer daemons when forwarding requests",
+    )
     p.set_defaults(func=_serve)
 
 
@@ -93,7 +98,13 @@ def _nats(args: argparse.Namespace) -> int:
 
 def _add_worker(sub: Any) -> None:
     p = sub.add_parser("worker", help="run a reference GPU worker", description="Run a worker.")
-    p.add_argument("--server", default=DEFAULT_SERVER, metavar="HOST:PORT")
+    p.add_argument(
+        "--server",
+        default=DEFAULT_SERVER,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the daemon, or a cluster's daemons (tried in order; a daemon that does not own "
+        "the instance redirects the worker to the one that does)",
+    )
     p.add_argument("--instance", default="i0", metavar="ID", help="instance id (default i0)")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
@@ -167,6 +178,13 @@ def _add_demo(sub: Any) -> None:
         help="simulate this much faster than real time (figures stay in simulated seconds)",
     )
     p.add_argument("--json", type=Path, default=Path("bench/results/demo.json"), metavar="OUT")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run several daemons joined through a local NATS (docs/CLUSTER.md); requests are "
+        "spread over them",
+    )
+    p.add_argument("--daemons", type=int, default=2, help="with --cluster: daemons (default 2)")
     p.set_defaults(func=_demo)
 
 
@@ -200,6 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
             "daemon_id",
             "advertise",
             "cluster_fallback",
+            "cluster_token",
         )
     }
     overrides["engine.scheduler.itl_target_ms"] = args.itl_target_ms

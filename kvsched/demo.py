@@ -1,6 +1,8 @@
 """`make demo` / `kvsched demo`: the daemon and four simulated H100 workers replay the first 60 s
 of the Mooncake conversation trace (the slice shipped in kvsched/data/) at its real arrival
-times, then print a summary table and the paths of its JSON and plots.
+times, then print a summary table and the paths of its JSON and plots. `--cluster` (`make
+demo-cluster`) runs the same workers under several daemons joined through a local NATS, the
+trace's requests spread over the daemons.
 
 In its first 60 s the trace offers about 2.9 H100-seconds of work per second, so one H100 would be ~3x overloaded
 and its queue would grow without bound; four keep each about 75 % busy, the load the SLOs are
@@ -24,6 +26,10 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"kvsched demo: trace {trace} not found (pass --trace PATH)")
         return 2
     workers = f"{args.workers} simulated {args.gpu.upper()} worker" + "s" * (args.workers != 1)
+    daemons = 1
+    if getattr(args, "cluster", False):
+        daemons = args.daemons
+        workers += f" and {daemons} daemons in one cluster on a local NATS (docs/CLUSTER.md)"
     print(
         f"kvsched demo: replaying {args.duration:g} s of {trace.name} at its real arrival times "
         f"on {workers} (daemon and workers are child processes), "
@@ -36,7 +42,7 @@ def run_demo(args: argparse.Namespace) -> int:
         [
             "--trace", str(trace), "--duration", str(args.duration), "--embedded",
             "--gpu", args.gpu, "--workers", str(args.workers), "--time-scale",
-            str(args.time_scale), "--json", str(args.json),
+            str(args.time_scale), "--json", str(args.json), "--daemons", str(daemons),
         ]
     )  # fmt: skip
     return run_replay(replay_args)

@@ -6,6 +6,7 @@ has no JetStream; everything else in kvsched.cluster takes a `ClusterLink`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -38,9 +39,17 @@ class ClusterLink:
             config = KeyValueConfig(bucket=name, history=history, ttl=ttl_s or None)
             return await self.js.create_key_value(config=config)
 
-    async def close(self) -> None:
-        if not self.nc.is_closed:
-            await self.nc.drain()
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Drain (deliver what is in flight) then close; a drain that does not finish within
+        `timeout_s` (NATS away, a stuck subscriber) closes at once."""
+        if self.nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout_s)
+        except Exception as exc:
+            log.warning("NATS drain did not finish (%r): closing", exc)
+            if not self.nc.is_closed:
+                await self.nc.close()
 
 
 async def connect_cluster(

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvsched.core.kv_events import AllBlocksCleared, BlockRemoved, KvEvent
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -34,6 +36,8 @@ class BlockPool:
         # Called with (block, hash) when `allocate` evicts the block a hash was cached in (the
         # host tier's write_back policy copies it out); None: nobody listens.
         self.on_evict: Callable[[int, bytes], None] | None = None
+        # Prefix-cache changes for a consumer (None: nobody asked: nothing is recorded).
+        self.events: list[KvEvent] | None = None
 
     # ---- free list primitives -------------------------------------------------------------
     def _unlink(self, b: int) -> None:
@@ -71,6 +75,7 @@ class BlockPool:
             self.block_hash,
         )
         out = []
+        evicted: list[bytes] | None = None
         for _ in range(num):
             b = nxt[s]  # the head: unlinked here (as _unlink, inlined: every extension)
             n = nxt[b]
@@ -84,8 +89,15 @@ class BlockPool:
                     del self.cached[h]
                     if self.on_evict is not None:
                         self.on_evict(b, h)
+                    if self.events is not None:
+                        if evicted is None:
+                            evicted = []
+                        evicted.append(h)
             out.append(b)
         self.num_free -= num
+        if evicted:
+            assert self.events is not None
+            self.events.append(BlockRemoved(evicted))
         return out
 
     def free(self, block_ids: list[int]) -> None:
@@ -125,6 +137,8 @@ class BlockPool:
         self.block_hash[block_id] = None
         if self.cached.get(h) == block_id:
             del self.cached[h]
+            if self.events is not None:
+                self.events.append(BlockRemoved([h]))
         if self.ref_cnt[block_id] == 0:
             self._unlink(block_id)
             self._link_after(self.num_blocks, block_id)
@@ -135,6 +149,8 @@ class BlockPool:
         for b in self.cached.values():
             self.block_hash[b] = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return n
 
     @property

@@ -19,6 +19,7 @@ import struct
 
 from kvsched.core.block_pool import BlockPool
 from kvsched.core.config import WritePolicy
+from kvsched.core.kv_events import BlockStored
 from kvsched.core.request import Request
 from kvsched.core.tiers import HostTier
 
@@ -192,6 +193,8 @@ class KVCacheManager:
         n = min(n, len(hashes))
         block_hash, cached = self.pool.block_hash, self.pool.cached
         on_registered = self._on_registered
+        events = self.pool.events
+        first = -1  # the first block this call registered (events only)
         for i in range(start, n):
             b, h = ids[i], hashes[i]
             # A block already holding a hash is a prefix hit; content another block already
@@ -200,7 +203,22 @@ class KVCacheManager:
                 block_hash[b] = h
                 if on_registered is not None:
                     on_registered(b, h)  # the host tier's write policy
+                if first < 0:
+                    first = i
         req.num_cached_blocks = n
+        if events is not None and first >= 0:
+            # One chain from the first new block on (blocks in it already cached elsewhere
+            # are stored again: harmless for a consumer, and keeps the chain whole).
+            bs = self.block_size
+            events.append(
+                BlockStored(
+                    hashes[first:n],
+                    hashes[first - 1] if first else None,
+                    req.token_ids(first * bs, n * bs),
+                    bs,
+                    req.lora_name or None,
+                )
+            )
 
     def free(self, req: Request) -> None:
         """Return req's blocks, chain tail first, and clear its table."""

@@ -22,6 +22,29 @@ from kvsched.core.request import Request
 from kvsched.core.scheduler import Scheduler
 
 
+def load_value(running: float, waiting: float, max_num_seqs: float, kv_usage: float) -> float:
+    """An instance's load from its numbers (as `Router.load` reads them off a scheduler)."""
+    return (running + waiting) / max(1.0, max_num_seqs) + kv_usage
+
+
+def backlog_load(backlog_ms: float, kv_usage: float, load_seconds: float) -> float:
+    """An instance's load from its predicted queued prefill and KV usage (`Router.load`'s
+    rule over numbers, for a peer's instance known from what it published)."""
+    return backlog_ms / (1e3 * load_seconds) + kv_usage
+
+
+def best_by_score(hits: Sequence[float], loads: Sequence[float], load_weight: float) -> int:
+    """Index maximising hit - load_weight * (load - min load): the rule of `Router.pick`, for
+    candidates known only by numbers (a cluster's instances on other daemons). First wins ties."""
+    base = min(loads)
+    best, best_score = 0, float("-inf")
+    for i, (hit, load) in enumerate(zip(hits, loads, strict=True)):
+        score = hit - load_weight * (load - base)
+        if score > best_score:
+            best, best_score = i, score
+    return best
+
+
 class Router:
     def __init__(self, load_weight: float = 0.5, load_seconds: float = 3.0) -> None:
         """load_seconds: the predicted queued prefill that weighs as much as a full KV pool."""
@@ -29,7 +52,7 @@ class Router:
         self.load_seconds = load_seconds
 
     def load(self, s: Scheduler) -> float:
-        return s.predicted_backlog_ms() / (1e3 * self.load_seconds) + s.kv.usage
+        return backlog_load(s.predicted_backlog_ms(), s.kv.usage, self.load_seconds)
 
     @staticmethod
     def count_load(s: Scheduler) -> float:

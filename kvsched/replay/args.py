@@ -20,7 +20,12 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
         default=CONVERSATION_SLICE,
         help="Mooncake .jsonl or Azure .csv (default: the shipped Mooncake conversation slice)",
     )
-    p.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
+    p.add_argument(
+        "--server",
+        default="127.0.0.1:50051",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the daemon, or a cluster's daemons (requests spread round-robin)",
+    )
     p.add_argument("--duration", type=float, default=None, help="seconds of the trace")
     p.add_argument("--requests", type=int, default=None, help="first N requests")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
@@ -38,6 +43,13 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gpu", choices=("h100", "a100"), default="h100")
     p.add_argument("--workers", type=int, default=1, help="embedded: simulated instances")
+    p.add_argument(
+        "--daemons",
+        type=int,
+        default=1,
+        help="embedded: daemons; more than 1 starts a local NATS and makes them one cluster "
+        "(requests are spread over them, docs/CLUSTER.md)",
+    )
     p.add_argument("--num-blocks", type=int, default=H100_BLOCKS, help="embedded: KV blocks each")
     p.add_argument(
         "--host-blocks",

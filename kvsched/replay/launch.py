@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -73,14 +74,16 @@ def spawn(name: str, *args: str) -> Child:
 
 @dataclass
 class Cluster:
-    """A daemon and its simulated workers, started together and stopped together."""
+    """Daemons (one, or several on a local NATS) and their simulated workers, started together
+    and stopped together. `address`: the daemons' addresses, comma-separated."""
 
-    daemon: Child
+    daemons: list[Child]
     address: str
     workers: list[Child]
+    nats: Any = None  # kvsched.cluster.natsd.NatsServer when there are several daemons
 
     def stop(self) -> dict[str, float]:
-        """Stop workers then the daemon; return each worker's idle_frac_control_plane."""
+        """Stop workers then the daemons; return each worker's idle_frac_control_plane."""
         idle: dict[str, float] = {}
         for w in self.workers:
             w.stop()
@@ -88,7 +91,10 @@ class Cluster:
                 if m := re.search(r"idle_frac_control_plane ([0-9.]+)", line):
                     idle[w.name] = float(m.group(1))
                     break
-        self.daemon.stop()
+        for d in self.daemons:
+            d.stop()
+        if self.nats is not None:
+            self.nats.close()
         return idle
 
 
@@ -111,14 +117,36 @@ def start_cluster(
     num_slots: int = 256,
     host_blocks: int = 0,
     serve_args: tuple[str, ...] = (),
+    num_daemons: int = 1,
 ) -> Cluster:
-    daemon, address = start_daemon(*serve_args)
+    """`num_daemons` > 1: a local nats-server and that many daemons in one cluster; worker i
+    is given every daemon, daemon i % num_daemons first."""
+    nats = None
+    daemons, addresses = [], []
+    try:
+        if num_daemons > 1:
+            from kvsched.cluster.natsd import NatsServer
+
+            nats = NatsServer().start()
+        for k in range(num_daemons):
+            cluster_args = () if nats is None else ("--cluster", nats.url, "--daemon-id", f"d{k}")
+            daemon, address = start_daemon(*serve_args, *cluster_args)
+            daemons.append(daemon)
+            addresses.append(address)
+    except BaseException:
+        for d in daemons:
+            d.stop()
+        if nats is not None:
+            nats.close()
+        raise
+    n = len(addresses)
+    servers = [",".join(addresses[i % n :] + addresses[: i % n]) for i in range(num_workers)]
     workers = [
         spawn(
             f"w{i}",
             "worker",
             "--server",
-            address,
+            servers[i],
             "--instance",
             f"w{i}",
             "--executor",
@@ -140,4 +168,4 @@ def start_cluster(
     ]
     for w in workers:
         w.wait_for(r"welcomed")
-    return Cluster(daemon, address, workers)
+    return Cluster(daemons, ",".join(addresses), workers, nats)

@@ -33,6 +33,7 @@ def run_replay(args: argparse.Namespace) -> int:
             block_size=BLOCK_SIZE,
             host_blocks=args.host_blocks,
             serve_args=serve_args(args),
+            num_daemons=args.daemons,
         )
         address = cluster.address
     from kvsched.client import KvschedClientError

@@ -7,6 +7,7 @@ measured latency is multiplied back by it: figures are in simulated GPU seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import Sequence
@@ -71,20 +72,23 @@ class _Run:
         """Seconds since the start, in trace (simulated GPU) time."""
         return (time.monotonic() - self.t0) * self.time_scale
 
-    async def submit_all(self, session: AsyncSession) -> None:
-        """Submit every request at its arrival time, then half-close the session."""
+    async def submit_all(self, sessions: Sequence[AsyncSession]) -> None:
+        """Submit every request at its arrival time (request i on session i mod n: spread
+        over a cluster's daemons), then half-close the sessions."""
+        n = len(sessions)
         for i, r in enumerate(self.requests):
             delay = self.t0 + r.arrival_s / self.speedup - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            await session.submit(
+            await sessions[i % n].submit(
                 r.prompt_token_ids,
                 client_tag=f"trace-{i}",
                 request_id=f"trace-{i}",
                 max_tokens=r.max_tokens,
                 ignore_eos=True,
             )
-        await session.close()
+        for session in sessions:
+            await session.close()
 
     def absorb(self, batch: SessionBatch) -> None:
         now = self.now()
@@ -127,17 +131,27 @@ async def replay(
     sample_every_s: float = 1.0,
     admin_token: str | None = None,
 ) -> ReplayResult:
-    """Replay `requests` over one Session (with `token`: the client's). Status figures
-    (preemptions, KV usage, the timeline) come from AdminService with `admin_token` (default:
-    `token`); a daemon that refuses those credentials there gets a replay without them.
-    KvschedClientError when the daemon refuses the session or cannot be reached."""
+    """Replay `requests` over one Session per daemon (`address`: one HOST:PORT, or a
+    cluster's daemons comma-separated; requests spread round-robin), with `token`: the
+    client's. Status figures (preemptions, KV usage, the timeline) come from AdminService with
+    `admin_token` (default: `token`), summed over the daemons; a daemon that refuses those
+    credentials there gets a replay without them. KvschedClientError when a daemon refuses the
+    session or cannot be reached."""
     run = _Run(requests, rate_scale, time_scale)
     admin_tok = token if admin_token is None else admin_token
-    async with (
-        AsyncClient(address, token=token, credentials=credentials) as client,
-        AsyncClient(address, token=admin_tok, credentials=credentials) as admin,
-    ):
-        before = await _status(admin)
+    addresses = [a.strip() for a in address.split(",") if a.strip()]
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(AsyncClient(a, token=token, credentials=credentials))
+            for a in addresses
+        ]
+        admins = [
+            await stack.enter_async_context(
+                AsyncClient(a, token=admin_tok, credentials=credentials)
+            )
+            for a in addresses
+        ]
+        before = await _status(admins)
         if before is None:
             print(
                 "kvsched replay: these credentials may not read the daemon's status "
@@ -148,25 +162,39 @@ async def replay(
         run.t0 = time.monotonic()
         result = ReplayResult(list(run.records.values()))
         sampler = (
-            asyncio.ensure_future(_sample(admin, run, result, sample_every_s, progress))
+            asyncio.ensure_future(_sample(admins, run, result, sample_every_s, progress))
             if before is not None
             else None
         )
-        session = client.session()
-        submitter = asyncio.ensure_future(run.submit_all(session))
-        try:
+        sessions = [c.session() for c in clients]
+        submitter = asyncio.ensure_future(run.submit_all(sessions))
+
+        async def read(session: AsyncSession) -> None:
             async for batch in session:
                 run.absorb(batch)
                 if run.finished.is_set():
-                    break
+                    return
+
+        readers = [asyncio.ensure_future(read(s)) for s in sessions]
+        try:
+            finished = asyncio.ensure_future(run.finished.wait())
+            gathered = asyncio.ensure_future(asyncio.gather(*readers, return_exceptions=True))
+            waits: set[asyncio.Future[Any]] = {finished, gathered}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finished.cancel()
+            gathered.cancel()
             if submitter.done():
                 submitter.result()  # a refused stream raises here rather than hang
+            for r in readers:
+                if r.done() and not r.cancelled():
+                    r.result()
         finally:
-            for task in (sampler, submitter):
+            for task in (sampler, submitter, *readers):
                 if task is not None:
                     task.cancel()
-            session.cancel()
-        after = await _status(admin) if before is not None else None
+            for session in sessions:
+                session.cancel()
+        after = await _status(admins) if before is not None else None
     if before is None or after is None:
         return result
     if progress:
@@ -190,16 +218,27 @@ async def replay(
     return result
 
 
-async def _status(admin: AsyncClient) -> apb.GetStatusResponse | None:
-    """The daemon's status, or None when the credentials may not read it."""
-    try:
-        return await admin.status(timeout=10)
-    except (Unauthenticated, PermissionDenied):
-        return None
+async def _status(admins: Sequence[AsyncClient]) -> apb.GetStatusResponse | None:
+    """The daemons' status, summed (instances listed once, by their owner), or None when the
+    credentials may not read it."""
+    out = apb.GetStatusResponse()
+    seen: set[str] = set()
+    for admin in admins:
+        try:
+            st = await admin.status(timeout=10)
+        except (Unauthenticated, PermissionDenied):
+            return None
+        out.num_running += st.num_running
+        out.num_waiting += st.num_waiting
+        for i in st.instances:
+            if i.instance_id not in seen and (i.ready or len(admins) == 1):
+                seen.add(i.instance_id)
+                out.instances.append(i)
+    return out
 
 
 async def _sample(
-    admin: AsyncClient,
+    admins: Sequence[AsyncClient],
     run: _Run,
     result: ReplayResult,
     every_s: float,
@@ -209,8 +248,10 @@ async def _sample(
     while True:
         await asyncio.sleep(every_s / run.time_scale)
         try:
-            st = await admin.status(timeout=5)
+            st = await _status(admins)
         except KvschedClientError:
+            continue
+        if st is None:
             continue
         now = run.now()
         ready = [i for i in st.instances if i.ready]

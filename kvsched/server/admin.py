@@ -82,6 +82,9 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
             out.instances.append(st)
             out.num_waiting += st.num_waiting
             out.num_running += st.num_running
+        cluster = self.requests.cluster
+        if cluster is not None:
+            out.cluster.CopyFrom(cluster.cluster_status())
         return out
 
     def _each(self, instance_id: str, action: Callable[[InstanceEngine], object]) -> list[str]:

@@ -44,6 +44,7 @@ from kvsched.v1 import (
 
 if TYPE_CHECKING:
     from kvsched.cluster.link import ClusterLink
+    from kvsched.cluster.node import ClusterNode
     from kvsched.server.config import ServerConfig
 
 log = logging.getLogger("kvsched.daemon")
@@ -70,8 +71,10 @@ class Daemon:
         self.registry = InstanceRegistry(config, self.telemetry)
         self.requests = RequestTable(config, self.registry, self.telemetry)
         self.registry.open(self.requests)
-        # The NATS connection when this daemon is in a cluster (set by `join_cluster`).
+        # The NATS connection when this daemon is in a cluster, and its membership, leases,
+        # KV events, routing and forwarding (set by `join_cluster`).
         self.cluster_link: ClusterLink | None = None
+        self.cluster_node: ClusterNode | None = None
 
     async def join_cluster(self, advertise: str) -> None:
         """Connect to the cluster's NATS when `cluster` is configured. Unreachable: raise
@@ -89,6 +92,12 @@ class Daemon:
                 raise
             log.warning("%s; running standalone (cluster_fallback = standalone)", exc)
             return
+        from kvsched.cluster.node import ClusterNode
+
+        self.cluster_node = ClusterNode(
+            config, self.cluster_link, self.registry, self.requests, advertise
+        )
+        await self.cluster_node.start()
         log.info("joined cluster %s as daemon %s", config.cluster, daemon_id)
 
     @property
@@ -206,6 +215,8 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
     log.info("signal received: draining")
     await daemon.drain(config.grace_period_s)
     watcher.cancel()
+    if daemon.cluster_node is not None:
+        await daemon.cluster_node.stop()  # leases released: workers find the next owner
     await server.stop(grace=1.0)
     if daemon.cluster_link is not None:
         await daemon.cluster_link.close()

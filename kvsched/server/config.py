@@ -124,6 +124,8 @@ class ServerConfig:
     daemon_id: str = ""  # this daemon's id in the cluster; "": derived from the listen address
     advertise: str = ""  # HOST:PORT peers and workers reach this daemon at; "": the listen address
     cluster_fallback: str = "fail"  # NATS unreachable at start: "fail", or run "standalone"
+    cluster_token: str = ""  # bearer token (role client) this daemon sends to peers it forwards to
+    member_ttl_s: float = 6.0  # a daemon whose membership entry is this old is presumed dead
 
     def validate(self) -> ServerConfig:
         """Check every field; normalize `log_level`, `tracing_exporter`, `metrics_listen`."""
@@ -204,6 +206,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "heartbeat_interval_s": (0.01, 3600.0),
     "heartbeat_timeout_s": (0.01, 86400.0),
     "requeue_timeout_s": (0.0, 86400.0),
+    "member_ttl_s": (0.5, 3600.0),
     "max_session_requests": (1, _INT32_MAX),
     "default_max_tokens": (1, _INT32_MAX),
     "stall_timeout_s": (0.1, 86400.0),

@@ -100,6 +100,7 @@ class InstanceEngine:
         self.ranks: dict[int, RankConn] = {}
         self.sched: Scheduler | None = None
         self.draining = False
+        self.kv_events = False  # record the prefix cache's changes (a cluster publishes them)
         self.reports: list[StepReport] = []
         self._next_handle = 0  # handles continue across schedulers of this instance
         self._wake = asyncio.Event()
@@ -170,6 +171,8 @@ class InstanceEngine:
             )
         except ConfigError as exc:  # the workers' sizes do not fit this instance's config
             raise ProtocolError(f"instance {self.instance_id!r} cannot start: {exc}") from None
+        if self.kv_events:
+            self.sched.enable_kv_events()
         log.info(
             "instance %s ready: %d rank(s), %d blocks of %d tokens, %d slots, role %s",
             self.instance_id,

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from kvsched import codec
-from kvsched.core import KvschedError
+from kvsched.core import KvschedError, RequestNotFound
 from kvsched.server.auth import current_principal
 from kvsched.server.errors import status_for
 from kvsched.server.request_table import RequestTable, Tracked
@@ -144,7 +144,13 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        self.requests.abort(request.request_id, owner=principal(context) or None)
+        owner = principal(context) or None
+        try:
+            self.requests.abort(request.request_id, owner=owner)
+        except RequestNotFound:
+            cluster = self.requests.cluster
+            if cluster is None or not await cluster.abort_elsewhere(request.request_id, owner):
+                raise
         return pb.AbortResponse()
 
     async def Session(

@@ -48,6 +48,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.utils import floatToGoString
 
 from kvsched.core import FinishReason, Unavailable
+from kvsched.server.cluster_metrics import cluster_families
 from kvsched.server.config import split_host_port
 from kvsched.server.host_metrics import host_tier_families
 from kvsched.server.tenant_metrics import TenantMetrics
@@ -392,6 +393,7 @@ class _Collector:
         yield from _step_cost_families(mx, labels)
         yield from mx.tenants.families(mx.daemon.engines, model)
         yield from host_tier_families(mx.daemon, model, labels)
+        yield from cluster_families(mx.daemon, mx.model)
 
 
 def _step_cost_families(mx: Metrics, labels: list[str]) -> Iterator[Metric]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kvsched import codec
@@ -36,6 +37,10 @@ class InstanceRegistry:
         self.router = Router()
         self.paused = False  # AdminService Pause without an instance id (shown by GetStatus)
         self._listener: EngineListener | None = None
+        # A cluster's Hello gate (kvsched.cluster.node.ClusterNode.admit_worker; None: alone):
+        # awaited before a worker attaches; returns None (attach here) or the serialized
+        # ConnectResponse that redirects the worker to its instance's owner.
+        self.worker_gate: Callable[[Any], Awaitable[bytes | None]] | None = None
 
     def open(self, listener: EngineListener) -> None:
         """Create the configured instances' engines, reporting to `listener`. Called once, by
@@ -46,9 +51,9 @@ class InstanceRegistry:
 
     def _engine(self, instance_id: str, engine_config: Any, world_size: int) -> InstanceEngine:
         assert self._listener is not None, "InstanceRegistry.open() was not called"
-        return InstanceEngine(
-            self._listener, self.telemetry, instance_id, engine_config, world_size
-        )
+        eng = InstanceEngine(self._listener, self.telemetry, instance_id, engine_config, world_size)
+        eng.kv_events = bool(self.config.cluster)  # a cluster publishes them (kvsched.cluster)
+        return eng
 
     # ---- workers ----------------------------------------------------------------------------
     def attach_worker(self, hello: Any) -> tuple[InstanceEngine, RankConn]:

@@ -72,6 +72,7 @@ class Tracked:
     decode_engine: InstanceEngine | None = None  # P/D: holds a reservation until hand-off
     span: Any = None
     finished: bool = False  # its one Finished is decided: the table no longer tracks it
+    forward: Any = None  # cluster: the task relaying it from a peer's instance (engine: remote)
 
 
 class RequestTable:
@@ -90,6 +91,11 @@ class RequestTable:
         self._timer_seq = 0
         self.streams: set[Any] = set()  # open Generate / Session sinks (stall watchdog)
         self.num_requeued = 0
+        # A cluster's routing and forwarding (kvsched.cluster.node.ClusterNode; None: alone):
+        # `route_new(req, carrier, owner)` -> (an engine here or a peer's instance, the owner
+        # to track it under), `forward(tr, pb, remote, carrier, deadline_s)`, and
+        # `abort_elsewhere(request_id, owner)` (awaited by the Abort RPC).
+        self.cluster: Any = None
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(
@@ -113,7 +119,13 @@ class RequestTable:
         if req_id in self.tracked:
             raise InvalidRequest(f"request_id {req_id!r} is already in use by a live request")
         req = codec.request_from_proto(pb, req_id, time.monotonic(), self.config.default_max_tokens)
-        eng = self.registry.route(req)
+        cluster = self.cluster
+        if cluster is None:
+            eng = self.registry.route(req)
+        else:
+            eng, owner = cluster.route_new(req, carrier or {}, owner)
+            if not isinstance(eng, InstanceEngine):  # a peer's instance: forward it there
+                return self._forward(req, eng, pb, sink, owner, client_tag, carrier, deadline_s)
         tr = Tracked(req, eng, sink, pb.detachable, owner, client_tag)
         if eng.role == Role.PREFILL:
             tr.decode_engine = self._reserve_decode(req)
@@ -132,6 +144,28 @@ class RequestTable:
             self._timer(now + deadline_s, tr, "deadline")
         self.telemetry.request_accepted(tr, carrier or {})
         eng.wake()
+        return tr
+
+    def _forward(
+        self,
+        req: Request,
+        remote: Any,
+        pb: request_service_pb2.GenerateRequest,
+        sink: Sink,
+        owner: str,
+        client_tag: str,
+        carrier: Mapping[str, str] | None,
+        deadline_s: float | None,
+    ) -> Tracked:
+        """Track a request that runs on a peer's instance (the cluster relays its outputs)."""
+        tr = Tracked(req, remote, sink, pb.detachable, owner, client_tag)
+        req.tag = tr
+        self.tracked[req.req_id] = tr
+        self.all_done.clear()
+        if deadline_s is not None:
+            self._timer(time.monotonic() + deadline_s, tr, "deadline")
+        self.telemetry.request_accepted(tr, carrier or {})
+        self.cluster.forward(tr, pb, remote, dict(carrier or {}), deadline_s)
         return tr
 
     def _reserve_decode(self, req: Request) -> InstanceEngine:
@@ -220,6 +254,9 @@ class RequestTable:
         self._cancel_reservation(tr)
         if self.tracked.pop(req.req_id, None) is None:
             return
+        if tr.forward is not None:  # ended here first (abort, drop): the peer aborts it too
+            tr.forward.cancel()
+            tr.forward = None
         tr.finished = True
         self.recent[req.req_id] = None
         if len(self.recent) > RECENT_FINISHED:

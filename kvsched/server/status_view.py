@@ -139,8 +139,37 @@ def _daemon_line(resp: admin_service_pb2.GetStatusResponse) -> str:
     )
 
 
+_CLUSTER_HEADERS = ("cluster instance", "owner", "running", "waiting", "KV use", "indexed blocks")
+
+
+def _cluster_lines(c: admin_service_pb2.ClusterStatus) -> list[str]:
+    """A cluster daemon's view: every instance's owner and load, then the daemons."""
+    rows: list[tuple[str, ...]] = [_CLUSTER_HEADERS]
+    for i in c.instances:
+        known = i.load_known
+        rows.append(
+            (
+                i.instance_id,
+                i.owner_daemon_id or "-",
+                f"{i.num_running:g}" if known else "-",
+                f"{i.num_waiting:g}" if known else "-",
+                f"{100.0 * i.kv_cache_usage:.1f}%" if known else "-",
+                str(i.num_indexed_blocks),
+            )
+        )
+    widths = [max(len(r[k]) for r in rows) for k in range(len(_CLUSTER_HEADERS))]
+    lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    daemons = ", ".join(f"{d.daemon_id} ({d.address})" for d in c.daemons) or "-"
+    lines.append(
+        f"cluster: daemon {c.daemon_id}, NATS {'connected' if c.connected else 'UNREACHABLE'}; "
+        f"daemons: {daemons}; routed here {c.num_routed_local}, forwarded {c.num_forwarded}"
+    )
+    return lines
+
+
 def format_status(resp: admin_service_pb2.GetStatusResponse) -> str:
-    """One row per instance, in the response's order, then a line about the whole daemon."""
+    """One row per instance, in the response's order, then a line about the whole daemon;
+    in a cluster, the cluster's instances (owner, load) and daemons after it."""
     cost = any(i.itl_target_ms > 0 or i.step_measured_ewma_ms > 0 for i in resp.instances)
     host = any(i.num_host_blocks > 0 for i in resp.instances)
     headers = _BASE_HEADERS + (_HOST_HEADERS if host else ()) + (_COST_HEADERS if cost else ())
@@ -148,4 +177,6 @@ def format_status(resp: admin_service_pb2.GetStatusResponse) -> str:
     if not resp.instances:
         lines.append("(no instances: no worker has connected)")
     lines.append(_daemon_line(resp))
+    if resp.HasField("cluster"):
+        lines.extend(_cluster_lines(resp.cluster))
     return "\n".join(lines)

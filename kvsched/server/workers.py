@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from kvsched import codec
-from kvsched.core import ProtocolError
+from kvsched.core import ProtocolError, Unavailable
 from kvsched.server.engine import InstanceEngine, RankConn
 from kvsched.server.registry import InstanceRegistry
 from kvsched.v1 import worker_service_pb2 as wpb
@@ -68,6 +68,16 @@ class WorkerServicer:
                 f"the first message must be Hello, got {first.WhichOneof('kind')!r}",
             )
             return
+        gate = self.registry.worker_gate
+        if gate is not None:
+            try:
+                redirect = await gate(first.hello)
+            except Unavailable as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                return
+            if redirect is not None:  # another daemon owns the instance (protocol step 11)
+                yield redirect
+                return
         try:
             eng, conn = self.registry.attach_worker(first.hello)
         except ProtocolError as exc:

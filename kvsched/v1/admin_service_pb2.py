@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvsched.v1 import common_pb2 as kvsched_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekvsched/v1/admin_service.proto\x12\nkvsched.v1\x1a\x17kvsched/v1/common.proto\"\'\n\x10GetStatusRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x8e\x01\n\x11GetStatusResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12-\n\tinstances\x18\x05 \x03(\x0b\x32\x1a.kvsched.v1.InstanceStatus\"\xab\x06\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.kvsched.v1.InstanceRole\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x0e\n\x06paused\x18\x05 \x01(\x08\x12\x1b\n\x13num_ranks_connected\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x16\n\x0enum_slots_used\x18\t \x01(\r\x12\x11\n\tnum_slots\x18\n \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x0b \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x0c \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\r \x01(\x01\x12\x13\n\x0bnum_waiting\x18\x0e \x01(\r\x12\x13\n\x0bnum_running\x18\x0f \x01(\r\x12\x11\n\tnum_steps\x18\x10 \x01(\x04\x12\x13\n\x0bsteps_per_s\x18\x11 \x01(\x01\x12!\n\x19prefix_cache_query_tokens\x18\x12 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x13 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x14 \x01(\x04\x12\x19\n\x11step_predicted_ms\x18\x15 \x01(\x01\x12\x18\n\x10step_measured_ms\x18\x16 \x01(\x01\x12\x1e\n\x16step_predicted_ewma_ms\x18\x17 \x01(\x01\x12\x1d\n\x15step_measured_ewma_ms\x18\x18 \x01(\x01\x12\x15\n\ritl_target_ms\x18\x19 \x01(\x01\x12\x17\n\x0fnum_host_blocks\x18\x1a \x01(\r\x12\x1c\n\x14num_free_host_blocks\x18\x1b \x01(\r\x12\x18\n\x10host_cache_usage\x18\x1c \x01(\x01\x12$\n\x1cprefix_cache_host_hit_tokens\x18\x1d \x01(\x04\x12\x15\n\rnum_swap_outs\x18\x1e \x01(\x04\x12\x14\n\x0cnum_swap_ins\x18\x1f \x01(\x04\x12\x19\n\x11num_swap_failures\x18  \x01(\x04\"#\n\x0c\x44rainRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"%\n\rDrainResponse\x12\x14\n\x0cinstance_ids\x18\x01 \x03(\t\"#\n\x0cPauseRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"%\n\rPauseResponse\x12\x14\n\x0cinstance_ids\x18\x01 \x03(\t\"$\n\rResumeRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"&\n\x0eResumeResponse\x12\x14\n\x0cinstance_ids\x18\x01 \x03(\t\".\n\x17ResetPrefixCacheRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"0\n\x18ResetPrefixCacheResponse\x12\x14\n\x0cinstance_ids\x18\x01 \x03(\t2\xf4\x02\n\x0c\x41\x64minService\x12H\n\tGetStatus\x12\x1c.kvsched.v1.GetStatusRequest\x1a\x1d.kvsched.v1.GetStatusResponse\x12<\n\x05\x44rain\x12\x18.kvsched.v1.DrainRequest\x1a\x19.kvsched.v1.DrainResponse\x12<\n\x05Pause\x12\x18.kvsched.v1.PauseRequest\x1a\x19.kvsched.v1.PauseResponse\x12?\n\x06Resume\x12\x19.kvsched.v1.ResumeRequest\x1a\x1a.kvsched.v1.ResumeResponse\x12]\n\x10ResetPrefixCache\x12#.kvsched.v1.ResetPrefixCacheRequest\x1a$.kvsched.v1.ResetPrefixCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekvsched/v1/admin_service.proto\x12\nkvsched.v1\x1a\x17kvsched/v1/common.proto\"\'\n\x10GetStatusRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\xba\x01\n\x11GetStatusResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12-\n\tinstances\x18\x05 \x03(\x0b\x32\x1a.kvsched.v1.InstanceStatus\x12*\n\x07\x63luster\x18\x06 \x01(\x0b\x32\x19.kvsched.v1.ClusterStatus\"\xfd\x04\n\rClusterStatus\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x31\n\x07\x64\x61\x65mons\x18\x03 \x03(\x0b\x32 .kvsched.v1.ClusterStatus.Daemon\x12\x35\n\tinstances\x18\x04 \x03(\x0b\x32\".kvsched.v1.ClusterStatus.Instance\x12\x18\n\x10num_routed_local\x18\x05 \x01(\x04\x12\x15\n\rnum_forwarded\x18\x06 \x01(\x04\x12\x19\n\x11num_prefix_routed\x18\x07 \x01(\x04\x12\x16\n\x0enum_event_gaps\x18\x08 \x01(\x04\x12\x15\n\rnum_snapshots\x18\t \x01(\x04\x12\x14\n\x0croute_us_p50\x18\n \x01(\x01\x12\x14\n\x0croute_us_p99\x18\x0b \x01(\x01\x1a?\n\x06\x44\x61\x65mon\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tinstances\x18\x03 \x03(\t\x1a\xf3\x01\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x17\n\x0fowner_daemon_id\x18\x02 \x01(\t\x12\x12\n\nload_known\x18\x03 \x01(\x08\x12\x13\n\x0bnum_running\x18\x04 \x01(\x01\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x01\x12\x16\n\x0ekv_cache_usage\x18\x06 \x01(\x01\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x01\x12\x1a\n\x12num_indexed_blocks\x18\x08 \x01(\r\x12\x12\n\nevents_seq\x18\t \x01(\x04\x12\x14\n\x0cindex_digest\x18\n \x01(\t\"\xab\x06\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.kvsched.v1.InstanceRole\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x0e\n\x06paused\x18\x05 \x01(\x08\x12\x1b\n\x13num_ranks_connected\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x16\n\x0enum_slots_used\x18\t \x01(\r\x12\x11\n\tnum_slots\x18\n \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x0b \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x0c \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\r \x01(\x01\x12\x13\n\x0bnum_waiting\x18\x0e \x01(\r\x12\x13\n\x0bnum_running\x18\x0f \x01(\r\x12\x11\n\tnum_steps\x18\x10 \x01(\x04\x12\x13\n\x0bsteps_per_s\x18\x11 \x01(\x01\x12!\n\x19prefix_cache_query_tokens\x18\x12 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x13 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x14 \x01(\x04\x12\x19\n\x11step_predicted_ms\x18\x15 \x01(\x01\x12\x18\n\x10step_measured_ms\x18\x16 \x01(\x01\x12\x1e\n\x16step_predicted_ewma_ms\x18\x17 \x01(\x01\x12\x1d\n\x15step_measured_ewma_ms\x18\x18 \x01(\x01\x12\x15\n\ritl_target_ms\x18\x19 \x01(\x01\x12\x17\n\x0fnum_host_blocks\x18\x1a \x01(\r\x12\x1c\n\x14num_free_host_blocks\x18\x1b \x01(\r\x12\x18\n\x10host_cache_usage\x18\x1c \x01(\x01\x12$\n\x1cprefix_cache_host_hit_tokens\x18\x1d \x01(\x04\x12\x15\n\rnum_swap_outs\x18\x1e \x01(\x04\x12\x14\n\x0cnum_swap_ins\x18\x1f \x01(\x04\x12\x19\n\x11num_swap_failures\x18  \x01(\x04\"#\n\x0c\x44rainRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"%\n\rDrainResponse\x12\x14\n\x0cinstance_ids\x18\x01 \x03(\t\"#\n\x0cPauseRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"%\n\rPauseResponse\x12\x14\n\x0cinstance_ids\x18\x01 \x03(\t\"$\n\rResumeRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"&\n\x0eResumeResponse\x12\x14\n\x0cinstance_ids\x18\x01 \x03(\t\".\n\x17ResetPrefixCacheRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"0\n\x18ResetPrefixCacheResponse\x12\x14\n\x0cinstance_ids\x18\x01 \x03(\t2\xf4\x02\n\x0c\x41\x64minService\x12H\n\tGetStatus\x12\x1c.kvsched.v1.GetStatusRequest\x1a\x1d.kvsched.v1.GetStatusResponse\x12<\n\x05\x44rain\x12\x18.kvsched.v1.DrainRequest\x1a\x19.kvsched.v1.DrainResponse\x12<\n\x05Pause\x12\x18.kvsched.v1.PauseRequest\x1a\x19.kvsched.v1.PauseResponse\x12?\n\x06Resume\x12\x19.kvsched.v1.ResumeRequest\x1a\x1a.kvsched.v1.ResumeResponse\x12]\n\x10ResetPrefixCache\x12#.kvsched.v1.ResetPrefixCacheRequest\x1a$.kvsched.v1.ResetPrefixCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,25 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=71
   _globals['_GETSTATUSREQUEST']._serialized_end=110
   _globals['_GETSTATUSRESPONSE']._serialized_start=113
-  _globals['_GETSTATUSRESPONSE']._serialized_end=255
-  _globals['_INSTANCESTATUS']._serialized_start=258
-  _globals['_INSTANCESTATUS']._serialized_end=1069
-  _globals['_DRAINREQUEST']._serialized_start=1071
-  _globals['_DRAINREQUEST']._serialized_end=1106
-  _globals['_DRAINRESPONSE']._serialized_start=1108
-  _globals['_DRAINRESPONSE']._serialized_end=1145
-  _globals['_PAUSEREQUEST']._serialized_start=1147
-  _globals['_PAUSEREQUEST']._serialized_end=1182
-  _globals['_PAUSERESPONSE']._serialized_start=1184
-  _globals['_PAUSERESPONSE']._serialized_end=1221
-  _globals['_RESUMEREQUEST']._serialized_start=1223
-  _globals['_RESUMEREQUEST']._serialized_end=1259
-  _globals['_RESUMERESPONSE']._serialized_start=1261
-  _globals['_RESUMERESPONSE']._serialized_end=1299
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1301
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1347
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1349
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1397
-  _globals['_ADMINSERVICE']._serialized_start=1400
-  _globals['_ADMINSERVICE']._serialized_end=1772
+  _globals['_GETSTATUSRESPONSE']._serialized_end=299
+  _globals['_CLUSTERSTATUS']._serialized_start=302
+  _globals['_CLUSTERSTATUS']._serialized_end=939
+  _globals['_CLUSTERSTATUS_DAEMON']._serialized_start=630
+  _globals['_CLUSTERSTATUS_DAEMON']._serialized_end=693
+  _globals['_CLUSTERSTATUS_INSTANCE']._serialized_start=696
+  _globals['_CLUSTERSTATUS_INSTANCE']._serialized_end=939
+  _globals['_INSTANCESTATUS']._serialized_start=942
+  _globals['_INSTANCESTATUS']._serialized_end=1753
+  _globals['_DRAINREQUEST']._serialized_start=1755
+  _globals['_DRAINREQUEST']._serialized_end=1790
+  _globals['_DRAINRESPONSE']._serialized_start=1792
+  _globals['_DRAINRESPONSE']._serialized_end=1829
+  _globals['_PAUSEREQUEST']._serialized_start=1831
+  _globals['_PAUSEREQUEST']._serialized_end=1866
+  _globals['_PAUSERESPONSE']._serialized_start=1868
+  _globals['_PAUSERESPONSE']._serialized_end=1905
+  _globals['_RESUMEREQUEST']._serialized_start=1907
+  _globals['_RESUMEREQUEST']._serialized_end=1943
+  _globals['_RESUMERESPONSE']._serialized_start=1945
+  _globals['_RESUMERESPONSE']._serialized_end=1983
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1985
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=2031
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=2033
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=2081
+  _globals['_ADMINSERVICE']._serialized_start=2084
+  _globals['_ADMINSERVICE']._serialized_end=2456
 # @@protoc_insertion_point(module_scope)

@@ -48,6 +48,7 @@ class GetStatusResponse(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _builtins.int
     NUM_RUNNING_FIELD_NUMBER: _builtins.int
     INSTANCES_FIELD_NUMBER: _builtins.int
+    CLUSTER_FIELD_NUMBER: _builtins.int
     draining: _builtins.bool
     """No instance admits new requests: the daemon is shutting down, or every instance drains
     (Drain without an instance_id, or of each one) and no Resume has followed.
@@ -62,6 +63,12 @@ class GetStatusResponse(_message.Message):
     """Requests on a worker across the daemon, preempted ones awaiting acknowledgement included."""
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceStatus]: ...
+    @_builtins.property
+    def cluster(self) -> Global___ClusterStatus:
+        """Set when the daemon is in a cluster (`kvsched serve --cluster`): the cluster as this daemon
+        sees it (docs/CLUSTER.md).
+        """
+
     def __init__(
         self,
         *,
@@ -70,14 +77,154 @@ class GetStatusResponse(_message.Message):
         num_waiting: _builtins.int = ...,
         num_running: _builtins.int = ...,
         instances: _abc.Iterable[Global___InstanceStatus] | None = ...,
+        cluster: Global___ClusterStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cluster", b"cluster"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "instances", b"instances", "num_running", b"num_running", "num_waiting", b"num_waiting", "paused", b"paused"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster", b"cluster", "draining", b"draining", "instances", b"instances", "num_running", b"num_running", "num_waiting", b"num_waiting", "paused", b"paused"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
+
+@_typing.final
+class ClusterStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class Daemon(_message.Message):
+        """A live member daemon (its membership entry is fresh)."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        DAEMON_ID_FIELD_NUMBER: _builtins.int
+        ADDRESS_FIELD_NUMBER: _builtins.int
+        INSTANCES_FIELD_NUMBER: _builtins.int
+        daemon_id: _builtins.str
+        address: _builtins.str
+        """HOST:PORT workers and peers reach it at."""
+        @_builtins.property
+        def instances(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+            """The instances it drives (ready ones)."""
+
+        def __init__(
+            self,
+            *,
+            daemon_id: _builtins.str = ...,
+            address: _builtins.str = ...,
+            instances: _abc.Iterable[_builtins.str] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "daemon_id", b"daemon_id", "instances", b"instances"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class Instance(_message.Message):
+        """An instance of the cluster: its lease and what this daemon knows of it from KV events."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        INSTANCE_ID_FIELD_NUMBER: _builtins.int
+        OWNER_DAEMON_ID_FIELD_NUMBER: _builtins.int
+        LOAD_KNOWN_FIELD_NUMBER: _builtins.int
+        NUM_RUNNING_FIELD_NUMBER: _builtins.int
+        NUM_WAITING_FIELD_NUMBER: _builtins.int
+        KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
+        QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+        NUM_INDEXED_BLOCKS_FIELD_NUMBER: _builtins.int
+        EVENTS_SEQ_FIELD_NUMBER: _builtins.int
+        INDEX_DIGEST_FIELD_NUMBER: _builtins.int
+        instance_id: _builtins.str
+        owner_daemon_id: _builtins.str
+        """The daemon holding its lease ("" when nobody does)."""
+        load_known: _builtins.bool
+        """A KV-event batch or snapshot of it was applied and is recent: it takes routed requests."""
+        num_running: _builtins.float
+        num_waiting: _builtins.float
+        kv_cache_usage: _builtins.float
+        queued_prefill_tokens: _builtins.float
+        num_indexed_blocks: _builtins.int
+        """Block hashes in this daemon's prefix index for the instance."""
+        events_seq: _builtins.int
+        """The last KV-event batch applied (its publisher's sequence number)."""
+        index_digest: _builtins.str
+        """A digest (hex) of the indexed hashes: equal on two daemons = the same index."""
+        def __init__(
+            self,
+            *,
+            instance_id: _builtins.str = ...,
+            owner_daemon_id: _builtins.str = ...,
+            load_known: _builtins.bool = ...,
+            num_running: _builtins.float = ...,
+            num_waiting: _builtins.float = ...,
+            kv_cache_usage: _builtins.float = ...,
+            queued_prefill_tokens: _builtins.float = ...,
+            num_indexed_blocks: _builtins.int = ...,
+            events_seq: _builtins.int = ...,
+            index_digest: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["events_seq", b"events_seq", "index_digest", b"index_digest", "instance_id", b"instance_id", "kv_cache_usage", b"kv_cache_usage", "load_known", b"load_known", "num_indexed_blocks", b"num_indexed_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "owner_daemon_id", b"owner_daemon_id", "queued_prefill_tokens", b"queued_prefill_tokens"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    DAEMON_ID_FIELD_NUMBER: _builtins.int
+    CONNECTED_FIELD_NUMBER: _builtins.int
+    DAEMONS_FIELD_NUMBER: _builtins.int
+    INSTANCES_FIELD_NUMBER: _builtins.int
+    NUM_ROUTED_LOCAL_FIELD_NUMBER: _builtins.int
+    NUM_FORWARDED_FIELD_NUMBER: _builtins.int
+    NUM_PREFIX_ROUTED_FIELD_NUMBER: _builtins.int
+    NUM_EVENT_GAPS_FIELD_NUMBER: _builtins.int
+    NUM_SNAPSHOTS_FIELD_NUMBER: _builtins.int
+    ROUTE_US_P50_FIELD_NUMBER: _builtins.int
+    ROUTE_US_P99_FIELD_NUMBER: _builtins.int
+    daemon_id: _builtins.str
+    connected: _builtins.bool
+    """NATS reachable now (false: routing is local only until it is back)."""
+    num_routed_local: _builtins.int
+    """Requests this daemon routed: to its own instances, forwarded to a peer's, and of those
+    how many went to an instance that held part of the prompt.
+    """
+    num_forwarded: _builtins.int
+    num_prefix_routed: _builtins.int
+    num_event_gaps: _builtins.int
+    """KV-event gaps detected, and snapshots applied (a late join, or a gap repaired)."""
+    num_snapshots: _builtins.int
+    route_us_p50: _builtins.float
+    """Time this daemon took to choose an instance for a new request (the cluster-wide routing
+    decision), over its last 2,048 requests: median and 99th percentile, microseconds.
+    """
+    route_us_p99: _builtins.float
+    @_builtins.property
+    def daemons(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterStatus.Daemon]: ...
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterStatus.Instance]: ...
+    def __init__(
+        self,
+        *,
+        daemon_id: _builtins.str = ...,
+        connected: _builtins.bool = ...,
+        daemons: _abc.Iterable[Global___ClusterStatus.Daemon] | None = ...,
+        instances: _abc.Iterable[Global___ClusterStatus.Instance] | None = ...,
+        num_routed_local: _builtins.int = ...,
+        num_forwarded: _builtins.int = ...,
+        num_prefix_routed: _builtins.int = ...,
+        num_event_gaps: _builtins.int = ...,
+        num_snapshots: _builtins.int = ...,
+        route_us_p50: _builtins.float = ...,
+        route_us_p99: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "daemon_id", b"daemon_id", "daemons", b"daemons", "instances", b"instances", "num_event_gaps", b"num_event_gaps", "num_forwarded", b"num_forwarded", "num_prefix_routed", b"num_prefix_routed", "num_routed_local", b"num_routed_local", "num_snapshots", b"num_snapshots", "route_us_p50", b"route_us_p50", "route_us_p99", b"route_us_p99"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterStatus: _TypeAlias = ClusterStatus  # noqa: Y015
 
 @_typing.final
 class InstanceStatus(_message.Message):

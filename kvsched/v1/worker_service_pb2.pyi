@@ -61,6 +61,7 @@ class ConnectResponse(_message.Message):
     TASKS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
+    REDIRECT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
@@ -69,6 +70,12 @@ class ConnectResponse(_message.Message):
     def heartbeat(self) -> Global___Heartbeat: ...
     @_builtins.property
     def peers(self) -> Global___Peers: ...
+    @_builtins.property
+    def redirect(self) -> Global___Redirect:
+        """Sent instead of `welcome` (and as the only message) by a daemon that does not own the
+        hello's instance: see step 11.
+        """
+
     def __init__(
         self,
         *,
@@ -76,12 +83,13 @@ class ConnectResponse(_message.Message):
         tasks: Global___Tasks | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
         peers: Global___Peers | None = ...,
+        redirect: Global___Redirect | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "kind", b"kind", "peers", b"peers", "tasks", b"tasks", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "kind", b"kind", "peers", b"peers", "redirect", b"redirect", "tasks", b"tasks", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "kind", b"kind", "peers", b"peers", "tasks", b"tasks", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "kind", b"kind", "peers", b"peers", "redirect", b"redirect", "tasks", b"tasks", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "tasks", "heartbeat", "peers"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "tasks", "heartbeat", "peers", "redirect"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -204,6 +212,36 @@ class Welcome(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Welcome: _TypeAlias = Welcome  # noqa: Y015
+
+@_typing.final
+class Redirect(_message.Message):
+    """The hello's instance is owned by another daemon of the cluster: connect there instead."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    OWNER_DAEMON_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """HOST:PORT of the owning daemon's WorkerService."""
+    owner_daemon_id: _builtins.str
+    """The owning daemon's id (for logs)."""
+    reason: _builtins.str
+    """Why, for logs (e.g. "instance i3 is owned by daemon b")."""
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        owner_daemon_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "owner_daemon_id", b"owner_daemon_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Redirect: _TypeAlias = Redirect  # noqa: Y015
 
 @_typing.final
 class Heartbeat(_message.Message):

@@ -100,6 +100,13 @@ class WorkerServiceStub:
     stream ended with OK means "leave for good"; this daemon does not send it today.
     Status codes that mean "do not reconnect": FAILED_PRECONDITION, INVALID_ARGUMENT,
     UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED. Anything else: reconnect with backoff.
+    11. Clusters (several daemons sharing instances through NATS, docs/CLUSTER.md): each instance
+    is owned by exactly one daemon. A daemon that receives a hello for an instance another
+    live daemon owns answers `redirect` (instead of `welcome`) with the owner's address and
+    then ends the stream with OK; the worker opens a new stream to that address at once (no
+    backoff), without counting it as a failure. A hello for an instance nobody owns (or
+    whose owner's membership entry expired) makes the daemon it reached the owner. A worker
+    given several daemon addresses tries the next one when a stream cannot be opened.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
@@ -194,6 +201,13 @@ class WorkerServiceServicer:
     stream ended with OK means "leave for good"; this daemon does not send it today.
     Status codes that mean "do not reconnect": FAILED_PRECONDITION, INVALID_ARGUMENT,
     UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED. Anything else: reconnect with backoff.
+    11. Clusters (several daemons sharing instances through NATS, docs/CLUSTER.md): each instance
+    is owned by exactly one daemon. A daemon that receives a hello for an instance another
+    live daemon owns answers `redirect` (instead of `welcome`) with the owner's address and
+    then ends the stream with OK; the worker opens a new stream to that address at once (no
+    backoff), without counting it as a failure. A hello for an instance nobody owns (or
+    whose owner's membership entry expired) makes the daemon it reached the owner. A worker
+    given several daemon addresses tries the next one when a stream cannot be opened.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
@@ -298,6 +312,13 @@ class WorkerService:
     stream ended with OK means "leave for good"; this daemon does not send it today.
     Status codes that mean "do not reconnect": FAILED_PRECONDITION, INVALID_ARGUMENT,
     UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED. Anything else: reconnect with backoff.
+    11. Clusters (several daemons sharing instances through NATS, docs/CLUSTER.md): each instance
+    is owned by exactly one daemon. A daemon that receives a hello for an instance another
+    live daemon owns answers `redirect` (instead of `welcome`) with the owner's address and
+    then ends the stream with OK; the worker opens a new stream to that address at once (no
+    backoff), without counting it as a failure. A hello for an instance nobody owns (or
+    whose owner's membership entry expired) makes the daemon it reached the owner. A worker
+    given several daemon addresses tries the next one when a stream cannot be opened.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode

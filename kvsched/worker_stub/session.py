@@ -53,6 +53,14 @@ class WorkerError(KvschedError):
     """The daemon refused this worker for good (bad hello, credentials, protocol version)."""
 
 
+class Redirected(Exception):
+    """The daemon reached does not own this instance: go to `address` (protocol step 11)."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(reason)
+        self.address = address
+
+
 class Worker(StepLoop):
     """A worker process's connection to the daemon. Create it, then `await run()`; call
     `stop()` (from the loop's thread) to leave. Usable in-process by tests.
@@ -104,7 +112,13 @@ class Worker(StepLoop):
         super().__init__(
             engine_factory, kv, stats, rank=rank, block_size=block_size, on_step=on_step
         )
-        self.server = server
+        # A comma-separated list of daemons (a cluster): the first is tried first, the next one
+        # when a stream cannot be opened or breaks, and a daemon's redirect names the owner.
+        self.servers = [a.strip() for a in server.split(",") if a.strip()]
+        if not self.servers:
+            raise ValueError("server: give at least one daemon address HOST:PORT")
+        self.server = self.servers[0]
+        self.num_redirects = 0
         self.instance_id = instance_id
         self.world_size = world_size
         self.num_gpu_blocks = num_gpu_blocks
@@ -152,8 +166,17 @@ class Worker(StepLoop):
                     log.warning(
                         "stream to %s broke: %s: %s", self.server, e.code().name, e.details()
                     )
+                except Redirected as r:
+                    self.num_redirects += 1
+                    log.info("redirected from %s to %s: %s", self.server, r.address, r)
+                    self.server = r.address
+                    if self.num_redirects % 8:  # a redirect loop still backs off, rarely
+                        continue
                 except (ProtocolError, ValueError) as e:  # the daemon sent something unusable
                     log.error("dropping the stream to %s: %s", self.server, e)
+                if len(self.servers) > 1:  # try the next daemon of the cluster
+                    i = self.servers.index(self.server) if self.server in self.servers else -1
+                    self.server = self.servers[(i + 1) % len(self.servers)]
                 if time.monotonic() - started >= self._backoff_s[1]:
                     backoff = self._backoff_s[0]  # it ran a while: not a crash loop
                 delay = backoff * random.uniform(0.5, 1.0)
@@ -270,6 +293,9 @@ class Worker(StepLoop):
                 inbox.put_nowait(codec.tasks_from_proto(msg.tasks))
             elif kind == "welcome":
                 inbox.put_nowait(msg.welcome)
+            elif kind == "redirect":
+                r = msg.redirect
+                raise Redirected(r.address, r.reason or f"owned by daemon {r.owner_daemon_id}")
             elif kind == "peers":
                 self.kv.peers = {(p.instance_id, p.rank): p.address for p in msg.peers.peers}
                 log.info("KV peers: %s", self.kv.peers)

@@ -102,3 +102,27 @@ def test_host_tier_columns_appear_when_an_instance_has_one() -> None:
     assert row.split()[10:] == ["62.0%", "5", "25.0%", "of", "16384", "20.0%"]
     assert other.split()[-2:] == ["-", "-"], "an instance without a host tier shows dashes"
     assert "host" not in format_status(make_response()), "no host tier anywhere: no columns"
+
+
+def test_a_cluster_daemon_shows_owners_loads_and_daemons() -> None:
+    from kvsched.v1 import admin_service_pb2 as apb
+
+    resp = make_response()
+    c = resp.cluster
+    c.daemon_id, c.connected, c.num_forwarded = "a", True, 7
+    c.daemons.append(apb.ClusterStatus.Daemon(daemon_id="a", address="h:1", instances=["i0"]))
+    c.daemons.append(apb.ClusterStatus.Daemon(daemon_id="b", address="h:2", instances=["i9"]))
+    c.instances.append(
+        apb.ClusterStatus.Instance(
+            instance_id="i9", owner_daemon_id="b", load_known=True, num_running=3,
+            kv_cache_usage=0.25, num_indexed_blocks=40,
+        )
+    )  # fmt: skip
+    lines = format_status(resp).splitlines()
+    assert lines[-3].split() == ["cluster", "instance", "owner", "running", "waiting", "KV",
+                                 "use", "indexed", "blocks"]  # fmt: skip
+    assert lines[-2].split() == ["i9", "b", "3", "0", "25.0%", "40"]
+    assert lines[-1] == (
+        "cluster: daemon a, NATS connected; daemons: a (h:1), b (h:2); routed here 0, forwarded 7"
+    )
+    assert "cluster" not in format_status(make_response())

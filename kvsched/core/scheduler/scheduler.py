@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvsched.core.errors import RequestNotFound
+from kvsched.core.kv_events import AllBlocksCleared, KvEvent
 from kvsched.core.protocol import FinishReason, Tasks
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.admission import Admission
@@ -131,6 +132,26 @@ class Scheduler(Reports, Admission):
             req.num_cached_blocks = len(req.block_ids)  # do not re-register old content
         self._pending_reset = True
         return n
+
+    # ==== KV events (docs/CLUSTER.md) ===========================================================
+    def enable_kv_events(self) -> None:
+        """Record the prefix cache's changes from now on (`take_kv_events` drains them). The
+        first event is AllBlocksCleared: a consumer's view of this instance starts empty."""
+        if self.kv.pool.events is None:
+            self.kv.pool.events = [AllBlocksCleared()]
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The KV events recorded since the last call, oldest first ([] when not enabled)."""
+        pool = self.kv.pool
+        events = pool.events
+        if not events:
+            return []
+        pool.events = []
+        return events
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every hash the prefix cache holds now (a snapshot for KV-event consumers)."""
+        return list(self.kv.pool.cached)
 
     # ==== introspection =======================================================================
     @property

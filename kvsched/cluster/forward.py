@@ -1,0 +1,170 @@
+"""Forwarding: a request this daemon accepted runs on a peer's instance; its outputs are relayed.
+
+The forwarding daemon keeps the request in its own request table (a `Tracked` whose engine is a
+`RemoteInstance`) and calls the peer's `RequestService.Generate` with the same request id and
+these metadata keys:
+
+    x-kvsched-forwarded-by   this daemon's id: the peer places the request itself, never
+                             forwards it again
+    x-kvsched-instance       the instance chosen (the peer uses it while it takes requests)
+    x-kvsched-owner          the submitting client's principal, so an Abort by that client works
+                             on the peer too (honoured only from a caller holding the cluster
+                             token, or when the peer runs without auth)
+    authorization            `Bearer <cluster_token>` when the daemon has one (role client)
+
+Tokens are appended to the local request as they arrive and handed to its sink; the peer's
+Finished becomes the local request's one finished state. Aborting locally (or the local client
+dropping) cancels the call: the peer sees its client go and aborts. A peer that cannot be
+reached, or that fails the stream with UNAVAILABLE, puts the request back in the local table's
+orphans (recomputed here, keeping the tokens already streamed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvsched import codec
+from kvsched.core.request import FINISHED_STATUS
+from kvsched.v1 import request_service_pb2 as rpb
+from kvsched.v1 import request_service_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvsched.cluster.routing import RemoteInstance
+    from kvsched.server.request_table import RequestTable, Tracked
+
+log = logging.getLogger("kvsched.cluster")
+
+FORWARDED_BY = "x-kvsched-forwarded-by"
+FORWARD_INSTANCE = "x-kvsched-instance"
+FORWARD_OWNER = "x-kvsched-owner"
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+}
+
+
+class Forwarder:
+    def __init__(self, daemon_id: str, requests: RequestTable, token: str = "") -> None:
+        self.daemon_id = daemon_id
+        self.requests = requests
+        self.token = token
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.num_relayed_tokens = 0
+        self.num_requeued = 0
+
+    def _stub(self, address: str) -> request_service_pb2_grpc.RequestServiceStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_receive_message_length", 64 << 20)]
+            )
+        return request_service_pb2_grpc.RequestServiceStub(ch)  # type: ignore[no-untyped-call]
+
+    def start(
+        self,
+        tr: Tracked,
+        msg: rpb.GenerateRequest,
+        remote: RemoteInstance,
+        carrier: dict[str, str],
+        deadline_s: float | None,
+    ) -> None:
+        fwd = rpb.GenerateRequest()
+        fwd.CopyFrom(msg)
+        fwd.request_id = tr.req.req_id
+        md = [
+            (FORWARDED_BY, self.daemon_id),
+            (FORWARD_INSTANCE, remote.instance_id),
+            (FORWARD_OWNER, tr.owner),
+        ]
+        md += [(k, v) for k, v in carrier.items() if k in ("traceparent", "tracestate")]
+        if self.token:
+            md.append(("authorization", f"Bearer {self.token}"))
+        tr.forward = asyncio.get_running_loop().create_task(
+            self._relay(tr, fwd, remote, md, deadline_s), name=f"forward-{tr.req.req_id}"
+        )
+
+    async def _relay(
+        self,
+        tr: Tracked,
+        msg: rpb.GenerateRequest,
+        remote: RemoteInstance,
+        md: list[tuple[str, str]],
+        deadline_s: float | None,
+    ) -> None:
+        req = tr.req
+        call = self._stub(remote.address).Generate(msg, metadata=md, timeout=deadline_s)
+        try:
+            async for out in call:
+                kind = out.WhichOneof("kind")
+                if kind == "tokens":
+                    toks = list(out.tokens.token_ids)
+                    if not toks:
+                        continue
+                    if req.first_token_time < 0:
+                        req.first_token_time = time.monotonic()
+                    req.output_token_ids.extend(toks)
+                    self.num_relayed_tokens += len(toks)
+                    tr.sink.add_tokens([tr], [len(toks)], toks)
+                elif kind == "finished":
+                    self._finish(tr, out.finished)
+                    return
+                elif kind == "queued" and req.first_scheduled_time < 0:
+                    req.first_scheduled_time = time.monotonic()
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                details="peer ended the stream without Finished",
+            )
+        except grpc.aio.AioRpcError as exc:
+            if tr.finished:
+                return
+            why = f"forwarded to daemon {remote.daemon_id}: {exc.code().name}: {exc.details()}"
+            tr.forward = None
+            if exc.code() in _RETRYABLE:
+                self.num_requeued += 1
+                log.warning("%s; recomputing request %s here", why, req.req_id)
+                self.requests.requeue_lost(req, why)
+            else:
+                self.requests.abort_tracked(tr, why)
+        finally:
+            call.cancel()
+
+    def _finish(self, tr: Tracked, fin: rpb.Finished) -> None:
+        req = tr.req
+        reason = codec.finish_reason_from_proto(fin.reason)
+        now = time.monotonic()
+        req.status = FINISHED_STATUS[reason]
+        req.finish_reason, req.finish_message = reason, fin.message
+        req.num_cached_tokens = fin.usage.cached_tokens
+        t0 = req.arrival_time
+        req.first_scheduled_time = t0 + fin.timings.queue_s
+        if fin.timings.ttft_s > 0:
+            req.first_token_time = t0 + fin.timings.ttft_s
+        req.finished_time = max(now, t0 + fin.timings.e2e_s)
+        tr.forward = None
+        self.requests.on_finished(tr.engine, req)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            with contextlib.suppress(Exception):
+                await ch.close()
+        self._channels.clear()
+
+
+def relay_owner(carrier: dict[str, str], caller: str, cluster_principal: str | None) -> str | None:
+    """The owner a forwarded request keeps on the peer: the original client's principal when
+    the call came from a daemon (cluster token, or no auth configured); None otherwise."""
+    if FORWARDED_BY not in carrier:
+        return None
+    if cluster_principal is not None and caller != cluster_principal:
+        return None
+    return carrier.get(FORWARD_OWNER, "")

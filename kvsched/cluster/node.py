@@ -1,0 +1,302 @@
+"""This daemon as a member of a cluster: the parts of kvsched.cluster, wired to the daemon.
+
+    ClusterNode.start: Membership (this daemon's entry: address, instances, load), Leases,
+                       KvStream (publish own instances' KV events, index everyone's),
+                       ClusterRouter + Forwarder (the request table's `cluster` hook),
+                       the abort responder (subject kvsched.abort)
+    admit_worker:      the WorkerService's Hello gate: own the instance (lease by CAS) or
+                       answer a Redirect to its owner
+    stop:              release this daemon's leases, mark its membership entry `leaving`
+
+For the failover takeover (issue 16): `daemon.cluster_node.membership.departures()` yields the
+daemons whose entry expired (`Departure.graceful` False) with their last entry (`last.instances`);
+`cluster_node.leases.try_take(instance_id, from_daemon=dead_id)` moves each lease by CAS (True
+for exactly one daemon). The dead daemon's workers find the new owner on their own: they try
+their next daemon address, and a Hello for an instance leased to a live peer is redirected
+there (one whose lessee is dead is taken by the daemon reached, with the same CAS).
+
+While NATS is unreachable the node degrades: requests are routed among this daemon's own
+instances, workers are admitted locally, and nothing accepted waits on NATS. It heals when the
+connection comes back (nats-py reconnects; the loops retry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvsched.cluster.forward import FORWARD_INSTANCE, FORWARDED_BY, Forwarder, relay_owner
+from kvsched.cluster.kv_stream import KvStream, load_of
+from kvsched.cluster.leases import Leases
+from kvsched.cluster.membership import Member, Membership
+from kvsched.cluster.routing import ClusterRouter, RemoteInstance
+from kvsched.core import Request, Scheduler, Unavailable
+from kvsched.server.auth import principal_of
+from kvsched.server.engine import InstanceEngine
+from kvsched.v1 import admin_service_pb2 as apb
+from kvsched.v1 import worker_service_pb2 as wpb
+
+if TYPE_CHECKING:
+    from kvsched.cluster.link import ClusterLink
+    from kvsched.server.config import ServerConfig
+    from kvsched.server.registry import InstanceRegistry
+    from kvsched.server.request_table import RequestTable, Tracked
+    from kvsched.v1 import request_service_pb2 as rpb
+
+log = logging.getLogger("kvsched.cluster")
+
+ABORT_SUBJECT = "kvsched.abort"
+NATS_TIMEOUT_S = 2.0
+
+
+class ClusterNode:
+    def __init__(
+        self,
+        config: ServerConfig,
+        link: ClusterLink,
+        registry: InstanceRegistry,
+        requests: RequestTable,
+        address: str,
+    ) -> None:
+        self.config = config
+        self.link = link
+        self.daemon_id = link.daemon_id
+        self.address = address
+        self.registry = registry
+        self.requests = requests
+        self.membership = Membership(link, address, config.member_ttl_s, self._summary)
+        self.leases = Leases(link)
+        self.stream = KvStream(link, self._schedulers)
+        self._addresses: dict[str, str] = {}
+        self._owners: dict[str, str] = {}
+        self.router = ClusterRouter(
+            self.daemon_id, registry, self.stream.index, self._addresses, self._owners
+        )
+        self.forwarder = Forwarder(self.daemon_id, requests, config.cluster_token)
+        token = config.cluster_token
+        self._cluster_principal = principal_of(token) if config.auth_file and token else None
+        if config.auth_file and not token:
+            self._cluster_principal = "\0no cluster token"  # nobody may act as a peer
+        self._subs: list[Any] = []
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.membership.start()
+        await self.leases.start()
+        await self.stream.start()
+        self._subs.append(await self.link.nc.subscribe(ABORT_SUBJECT, cb=self._on_abort))
+        await self.link.nc.flush()
+        self._refresh_views()
+        for iid, lease in self.leases.owners().items():
+            if lease.owner != self.daemon_id:
+                self.stream.sync(iid)  # a late joiner: snapshots of the instances already up
+        self._task = asyncio.get_running_loop().create_task(self._views(), name="cluster-views")
+        self.requests.cluster = self
+        self.registry.worker_gate = self.admit_worker
+
+    async def stop(self) -> None:
+        self.requests.cluster = None
+        self.registry.worker_gate = None
+        if self._task is not None:
+            self._task.cancel()
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        await self.stream.stop()
+        for iid, lease in self.leases.owners().items():
+            if lease.owner == self.daemon_id:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.leases.release(iid), NATS_TIMEOUT_S)
+        await self.leases.stop()
+        await self.membership.stop()
+        await self.forwarder.close()
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.link.nc.is_connected)
+
+    def _schedulers(self) -> dict[str, Scheduler]:
+        return {iid: e.sched for iid, e in self.registry.engines.items() if e.sched is not None}
+
+    def _summary(self) -> tuple[list[str], dict[str, dict[str, float]]]:
+        scheds = self._schedulers()
+        return sorted(scheds), {iid: load_of(s) for iid, s in scheds.items()}
+
+    def _refresh_views(self) -> None:
+        """The router reads these dicts: live daemons' addresses and instance owners."""
+        members = self.membership.members
+        self._addresses.clear()
+        self._addresses.update({d: m.address for d, m in members.items()})
+        self._owners.clear()
+        self._owners.update({i: lease.owner for i, lease in self.leases.owners().items()})
+
+    async def _views(self) -> None:
+        ticks = 0
+        while True:
+            await asyncio.sleep(0.2)
+            ticks += 1
+            if ticks % 10 == 0 and self.connected:
+                try:  # the watcher may have missed changes made while NATS was away
+                    await asyncio.wait_for(self.leases.reload(), NATS_TIMEOUT_S)
+                    await self._claim_unleased()
+                except Exception as exc:
+                    log.debug("leases reload: %r", exc)
+            self._refresh_views()
+
+    async def _claim_unleased(self) -> None:
+        """Instances attached here while NATS was away have no lease: take it now (a
+        conflict, another daemon holding it meanwhile, is logged: both drive it until one
+        worker reconnects)."""
+        for iid in list(self._schedulers()):
+            if self.leases.cached_owner(iid) == self.daemon_id:
+                continue
+            lease = await asyncio.wait_for(self.leases.acquire(iid), NATS_TIMEOUT_S)
+            if lease.owner != self.daemon_id:
+                log.warning(
+                    "instance %s is attached here but leased to daemon %s", iid, lease.owner
+                )
+
+    # ---- workers ------------------------------------------------------------------------------
+    async def admit_worker(self, hello: Any) -> bytes | None:
+        """None: attach the worker here (this daemon owns its instance now). Otherwise the
+        serialized ConnectResponse redirecting it to the owner."""
+        iid = hello.instance_id
+        eng = self.registry.engines.get(iid)
+        if eng is not None and eng.ranks:
+            return None  # another rank of it is attached here already: it is ours
+        if eng is None and not self.config.auto_instances:
+            return None  # an instance this daemon does not know: attach refuses it, no lease
+        if not self.connected:
+            log.warning("NATS unreachable: attaching instance %s here without a lease", iid)
+            return None
+        try:
+            lease = await asyncio.wait_for(self.leases.acquire(iid), NATS_TIMEOUT_S)
+            if lease.owner == self.daemon_id:
+                return None
+            owner = await self._live_member(lease.owner)
+            if owner is None:  # its owner is gone: take it (one CAS; a racing daemon may win)
+                if await asyncio.wait_for(self.leases.try_take(iid, lease.owner), NATS_TIMEOUT_S):
+                    return None
+                lease2 = await self.leases.owner(iid)
+                if lease2 is None or lease2.owner == self.daemon_id:
+                    return None if lease2 is not None else await self.admit_worker(hello)
+                lease, owner = lease2, await self._live_member(lease2.owner)
+                if owner is None:
+                    raise Unavailable(f"instance {iid}: its lease is moving; retry")
+        except (TimeoutError, Unavailable) as exc:
+            raise Unavailable(f"instance {iid}: cluster lease unavailable: {exc}") from None
+        log.info("worker of instance %s redirected to daemon %s", iid, lease.owner)
+        return wpb.ConnectResponse(
+            redirect=wpb.Redirect(
+                address=owner.address,
+                owner_daemon_id=lease.owner,
+                reason=f"instance {iid} is owned by daemon {lease.owner}",
+            )
+        ).SerializeToString()
+
+    async def _live_member(self, daemon_id: str) -> Member | None:
+        """The daemon's membership entry read now (not the polled view: a daemon that just
+        joined must not look dead)."""
+        if daemon_id == self.daemon_id:
+            return self.membership.me()
+        return await self.membership.lookup(daemon_id)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def route_new(
+        self, req: Request, carrier: dict[str, str], owner: str
+    ) -> tuple[InstanceEngine | RemoteInstance, str]:
+        """Where a new request goes, and the owner it is tracked under."""
+        if FORWARDED_BY in carrier:  # a peer chose this daemon: place it here, never forward
+            relayed = relay_owner(carrier, owner, self._cluster_principal)
+            eng = self.registry.engines.get(carrier.get(FORWARD_INSTANCE, ""))
+            if eng is None or not eng.queueing or eng.is_decode:
+                eng = self.registry.route(req)
+            return eng, owner if relayed is None else relayed
+        if not self.connected:
+            return self.registry.route(req), owner  # degraded: local instances only
+        return self.router.route(req), owner
+
+    def forward(
+        self,
+        tr: Tracked,
+        msg: rpb.GenerateRequest,
+        remote: RemoteInstance,
+        carrier: dict[str, str],
+        deadline_s: float | None,
+    ) -> None:
+        self.forwarder.start(tr, msg, remote, carrier, deadline_s)
+
+    async def abort_elsewhere(self, request_id: str, owner: str | None) -> bool:
+        """Ask every daemon to abort `request_id` (True: one of them tracked it)."""
+        if not self.connected:
+            return False
+        body = json.dumps({"request_id": request_id, "owner": owner, "from": self.daemon_id})
+        try:
+            await self.link.nc.request(ABORT_SUBJECT, body.encode(), timeout=1.0)
+        except Exception:  # no daemon answered: nobody tracks it
+            return False
+        return True
+
+    async def _on_abort(self, msg: Any) -> None:
+        try:
+            d = json.loads(msg.data)
+            rid, owner = str(d["request_id"]), d.get("owner")
+        except (ValueError, KeyError):
+            return
+        if d.get("from") == self.daemon_id:
+            return
+        tr = self.requests.tracked.get(rid)
+        if tr is None or (owner is not None and tr.owner != owner):
+            return  # not ours: stay silent (the asker times out when nobody has it)
+        self.requests.abort_tracked(tr, f"aborted by client (through daemon {d.get('from')})")
+        with contextlib.suppress(Exception):
+            await msg.respond(b"ok")
+
+    # ---- status -------------------------------------------------------------------------------
+    def cluster_status(self) -> apb.ClusterStatus:
+        """The cluster as this daemon sees it (AdminService.GetStatus)."""
+        index, router = self.stream.index, self.router
+        out = apb.ClusterStatus(
+            daemon_id=self.daemon_id,
+            connected=self.connected,
+            num_routed_local=router.num_local,
+            num_forwarded=router.num_forwarded,
+            num_prefix_routed=router.num_prefix_routed,
+            num_event_gaps=index.num_gaps,
+            num_snapshots=index.num_snapshots,
+        )
+        out.route_us_p50, out.route_us_p99 = router.route_percentiles_us()
+        for did, m in sorted(self.membership.members.items()):
+            out.daemons.append(
+                apb.ClusterStatus.Daemon(daemon_id=did, address=m.address, instances=m.instances)
+            )
+        owners = {i: lease.owner for i, lease in self.leases.owners().items()}
+        now = time.monotonic()
+        for iid in sorted(set(owners) | set(index.instances)):
+            st = apb.ClusterStatus.Instance(instance_id=iid, owner_daemon_id=owners.get(iid, ""))
+            v = index.instances.get(iid)
+            if v is not None and v.synced:
+                ld = v.load
+                st.load_known = bool(ld) and now - v.heard <= router.stale_s
+                st.num_running = ld.get("running", 0.0)
+                st.num_waiting = ld.get("waiting", 0.0)
+                st.kv_cache_usage = ld.get("kv_usage", 0.0)
+                st.queued_prefill_tokens = ld.get("queued_prefill_tokens", 0.0)
+                st.num_indexed_blocks = len(v.hashes)
+                st.events_seq = v.seq
+                st.index_digest = hash_digest(v.hashes)
+            out.instances.append(st)
+        return out
+
+
+def hash_digest(hashes: set[bytes]) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for x in sorted(hashes):
+        h.update(x)
+    return h.hexdigest()
