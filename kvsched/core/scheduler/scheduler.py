@@ -158,6 +158,19 @@ class Scheduler(Reports, Admission):
             **self._step_cost_view(),
         )
 
+    def prefix_hit_tokens(self, req: Request) -> int:
+        """Tokens of req's prompt this instance holds cached now (for routing); no side effects."""
+        if not self.kv.enable_caching:
+            return 0
+        self.kv.ensure_hashes(req, (req.num_tokens - 1) // self.block_size)
+        lookup = self.kv.pool.cached.get
+        n = 0
+        for h in req.block_hashes:
+            if lookup(h) is None:
+                break
+            n += 1
+        return n * self.block_size
+
     def check_integrity(self) -> None:
         """Assert every invariant of the scheduler's state (O(everything): tests only)."""
         check_integrity(self)
