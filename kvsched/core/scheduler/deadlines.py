@@ -91,19 +91,8 @@ class Deadlines(StepPlan):
         return (ahead + req.queued_ms) / self._prefill_share()
 
     def prefix_hit_tokens(self, req: Request) -> int:
-        """Tokens of req's prompt this instance holds cached now (for routing); no side effects."""
-        if not self.kv.enable_caching:
-            return 0
-        self.kv.ensure_hashes(req, (req.num_tokens - 1) // self.block_size)
-        lookup = self.kv.pool.cached.get
-        n = 0
-        for h in req.block_hashes:
-            if lookup(h) is None:
-                break
-            n += 1
-        if self.kv.host is not None:  # the run continues in host memory (swapped in)
-            n += len(self.kv.host.run_from(req.block_hashes[n:]))
-        return n * self.block_size
+        """Tokens of req's prompt this instance holds cached now (the facade's, scheduler.py)."""
+        raise NotImplementedError
 
     # ==== admission's side ====================================================================
     def _check_deadline(self, req: Request) -> None:
