@@ -44,12 +44,16 @@ class ClusterLink:
         `timeout_s` (NATS away, a stuck subscriber) closes at once."""
         if self.nc.is_closed:
             return
-        try:
-            await asyncio.wait_for(self.nc.drain(), timeout_s)
-        except Exception as exc:
+        # asyncio.wait, not wait_for: a timed-out wait_for waits for the cancelled drain, and
+        # a drain stuck on a subscriber may never finish one.
+        drain = asyncio.get_running_loop().create_task(self.nc.drain())
+        done, _ = await asyncio.wait({drain}, timeout=timeout_s)
+        exc = drain.exception() if done else TimeoutError(f"over {timeout_s} s")
+        if exc is not None:
             log.warning("NATS drain did not finish (%r): closing", exc)
             if not self.nc.is_closed:
-                await self.nc.close()
+                close = asyncio.get_running_loop().create_task(self.nc.close())
+                await asyncio.wait({close}, timeout=2.0)
 
 
 async def connect_cluster(

@@ -215,8 +215,13 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
     log.info("signal received: draining")
     await daemon.drain(config.grace_period_s)
     watcher.cancel()
-    if daemon.cluster_node is not None:
-        await daemon.cluster_node.stop()  # leases released: workers find the next owner
+    if daemon.cluster_node is not None:  # leases released: workers find the next owner
+        # Bounded without waiting on a cancellation (a NATS watcher may never finish one):
+        # a daemon that cannot leave cleanly still exits; its entries then expire by TTL.
+        leaving = loop.create_task(daemon.cluster_node.stop(), name="cluster-stop")
+        _, pending = await asyncio.wait({leaving}, timeout=5.0)
+        if pending:
+            log.warning("leaving the cluster took over 5 s: exiting anyway (entries expire)")
     await server.stop(grace=1.0)
     if daemon.cluster_link is not None:
         await daemon.cluster_link.close()

@@ -64,4 +64,4 @@ def test_daemon_joins_a_real_cluster(nats_server: NatsServer) -> None:
         proc.wait_for(r"joined cluster nats://127\.0\.0\.1:\d+ as daemon alpha")
     finally:
         proc.stop()
-    assert proc.popen.returncode == 0
+    assert proc.popen.returncode == 0, proc.output()
