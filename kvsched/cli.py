@@ -47,17 +47,17 @@ def _add_serve(sub: Any) -> None:
         help="OpenTelemetry exporter",
     )
     p.add_argument(
+        "--host-write-policy",
+        choices=("write_through", "write_through_selective", "write_back"),
+        help="when KV blocks are copied to a worker's host tier, every instance "
+        "(engine.cache.host_write_policy; default write_through_selective)",
+    )
+    p.add_argument(
         "--itl-target-ms",
         type=float,
         metavar="MS",
         help="time budget of a worker step while requests decode, every instance "
         "(engine.scheduler.itl_target_ms; default 100; 0: off)",
-    )
-    p.add_argument(
-        "--host-write-policy",
-        choices=("write_through", "write_through_selective", "write_back"),
-        help="when KV blocks are copied to a worker's host tier, every instance "
-        "(engine.cache.host_write_policy; default write_through_selective)",
     )
     p.set_defaults(func=_serve)
 
