@@ -189,16 +189,17 @@ class Admission(Preemption, StepPlan):
                     break
                 continue
             self.waiting.pop()
-            if host_hits:  # pinned before this allocation's evictions could take them
-                self.kv.host.pin(host_hits)  # type: ignore[union-attr]
+            host = self.kv.host
+            if host is not None and host_hits:  # pinned before this allocation evicts
+                host.pin(host_hits)
             new = self.kv.allocate_slots(req, target, hits)
             assert new is not None
             self._prefill_debt += self._full_blocks(req, req.num_tokens) - len(req.block_ids)
             self._place(tasks, req, num_hit, len(host_hits) * self.block_size)
-            if host_hits:  # the fresh blocks right after the GPU hits receive them
-                self.kv.host.copy_in(req.handle, host_hits, new[: len(host_hits)])  # type: ignore[union-attr]
-            elif declined:
-                self.kv.host.stats.swap_ins_declined += declined  # type: ignore[union-attr]
+            if host is not None and host_hits:  # into the fresh blocks after the GPU hits
+                host.copy_in(req.handle, host_hits, new[: len(host_hits)])
+            elif host is not None and declined:
+                host.stats.swap_ins_declined += declined
             self._emit_chunk(tasks, req, n, budget)
 
     def _host_hits(
