@@ -47,6 +47,12 @@ def _add_serve(sub: Any) -> None:
         help="OpenTelemetry exporter",
     )
     p.add_argument(
+        "--host-write-policy",
+        choices=("write_through", "write_through_selective", "write_back"),
+        help="when KV blocks are copied to a worker's host tier, every instance "
+        "(engine.cache.host_write_policy; default write_through_selective)",
+    )
+    p.add_argument(
         "--itl-target-ms",
         type=float,
         metavar="MS",
@@ -62,12 +68,6 @@ def _add_serve(sub: Any) -> None:
         "--cluster-fallback",
         choices=("fail", "standalone"),
         help="NATS unreachable at start: fail (default) or run standalone",
-    )
-    p.add_argument(
-        "--host-write-policy",
-        choices=("write_through", "write_through_selective", "write_back"),
-        help="when KV blocks are copied to a worker's host tier, every instance "
-        "(engine.cache.host_write_policy; default write_through_selective)",
     )
     p.add_argument(
         "--cluster-token",

@@ -173,3 +173,21 @@ def test_mooncake_slice_completes() -> None:
     result = run(trace, config=config, num_instances=2, check=False)
     s = result.summary()
     assert s["completed"] == 50 and s["output_tokens"] == sum(t.max_tokens for t in trace)
+
+
+def test_a_host_tier_keeps_prefixes_a_small_gpu_pool_evicts() -> None:
+    """Three shared 256-token prefixes (16 blocks each) taken in turn, a GPU pool of 40 blocks
+    (about one request at a time, so each prefix is evicted before it comes round again), and
+    a host tier of 4x: write_back swaps the evicted prefixes back in, the copies are priced into
+    the sim's step times; check_integrity after every daemon step (both pools, every pin)."""
+    trace = make_trace(n=60, gap_s=0.05)
+    config = make_config(num_blocks=40)
+    without = run(trace, config=config).summary()
+    config.cache.num_host_blocks = 160
+    config.cache.host_write_policy = "write_back"  # type: ignore[assignment]
+    with_tier = run(trace, config=config).summary()
+    assert with_tier["completed"] == without["completed"] == len(trace)
+    assert with_tier["num_host_blocks"] == 160 and without["num_host_blocks"] == 0
+    assert without["prefix_hit_rate"] < 0.1, "the GPU pool was meant to lose the prefixes"
+    assert with_tier["swap_ins"] > 0 and with_tier["host_hit_rate"] > 0.4
+    assert with_tier["prefix_hit_rate"] > 0.5

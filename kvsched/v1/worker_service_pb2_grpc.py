@@ -58,7 +58,9 @@ class WorkerServiceStub:
     swap-in that failed is named by handle in failed_swap_ins and that handle runs nothing
     more (its chunks are dropped): the daemon preempts it and the request recomputes its
     prompt, nothing is lost. A worker with no host tier (Hello.num_host_blocks = 0) never
-    receives copies.
+    receives copies. A message with reset_prefix_cache carries no swap_ins, and its
+    swap_outs are the first host blocks the daemon names after forgetting the host tier: a
+    worker that clears host memory on a reset does so before that message's swap_outs.
     5. The worker runs one step over every runnable handle: the chunks it was given plus one
     decode position (1 + num_speculative_tokens) for each handle whose last prefill chunk has
     run and whose blocks have room. It never waits for the daemon while it has runnable work.
@@ -159,7 +161,9 @@ class WorkerServiceServicer:
     swap-in that failed is named by handle in failed_swap_ins and that handle runs nothing
     more (its chunks are dropped): the daemon preempts it and the request recomputes its
     prompt, nothing is lost. A worker with no host tier (Hello.num_host_blocks = 0) never
-    receives copies.
+    receives copies. A message with reset_prefix_cache carries no swap_ins, and its
+    swap_outs are the first host blocks the daemon names after forgetting the host tier: a
+    worker that clears host memory on a reset does so before that message's swap_outs.
     5. The worker runs one step over every runnable handle: the chunks it was given plus one
     decode position (1 + num_speculative_tokens) for each handle whose last prefill chunk has
     run and whose blocks have room. It never waits for the daemon while it has runnable work.
@@ -270,7 +274,9 @@ class WorkerService:
     swap-in that failed is named by handle in failed_swap_ins and that handle runs nothing
     more (its chunks are dropped): the daemon preempts it and the request recomputes its
     prompt, nothing is lost. A worker with no host tier (Hello.num_host_blocks = 0) never
-    receives copies.
+    receives copies. A message with reset_prefix_cache carries no swap_ins, and its
+    swap_outs are the first host blocks the daemon names after forgetting the host tier: a
+    worker that clears host memory on a reset does so before that message's swap_outs.
     5. The worker runs one step over every runnable handle: the chunks it was given plus one
     decode position (1 + num_speculative_tokens) for each handle whose last prefill chunk has
     run and whose blocks have room. It never waits for the daemon while it has runnable work.

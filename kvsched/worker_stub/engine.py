@@ -159,6 +159,10 @@ class WorkerEngine:
         does not hold are acknowledged (next report's `acked`) and dropped; so are preempted
         and aborted handles. Raises ProtocolError on tasks that cannot be right (a handle or
         slot already taken, a chunk past the prompt)."""
+        if tasks.reset_prefix_cache:
+            # The daemon forgot the host tier before it queued this message's copies: forget
+            # its contents first (the swap-outs below are the first it will name again).
+            self._copies.drop()
         if tasks.swap_out_gpu:  # before anything in this message may overwrite those blocks
             self._copies.swap_out(tasks.swap_out_gpu, tasks.swap_out_host)
         for handle in (*tasks.preempts, *tasks.aborts):
@@ -175,8 +179,6 @@ class WorkerEngine:
             self._queue_chunk(chunk)
         for send in tasks.kv_sends:
             self._attach_send(send)
-        if tasks.reset_prefix_cache:
-            self._copies.drop()  # host blocks hold nothing the daemon will name again
         self.applied_seq = max(self.applied_seq, tasks.seq)
 
     def _swap_in(self, handles: list[int], host_ids: list[int], gpu_ids: list[int]) -> None:

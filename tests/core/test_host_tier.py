@@ -299,3 +299,42 @@ def test_swapped_blocks_feed_the_step_cost_model() -> None:
     )
     s.apply_report(r)
     assert s.cost._rows[rows_before:][-1][5] == 3, "the step's copies are its swapped blocks"
+
+
+def test_preemption_before_the_swap_in_is_acknowledged_keeps_pins_until_the_ack() -> None:
+    """b is placed with swap-ins, then preempted (pause) before any report covers them: its
+    GPU blocks go back unregistered (the copy may not have run), the host sources stay pinned
+    until a report acknowledges the swap-in message, and b recomputes with host hits again."""
+    s = sched(host_write_policy="write_back")
+    a = make_request(A + [1], max_tokens=1)
+    run_to_end(s, a)
+    run_to_end(s, make_request(list(range(5000, 5000 + 8 * BS - 1)), max_tokens=1))
+    host = s.kv.host
+    assert host is not None
+    src = [host.lookup(h) for h in a.block_hashes[:3]]
+    b = make_request(A + list(range(9000, 9010)), max_tokens=2)
+    s.add_request(b)
+    t1 = s.schedule()
+    assert t1.swap_in_host == src
+    swapped_into = list(t1.swap_in_gpu)
+    s.pause()  # preempts b before the worker's report on t1
+    s.check_integrity()
+    assert [host.pool.ref_cnt[x] for x in src] == [1, 1, 1], "pinned until the ack"
+    assert all(s.kv.pool.block_hash[g] is None for g in swapped_into), "registered too early"
+    t2 = s.schedule()
+    assert b.handle in t2.preempts
+    work(s, t1, applied=t1.seq, skip={b.handle})  # a report that applied t1 only
+    assert [host.pool.ref_cnt[x] for x in src] == [0, 0, 0]
+    assert b.status.name == "PREEMPTED"
+    work(s, t2)  # now t2's preempt is acknowledged too: b waits again
+    assert b.status.name == "WAITING"
+    s.resume()
+    sent = []
+    for _ in range(20):
+        if b.is_finished:
+            break
+        sent.append(s.schedule())
+        s.check_integrity()
+        work(s, sent[-1])
+    assert any(t.swap_in_host == src for t in sent), "b's recompute swaps the prefix in again"
+    assert b.is_finished and b.num_output_tokens == 2

@@ -169,8 +169,9 @@ class Admission(Preemption, Deadlines):
             host_hits = self.kv.find_host_run(req, len(hits)) if self.kv.host else []
             num_hit = self._trim_hits_for_mm(req, (len(hits) + len(host_hits)) * self.block_size)
             hits = hits[: num_hit // self.block_size]
+            declined = 0
             if host_hits:
-                host_hits = self._host_hits(len(hits), host_hits, num_hit)
+                host_hits, declined = self._host_hits(len(hits), host_hits, num_hit)
                 num_hit = (len(hits) + len(host_hits)) * self.block_size
             if max_prompt >= 0 and req.num_tokens - num_hit > max_prompt:
                 break
@@ -193,28 +194,32 @@ class Admission(Preemption, Deadlines):
                 continue
             self.waiting.pop()
             self._on_admitted(req, num_hit)
-            if host_hits:  # pinned before this allocation's evictions could take them
-                self.kv.host.pin(host_hits)  # type: ignore[union-attr]
+            host = self.kv.host
+            if host is not None and host_hits:  # pinned before this allocation evicts
+                host.pin(host_hits)
             new = self.kv.allocate_slots(req, target, hits)
             assert new is not None
             self._prefill_debt += self._full_blocks(req, req.num_tokens) - len(req.block_ids)
             self._place(tasks, req, num_hit, len(host_hits) * self.block_size)
-            if host_hits:  # the fresh blocks right after the GPU hits receive them
-                self.kv.host.copy_in(req.handle, host_hits, new[: len(host_hits)])  # type: ignore[union-attr]
+            if host is not None and host_hits:  # into the fresh blocks after the GPU hits
+                host.copy_in(req.handle, host_hits, new[: len(host_hits)])
+            elif host is not None and declined:
+                host.stats.swap_ins_declined += declined
             self._emit_chunk(tasks, req, n, budget)
 
-    def _host_hits(self, num_gpu_hits: int, host_hits: list[int], num_hit: int) -> list[int]:
+    def _host_hits(
+        self, num_gpu_hits: int, host_hits: list[int], num_hit: int
+    ) -> tuple[list[int], int]:
         """The host hits worth swapping in: those within num_hit (multimodal trimming), none
-        when the step-cost model predicts copying them costs at least recomputing them."""
+        when the step-cost model predicts copying them costs at least recomputing them.
+        Returns them and how many were declined."""
         bs = self.block_size
         host_hits = host_hits[: max(0, num_hit // bs - num_gpu_hits)]
         n, prefix = len(host_hits) * bs, num_gpu_hits * bs
         a_tok, a_attn = self.cost.prefill_costs
         if self.cost.swap_block_ms * len(host_hits) >= a_tok * n + a_attn * n * (n + prefix):
-            assert self.kv.host is not None
-            self.kv.host.stats.swap_ins_declined += len(host_hits)
-            return []
-        return host_hits
+            return [], len(host_hits)
+        return host_hits, 0
 
     def _reserve_floor(self, req: Request, budget: StepBudget) -> None:
         """Hold back the time of req's floor chunk before shorter prompts take the slack, so
