@@ -50,7 +50,7 @@ def _add_serve(sub: Any) -> None:
         "--host-write-policy",
         choices=("write_through", "write_through_selective", "write_back"),
         help="when KV blocks are copied to a worker's host tier, every instance "
-        "(engine.cache.host_write_policy; default write_through_selective)",
+        "(engine.cache.host_write_policy; default write_back)",
     )
     p.add_argument(
         "--itl-target-ms",

@@ -67,7 +67,7 @@ class CacheConfig:
     # no tier; the daemon sets it from the Hello like num_gpu_blocks), when blocks are copied
     # there, and after how many GPU hits under write_through_selective.
     num_host_blocks: int = 0
-    host_write_policy: WritePolicy = WritePolicy.WRITE_THROUGH_SELECTIVE
+    host_write_policy: WritePolicy = WritePolicy.WRITE_BACK
     host_write_hits: int = 1
 
     def validate(self) -> None:

@@ -35,7 +35,7 @@ class KVCacheManager:
         num_blocks: int,
         enable_caching: bool = True,
         num_host_blocks: int = 0,
-        host_write_policy: WritePolicy = WritePolicy.WRITE_THROUGH_SELECTIVE,
+        host_write_policy: WritePolicy = WritePolicy.WRITE_BACK,
         host_write_hits: int = 1,
     ) -> None:
         self.block_size = block_size
