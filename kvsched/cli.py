@@ -101,6 +101,21 @@ def _add_worker(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=("auto", "numpy", "paddle"), default="auto")
     p.add_argument("--listen-kv", default="", metavar="HOST:PORT", help="accept KV pushes here")
+    p.add_argument(
+        "--reconnect-min-s",
+        type=float,
+        default=0.1,
+        metavar="S",
+        help="first reconnect delay after the stream to the daemon broke (default 0.1)",
+    )
+    p.add_argument(
+        "--reconnect-max-s",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="reconnect delays double up to this (default 1.0: a restarted daemon is "
+        "found within about a second)",
+    )
     p.add_argument("--token", default=os.environ.get("KVSCHED_TOKEN", ""), help="auth token")
     p.add_argument("--tls-ca", default="", metavar="FILE", help="CA that signed the server")
     p.add_argument("--tls-cert", default="", metavar="FILE", help="client certificate (mTLS)")

@@ -123,6 +123,11 @@ class ServerConfig:
     daemon_id: str = ""  # this daemon's id in the cluster; "": derived from the listen address
     advertise: str = ""  # HOST:PORT peers and workers reach this daemon at; "": the listen address
     cluster_fallback: str = "fail"  # NATS unreachable at start: "fail", or run "standalone"
+    journal: bool = True  # with `cluster`: journal accepted requests in JetStream (durability)
+    journal_flush_ms: float = 100.0  # output tokens are journaled at most this often
+    journal_timeout_s: float = 2.0  # an accepted record not stored within this: UNAVAILABLE
+    journal_max_age_s: float = 86400.0  # finished requests' records age out after this
+    journal_max_bytes: int = 1 << 30  # the journal stream's size cap (oldest dropped beyond)
 
     def validate(self) -> ServerConfig:
         """Check every field; normalize `log_level`, `tracing_exporter`, `metrics_listen`."""
@@ -207,6 +212,10 @@ _RANGES: dict[str, tuple[float, float]] = {
     "default_max_tokens": (1, _INT32_MAX),
     "stall_timeout_s": (0.1, 86400.0),
     "queue_timeout_s": (0.0, 86400.0),
+    "journal_flush_ms": (1.0, 60000.0),
+    "journal_timeout_s": (0.01, 600.0),
+    "journal_max_age_s": (1.0, 365 * 86400.0),
+    "journal_max_bytes": (1 << 20, 1 << 50),
 }
 
 # Top-level fields set by a scalar: name -> type (from the defaults, so the two cannot disagree).

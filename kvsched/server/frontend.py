@@ -19,8 +19,9 @@ import numpy as np
 from kvsched import codec
 from kvsched.core import KvschedError
 from kvsched.server.auth import current_principal
+from kvsched.server.durable import Durability
 from kvsched.server.errors import status_for
-from kvsched.server.request_table import RequestTable, Tracked
+from kvsched.server.request_table import Tracked
 from kvsched.v1 import request_service_pb2 as pb
 from kvsched.v1 import request_service_pb2_grpc
 
@@ -95,25 +96,51 @@ def principal(context: Any) -> str:
 class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     """Accepts requests into the request table and streams their outputs back."""
 
-    def __init__(self, requests: RequestTable, max_session_requests: int) -> None:
-        self.requests = requests
+    def __init__(self, durable: Durability, max_session_requests: int) -> None:
+        self.durable = durable
+        self.requests = durable.table
         self.max_session_requests = max_session_requests
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         sink = StreamSink()
-        tr = self.requests.submit(
+        tr = await self.durable.submit(
             request,
             sink,
             owner=principal(context),
             carrier=metadata(context),
             deadline_s=context.time_remaining(),
         )
+        async for msg in self._follow(tr, sink, pb.GenerateResponse):
+            yield msg
+
+    async def Resume(
+        self, request: pb.RequestServiceResumeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RequestServiceResumeResponse]:
+        sink = StreamSink()
+        got = await self.durable.resume(request, principal(context), sink)
+        if isinstance(got, Tracked):
+            async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse):
+                yield msg
+            return
+        # Finished: the rest of its outputs and its Finished, from the journal's record.
+        have = len(request.token_ids) or request.num_tokens_received
+        yield pb.RequestServiceResumeResponse(
+            queued=pb.GenerateResponse.Queued(request_id=got.request_id)
+        )
+        if len(got.output_token_ids) > have:
+            rest = got.output_token_ids[have:]
+            yield pb.RequestServiceResumeResponse(tokens=pb.GenerateResponse.Tokens(token_ids=rest))
+        yield pb.RequestServiceResumeResponse(finished=got.finished)
+
+    async def _follow(self, tr: Tracked, sink: StreamSink, kind: Any) -> AsyncIterator[Any]:
+        """A request's stream: queued, its tokens past `tr.sent`, its one finished. Ends
+        quietly when a Resume took the request over (`tr.sink` is another sink)."""
         done = False
         self.requests.streams.add(sink)
         try:
-            yield pb.GenerateResponse(
+            yield kind(
                 queued=pb.GenerateResponse.Queued(
                     request_id=tr.req.req_id, instance=tr.engine.instance_id
                 )
@@ -122,6 +149,9 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 await sink.event.wait()
                 sink.event.clear()
                 sink.pending_since = None
+                if tr.sink is not sink:
+                    done = True  # resumed elsewhere: one request streams to one place
+                    return
                 req = tr.req
                 # Decide "finished" and take the tokens at the same instant: more may arrive
                 # while a yield is suspended.
@@ -131,14 +161,14 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 if n > tr.sent:
                     delta = out[tr.sent : n]
                     tr.sent = n
-                    yield pb.GenerateResponse(tokens=pb.GenerateResponse.Tokens(token_ids=delta))
+                    yield kind(tokens=pb.GenerateResponse.Tokens(token_ids=delta))
                 if finished:
                     done = True
-                    yield pb.GenerateResponse(finished=codec.finished_to_proto(req))
+                    yield kind(finished=codec.finished_to_proto(req))
                     return
         finally:
             self.requests.streams.discard(sink)
-            if not done and not tr.detachable:
+            if not done and not tr.detachable and tr.sink is sink:
                 self.requests.abort_tracked(tr, sink_close_reason(sink))
 
     async def Abort(
@@ -179,7 +209,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             reader.cancel()
             why = sink_close_reason(sink)
             for tr in list(sink.open.values()):
-                if not tr.detachable:
+                if not tr.detachable and tr.sink is sink:
                     self.requests.abort_tracked(tr, why)
 
     async def _read_session(
@@ -194,7 +224,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
                 if kind == "submit":
-                    self._submit(msg.submit, sink, owner, limit, carrier)
+                    await self._submit(msg.submit, sink, owner, limit, carrier)
                 elif kind == "abort":
                     tr = sink.open.get(msg.abort.request_id)
                     if tr is None:
@@ -219,7 +249,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             sink.client_done = True
             sink.event.set()
 
-    def _submit(
+    async def _submit(
         self,
         submit: pb.SessionRequest.Submit,
         sink: SessionSink,
@@ -231,7 +261,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         try:
             if len(sink.open) >= limit:
                 raise_limit(limit)
-            tr = self.requests.submit(
+            tr = await self.durable.submit(
                 submit.request, sink, owner=owner, client_tag=tag, carrier=carrier
             )
         except KvschedError as exc:
@@ -270,7 +300,9 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             out.num_tokens.extend(counts)
             out.token_ids.extend(tokens)
         for rid, tr in dirty.items():
-            if tr.finished:
+            if tr.sink is not sink:
+                sink.open.pop(rid, None)  # resumed on its own stream: it left this session
+            elif tr.finished:
                 msg.finished.append(codec.finished_to_proto(tr.req))
                 sink.open.pop(rid, None)
         if errors:

@@ -72,6 +72,8 @@ class Tracked:
     decode_engine: InstanceEngine | None = None  # P/D: holds a reservation until hand-off
     span: Any = None
     finished: bool = False  # its one Finished is decided: the table no longer tracks it
+    durable: int = 0  # journal: 0 not journaled, 1 accepted record in flight, 2 stored, 3 closed
+    journaled: int = 0  # output tokens the journal has recorded
 
 
 class RequestTable:
@@ -90,6 +92,10 @@ class RequestTable:
         self._timer_seq = 0
         self.streams: set[Any] = set()  # open Generate / Session sinks (stall watchdog)
         self.num_requeued = 0
+        # The journal when durability is on (kvsched.durability.journal.Journal): told of
+        # finishes and of requests moved off a lost instance.
+        self.journal: Any = None
+        self.reserved: set[str] = set()  # ids prepared, not yet committed (journal in flight)
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(
@@ -103,6 +109,15 @@ class RequestTable:
     ) -> Tracked:
         """Validate, route and queue one request. Raises a typed error (nothing is kept) or
         returns its Tracked state; from then on the sink gets exactly one Finished."""
+        tr = self.prepare(pb, sink, owner, client_tag)
+        self.commit(tr, carrier, deadline_s)
+        return tr
+
+    def prepare(
+        self, pb: request_service_pb2.GenerateRequest, sink: Sink, owner: str, client_tag: str
+    ) -> Tracked:
+        """Submit's checks, its id and its route; nothing queued yet. The id is reserved
+        until `commit` or `release` (the journal stores the request in between)."""
         if self.draining:
             raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
         if pb.model and pb.model != self.config.model:
@@ -110,11 +125,32 @@ class RequestTable:
                 f"unknown model {pb.model!r}; this daemon serves {self.config.model!r}"
             )
         req_id = pb.request_id or uuid.uuid4().hex
-        if req_id in self.tracked:
+        if req_id in self.tracked or req_id in self.reserved:
             raise InvalidRequest(f"request_id {req_id!r} is already in use by a live request")
         req = codec.request_from_proto(pb, req_id, time.monotonic(), self.config.default_max_tokens)
         eng = self.registry.route(req)
-        tr = Tracked(req, eng, sink, pb.detachable, owner, client_tag)
+        return Tracked(req, eng, sink, pb.detachable, owner, client_tag)
+
+    def reserve(self, tr: Tracked) -> None:
+        self.reserved.add(tr.req.req_id)
+
+    def release(self, tr: Tracked) -> None:
+        self.reserved.discard(tr.req.req_id)
+
+    def commit(
+        self,
+        tr: Tracked,
+        carrier: Mapping[str, str] | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
+        """Queue a prepared request on its instance (routed again if that one went away)."""
+        self.reserved.discard(tr.req.req_id)
+        if self.draining:
+            raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
+        req = tr.req
+        eng = tr.engine
+        if not eng.queueing:
+            eng = tr.engine = self.registry.route(req)
         if eng.role == Role.PREFILL:
             tr.decode_engine = self._reserve_decode(req)
         try:
@@ -123,7 +159,7 @@ class RequestTable:
             self._cancel_reservation(tr)
             raise
         req.tag = tr
-        self.tracked[req_id] = tr
+        self.tracked[req.req_id] = tr
         self.all_done.clear()
         now = time.monotonic()
         if self.config.queue_timeout_s > 0:
@@ -132,7 +168,6 @@ class RequestTable:
             self._timer(now + deadline_s, tr, "deadline")
         self.telemetry.request_accepted(tr, carrier or {})
         eng.wake()
-        return tr
 
     def _reserve_decode(self, req: Request) -> InstanceEngine:
         d = self.registry.route_decode()
@@ -211,6 +246,8 @@ class RequestTable:
         dreq.first_scheduled_time = req.first_scheduled_time
         dreq.num_cached_tokens = req.num_cached_tokens
         tr.req, tr.engine = dreq, d
+        if self.journal is not None:
+            self.journal.progress(tr)
         d.wake()
 
     def on_finished(self, eng: InstanceEngine, req: Request) -> None:
@@ -221,6 +258,8 @@ class RequestTable:
         if self.tracked.pop(req.req_id, None) is None:
             return
         tr.finished = True
+        if self.journal is not None:
+            self.journal.finished(tr)
         self.recent[req.req_id] = None
         if len(self.recent) > RECENT_FINISHED:
             self.recent.popitem(last=False)
@@ -258,6 +297,8 @@ class RequestTable:
         )
         new.tag = tr
         tr.req = new
+        if self.journal is not None:
+            self.journal.progress(tr)
         self.telemetry.request_moved(tr, reason)
         self.num_requeued += 1
         self.orphans.append((tr, time.monotonic() + self.config.requeue_timeout_s, reason))

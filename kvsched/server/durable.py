@@ -1,0 +1,207 @@
+"""Durable requests: the request table's entry and exit through the journal.
+
+    submit()    prepare (checks, id, route) -> the journal stores the accepted record ->
+                commit (queue on the instance); a record that cannot be stored refuses the
+                request with UNAVAILABLE, and nothing was queued
+    recover()   at start, before serving: this daemon's unfinished requests from the journal,
+                parked (no client yet) as requests waiting for an instance, their recorded
+                tokens kept (recomputed with the prompt; the output continues after them)
+    resume()    a client takes a request's outputs over: a live request gets the caller's
+                sink; a finished one is answered from the journal's finished record
+
+Without a journal `submit` is the table's and `resume` serves live (detachable or recovered)
+requests of this daemon only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+from kvsched import codec
+from kvsched.core import FinishReason, InvalidRequest, RequestNotFound, Role, Unavailable
+from kvsched.core.request import FINISHED_STATUS
+from kvsched.server.errors import PermissionDenied
+from kvsched.server.request_table import RequestTable, Sink, Tracked
+from kvsched.v1 import journal_pb2, request_service_pb2
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from kvsched.durability.journal import Journal
+    from kvsched.server.engine import InstanceEngine
+
+log = logging.getLogger("kvsched.daemon")
+
+
+class ParkedSink:
+    """The sink of a recovered request until its client resumes: outputs stay in the request."""
+
+    def notify(self, tr: Tracked, /) -> None:
+        pass
+
+    def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /) -> None:
+        pass
+
+
+class Nowhere:
+    """The engine of a recovered request not yet placed on an instance."""
+
+    instance_id = ""
+    role = Role.MIXED
+    ready = False
+    queueing = False
+
+    def holds(self, req: Any) -> bool:
+        return False
+
+    def sinks_changed(self) -> None:
+        pass
+
+
+NOWHERE = cast("InstanceEngine", Nowhere())
+
+
+class Durability:
+    def __init__(self, table: RequestTable, journal: Journal | None = None) -> None:
+        self.table = table
+        self.journal = journal
+        table.journal = journal
+        self.num_recovered = 0
+
+    def use(self, journal: Journal) -> None:
+        """Journal every request accepted from now on (set before serving)."""
+        self.journal = self.table.journal = journal
+
+    async def submit(
+        self,
+        pb: request_service_pb2.GenerateRequest,
+        sink: Sink,
+        owner: str = "",
+        client_tag: str = "",
+        carrier: Mapping[str, str] | None = None,
+        deadline_s: float | None = None,
+    ) -> Tracked:
+        table, journal = self.table, self.journal
+        if journal is None:
+            return table.submit(pb, sink, owner, client_tag, carrier, deadline_s)
+        tr = table.prepare(pb, sink, owner, client_tag)
+        table.reserve(tr)
+        try:
+            await journal.accept(tr, pb, tr.engine.instance_id)
+        finally:
+            table.release(tr)
+        try:
+            table.commit(tr, carrier, deadline_s)
+        except Exception as exc:
+            # Stored but refused after all (its instance went away meanwhile): close its record.
+            _set_finished(tr, FinishReason.ERROR, f"refused: {exc}")
+            journal.finished(tr)
+            raise
+        return tr
+
+    async def recover(self) -> int:
+        """Park this daemon's unfinished requests from the journal; returns how many."""
+        if self.journal is None:
+            return 0
+        table = self.table
+        now = time.monotonic()
+        deadline = now + max(table.config.requeue_timeout_s, 1.0)
+        for u in await self.journal.recover():
+            rec = u.record
+            req = codec.request_from_proto(
+                rec.request, rec.request_id, now, table.config.default_max_tokens
+            )
+            req.output_token_ids = list(u.tokens)
+            tr = Tracked(
+                req, NOWHERE, ParkedSink(), rec.request.detachable, rec.principal, rec.client_tag
+            )
+            tr.durable, tr.journaled = 2, len(u.tokens)
+            req.tag = tr
+            table.tracked[req.req_id] = tr
+            table.all_done.clear()
+            self.num_recovered += 1
+            if len(req.output_token_ids) >= req.sampling.max_tokens:
+                table._fail(tr, "", FinishReason.LENGTH)  # it had finished: its record was lost
+                continue
+            table.orphans.append((tr, deadline, "recovered from the journal after a restart"))
+        if self.num_recovered:
+            log.info("recovered %d unfinished request(s) from the journal", self.num_recovered)
+        return self.num_recovered
+
+    async def resume(
+        self, pb: request_service_pb2.RequestServiceResumeRequest, owner: str, sink: Sink
+    ) -> Tracked | journal_pb2.JournalRecord:
+        """Hand request `pb.request_id`'s outputs past the caller's tokens to `sink`: its
+        Tracked (now streaming to `sink`, `sent` = the caller's count), or the journal's
+        finished record. Typed errors: see RequestService.Resume in request_service.proto."""
+        rid = pb.request_id
+        held = list(pb.token_ids)
+        have = len(held) if held else pb.num_tokens_received
+        tr = self.table.tracked.get(rid)
+        if tr is None:
+            return await self._finished(rid, owner, held, have)
+        if tr.owner and tr.owner != owner:
+            raise PermissionDenied(f"request {rid!r} was submitted with other credentials")
+        req = tr.req
+        out = req.output_token_ids
+        _check_prefix(rid, held, out)
+        if len(held) > len(out) and not tr.engine.holds(req):
+            # Not placed yet (recovered, or its instance was lost): the client's tokens win.
+            out.extend(held[len(out) :])
+            if len(out) >= req.sampling.max_tokens:
+                self.table._fail(tr, "", FinishReason.LENGTH)
+        old = tr.sink
+        tr.sink, tr.sent = sink, have
+        tr.engine.sinks_changed()
+        old.notify(tr)  # its stream sees it lost the request and ends
+        if len(out) > have or tr.finished:
+            sink.notify(tr)
+        return tr
+
+    async def _finished(
+        self, rid: str, owner: str, held: list[int], have: int
+    ) -> journal_pb2.JournalRecord:
+        rec = await self.journal.lookup(rid) if self.journal is not None else None
+        if rec is None:
+            if rid in self.table.recent:
+                raise RequestNotFound(
+                    f"request {rid!r} has finished and this daemon keeps no outputs of finished "
+                    "requests (no journal: run with --cluster)"
+                )
+            raise RequestNotFound(
+                f"no request {rid!r} (never accepted, or finished longer ago than the journal "
+                "keeps records)"
+            )
+        if rec.principal and rec.principal != owner:
+            raise PermissionDenied(f"request {rid!r} was submitted with other credentials")
+        if rec.kind != journal_pb2.JournalRecord.KIND_FINISHED:
+            raise Unavailable(
+                f"request {rid!r} belongs to daemon {rec.daemon_id!r}, which is not running; "
+                "resume it there once it restarts"
+            )
+        out = list(rec.output_token_ids)
+        if have > len(out):
+            raise InvalidRequest(
+                f"request {rid!r} finished with {len(out)} output tokens; the client claims {have}"
+            )
+        _check_prefix(rid, held, out)
+        return rec
+
+
+def _check_prefix(rid: str, held: list[int], out: list[int]) -> None:
+    n = min(len(held), len(out))
+    if held[:n] != out[:n]:
+        raise InvalidRequest(
+            f"the tokens sent for request {rid!r} differ from its recorded output "
+            f"(first difference at position {next(i for i in range(n) if held[i] != out[i])})"
+        )
+
+
+def _set_finished(tr: Tracked, reason: FinishReason, message: str) -> None:
+    req = tr.req
+    req.status = FINISHED_STATUS[reason]
+    req.finish_reason, req.finish_message = reason, message
+    req.finished_time = time.monotonic()
+    tr.finished = True
