@@ -82,9 +82,7 @@ def _backoff(args: argparse.Namespace) -> tuple[float, float]:
     lo = getattr(args, "reconnect_min_s", 0.1)
     hi = getattr(args, "reconnect_max_s", 1.0)
     if not 0 < lo <= hi:
-        raise ValueError(
-            f"need 0 < --reconnect-min-s <= --reconnect-max-s, got {lo:g} and {hi:g}"
-        )
+        raise ValueError(f"need 0 < --reconnect-min-s <= --reconnect-max-s, got {lo:g} and {hi:g}")
     return (lo, hi)
 
 

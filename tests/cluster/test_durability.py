@@ -1,0 +1,184 @@
+"""Durability with a real nats-server, real daemon and worker processes on loopback: a daemon
+killed with SIGKILL under load and restarted with the same id loses no accepted request, and
+resuming clients get exactly the tokens of an uninterrupted run; the journal refuses requests
+it cannot store; NATS restarted under load loses nothing; Resume's typed errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvsched.client import AsyncClient, InvalidArgument, NotFound, Unavailable
+from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS
+from kvsched.cluster.natsd import NatsServer
+from kvsched.v1 import common_pb2, request_service_pb2_grpc
+from kvsched.v1 import request_service_pb2 as rpb
+from tests.cluster.durability_kit import (
+    Daemon,
+    pool_free,
+    prompts,
+    quantiles,
+    run_with_kill,
+    sim_expected,
+    start_sim_worker,
+)
+from tests.integration.harness import status, wait_ready
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def test_kill9_under_load_loses_nothing_and_resumed_tokens_are_exact(
+    nats_server: NatsServer,
+) -> None:
+    daemon = Daemon(nats_server.url, "d1").start()
+    workers = [start_sim_worker(daemon.address, iid, "--speed", "0.3") for iid in ("i0", "i1")]
+    try:
+        wait_ready(daemon.address, ["i0", "i1"])
+        ps = prompts(80)
+        requests = [(f"kill-{i}", p, 150 + (i % 5) * 30) for i, p in enumerate(ps)]
+        t0 = time.monotonic()
+        result = asyncio.run(run_with_kill(daemon, ["i0", "i1"], requests, kill_after_tokens=5))
+        assert not result.errors, result.errors[:3]
+        assert "recovered" in daemon.output()
+        for s, (rid, p, n) in zip(result.streams, requests, strict=True):
+            assert s.finished is not None and s.finished.reason == "length"
+            assert s.tokens == sim_expected(rid, len(p), n), rid  # none missing, none repeated
+            assert s.finished.usage.output_tokens == n
+        assert len(result.cut) >= len(requests) // 2, "most streams must be cut mid-way"
+        assert all(result.streams[i].resumes for i in result.cut)
+        pool_free(daemon.address)
+        assert not [i for i in status(daemon.address).instances if i.num_running]
+        gaps = result.first_token_after_break_s()
+        p50, p99 = quantiles(gaps)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "durability_kill9.json").write_text(
+            json.dumps(
+                {
+                    "requests": len(requests),
+                    "cut_by_the_kill": len(result.cut),
+                    "kill_to_first_token_s": {"p50": p50, "p99": p99, "n": len(gaps)},
+                    "wall_s": time.monotonic() - t0,
+                },
+                indent=1,
+            )
+        )
+        print(f"kill -9 -> first token after recovery: p50 {p50:.3f} s, p99 {p99:.3f} s")
+    finally:
+        for w in workers:
+            w.stop()
+        daemon.stop()
+
+
+def test_journal_unreachable_refuses_with_unavailable_and_keeps_nothing(tmp_path: Path) -> None:
+    nats = NatsServer(store_dir=str(tmp_path / "js")).start()
+    daemon = Daemon(nats.url, "d2", "--cluster-fallback", "fail").start()
+    worker = start_sim_worker(daemon.address, "i0", "--speed", "0.5")
+    try:
+        wait_ready(daemon.address, ["i0"])
+
+        async def scenario() -> None:
+            async with AsyncClient(daemon.address, options=RESUMABLE_CHANNEL_OPTIONS) as client:
+                # In flight across the NATS outage: accepted before it, finishes after it.
+                before = [
+                    await client.generate([5, 6, 7, 8], request_id=f"b{i}", max_tokens=150)
+                    for i in range(10)
+                ]
+                reading = [asyncio.create_task(s.tokens()) for s in before]
+                nats.stop()
+                with pytest.raises(Unavailable) as err:
+                    await client.generate([1, 2, 3], request_id="refused", max_tokens=4)
+                assert "journal" in str(err.value) and "nothing was accepted" in str(err.value)
+                st = status(daemon.address)
+                assert sum(i.num_waiting + i.num_running for i in st.instances) <= 10
+                with pytest.raises(NotFound):  # nothing half-accepted
+                    await client.resume("refused")
+                nats.start()
+                got = await asyncio.gather(*reading)
+                for rid, toks in zip([f"b{i}" for i in range(10)], got, strict=True):
+                    assert toks == sim_expected(rid, 4, 150)
+                # The journal works again once NATS is back (the link reconnects).
+                deadline = time.monotonic() + 20
+                while True:
+                    try:
+                        s = await client.generate([1, 2, 3], request_id="after", max_tokens=4)
+                        break
+                    except Unavailable:
+                        assert time.monotonic() < deadline, "journal did not heal"
+                        await asyncio.sleep(0.2)
+                assert await s.tokens() == sim_expected("after", 3, 4)
+
+        asyncio.run(asyncio.wait_for(scenario(), 90))
+        pool_free(daemon.address)
+    finally:
+        worker.stop()
+        daemon.stop()
+        nats.close()
+
+
+def test_resume_errors_finished_requests_and_sessions(nats_server: NatsServer) -> None:
+    daemon = Daemon(nats_server.url, "d3").start()
+    worker = start_sim_worker(daemon.address, "i0", "--speed", "0.2")
+    try:
+        wait_ready(daemon.address, ["i0"])
+
+        async def scenario() -> None:
+            async with AsyncClient(daemon.address) as client:
+                with pytest.raises(NotFound):
+                    await client.resume("never-submitted")
+                done = await client.generate([9, 9, 9], request_id="done", max_tokens=8)
+                toks = await done.tokens()
+                # Finished: the rest from the journal's finished record, then its finished.
+                rest = await client.resume("done", toks[:3])
+                assert await rest.tokens() == toks[3:]
+                assert rest.finished is not None and rest.finished.usage.output_tokens == 8
+                with pytest.raises(InvalidArgument):
+                    await client.resume("done", toks + [1])  # more than it produced
+                with pytest.raises(InvalidArgument):
+                    await client.resume("done", [toks[0] + 1])  # not its tokens
+                # A detachable request whose client went away: resumed, then its old stream
+                # ends quietly and the new one gets each token once.
+                s1 = await client.generate([4, 4], request_id="det", max_tokens=200, detachable=True)
+                held: list[int] = []
+                async for batch in s1:
+                    held += batch
+                    if len(held) >= 5:
+                        break
+                s1.cancel()
+                s2 = await client.resume("det", held)
+                assert held + await s2.tokens() == sim_expected("det", 2, 200)
+
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+        # A Session's request resumed on its own stream leaves the session, which then ends.
+        with grpc.insecure_channel(daemon.address) as ch:
+            stub = request_service_pb2_grpc.RequestServiceStub(ch)
+            sub = rpb.SessionRequest(
+                submit=rpb.SessionRequest.Submit(
+                    request=rpb.GenerateRequest(
+                        request_id="sess",
+                        prompt_token_ids=[1, 2],
+                        sampling=common_pb2.SamplingParams(max_tokens=200),
+                    )
+                )
+            )
+            sess = stub.Session(iter([sub]), timeout=30)
+            seen: list[int] = []
+            for msg in sess:
+                seen += list(msg.tokens.token_ids)
+                if seen:
+                    break
+            resumed = stub.Resume(
+                rpb.RequestServiceResumeRequest(request_id="sess", token_ids=seen), timeout=30
+            )
+            rest = [t for m in resumed if m.HasField("tokens") for t in m.tokens.token_ids]
+            assert seen + rest == sim_expected("sess", 2, 200)
+            for msg in sess:  # the session ends without a finished for the request it lost
+                assert not msg.finished
+        pool_free(daemon.address)
+    finally:
+        worker.stop()
+        daemon.stop()
