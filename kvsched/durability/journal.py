@@ -102,12 +102,17 @@ class Journal:
         """Store the accepted record; `Unavailable` when NATS does not acknowledge it in time."""
         req_id = tr.req.req_id
         data = R.accepted_record(pb, req_id, self.daemon_id, instance, tr.owner, tr.client_tag)
-        tr.durable = 1
+        subject = R.req_subject(self.daemon_id, req_id)
         try:
-            await self.js.publish(
-                R.req_subject(self.daemon_id, req_id), data, timeout=self.timeout_s
-            )
+            if not self.nc.is_connected:  # refuse at once: a buffered record could land later
+                raise ConnectionError("not connected")
+            tr.durable = 1
+            await self.js.publish(subject, data, timeout=self.timeout_s)
         except Exception as exc:
+            if tr.durable == 1:
+                # It may still be stored (sent, then the link broke before the ack): purge it
+                # after it, in order, so that a refused request leaves nothing behind.
+                self._emit(subject, b"", PURGE)
             tr.durable = 0
             self.num_refused += 1
             raise Unavailable(
