@@ -27,7 +27,7 @@ from tests.cluster.durability_kit import (
     sim_expected,
     start_sim_worker,
 )
-from tests.integration.harness import status, wait_ready
+from tests.integration.harness import Proc, status, wait_ready
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -183,4 +183,36 @@ def test_resume_errors_finished_requests_and_sessions(nats_server: NatsServer) -
         pool_free(daemon.address)
     finally:
         worker.stop()
+        daemon.stop()
+
+
+def test_kill9_with_model_workers_resumed_outputs_equal_the_unpaged_reference(
+    nats_server: NatsServer,
+) -> None:
+    from tests.e2e.harness import make_prompt, reference
+
+    daemon = Daemon(nats_server.url, "d4").start()
+    args = ["--num-slots", "16", "--num-blocks", "256", "--block-size", "8", "--backend", "numpy"]
+    workers = [
+        Proc(
+            ["worker", "--server", daemon.address, "--instance", iid, "--executor", "model", *args],
+            name=f"model-{iid}",
+        )
+        for iid in ("m0", "m1")
+    ]
+    try:
+        wait_ready(daemon.address, ["m0", "m1"], timeout=60)
+        requests = [(f"model-{i}", make_prompt(i, 8 + 5 * i), 40) for i in range(12)]
+        result = asyncio.run(
+            run_with_kill(daemon, ["m0", "m1"], requests, kill_after_tokens=3, timeout_s=150)
+        )
+        assert not result.errors, result.errors[:3]
+        assert len(result.cut) >= len(requests) // 2
+        for s, (rid, p, n) in zip(result.streams, requests, strict=True):
+            assert s.finished is not None and s.finished.usage.output_tokens == n
+            assert s.tokens == reference(p, n), rid
+        pool_free(daemon.address)
+    finally:
+        for w in workers:
+            w.stop()
         daemon.stop()
