@@ -2,18 +2,16 @@
 
     accept()     the accepted record, published and acknowledged (awaited) before the client
                  is told `queued`; refused with `Unavailable` when it cannot be stored
-    run()        every flush_ms: each live request's new output tokens as one TokenDelta
-                 (fire-and-forget publishes); after a NATS reconnect, every live request's
-                 tokens in full (a gap left by the outage is repaired)
+    run()        every flush_ms: the live requests' new output tokens, one TokenBatch message
+                 (compacted from position 0 when the deltas outgrow the live tokens, and after
+                 a NATS reconnect); the writer publishes what is queued, in order
     progress()   one request's tokens now (its instance was lost, or it was handed off)
-    finished()   the finished record (rolls the request's `req` subject up to it) and a purge
-                 of its token deltas, in order, off the caller's path
+    finished()   the finished record (`done.<id>`) and the accepted record's expiring
+                 tombstone, in order, off the caller's path
     recover()    the unfinished requests this daemon owns, with their recorded tokens
-    lookup()     the latest record of a request by id, on any daemon's subjects (Resume)
+    lookup()     a request's finished record, or its accepted one on any daemon (Resume)
 
-Subjects and records: records.py and journal.proto. Retention: finished records stay for
-`journal_max_age_s` (a Resume of a finished request is answered from them), token deltas are
-purged at finish, `journal_max_bytes` caps the stream.
+Subjects, records and retention: journal.proto (records.py encodes them).
 """
 
 from __future__ import annotations
@@ -67,14 +65,17 @@ class Journal:
         self.nc = link.nc
         self.js = link.js
         self.daemon_id: str = link.daemon_id
+        self.tok_subject = R.tok_subject(self.daemon_id)
         self.flush_s = flush_ms / 1000.0
         self.timeout_s = timeout_s
         self.max_age_s = max_age_s
         self.max_bytes = max_bytes
         self._outbox: asyncio.Queue[tuple[str, bytes, dict[str, str] | None]] = asyncio.Queue()
         self._reconnects = 0
+        self._since_compaction = 0  # tokens written to tok.<daemon> since its last compaction
         self.num_accepted = 0
         self.num_refused = 0
+        self.num_compactions = 0
         self.num_publish_errors = 0
 
     async def open(self) -> None:
@@ -88,6 +89,7 @@ class Journal:
             discard=DiscardPolicy.OLD,
             allow_rollup_hdrs=True,
             allow_direct=True,
+            allow_msg_ttl=True,
         )
         try:
             await self.js.add_stream(cfg)
@@ -130,7 +132,14 @@ class Journal:
 
     def progress(self, tr: Journaled) -> None:
         """Record `tr`'s new output tokens now (written off the caller's path)."""
-        self._deltas((tr,))
+        out = tr.req.output_token_ids
+        n = len(out)
+        if tr.durable == 2 and n > tr.journaled:
+            entry = (tr.req.req_id, tr.journaled, out[tr.journaled : n])
+            tr.journaled = n
+            self._since_compaction += len(entry[2])
+            for data in R.token_batches([entry]):
+                self._emit(self.tok_subject, data)
 
     def finished(self, tr: Journaled) -> None:
         """Record `tr`'s end (its one Finished is decided); the tokens go with it."""
@@ -141,39 +150,56 @@ class Journal:
             req.req_id, self.daemon_id, tr.owner, list(req.output_token_ids), finished_to_proto(req)
         )
         tr.durable = 3
-        self._emit(R.req_subject(self.daemon_id, req.req_id), data, {"Nats-Rollup": "sub"})
-        if tr.journaled:
-            self._emit(R.tok_subject(self.daemon_id, req.req_id), b"", PURGE)
+        self._emit(R.done_subject(req.req_id), data)
+        self._emit(R.req_subject(self.daemon_id, req.req_id), b"", R.TOMBSTONE_HEADERS)
 
-    def _deltas(self, trs: Iterable[Journaled], full: bool = False) -> None:
-        for tr in trs:
+    def flush(self, live: Iterable[Journaled], compact: bool = False) -> None:
+        """Queue the live requests' new tokens as one TokenBatch; all their tokens, from
+        position 0 and rolling the subject up, when `compact` or when the tokens written since
+        the last compaction exceed the live ones."""
+        entries = []
+        trs = []
+        live_tokens = 0
+        for tr in live:
             if tr.durable != 2:
                 continue
+            trs.append(tr)
             out = tr.req.output_token_ids
             n = len(out)
-            start = 0 if full else tr.journaled
-            if n <= start:
-                continue
-            tr.journaled = n
-            self._emit(R.tok_subject(self.daemon_id, tr.req.req_id), R.delta(start, out[start:n]))
+            live_tokens += n
+            if n > tr.journaled:
+                entries.append((tr.req.req_id, tr.journaled, out[tr.journaled : n]))
+                tr.journaled = n
+                self._since_compaction += len(entries[-1][2])
+        if compact or self._since_compaction > max(live_tokens, 4096):
+            entries = [(tr.req.req_id, 0, list(tr.req.output_token_ids)) for tr in trs]
+            batches = R.token_batches(entries) or [R.token_batches([("", 0, [])])[0]]
+            self._emit(self.tok_subject, batches[0], R.ROLLUP)
+            for data in batches[1:]:
+                self._emit(self.tok_subject, data)
+            self._since_compaction = 0
+            self.num_compactions += 1
+            return
+        for data in R.token_batches(entries):
+            self._emit(self.tok_subject, data)
 
     async def run(self, live: Callable[[], Iterable[Journaled]]) -> None:
-        """Every flush_ms, each live request's new tokens (all of them after a NATS
+        """Every flush_ms, the live requests' new tokens (all of them, compacted, after a NATS
         reconnect); the writer publishes what is queued, in order."""
         writer = asyncio.get_running_loop().create_task(self._write())
         try:
             while True:
                 await asyncio.sleep(self.flush_s)
                 reconnects = self.nc.stats.get("reconnects", 0)
-                full = reconnects != self._reconnects
+                compact = reconnects != self._reconnects
                 self._reconnects = reconnects
-                self._deltas(list(live()), full)
+                self.flush(live(), compact)
         finally:
             writer.cancel()
 
     async def _write(self) -> None:
         """Publish queued records in order (core publishes: the stream stores them; a loss is
-        repaired by the next full delta); purges (requests) after the records before them."""
+        repaired by the next compaction); purges (requests) after the records before them."""
         box = self._outbox
         while True:
             items = [await box.get()]
@@ -191,7 +217,7 @@ class Journal:
                     log.debug("journal publish to %s failed: %s", subject, exc)
             for r in await asyncio.gather(*purges, return_exceptions=True):
                 if isinstance(r, BaseException):
-                    log.debug("purging token deltas failed: %s", r)
+                    log.debug("purging a refused request's record failed: %s", r)
 
     # ---- reading ------------------------------------------------------------------------------
     async def _read(self, subject: str, policy: DeliverPolicy) -> list[Any]:
@@ -214,29 +240,34 @@ class Journal:
                 await psub.unsubscribe()
 
     async def recover(self) -> list[R.Unfinished]:
-        """This daemon's accepted, unfinished requests with their recorded tokens, in the
-        order they were accepted."""
-        records = await self._read(f"{R.REQ}.{self.daemon_id}.>", DeliverPolicy.LAST_PER_SUBJECT)
+        """This daemon's accepted, unfinished requests with their recorded tokens."""
         live: dict[str, R.Unfinished] = {}
-        for msg in records:
-            rec = R.parse_record(msg.data)
-            if rec.kind == R.ACCEPTED:
-                live[msg.subject.rsplit(".", 1)[1]] = R.Unfinished(rec)
+        for msg in await self._read(f"{R.REQ}.{self.daemon_id}.>", DeliverPolicy.LAST_PER_SUBJECT):
+            if msg.data:  # empty: a finished request's tombstone
+                rec = R.parse_record(msg.data)
+                if rec.kind == R.ACCEPTED:
+                    live[rec.request_id] = R.Unfinished(rec)
         if live:
-            for msg in await self._read(f"{R.TOK}.{self.daemon_id}.>", DeliverPolicy.ALL):
-                u = live.get(msg.subject.rsplit(".", 1)[1])
-                if u is not None:
-                    R.apply_delta(u.tokens, msg.data)
+            tokens_of = {rid: u.tokens for rid, u in live.items()}
+            for msg in await self._read(self.tok_subject, DeliverPolicy.ALL):
+                R.apply_batch(tokens_of, msg.data)
         return list(live.values())
 
     async def lookup(self, req_id: str) -> journal_pb2.JournalRecord | None:
-        """The latest record of `req_id` on any daemon's subjects; None when there is none."""
+        """`req_id`'s finished record, else its accepted record on any daemon; None when the
+        journal holds neither."""
         from nats.js.errors import NotFoundError
 
-        try:
-            msg = await self.js.get_last_msg(R.STREAM, f"{R.REQ}.*.{R.id_token(req_id)}")
-        except NotFoundError:
-            return None
-        except Exception as exc:
-            raise Unavailable(f"the request journal cannot be read now ({exc}); retry") from None
-        return R.parse_record(msg.data)
+        token = R.id_token(req_id)
+        for subject in (R.done_subject(req_id), f"{R.REQ}.*.{token}"):
+            try:
+                msg = await self.js.get_last_msg(R.STREAM, subject)
+            except NotFoundError:
+                continue
+            except Exception as exc:
+                raise Unavailable(
+                    f"the request journal cannot be read now ({exc}); retry"
+                ) from None
+            if msg.data:
+                return R.parse_record(msg.data)
+        return None

@@ -14,7 +14,13 @@ from kvsched.v1 import journal_pb2, request_service_pb2
 STREAM = "KVSCHED_JOURNAL"
 PREFIX = "kvsched.journal"
 REQ = f"{PREFIX}.req"
+DONE = f"{PREFIX}.done"
 TOK = f"{PREFIX}.tok"
+# At a finish: the accepted record is replaced by an empty message that expires (the `req` tree
+# then holds live requests only, and recovery reads nothing of finished ones).
+TOMBSTONE_HEADERS = {"Nats-Rollup": "sub", "Nats-TTL": "2s"}
+ROLLUP = {"Nats-Rollup": "sub"}
+MAX_BATCH_TOKENS = 200_000  # per TokenBatch message: under NATS's 1 MB default max_payload
 
 ACCEPTED = journal_pb2.JournalRecord.KIND_ACCEPTED
 FINISHED = journal_pb2.JournalRecord.KIND_FINISHED
@@ -33,8 +39,12 @@ def req_subject(daemon_id: str, req_id: str) -> str:
     return f"{REQ}.{daemon_id}.{id_token(req_id)}"
 
 
-def tok_subject(daemon_id: str, req_id: str) -> str:
-    return f"{TOK}.{daemon_id}.{id_token(req_id)}"
+def done_subject(req_id: str) -> str:
+    return f"{DONE}.{id_token(req_id)}"
+
+
+def tok_subject(daemon_id: str) -> str:
+    return f"{TOK}.{daemon_id}"
 
 
 def accepted_record(
@@ -73,8 +83,24 @@ def finished_record(
     return rec.SerializeToString()
 
 
-def delta(start: int, tokens: list[int]) -> bytes:
-    return journal_pb2.TokenDelta(start=start, token_ids=tokens).SerializeToString()
+def token_batches(entries: list[tuple[str, int, list[int]]]) -> list[bytes]:
+    """(request id, start, tokens) entries as TokenBatch messages of at most MAX_BATCH_TOKENS
+    tokens each (an entry is never split)."""
+    out: list[bytes] = []
+    batch = journal_pb2.TokenBatch()
+    n = 0
+    for rid, start, toks in entries:
+        if n and n + len(toks) > MAX_BATCH_TOKENS:
+            out.append(batch.SerializeToString())
+            batch, n = journal_pb2.TokenBatch(), 0
+        batch.request_ids.append(rid)
+        batch.starts.append(start)
+        batch.counts.append(len(toks))
+        batch.token_ids.extend(toks)
+        n += len(toks)
+    if n or batch.request_ids:
+        out.append(batch.SerializeToString())
+    return out
 
 
 def parse_record(data: bytes) -> journal_pb2.JournalRecord:
@@ -83,16 +109,20 @@ def parse_record(data: bytes) -> journal_pb2.JournalRecord:
     return rec
 
 
-def apply_delta(tokens: list[int], data: bytes) -> None:
-    """Apply one TokenDelta to the tokens known so far (in place). A delta past their end is
-    a gap (records lost while NATS was unreachable): ignored, a later full delta repairs it."""
-    d = journal_pb2.TokenDelta()
-    d.ParseFromString(data)
-    start = d.start
-    if start > len(tokens):
-        return
-    del tokens[start:]
-    tokens.extend(d.token_ids)
+def apply_batch(tokens_of: dict[str, list[int]], data: bytes) -> None:
+    """Apply one TokenBatch to the tokens known so far (in place), for the requests in
+    `tokens_of`. An entry past a request's known tokens is a gap (records lost while NATS was
+    unreachable): ignored, the next compaction repairs it."""
+    b = journal_pb2.TokenBatch()
+    b.ParseFromString(data)
+    toks = b.token_ids
+    i = 0
+    for rid, start, count in zip(b.request_ids, b.starts, b.counts, strict=True):
+        have = tokens_of.get(rid)
+        if have is not None and start <= len(have):
+            del have[start:]
+            have.extend(toks[i : i + count])
+        i += count
 
 
 @dataclass

@@ -69,6 +69,11 @@ class SessionSink:
         self.errors: list[pb.SessionResponse.Error] = []
         self.open: dict[str, Tracked] = {}
         self.client_done = False
+        self.closed = False  # the stream ended
+        # Journal on: submits waiting for their accepted record, and their ids (True: the
+        # client aborted it meanwhile).
+        self.inflight: set[asyncio.Task[None]] = set()
+        self.pending: dict[str, bool] = {}
 
     def notify(self, tr: Tracked) -> None:
         if self.pending_since is None:
@@ -207,6 +212,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         finally:
             self.requests.streams.discard(sink)
             reader.cancel()
+            sink.closed = True  # submits still at the journal are aborted when they land
             why = sink_close_reason(sink)
             for tr in list(sink.open.values()):
                 if not tr.detachable and tr.sink is sink:
@@ -220,14 +226,26 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         carrier: dict[str, str],
     ) -> None:
         limit = self.max_session_requests
+        loop = asyncio.get_running_loop()
+        journal = self.durable.journal is not None
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
-                if kind == "submit":
+                if kind == "submit" and journal:
+                    # Submits wait for the journal concurrently: one round trip each, overlapped.
+                    task = loop.create_task(self._submit(msg.submit, sink, owner, limit, carrier))
+                    sink.inflight.add(task)
+                    task.add_done_callback(sink.inflight.discard)
+                    rid = msg.submit.request.request_id
+                    if rid:
+                        sink.pending[rid] = False
+                elif kind == "submit":
                     await self._submit(msg.submit, sink, owner, limit, carrier)
                 elif kind == "abort":
                     tr = sink.open.get(msg.abort.request_id)
-                    if tr is None:
+                    if tr is None and msg.abort.request_id in sink.pending:
+                        sink.pending[msg.abort.request_id] = True  # aborted once it lands
+                    elif tr is None:
                         sink.errors.append(
                             pb.SessionResponse.Error(
                                 request_id=msg.abort.request_id,
@@ -245,6 +263,8 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                         )
                     )
                 sink.event.set()
+            while sink.inflight:  # the stream ends after the last accepted request finished
+                await asyncio.wait(set(sink.inflight))
         finally:
             sink.client_done = True
             sink.event.set()
@@ -258,25 +278,34 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         carrier: dict[str, str],
     ) -> None:
         tag = submit.client_tag
+        rid = submit.request.request_id
         try:
-            if len(sink.open) >= limit:
+            others = len(sink.inflight) - (asyncio.current_task() in sink.inflight)
+            if len(sink.open) + others >= limit:
                 raise_limit(limit)
             tr = await self.durable.submit(
                 submit.request, sink, owner=owner, client_tag=tag, carrier=carrier
             )
         except KvschedError as exc:
+            sink.pending.pop(rid, None)
             code, message = status_for(exc)
             sink.errors.append(
                 pb.SessionResponse.Error(
                     client_tag=tag,
-                    request_id=submit.request.request_id,
+                    request_id=rid,
                     code=code.value[0],
                     message=message,
                 )
             )
+            sink.event.set()
             return
         sink.open[tr.req.req_id] = tr
         sink.accepted.append(tr)
+        sink.event.set()
+        if sink.pending.pop(rid, False):
+            self.requests.abort_tracked(tr, "aborted by client")
+        elif sink.closed and not tr.detachable:
+            self.requests.abort_tracked(tr, sink_close_reason(sink))
 
     def _batch(self, sink: SessionSink) -> pb.SessionResponse | None:
         """Everything new on this session since its last message, in one message: requests

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvsched.v1 import request_service_pb2 as kvsched_dot_v1_dot_request__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvsched/v1/journal.proto\x12\nkvsched.v1\x1a kvsched/v1/request_service.proto\"\xd1\x02\n\rJournalRecord\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.kvsched.v1.JournalRecord.Kind\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tdaemon_id\x18\x03 \x01(\t\x12\x10\n\x08instance\x18\x04 \x01(\t\x12\x11\n\tprincipal\x18\x05 \x01(\t\x12,\n\x07request\x18\x06 \x01(\x0b\x32\x1b.kvsched.v1.GenerateRequest\x12\x18\n\x10output_token_ids\x18\x07 \x03(\x05\x12&\n\x08\x66inished\x18\x08 \x01(\x0b\x32\x14.kvsched.v1.Finished\x12\x12\n\nclient_tag\x18\t \x01(\t\"B\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x11\n\rKIND_ACCEPTED\x10\x01\x12\x11\n\rKIND_FINISHED\x10\x02\".\n\nTokenDelta\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvsched/v1/journal.proto\x12\nkvsched.v1\x1a kvsched/v1/request_service.proto\"\xd1\x02\n\rJournalRecord\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.kvsched.v1.JournalRecord.Kind\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tdaemon_id\x18\x03 \x01(\t\x12\x10\n\x08instance\x18\x04 \x01(\t\x12\x11\n\tprincipal\x18\x05 \x01(\t\x12,\n\x07request\x18\x06 \x01(\x0b\x32\x1b.kvsched.v1.GenerateRequest\x12\x18\n\x10output_token_ids\x18\x07 \x03(\x05\x12&\n\x08\x66inished\x18\x08 \x01(\x0b\x32\x14.kvsched.v1.Finished\x12\x12\n\nclient_tag\x18\t \x01(\t\"B\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x11\n\rKIND_ACCEPTED\x10\x01\x12\x11\n\rKIND_FINISHED\x10\x02\"T\n\nTokenBatch\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0e\n\x06starts\x18\x02 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,6 +36,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOURNALRECORD']._serialized_end=412
   _globals['_JOURNALRECORD_KIND']._serialized_start=346
   _globals['_JOURNALRECORD_KIND']._serialized_end=412
-  _globals['_TOKENDELTA']._serialized_start=414
-  _globals['_TOKENDELTA']._serialized_end=460
+  _globals['_TOKENBATCH']._serialized_start=414
+  _globals['_TOKENBATCH']._serialized_end=498
 # @@protoc_insertion_point(module_scope)

@@ -28,18 +28,23 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class JournalRecord(_message.Message):
     """The journal is one stream, KVSCHED_JOURNAL, with subjects under `kvsched.journal.`:
 
-      kvsched.journal.req.<daemon>.<id>   one JournalRecord per request: ACCEPTED (stored, and
-                                          acknowledged, before the client is told `queued`),
-                                          replaced by FINISHED (published with the header
-                                          `Nats-Rollup: sub`, so the subject keeps only it)
-      kvsched.journal.tok.<daemon>.<id>   TokenDelta records: the request's output tokens so far,
-                                          batched every journal_flush_ms, on preemption and when
-                                          its instance is lost; purged when it finishes
+      req.<daemon>.<id>   the request's ACCEPTED JournalRecord, stored and acknowledged before the
+                          client is told `queued`. At its finish an empty message with the headers
+                          `Nats-Rollup: sub` and `Nats-TTL: 2s` replaces it, and expires: this
+                          tree holds the daemon's live requests only.
+      done.<id>           the request's FINISHED JournalRecord (its Finished and every output
+                          token), kept for the stream's max_age: Resume answers from it.
+      tok.<daemon>        TokenBatch records: every live request's new output tokens, every
+                          journal_flush_ms, in one message. When the tokens written since the
+                          last compaction exceed the live requests' tokens (and after every NATS
+                          reconnect) the daemon writes all live requests' tokens from position 0,
+                          the first message with `Nats-Rollup: sub`: the subject then holds at
+                          most about twice the live requests' tokens.
 
     <daemon> is the owning daemon's id; <id> is the request id in unpadded base64url (a request
-    id may hold characters that NATS subjects do not). Recovery reads the last `req` record of
-    each request of its daemon (DeliverLastPerSubject) and the `tok` deltas of those still
-    ACCEPTED. The stream's max_age and max_bytes bound it: finished records age out.
+    id may hold characters that NATS subjects do not). Recovery reads the last message of each
+    `req.<daemon>.*` subject (DeliverLastPerSubject: the unfinished requests) and every
+    `tok.<daemon>` message, in order. The stream's max_age and max_bytes bound the rest.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -112,29 +117,39 @@ class JournalRecord(_message.Message):
 Global___JournalRecord: _TypeAlias = JournalRecord  # noqa: Y015
 
 @_typing.final
-class TokenDelta(_message.Message):
-    """Output tokens of one request: token_ids are its outputs at positions start, start + 1, ...
-    A delta that starts past the tokens known so far is ignored (a gap, after NATS was
-    unreachable); the next full delta (start 0, sent after every reconnect) repairs it.
+class TokenBatch(_message.Message):
+    """Output tokens of several requests, columnar: request_ids[i]'s outputs at positions
+    starts[i], starts[i] + 1, ... are the next counts[i] values of token_ids. An entry that
+    starts past the tokens known so far is ignored (a gap, after NATS was unreachable); the
+    next compaction (from position 0) repairs it.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    START_FIELD_NUMBER: _builtins.int
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    STARTS_FIELD_NUMBER: _builtins.int
+    COUNTS_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
-    start: _builtins.int
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def starts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
-        start: _builtins.int = ...,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        starts: _abc.Iterable[_builtins.int] | None = ...,
+        counts: _abc.Iterable[_builtins.int] | None = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["start", b"start", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "request_ids", b"request_ids", "starts", b"starts", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___TokenDelta: _TypeAlias = TokenDelta  # noqa: Y015
+Global___TokenBatch: _TypeAlias = TokenBatch  # noqa: Y015

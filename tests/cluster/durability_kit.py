@@ -80,7 +80,7 @@ class LoadResult:
 def quantiles(xs: Sequence[float]) -> tuple[float, float]:
     """p50 and p99 (nearest rank) of xs."""
     ys = sorted(xs)
-    p99 = ys[min(len(ys) - 1, int(round(0.99 * (len(ys) - 1))))]
+    p99 = ys[min(len(ys) - 1, round(0.99 * (len(ys) - 1)))]
     return statistics.median(ys), p99
 
 

@@ -144,7 +144,9 @@ def test_resume_errors_finished_requests_and_sessions(nats_server: NatsServer) -
                     await client.resume("done", [toks[0] + 1])  # not its tokens
                 # A detachable request whose client went away: resumed, then its old stream
                 # ends quietly and the new one gets each token once.
-                s1 = await client.generate([4, 4], request_id="det", max_tokens=200, detachable=True)
+                s1 = await client.generate(
+                    [4, 4], request_id="det", max_tokens=200, detachable=True
+                )
                 held: list[int] = []
                 async for batch in s1:
                     held += batch
