@@ -1,8 +1,8 @@
 """Durable requests: the request table's entry and exit through the journal.
 
-    submit()    prepare (checks, id, route) -> the journal stores the accepted record ->
-                commit (queue on the instance); a record that cannot be stored refuses the
-                request with UNAVAILABLE, and nothing was queued
+    submit()    queue the request on its instance at once, then wait until the journal stores
+                its accepted record before the client is told `queued`; a record that
+                cannot be stored aborts the request and refuses it with UNAVAILABLE
     recover()   at start, before serving: this daemon's unfinished requests from the journal,
                 parked (no client yet) as requests waiting for an instance, their recorded
                 tokens kept (recomputed with the prompt; the output continues after them)
@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvsched import codec
 from kvsched.core import FinishReason, InvalidRequest, RequestNotFound, Role, Unavailable
-from kvsched.core.request import FINISHED_STATUS
 from kvsched.server.errors import PermissionDenied
 from kvsched.server.request_table import RequestTable, Sink, Tracked
 from kvsched.v1 import journal_pb2, request_service_pb2
@@ -83,23 +82,24 @@ class Durability:
         carrier: Mapping[str, str] | None = None,
         deadline_s: float | None = None,
     ) -> Tracked:
-        table, journal = self.table, self.journal
-        if journal is None:
-            return table.submit(pb, sink, owner, client_tag, carrier, deadline_s)
-        tr = table.prepare(pb, sink, owner, client_tag)
-        table.reserve(tr)
-        try:
-            await journal.accept(tr, pb, tr.engine.instance_id)
-        finally:
-            table.release(tr)
-        try:
-            table.commit(tr, carrier, deadline_s)
-        except Exception as exc:
-            # Stored but refused after all (its instance went away meanwhile): close its record.
-            _set_finished(tr, FinishReason.ERROR, f"refused: {exc}")
-            journal.finished(tr)
-            raise
+        """Accept one request: queued on its instance at once (the GPU does not wait for the
+        journal), returned once its accepted record is stored (`confirm`)."""
+        tr = self.table.submit(pb, sink, owner, client_tag, carrier, deadline_s)
+        if self.journal is not None:
+            await self.confirm(tr, pb)
         return tr
+
+    async def confirm(self, tr: Tracked, pb: request_service_pb2.GenerateRequest) -> None:
+        """Wait until the journal stores `tr`'s accepted record. Refused (`Unavailable`): the
+        request is aborted and its client must be told the error, not `queued` (its sink
+        holds its outputs until this returns)."""
+        assert self.journal is not None
+        try:
+            await self.journal.accept(tr, pb, tr.engine.instance_id)
+        except Unavailable:
+            if not tr.finished:
+                self.table.abort_tracked(tr, "refused: the journal did not store the request")
+            raise
 
     async def recover(self) -> int:
         """Park this daemon's unfinished requests from the journal; returns how many."""
@@ -197,11 +197,3 @@ def _check_prefix(rid: str, held: list[int], out: list[int]) -> None:
             f"the tokens sent for request {rid!r} differ from its recorded output "
             f"(first difference at position {next(i for i in range(n) if held[i] != out[i])})"
         )
-
-
-def _set_finished(tr: Tracked, reason: FinishReason, message: str) -> None:
-    req = tr.req
-    req.status = FINISHED_STATUS[reason]
-    req.finish_reason, req.finish_message = reason, message
-    req.finished_time = time.monotonic()
-    tr.finished = True

@@ -8,6 +8,7 @@ and a Session's memory is bounded by its open requests.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -70,10 +71,11 @@ class SessionSink:
         self.open: dict[str, Tracked] = {}
         self.client_done = False
         self.closed = False  # the stream ended
-        # Journal on: submits waiting for their accepted record, and their ids (True: the
-        # client aborted it meanwhile).
+        # Journal on: accepted requests whose record the journal has not stored yet (their
+        # outputs are held: nothing about them is sent before `accepted`), and the tasks
+        # waiting for those records.
+        self.held: dict[str, Tracked] = {}
         self.inflight: set[asyncio.Task[None]] = set()
-        self.pending: dict[str, bool] = {}
 
     def notify(self, tr: Tracked) -> None:
         if self.pending_since is None:
@@ -82,9 +84,37 @@ class SessionSink:
         self.event.set()
 
     def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /) -> None:
+        if self.held and any(tr.held for tr in trs):
+            # Held requests' tokens stay in their requests; `announce` sends them all.
+            if counts is None:
+                keep = [i for i, tr in enumerate(trs) if not tr.held]
+                trs, toks = [trs[i] for i in keep], [toks[i] for i in keep]
+            else:
+                starts = list(itertools.accumulate(counts, initial=0))
+                rows = [i for i, tr in enumerate(trs) if not tr.held]
+                toks = [t for i in rows for t in toks[starts[i] : starts[i + 1]]]
+                trs, counts = [trs[i] for i in rows], [counts[i] for i in rows]
+            if not trs:
+                return
         if self.pending_since is None:
             self.pending_since = time.monotonic()
         self.chunks.append((trs, counts, toks))
+        self.event.set()
+
+    def announce(self, tr: Tracked) -> None:
+        """`tr` is accepted (stored): tell it, with the tokens it made while held."""
+        self.open[tr.req.req_id] = tr
+        self.accepted.append(tr)
+        out = tr.req.output_token_ids
+        if tr.held:
+            tr.held = False
+            self.held.pop(tr.req.req_id, None)
+            if out:
+                self.chunks.append(([tr], [len(out)], list(out)))
+            if tr.finished:
+                self.dirty[tr.req.req_id] = tr
+        if self.pending_since is None:
+            self.pending_since = time.monotonic()
         self.event.set()
 
 
@@ -214,7 +244,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             reader.cancel()
             sink.closed = True  # submits still at the journal are aborted when they land
             why = sink_close_reason(sink)
-            for tr in list(sink.open.values()):
+            for tr in [*sink.open.values(), *sink.held.values()]:
                 if not tr.detachable and tr.sink is sink:
                     self.requests.abort_tracked(tr, why)
 
@@ -236,16 +266,12 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     task = loop.create_task(self._submit(msg.submit, sink, owner, limit, carrier))
                     sink.inflight.add(task)
                     task.add_done_callback(sink.inflight.discard)
-                    rid = msg.submit.request.request_id
-                    if rid:
-                        sink.pending[rid] = False
                 elif kind == "submit":
                     await self._submit(msg.submit, sink, owner, limit, carrier)
                 elif kind == "abort":
-                    tr = sink.open.get(msg.abort.request_id)
-                    if tr is None and msg.abort.request_id in sink.pending:
-                        sink.pending[msg.abort.request_id] = True  # aborted once it lands
-                    elif tr is None:
+                    rid = msg.abort.request_id
+                    tr = sink.open.get(rid) or sink.held.get(rid)
+                    if tr is None:
                         sink.errors.append(
                             pb.SessionResponse.Error(
                                 request_id=msg.abort.request_id,
@@ -278,33 +304,35 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         carrier: dict[str, str],
     ) -> None:
         tag = submit.client_tag
-        rid = submit.request.request_id
         try:
-            others = len(sink.inflight) - (asyncio.current_task() in sink.inflight)
-            if len(sink.open) + others >= limit:
+            if len(sink.open) + len(sink.held) >= limit:
                 raise_limit(limit)
-            tr = await self.durable.submit(
+            tr = self.requests.submit(
                 submit.request, sink, owner=owner, client_tag=tag, carrier=carrier
             )
+            if self.durable.journal is not None:
+                tr.held = True
+                sink.held[tr.req.req_id] = tr
+                try:
+                    await self.durable.confirm(tr, submit.request)
+                except KvschedError:
+                    tr.held = False
+                    sink.held.pop(tr.req.req_id, None)
+                    raise
         except KvschedError as exc:
-            sink.pending.pop(rid, None)
             code, message = status_for(exc)
             sink.errors.append(
                 pb.SessionResponse.Error(
                     client_tag=tag,
-                    request_id=rid,
+                    request_id=submit.request.request_id,
                     code=code.value[0],
                     message=message,
                 )
             )
             sink.event.set()
             return
-        sink.open[tr.req.req_id] = tr
-        sink.accepted.append(tr)
-        sink.event.set()
-        if sink.pending.pop(rid, False):
-            self.requests.abort_tracked(tr, "aborted by client")
-        elif sink.closed and not tr.detachable:
+        sink.announce(tr)
+        if sink.closed and not tr.detachable and not tr.finished:
             self.requests.abort_tracked(tr, sink_close_reason(sink))
 
     def _batch(self, sink: SessionSink) -> pb.SessionResponse | None:
@@ -329,6 +357,8 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             out.num_tokens.extend(counts)
             out.token_ids.extend(tokens)
         for rid, tr in dirty.items():
+            if rid not in sink.open:
+                continue  # never announced (refused by the journal), or already closed
             if tr.sink is not sink:
                 sink.open.pop(rid, None)  # resumed on its own stream: it left this session
             elif tr.finished:

@@ -74,6 +74,7 @@ class Tracked:
     finished: bool = False  # its one Finished is decided: the table no longer tracks it
     durable: int = 0  # journal: 0 not journaled, 1 accepted record in flight, 2 stored, 3 closed
     journaled: int = 0  # output tokens the journal has recorded
+    held: bool = False  # a Session holds its outputs until the journal stored it
 
 
 class RequestTable:
@@ -95,7 +96,6 @@ class RequestTable:
         # The journal when durability is on (kvsched.durability.journal.Journal): told of
         # finishes and of requests moved off a lost instance.
         self.journal: Any = None
-        self.reserved: set[str] = set()  # ids prepared, not yet committed (journal in flight)
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(
@@ -116,8 +116,7 @@ class RequestTable:
     def prepare(
         self, pb: request_service_pb2.GenerateRequest, sink: Sink, owner: str, client_tag: str
     ) -> Tracked:
-        """Submit's checks, its id and its route; nothing queued yet. The id is reserved
-        until `commit` or `release` (the journal stores the request in between)."""
+        """Submit's checks, its id and its route; nothing queued yet (`commit` does)."""
         if self.draining:
             raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
         if pb.model and pb.model != self.config.model:
@@ -125,17 +124,11 @@ class RequestTable:
                 f"unknown model {pb.model!r}; this daemon serves {self.config.model!r}"
             )
         req_id = pb.request_id or uuid.uuid4().hex
-        if req_id in self.tracked or req_id in self.reserved:
+        if req_id in self.tracked:
             raise InvalidRequest(f"request_id {req_id!r} is already in use by a live request")
         req = codec.request_from_proto(pb, req_id, time.monotonic(), self.config.default_max_tokens)
         eng = self.registry.route(req)
         return Tracked(req, eng, sink, pb.detachable, owner, client_tag)
-
-    def reserve(self, tr: Tracked) -> None:
-        self.reserved.add(tr.req.req_id)
-
-    def release(self, tr: Tracked) -> None:
-        self.reserved.discard(tr.req.req_id)
 
     def commit(
         self,
@@ -144,9 +137,6 @@ class RequestTable:
         deadline_s: float | None = None,
     ) -> None:
         """Queue a prepared request on its instance (routed again if that one went away)."""
-        self.reserved.discard(tr.req.req_id)
-        if self.draining:
-            raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
         req = tr.req
         eng = tr.engine
         if not eng.queueing:
