@@ -7,6 +7,8 @@ id (dots, spaces, wildcards) is safe in a subject.
 from __future__ import annotations
 
 import base64
+import sys
+from array import array
 from dataclasses import dataclass, field
 
 from kvsched.v1 import journal_pb2, request_service_pb2
@@ -24,6 +26,22 @@ MAX_BATCH_TOKENS = 200_000  # per TokenBatch message: under NATS's 1 MB default 
 
 ACCEPTED = journal_pb2.JournalRecord.KIND_ACCEPTED
 FINISHED = journal_pb2.JournalRecord.KIND_FINISHED
+
+
+def pack_tokens(tokens: list[int]) -> bytes:
+    """Token ids as int32 little-endian bytes."""
+    a = array("i", tokens)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    a = array("i")
+    a.frombytes(data)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()
 
 
 def id_token(req_id: str) -> str:
@@ -78,7 +96,7 @@ def finished_record(
     rec = journal_pb2.JournalRecord(
         kind=FINISHED, request_id=req_id, daemon_id=daemon_id, principal=principal
     )
-    rec.output_token_ids.extend(tokens)
+    rec.output_tokens_le = pack_tokens(tokens)
     rec.finished.CopyFrom(finished)
     return rec.SerializeToString()
 
@@ -88,17 +106,18 @@ def token_batches(entries: list[tuple[str, int, list[int]]]) -> list[bytes]:
     tokens each (an entry is never split)."""
     out: list[bytes] = []
     batch = journal_pb2.TokenBatch()
-    n = 0
-    for rid, start, toks in entries:
-        if n and n + len(toks) > MAX_BATCH_TOKENS:
+    toks: list[int] = []
+    for rid, start, t in entries:
+        if toks and len(toks) + len(t) > MAX_BATCH_TOKENS:
+            batch.tokens_le = pack_tokens(toks)
             out.append(batch.SerializeToString())
-            batch, n = journal_pb2.TokenBatch(), 0
+            batch, toks = journal_pb2.TokenBatch(), []
         batch.request_ids.append(rid)
         batch.starts.append(start)
-        batch.counts.append(len(toks))
-        batch.token_ids.extend(toks)
-        n += len(toks)
-    if n or batch.request_ids:
+        batch.counts.append(len(t))
+        toks += t
+    if toks or batch.request_ids:
+        batch.tokens_le = pack_tokens(toks)
         out.append(batch.SerializeToString())
     return out
 
@@ -109,13 +128,18 @@ def parse_record(data: bytes) -> journal_pb2.JournalRecord:
     return rec
 
 
+def finished_tokens(rec: journal_pb2.JournalRecord) -> list[int]:
+    """A finished record's output tokens."""
+    return unpack_tokens(rec.output_tokens_le)
+
+
 def apply_batch(tokens_of: dict[str, list[int]], data: bytes) -> None:
     """Apply one TokenBatch to the tokens known so far (in place), for the requests in
     `tokens_of`. An entry past a request's known tokens is a gap (records lost while NATS was
     unreachable): ignored, the next compaction repairs it."""
     b = journal_pb2.TokenBatch()
     b.ParseFromString(data)
-    toks = b.token_ids
+    toks = unpack_tokens(b.tokens_le)
     i = 0
     for rid, start, count in zip(b.request_ids, b.starts, b.counts, strict=True):
         have = tokens_of.get(rid)

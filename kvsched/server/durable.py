@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvsched import codec
 from kvsched.core import FinishReason, InvalidRequest, RequestNotFound, Role, Unavailable
+from kvsched.durability.records import finished_tokens
 from kvsched.server.errors import PermissionDenied
 from kvsched.server.request_table import RequestTable, Sink, Tracked
 from kvsched.v1 import journal_pb2, request_service_pb2
@@ -32,6 +34,14 @@ if TYPE_CHECKING:
     from kvsched.server.engine import InstanceEngine
 
 log = logging.getLogger("kvsched.daemon")
+
+
+@dataclass
+class Done:
+    """A finished request as its journal record tells it (Resume after the finish)."""
+
+    finished: request_service_pb2.Finished
+    tokens: list[int]
 
 
 class ParkedSink:
@@ -132,7 +142,7 @@ class Durability:
 
     async def resume(
         self, pb: request_service_pb2.RequestServiceResumeRequest, owner: str, sink: Sink
-    ) -> Tracked | journal_pb2.JournalRecord:
+    ) -> Tracked | Done:
         """Hand request `pb.request_id`'s outputs past the caller's tokens to `sink`: its
         Tracked (now streaming to `sink`, `sent` = the caller's count), or the journal's
         finished record. Typed errors: see RequestService.Resume in request_service.proto."""
@@ -160,9 +170,7 @@ class Durability:
             sink.notify(tr)
         return tr
 
-    async def _finished(
-        self, rid: str, owner: str, held: list[int], have: int
-    ) -> journal_pb2.JournalRecord:
+    async def _finished(self, rid: str, owner: str, held: list[int], have: int) -> Done:
         rec = await self.journal.lookup(rid) if self.journal is not None else None
         if rec is None:
             if rid in self.table.recent:
@@ -181,13 +189,13 @@ class Durability:
                 f"request {rid!r} belongs to daemon {rec.daemon_id!r}, which is not running; "
                 "resume it there once it restarts"
             )
-        out = list(rec.output_token_ids)
+        out = finished_tokens(rec)
         if have > len(out):
             raise InvalidRequest(
                 f"request {rid!r} finished with {len(out)} output tokens; the client claims {have}"
             )
         _check_prefix(rid, held, out)
-        return rec
+        return Done(rec.finished, out)
 
 
 def _check_prefix(rid: str, held: list[int], out: list[int]) -> None:

@@ -162,10 +162,10 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         # Finished: the rest of its outputs and its Finished, from the journal's record.
         have = len(request.token_ids) or request.num_tokens_received
         yield pb.RequestServiceResumeResponse(
-            queued=pb.GenerateResponse.Queued(request_id=got.request_id)
+            queued=pb.GenerateResponse.Queued(request_id=request.request_id)
         )
-        if len(got.output_token_ids) > have:
-            rest = got.output_token_ids[have:]
+        if len(got.tokens) > have:
+            rest = got.tokens[have:]
             yield pb.RequestServiceResumeResponse(tokens=pb.GenerateResponse.Tokens(token_ids=rest))
         yield pb.RequestServiceResumeResponse(finished=got.finished)
 

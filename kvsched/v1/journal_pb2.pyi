@@ -74,7 +74,7 @@ class JournalRecord(_message.Message):
     INSTANCE_FIELD_NUMBER: _builtins.int
     PRINCIPAL_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
-    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_LE_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
     CLIENT_TAG_FIELD_NUMBER: _builtins.int
     kind: Global___JournalRecord.Kind.ValueType
@@ -85,14 +85,14 @@ class JournalRecord(_message.Message):
     """The instance it was routed to when accepted (informational: recovery routes anew)."""
     principal: _builtins.str
     """Who submitted it (the auth principal; empty without auth): Resume checks it."""
+    output_tokens_le: _builtins.bytes
+    """KIND_FINISHED: every output token of the request, int32 little-endian (4 bytes each:
+    cheaper to write from the daemon than a packed varint field).
+    """
     client_tag: _builtins.str
     """The Session client tag of the submit, if any."""
     @_builtins.property
     def request(self) -> _request_service_pb2.GenerateRequest: ...
-    @_builtins.property
-    def output_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """KIND_FINISHED: every output token of the request."""
-
     @_builtins.property
     def finished(self) -> _request_service_pb2.Finished: ...
     def __init__(
@@ -104,13 +104,13 @@ class JournalRecord(_message.Message):
         instance: _builtins.str = ...,
         principal: _builtins.str = ...,
         request: _request_service_pb2.GenerateRequest | None = ...,
-        output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        output_tokens_le: _builtins.bytes = ...,
         finished: _request_service_pb2.Finished | None = ...,
         client_tag: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_tag", b"client_tag", "daemon_id", b"daemon_id", "finished", b"finished", "instance", b"instance", "kind", b"kind", "output_token_ids", b"output_token_ids", "principal", b"principal", "request", b"request", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_tag", b"client_tag", "daemon_id", b"daemon_id", "finished", b"finished", "instance", b"instance", "kind", b"kind", "output_tokens_le", b"output_tokens_le", "principal", b"principal", "request", b"request", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -119,7 +119,8 @@ Global___JournalRecord: _TypeAlias = JournalRecord  # noqa: Y015
 @_typing.final
 class TokenBatch(_message.Message):
     """Output tokens of several requests, columnar: request_ids[i]'s outputs at positions
-    starts[i], starts[i] + 1, ... are the next counts[i] values of token_ids. An entry that
+    starts[i], starts[i] + 1, ... are the next counts[i] values of tokens_le (int32
+    little-endian, 4 bytes each). An entry that
     starts past the tokens known so far is ignored (a gap, after NATS was unreachable); the
     next compaction (from position 0) repairs it.
     """
@@ -129,26 +130,25 @@ class TokenBatch(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
     STARTS_FIELD_NUMBER: _builtins.int
     COUNTS_FIELD_NUMBER: _builtins.int
-    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOKENS_LE_FIELD_NUMBER: _builtins.int
+    tokens_le: _builtins.bytes
     @_builtins.property
     def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def starts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         request_ids: _abc.Iterable[_builtins.str] | None = ...,
         starts: _abc.Iterable[_builtins.int] | None = ...,
         counts: _abc.Iterable[_builtins.int] | None = ...,
-        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        tokens_le: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "request_ids", b"request_ids", "starts", b"starts", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "request_ids", b"request_ids", "starts", b"starts", "tokens_le", b"tokens_le"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
