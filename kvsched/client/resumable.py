@@ -54,6 +54,7 @@ class ResumableStream:
         self.backoff_s = backoff_s
         self.tokens: list[int] = []
         self.finished: Finished | None = None
+        self.accepted = False  # a stream was opened: the daemon accepted the request
         self.resumes = 0  # Resume calls that succeeded
         self.broken_at: list[float] = []  # time.monotonic() of each break
         self.first_token_after_break: list[float] = []  # seconds, one per break that resumed
@@ -77,6 +78,7 @@ class ResumableStream:
         while True:
             try:
                 stream, queued = await self._open(queued)
+                self.accepted = True
                 async for batch in stream:
                     if waiting_first and batch:
                         self.first_token_after_break.append(time.monotonic() - self.broken_at[-1])

@@ -218,3 +218,12 @@ def test_kill9_with_model_workers_resumed_outputs_equal_the_unpaged_reference(
         for w in workers:
             w.stop()
         daemon.stop()
+
+
+def test_soak_with_daemon_kills_loses_nothing_and_leaks_nothing() -> None:
+    from bench.soak import soak
+
+    fig = soak(seconds=14, seed=11, daemon_kill_every_s=5)
+    assert fig.daemon_kills >= 2 and fig.worker_kills >= 1 and fig.completed > 50
+    assert fig.lost == 0 and fig.finished_twice == 0 and fig.wrong_tokens == 0
+    assert fig.leaked_blocks == 0 and fig.left_running_or_waiting == 0
