@@ -150,7 +150,7 @@ def main() -> None:
             print(json.dumps(rec), flush=True)
     print()
     print(
-        f"{'reconnect max s':>15} {'restart s':>9} {'reattach s':>10} {'first tok p50':>13} "
+        f"{'down s':>6} {'reconnect max s':>15} {'restart s':>9} {'reattach s':>10} {'first tok p50':>13} "
         f"{'p99':>6} {'cut':>4} {'resumed':>7} {'wrong':>5} {'blocks held':>11}"
     )
     for r in recs:
