@@ -239,17 +239,19 @@ class Journal:
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
 
-    async def recover(self) -> list[R.Unfinished]:
-        """This daemon's accepted, unfinished requests with their recorded tokens."""
+    async def recover(self, daemon_id: str | None = None) -> list[R.Unfinished]:
+        """The accepted, unfinished requests of this daemon (or of `daemon_id`: the seam of a
+        takeover of a dead peer's journal), with their recorded tokens."""
+        owner = daemon_id or self.daemon_id
         live: dict[str, R.Unfinished] = {}
-        for msg in await self._read(f"{R.REQ}.{self.daemon_id}.>", DeliverPolicy.LAST_PER_SUBJECT):
+        for msg in await self._read(f"{R.REQ}.{owner}.>", DeliverPolicy.LAST_PER_SUBJECT):
             if msg.data:  # empty: a finished request's tombstone
                 rec = R.parse_record(msg.data)
                 if rec.kind == R.ACCEPTED:
                     live[rec.request_id] = R.Unfinished(rec)
         if live:
             tokens_of = {rid: u.tokens for rid, u in live.items()}
-            for msg in await self._read(self.tok_subject, DeliverPolicy.ALL):
+            for msg in await self._read(R.tok_subject(owner), DeliverPolicy.ALL):
                 R.apply_batch(tokens_of, msg.data)
         return list(live.values())
 
