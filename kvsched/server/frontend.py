@@ -75,6 +75,7 @@ class SessionSink:
         # outputs are held: nothing about them is sent before `accepted`), and the tasks
         # waiting for those records.
         self.held: dict[str, Tracked] = {}
+        self.held_set: set[Tracked] = set()  # the same requests (a C-speed overlap test)
         self.inflight: set[asyncio.Task[None]] = set()
 
     def notify(self, tr: Tracked) -> None:
@@ -84,7 +85,7 @@ class SessionSink:
         self.event.set()
 
     def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /) -> None:
-        if self.held and any(tr.held for tr in trs):
+        if self.held and not self.held_set.isdisjoint(trs):
             # Held requests' tokens stay in their requests; `announce` sends them all.
             if counts is None:
                 keep = [i for i, tr in enumerate(trs) if not tr.held]
@@ -109,6 +110,7 @@ class SessionSink:
         if tr.held:
             tr.held = False
             self.held.pop(tr.req.req_id, None)
+            self.held_set.discard(tr)
             if out:
                 self.chunks.append(([tr], [len(out)], list(out)))
             if tr.finished:
@@ -313,11 +315,13 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             if self.durable.journal is not None:
                 tr.held = True
                 sink.held[tr.req.req_id] = tr
+                sink.held_set.add(tr)
                 try:
                     await self.durable.confirm(tr, submit.request)
                 except KvschedError:
                     tr.held = False
                     sink.held.pop(tr.req.req_id, None)
+                    sink.held_set.discard(tr)
                     raise
         except KvschedError as exc:
             code, message = status_for(exc)

@@ -227,3 +227,43 @@ def test_soak_with_daemon_kills_loses_nothing_and_leaks_nothing() -> None:
     assert fig.daemon_kills >= 2 and fig.worker_kills >= 1 and fig.completed > 50
     assert fig.lost == 0 and fig.finished_twice == 0 and fig.wrong_tokens == 0
     assert fig.leaked_blocks == 0 and fig.left_running_or_waiting == 0
+
+
+def test_session_with_journal_announces_before_tokens_and_streams_exact_tokens(
+    nats_server: NatsServer,
+) -> None:
+    daemon = Daemon(nats_server.url, "d5").start()
+    worker = start_sim_worker(daemon.address, "i0", "--speed", "2")
+    try:
+        wait_ready(daemon.address, ["i0"])
+
+        async def scenario() -> None:
+            async with AsyncClient(daemon.address) as client:
+                session = client.session()
+                want = {f"s{i}": (i % 7 + 1, 5 + i % 40) for i in range(60)}
+                for rid, (plen, n) in want.items():
+                    await session.submit(list(range(3, 3 + plen)), request_id=rid, max_tokens=n)
+                await session.submit([5], request_id="s-aborted", max_tokens=5000)
+                await session.abort("s-aborted")
+                await session.close()
+                accepted: set[str] = set()
+                got: dict[str, list[int]] = {}
+                finished: dict[str, str] = {}
+                async for batch in session:
+                    accepted |= {a.request_id for a in batch.accepted}
+                    for rid, toks in batch.tokens.items():
+                        assert rid in accepted, f"tokens of {rid} before it was accepted"
+                        got.setdefault(rid, []).extend(toks)
+                    for f in batch.finished:
+                        assert f.request_id not in finished
+                        finished[f.request_id] = f.reason
+                assert finished.pop("s-aborted") == "abort"
+                assert set(finished) == set(want)
+                for rid, (plen, n) in want.items():
+                    assert got[rid] == sim_expected(rid, plen, n), rid
+
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+        pool_free(daemon.address)
+    finally:
+        worker.stop()
+        daemon.stop()
