@@ -267,3 +267,40 @@ def test_session_with_journal_announces_before_tokens_and_streams_exact_tokens(
     finally:
         worker.stop()
         daemon.stop()
+
+
+def test_resume_of_another_callers_request_is_permission_denied(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    from kvsched.client import PermissionDenied
+
+    auth = tmp_path / "tokens"
+    auth.write_text(
+        "client token-a-0123456789abcdef\nclient token-b-0123456789abcdef\nworker token-w-0123456789abcdef\n"
+    )
+    daemon = Daemon(nats_server.url, "d6", "--auth-file", str(auth)).start()
+    worker = start_sim_worker(
+        daemon.address, "i0", "--speed", "0.2", "--token", "token-w-0123456789abcdef"
+    )
+    try:
+        assert daemon.proc is not None
+        daemon.proc.wait_for("worker connected: instance i0")
+
+        async def scenario() -> None:
+            async with (
+                AsyncClient(daemon.address, token="token-a-0123456789abcdef") as a,
+                AsyncClient(daemon.address, token="token-b-0123456789abcdef") as b,
+            ):
+                s = await a.generate([1, 2], request_id="mine", max_tokens=30, detachable=True)
+                with pytest.raises(PermissionDenied):  # live
+                    await b.resume("mine")
+                toks = await s.tokens()
+                with pytest.raises(PermissionDenied):  # finished: the journal's record
+                    await b.resume("mine", toks[:3])
+                rest = await a.resume("mine", toks[:3])
+                assert toks[:3] + await rest.tokens() == toks == sim_expected("mine", 2, 30)
+
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        worker.stop()
+        daemon.stop()
