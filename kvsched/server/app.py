@@ -246,6 +246,9 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
     watcher.cancel()
     await server.stop(grace=1.0)
     if daemon.journal_task is not None:
+        journal = daemon.durable.journal
+        if journal is not None:
+            await journal.close(daemon.requests.tracked.values())
         daemon.journal_task.cancel()
     if daemon.cluster_link is not None:
         await daemon.cluster_link.close()

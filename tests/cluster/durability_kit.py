@@ -38,7 +38,8 @@ class Daemon:
     def start(self) -> Daemon:
         args = ["serve", "--listen", self.address, "--metrics-listen", "off"]
         args += ["--cluster", self.nats_url, "--daemon-id", self.daemon_id, *self.extra]
-        self.proc = Proc(args, {"KVSCHED_JOURNAL_FLUSH_MS": "50"}, f"daemon-{self.daemon_id}")
+        env = {"KVSCHED_JOURNAL_FLUSH_MS": "50", "KVSCHED_GRACE_PERIOD_S": "1"}
+        self.proc = Proc(args, env, f"daemon-{self.daemon_id}")
         self.proc.wait_for(r"kvsched listening on", timeout=60)
         return self
 

@@ -304,3 +304,42 @@ def test_resume_of_another_callers_request_is_permission_denied(
     finally:
         worker.stop()
         daemon.stop()
+
+
+def test_sigterm_drain_closes_every_journal_record(nats_server: NatsServer) -> None:
+    """A graceful stop ends its requests (drain, then abort) and writes their finished records
+    before it leaves: restarted under the same id, the daemon recovers none of them."""
+    daemon = Daemon(nats_server.url, "d7", "--log-level", "info")
+    daemon.start()
+    worker = start_sim_worker(daemon.address, "i0", "--speed", "0.05")
+    try:
+        wait_ready(daemon.address, ["i0"])
+
+        async def submit() -> list[str]:
+            async with AsyncClient(daemon.address) as client:
+                ids = []
+                for i in range(20):
+                    await client.generate(
+                        [3, 4, 5], request_id=f"drain-{i}", max_tokens=5000, detachable=True
+                    )
+                    ids.append(f"drain-{i}")
+                return ids
+
+        ids = asyncio.run(asyncio.wait_for(submit(), 30))
+        assert daemon.proc is not None
+        daemon.proc.signal()  # SIGTERM: drain for grace_period_s (1 s here), then abort
+        assert daemon.proc.wait(30) == 0
+        daemon.start()
+        assert "recovered" not in daemon.output()
+
+        async def check() -> None:
+            async with AsyncClient(daemon.address) as client:
+                for rid in ids:
+                    done = await client.resume(rid)
+                    await done.tokens()
+                    assert done.finished is not None and done.finished.reason == "abort"
+
+        asyncio.run(asyncio.wait_for(check(), 30))
+    finally:
+        worker.stop()
+        daemon.stop()
