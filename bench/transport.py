@@ -428,7 +428,8 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
     for req in sched.requests.values():
         req.tag = daemon.tracked[req.req_id] = Tracked(req, engine, sink)  # type: ignore[arg-type]
         req.tag.sent = len(req.output_token_ids)
-    servicer = RequestServicer(daemon, 0)  # type: ignore[arg-type]
+    durable = SimpleNamespace(table=daemon, journal=None)  # no journal: as a standalone daemon
+    servicer = RequestServicer(durable, 0)  # type: ignore[arg-type]
     times: dict[str, list[float]] = {k: [] for k in HOT_STAGES}
     deliver = TokenDelivery()  # as the engine holds one
     tasks = sched.schedule()
