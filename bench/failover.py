@@ -156,7 +156,7 @@ def main() -> None:
     for r in recs:
         k = r["kill_to_first_token_s"]
         print(
-            f"{r['reconnect_max_s']:>15g} {r['restart_s']:>9.2f} {r['reattach_s']:>10.2f} "
+            f"{r['down_s']:>6g} {r['reconnect_max_s']:>15g} {r['restart_s']:>9.2f} {r['reattach_s']:>10.2f} "
             f"{k['p50']:>13.2f} {k['p99']:>6.2f} {r['cut_by_the_kill']:>4} {r['resumed']:>7} "
             f"{r['wrong_tokens']:>5} {r['blocks_held_at_end']:>11}"
         )
