@@ -59,6 +59,11 @@ def _add_serve(sub: Any) -> None:
         "--advertise", metavar="HOST:PORT", help="address peers and workers reach this daemon at"
     )
     p.add_argument(
+        "--take-over",
+        metavar="ID",
+        help="also take over this dead daemon's unfinished requests from the journal",
+    )
+    p.add_argument(
         "--cluster-fallback",
         choices=("fail", "standalone"),
         help="NATS unreachable at start: fail (default) or run standalone",
@@ -203,6 +208,7 @@ def _serve(args: argparse.Namespace) -> int:
             "daemon_id",
             "advertise",
             "cluster_fallback",
+            "take_over",
         )
     }
     overrides["engine.scheduler.itl_target_ms"] = args.itl_target_ms

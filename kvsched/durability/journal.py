@@ -264,12 +264,40 @@ class Journal:
             if msg.data:  # empty: a finished request's tombstone
                 rec = R.parse_record(msg.data)
                 if rec.kind == R.ACCEPTED:
-                    live[rec.request_id] = R.Unfinished(rec)
+                    live[rec.request_id] = R.Unfinished(rec, seq=msg.metadata.sequence.stream)
         if live:
             tokens_of = {rid: u.tokens for rid, u in live.items()}
             for msg in await self._read(R.tok_subject(owner), DeliverPolicy.ALL):
                 R.apply_batch(tokens_of, msg.data)
         return list(live.values())
+
+    async def adopt(self, dead_id: str) -> list[R.Unfinished]:
+        """Take over daemon `dead_id`'s unfinished requests: for each, its accepted record is
+        stored under this daemon, then the dead daemon's record is replaced by a tombstone
+        published only if that record is still the subject's last (JetStream's
+        expected-last-subject-sequence: a compare-and-set). Exactly one daemon wins each
+        request; a loser withdraws its copy. A crash between the two steps leaves the request
+        with two owners, never with none. Returns the requests won."""
+        won = []
+        for u in await self.recover(dead_id):
+            rec = u.record
+            rid = rec.request_id
+            rec.daemon_id = self.daemon_id
+            mine = R.req_subject(self.daemon_id, rid)
+            await self.js.publish(mine, rec.SerializeToString(), timeout=self.timeout_s)
+            cas = {**R.TOMBSTONE_HEADERS, "Nats-Expected-Last-Subject-Sequence": str(u.seq)}
+            try:
+                await self.js.publish(
+                    R.req_subject(dead_id, rid), b"", timeout=self.timeout_s, headers=cas
+                )
+            except Exception as exc:  # another daemon took it first (or NATS failed): withdraw
+                log.info("takeover of %s from %s not won: %s", rid, dead_id, exc)
+                self._emit(mine, b"", R.TOMBSTONE_HEADERS)
+                continue
+            won.append(u)
+        if won:
+            self._emit(R.tok_subject(dead_id), b"", PURGE)  # its deltas now live in ours
+        return won
 
     async def lookup(self, req_id: str) -> journal_pb2.JournalRecord | None:
         """`req_id`'s finished record, else its accepted record on any daemon; None when the

@@ -155,3 +155,4 @@ class Unfinished:
 
     record: journal_pb2.JournalRecord
     tokens: list[int] = field(default_factory=list)
+    seq: int = 0  # the stream sequence of its accepted record (a takeover's compare-and-set)

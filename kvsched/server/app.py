@@ -115,6 +115,7 @@ class Daemon:
             await journal.open()
             self.durable.use(journal)
             n = await self.durable.recover()
+            taken = await self.durable.recover(config.take_over) if config.take_over else 0
         except Unavailable:
             raise
         except Exception as exc:
@@ -124,6 +125,8 @@ class Daemon:
             ) from None
         if n:
             print(f"kvsched recovered {n} request(s) from the journal", flush=True)
+        if config.take_over:
+            print(f"kvsched took over {taken} request(s) of daemon {config.take_over}", flush=True)
         requests = self.requests
         self.journal_task = asyncio.get_running_loop().create_task(
             journal.run(lambda: requests.tracked.values()), name="journal"

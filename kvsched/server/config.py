@@ -124,6 +124,7 @@ class ServerConfig:
     advertise: str = ""  # HOST:PORT peers and workers reach this daemon at; "": the listen address
     cluster_fallback: str = "fail"  # NATS unreachable at start: "fail", or run "standalone"
     journal: bool = True  # with `cluster`: journal accepted requests in JetStream (durability)
+    take_over: str = ""  # at start, also take over this (dead) daemon's unfinished requests
     journal_flush_ms: float = 100.0  # output tokens are journaled at most this often
     journal_timeout_s: float = 2.0  # an accepted record not stored within this: UNAVAILABLE
     journal_max_age_s: float = 86400.0  # finished requests' records age out after this
@@ -168,10 +169,19 @@ class ServerConfig:
             )
         if self.advertise:
             _check_address("advertise", self.advertise, allow_unix=False)
+        if self.take_over and not all(c.isalnum() or c in "-_" for c in self.take_over):
+            raise FieldError(
+                "take_over",
+                f"take_over = {self.take_over!r}: a daemon id (letters, digits, '-', '_')",
+            )
+        if self.take_over and not (self.cluster and self.journal):
+            raise FieldError("take_over", "take_over needs `cluster` and `journal = true`")
         if self.daemon_id and not all(c.isalnum() or c in "-_" for c in self.daemon_id):
             raise FieldError(
                 "daemon_id", f"daemon_id = {self.daemon_id!r}: use letters, digits, '-' and '_'"
             )
+        if self.take_over and self.take_over == self.daemon_id:
+            raise FieldError("take_over", "take_over names this daemon: restart it under its id")
 
     def _validate_files(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -111,14 +111,16 @@ class Durability:
                 self.table.abort_tracked(tr, "refused: the journal did not store the request")
             raise
 
-    async def recover(self) -> int:
-        """Park this daemon's unfinished requests from the journal; returns how many."""
+    async def recover(self, dead_id: str = "") -> int:
+        """Park this daemon's unfinished requests from the journal (with `dead_id`: take over
+        that daemon's, `Journal.adopt`); returns how many."""
         if self.journal is None:
             return 0
         table = self.table
         now = time.monotonic()
         deadline = now + max(table.config.requeue_timeout_s, 1.0)
-        for u in await self.journal.recover():
+        found = await (self.journal.adopt(dead_id) if dead_id else self.journal.recover())
+        for u in found:
             rec = u.record
             req = codec.request_from_proto(
                 rec.request, rec.request_id, now, table.config.default_max_tokens
@@ -127,7 +129,8 @@ class Durability:
             tr = Tracked(
                 req, NOWHERE, ParkedSink(), rec.request.detachable, rec.principal, rec.client_tag
             )
-            tr.durable, tr.journaled = 2, len(u.tokens)
+            # Taken over: its tokens are journaled anew under this daemon at the next flush.
+            tr.durable, tr.journaled = 2, 0 if dead_id else len(u.tokens)
             req.tag = tr
             table.tracked[req.req_id] = tr
             table.all_done.clear()
@@ -136,9 +139,10 @@ class Durability:
                 table._fail(tr, "", FinishReason.LENGTH)  # it had finished: its record was lost
                 continue
             table.orphans.append((tr, deadline, "recovered from the journal after a restart"))
-        if self.num_recovered:
-            log.info("recovered %d unfinished request(s) from the journal", self.num_recovered)
-        return self.num_recovered
+        if found:
+            whose = f"daemon {dead_id}'s" if dead_id else "the"
+            log.info("recovered %d unfinished request(s) from %s journal", len(found), whose)
+        return len(found)
 
     async def resume(
         self, pb: request_service_pb2.RequestServiceResumeRequest, owner: str, sink: Sink

@@ -6,6 +6,7 @@ it cannot store; NATS restarted under load loses nothing; Resume's typed errors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvsched.client import AsyncClient, InvalidArgument, NotFound, Unavailable
+from kvsched.client import AsyncClient, Cancelled, InvalidArgument, NotFound, Unavailable
 from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS
 from kvsched.cluster.natsd import NatsServer
 from kvsched.v1 import common_pb2, request_service_pb2_grpc
@@ -343,3 +344,64 @@ def test_sigterm_drain_closes_every_journal_record(nats_server: NatsServer) -> N
     finally:
         worker.stop()
         daemon.stop()
+
+
+def test_another_daemon_takes_over_a_dead_daemons_requests_exactly_once(
+    nats_server: NatsServer,
+) -> None:
+    """`--take-over ID`: a daemon with another id adopts a dead daemon's unfinished requests
+    (compare-and-set per request: a second taker gets none); clients resume there and get
+    exactly the tokens of an uninterrupted run."""
+    a = Daemon(nats_server.url, "ta").start()
+    wa = start_sim_worker(a.address, "i0", "--speed", "0.3")
+    procs = [wa]
+    daemons = [a]
+    try:
+        wait_ready(a.address, ["i0"])
+        requests = [(f"to-{i}", p, 150) for i, p in enumerate(prompts(30, seed=3))]
+        held: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+
+        async def before_the_kill() -> None:
+            async with AsyncClient(a.address) as client:
+                streams = [
+                    await client.generate(p, request_id=rid, max_tokens=n) for rid, p, n in requests
+                ]
+
+                async def read(rid: str, s: object) -> None:
+                    with contextlib.suppress(Unavailable, Cancelled):
+                        async for batch in s:  # type: ignore[attr-defined]
+                            held[rid] += batch
+
+                readers = [
+                    asyncio.create_task(read(r, s))
+                    for (r, _, _), s in zip(requests, streams, strict=True)
+                ]
+                while any(len(t) < 3 for t in held.values()):
+                    await asyncio.sleep(0.02)
+                a.kill9()
+                await asyncio.wait_for(asyncio.gather(*readers), 30)
+
+        asyncio.run(asyncio.wait_for(before_the_kill(), 60))
+        wa.stop()
+        b = Daemon(nats_server.url, "tb", "--take-over", "ta").start()
+        daemons.append(b)
+        assert b.proc is not None and b.proc.wait_for(r"took over (\d+) request").group(1) == "30"
+        c = Daemon(nats_server.url, "tc", "--take-over", "ta").start()
+        daemons.append(c)
+        assert c.proc is not None and c.proc.wait_for(r"took over (\d+) request").group(1) == "0"
+        procs.append(start_sim_worker(b.address, "i0", "--speed", "0.3"))  # its worker, moved
+        wait_ready(b.address, ["i0"])
+
+        async def after() -> None:
+            async with AsyncClient(b.address) as client:
+                for rid, p, n in requests:
+                    rest = await client.resume(rid, held[rid])
+                    assert held[rid] + await rest.tokens() == sim_expected(rid, len(p), n), rid
+
+        asyncio.run(asyncio.wait_for(after(), 90))
+        pool_free(b.address)
+    finally:
+        for w in procs:
+            w.stop()
+        for d in daemons:
+            d.stop()
