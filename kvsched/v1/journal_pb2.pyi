@@ -45,6 +45,9 @@ class JournalRecord(_message.Message):
     id may hold characters that NATS subjects do not). Recovery reads the last message of each
     `req.<daemon>.*` subject (DeliverLastPerSubject: the unfinished requests) and every
     `tok.<daemon>` message, in order. The stream's max_age and max_bytes bound the rest.
+    Takeover (`kvsched serve --take-over DEAD`): the taker stores the accepted record under its own
+    id, then tombstones `req.DEAD.<id>` with `Nats-Expected-Last-Subject-Sequence` set to the
+    sequence of the record it read (compare-and-set: one taker wins; a loser tombstones its copy).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
