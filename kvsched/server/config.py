@@ -169,19 +169,13 @@ class ServerConfig:
             )
         if self.advertise:
             _check_address("advertise", self.advertise, allow_unix=False)
-        if self.take_over and not all(c.isalnum() or c in "-_" for c in self.take_over):
-            raise FieldError(
-                "take_over",
-                f"take_over = {self.take_over!r}: a daemon id (letters, digits, '-', '_')",
-            )
-        if self.take_over and not (self.cluster and self.journal):
-            raise FieldError("take_over", "take_over needs `cluster` and `journal = true`")
         if self.daemon_id and not all(c.isalnum() or c in "-_" for c in self.daemon_id):
             raise FieldError(
                 "daemon_id", f"daemon_id = {self.daemon_id!r}: use letters, digits, '-' and '_'"
             )
-        if self.take_over and self.take_over == self.daemon_id:
-            raise FieldError("take_over", "take_over names this daemon: restart it under its id")
+        t = self.take_over
+        if t and (t == self.daemon_id or not (self.cluster and self.journal) or not _id_ok(t)):
+            raise FieldError("take_over", f"take_over = {t!r}: {TAKE_OVER_RULE}")
 
     def _validate_files(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -264,6 +258,13 @@ def _check_address(name: str, value: str, allow_unix: bool) -> None:
         raise FieldError(
             name, f"{name} = {value!r} must be {forms} (port 0-65535; IPv6 as [ADDR]:PORT)"
         ) from None
+
+
+TAKE_OVER_RULE = "another daemon's id (letters, digits, '-', '_'); needs cluster and journal"
+
+
+def _id_ok(value: str) -> bool:
+    return all(c.isalnum() or c in "-_" for c in value)
 
 
 def _check_range(name: str, value: float, lo: float, hi: float) -> None:
