@@ -175,7 +175,7 @@ class ServerConfig:
             )
         t = self.take_over
         if t and (t == self.daemon_id or not (self.cluster and self.journal) or not _id_ok(t)):
-            raise FieldError("take_over", f"take_over = {t!r}: {TAKE_OVER_RULE}")
+            raise FieldError("take_over", f"take_over = {t!r}: not a peer's id, or no journal")
 
     def _validate_files(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -260,10 +260,7 @@ def _check_address(name: str, value: str, allow_unix: bool) -> None:
         ) from None
 
 
-TAKE_OVER_RULE = "another daemon's id (letters, digits, '-', '_'); needs cluster and journal"
-
-
-def _id_ok(value: str) -> bool:
+def _id_ok(value: str) -> bool:  # a daemon id: letters, digits, '-', '_'
     return all(c.isalnum() or c in "-_" for c in value)
 
 
