@@ -151,22 +151,26 @@ def last_match(child: Child, pattern: str) -> re.Match[str] | None:
     return None
 
 
-def start_stack(running: int, tracing: str) -> Stack:
-    """Start sink (when tracing), daemon and worker; on a failure, stop what was started."""
+def start_stack(running: int, tracing: str, daemon_env: dict[str, str] | None = None) -> Stack:
+    """Start sink (when tracing), daemon and worker; on a failure, stop what was started.
+    `daemon_env`: more KVSCHED_* settings for the daemon (bench.journal: the cluster)."""
     started: list[Child] = []
     try:
-        return _start_stack(running, tracing, started)
+        return _start_stack(running, tracing, started, daemon_env or {})
     except BaseException:
         for child in reversed(started):
             child.stop()
         raise
 
 
-def _start_stack(running: int, tracing: str, started: list[Child]) -> Stack:
+def _start_stack(
+    running: int, tracing: str, started: list[Child], daemon_env: dict[str, str]
+) -> Stack:
     sink = None
     env = {
         "KVSCHED_ENGINE__SCHEDULER__MAX_NUM_SEQS": str(running),
         "KVSCHED_GRACE_PERIOD_S": "2",
+        **daemon_env,
     }
     if tracing == "otlp":
         sink = spawn("otlp-sink", ["-m", "bench.otlp_sink", "--listen", "127.0.0.1:0"], {})
@@ -376,9 +380,15 @@ def other_load(a: Snapshot, b: Snapshot) -> float:
 
 
 def run_case(
-    running: int, tracing: str, seconds: float, warmup: float, sessions: int, max_tokens: int
+    running: int,
+    tracing: str,
+    seconds: float,
+    warmup: float,
+    sessions: int,
+    max_tokens: int,
+    daemon_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    stack = start_stack(running, tracing)
+    stack = start_stack(running, tracing, daemon_env)
     extra: dict[str, Any] = {}
     try:
         rec = asyncio.run(measure(stack, running, seconds, warmup, sessions, max_tokens))
@@ -418,7 +428,8 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
     for req in sched.requests.values():
         req.tag = daemon.tracked[req.req_id] = Tracked(req, engine, sink)  # type: ignore[arg-type]
         req.tag.sent = len(req.output_token_ids)
-    servicer = RequestServicer(daemon, 0)  # type: ignore[arg-type]
+    durable = SimpleNamespace(table=daemon, journal=None)  # no journal: as a standalone daemon
+    servicer = RequestServicer(durable, 0)  # type: ignore[arg-type]
     times: dict[str, list[float]] = {k: [] for k in HOT_STAGES}
     deliver = TokenDelivery()  # as the engine holds one
     tasks = sched.schedule()

@@ -65,6 +65,11 @@ def _add_serve(sub: Any) -> None:
         "--advertise", metavar="HOST:PORT", help="address peers and workers reach this daemon at"
     )
     p.add_argument(
+        "--take-over",
+        metavar="ID",
+        help="also take over this dead daemon's unfinished requests from the journal",
+    )
+    p.add_argument(
         "--cluster-fallback",
         choices=("fail", "standalone"),
         help="NATS unreachable at start: fail (default) or run standalone",
@@ -124,6 +129,21 @@ def _add_worker(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=("auto", "numpy", "paddle"), default="auto")
     p.add_argument("--listen-kv", default="", metavar="HOST:PORT", help="accept KV pushes here")
+    p.add_argument(
+        "--reconnect-min-s",
+        type=float,
+        default=0.1,
+        metavar="S",
+        help="first reconnect delay after the stream to the daemon broke (default 0.1)",
+    )
+    p.add_argument(
+        "--reconnect-max-s",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="reconnect delays double up to this (default 1.0: a restarted daemon is "
+        "found within about a second)",
+    )
     p.add_argument("--token", default=os.environ.get("KVSCHED_TOKEN", ""), help="auth token")
     p.add_argument("--tls-ca", default="", metavar="FILE", help="CA that signed the server")
     p.add_argument("--tls-cert", default="", metavar="FILE", help="client certificate (mTLS)")
@@ -219,6 +239,7 @@ def _serve(args: argparse.Namespace) -> int:
             "advertise",
             "cluster_fallback",
             "cluster_token",
+            "take_over",
         )
     }
     overrides["engine.scheduler.itl_target_ms"] = args.itl_target_ms

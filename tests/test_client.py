@@ -249,18 +249,19 @@ def test_the_docs_examples_run_as_written(address: str) -> None:
     the documented default) and prints what the doc says it prints."""
     text = (REPO / "docs" / "CLIENT.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     outputs = []
     for block in blocks:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             exec(compile(block.replace("127.0.0.1:50051", address), "CLIENT.md", "exec"), {})
         outputs.append(out.getvalue())
-    sync, asynchronous = outputs
+    sync, asynchronous, resuming = outputs
     assert re.search(r"^finished length 8 tokens", sync, re.M), sync
     assert "refused: INVALID_ARGUMENT" in sync and "prompt_token_ids is empty" in sync
     assert len(re.findall(r"^accepted \d as \S+$", asynchronous, re.M)) == 3, asynchronous
     assert len(re.findall(r"^finished length", asynchronous, re.M)) == 4, asynchronous
+    assert resuming == "finished length 64 tokens, 0 resume(s)\n", resuming  # nothing broke
 
 
 def test_client_imports_neither_the_daemon_nor_the_worker() -> None:

@@ -182,6 +182,31 @@ class AsyncClient:
             raise KvschedClientError("stream ended before queued")
         return AsyncGenerateStream(call, first.queued)
 
+    async def resume(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] = (),
+        *,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> AsyncGenerateStream:
+        """Take over the rest of a request whose stream broke: its tokens after `token_ids`
+        (the ones this client holds), then its finished (RequestService.Resume). NotFound,
+        PermissionDenied, InvalidArgument, Unavailable (the daemon is not back yet) raise
+        here. See kvsched.client.resumable for a stream that does this by itself."""
+        call = self._requests.Resume(
+            rpb.RequestServiceResumeRequest(request_id=request_id, token_ids=list(token_ids)),
+            timeout=self._conn.deadline(timeout),
+            metadata=self._conn.metadata(metadata),
+        )
+        try:
+            first = await call.read()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, request_id) from None
+        if first is grpc.aio.EOF:
+            raise KvschedClientError("stream ended before queued", request_id=request_id)
+        return AsyncGenerateStream(call, first.queued)
+
     def session(
         self, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()
     ) -> AsyncSession:

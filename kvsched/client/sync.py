@@ -183,6 +183,31 @@ class Client:
             raise KvschedClientError("stream ended before queued") from None
         return GenerateStream(call, first.queued)
 
+    def resume(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] = (),
+        *,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> GenerateStream:
+        """Take over the rest of a request whose stream broke: its tokens after `token_ids`
+        (the ones this client holds), then its finished (RequestService.Resume). NotFound,
+        PermissionDenied, InvalidArgument, Unavailable (the daemon is not back yet) raise
+        here."""
+        call = self._requests.Resume(
+            rpb.RequestServiceResumeRequest(request_id=request_id, token_ids=list(token_ids)),
+            timeout=self._conn.deadline(timeout),
+            metadata=self._conn.metadata(metadata),
+        )
+        try:
+            first = next(call)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, request_id) from None
+        except StopIteration:
+            raise KvschedClientError("stream ended before queued", request_id=request_id) from None
+        return GenerateStream(call, first.queued)
+
     def session(
         self, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()
     ) -> Session:

@@ -26,6 +26,7 @@ from kvsched.core import Unavailable
 from kvsched.server.admin import AdminServicer
 from kvsched.server.auth import AuthInterceptor, load_auth_file
 from kvsched.server.config import split_host_port
+from kvsched.server.durable import Durability
 from kvsched.server.engine import InstanceEngine
 from kvsched.server.errors import ErrorInterceptor
 from kvsched.server.frontend import RequestServicer
@@ -71,10 +72,14 @@ class Daemon:
         self.registry = InstanceRegistry(config, self.telemetry)
         self.requests = RequestTable(config, self.registry, self.telemetry)
         self.registry.open(self.requests)
+        # Accepting through the journal, recovering, resuming (the journal is set by
+        # `open_journal` when the daemon is in a cluster).
+        self.durable = Durability(self.requests)
         # The NATS connection when this daemon is in a cluster, and its membership, leases,
         # KV events, routing and forwarding (set by `join_cluster`).
         self.cluster_link: ClusterLink | None = None
         self.cluster_node: ClusterNode | None = None
+        self.journal_task: asyncio.Task[None] | None = None
 
     async def join_cluster(self, advertise: str) -> None:
         """Connect to the cluster's NATS when `cluster` is configured. Unreachable: raise
@@ -99,6 +104,42 @@ class Daemon:
         )
         await self.cluster_node.start()
         log.info("joined cluster %s as daemon %s", config.cluster, daemon_id)
+        if config.journal:
+            await self.open_journal(self.cluster_link)
+
+    async def open_journal(self, link: ClusterLink) -> None:
+        """Open the journal, park this daemon's unfinished requests from it (placed when
+        their instances' workers connect), then journal every new request."""
+        from kvsched.durability.journal import Journal
+
+        config = self.config
+        journal = Journal(
+            link,
+            flush_ms=config.journal_flush_ms,
+            timeout_s=config.journal_timeout_s,
+            max_age_s=config.journal_max_age_s,
+            max_bytes=config.journal_max_bytes,
+        )
+        try:
+            await journal.open()
+            self.durable.use(journal)
+            n = await self.durable.recover()
+            taken = await self.durable.recover(config.take_over) if config.take_over else 0
+        except Unavailable:
+            raise
+        except Exception as exc:
+            raise Unavailable(
+                f"cannot open or read the request journal on {link.url} "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
+        if n:
+            print(f"kvsched recovered {n} request(s) from the journal", flush=True)
+        if config.take_over:
+            print(f"kvsched took over {taken} request(s) of daemon {config.take_over}", flush=True)
+        requests = self.requests
+        self.journal_task = asyncio.get_running_loop().create_task(
+            journal.run(lambda: requests.tracked.values()), name="journal"
+        )
 
     @property
     def engines(self) -> dict[str, InstanceEngine]:
@@ -161,7 +202,7 @@ def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
     server = grpc.aio.server(interceptors=interceptors, options=options)
     requests, registry = daemon.requests, daemon.registry
     request_service_pb2_grpc.add_RequestServiceServicer_to_server(
-        RequestServicer(requests, config.max_session_requests), server
+        RequestServicer(daemon.durable, config.max_session_requests), server
     )
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(
         AdminServicer(registry, requests), server
@@ -223,6 +264,11 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
         if pending:
             log.warning("leaving the cluster took over 5 s: exiting anyway (entries expire)")
     await server.stop(grace=1.0)
+    if daemon.journal_task is not None:
+        journal = daemon.durable.journal
+        if journal is not None:
+            await journal.close(daemon.requests.tracked.values())
+        daemon.journal_task.cancel()
     if daemon.cluster_link is not None:
         await daemon.cluster_link.close()
     daemon.telemetry.shutdown()

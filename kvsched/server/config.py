@@ -126,6 +126,12 @@ class ServerConfig:
     cluster_fallback: str = "fail"  # NATS unreachable at start: "fail", or run "standalone"
     cluster_token: str = ""  # bearer token (role client) this daemon sends to peers it forwards to
     member_ttl_s: float = 6.0  # a daemon whose membership entry is this old is presumed dead
+    journal: bool = True  # with `cluster`: journal accepted requests in JetStream (durability)
+    take_over: str = ""  # at start, also take over this (dead) daemon's unfinished requests
+    journal_flush_ms: float = 100.0  # output tokens are journaled at most this often
+    journal_timeout_s: float = 2.0  # an accepted record not stored within this: UNAVAILABLE
+    journal_max_age_s: float = 86400.0  # finished requests' records age out after this
+    journal_max_bytes: int = 1 << 30  # the journal stream's size cap (oldest dropped beyond)
 
     def validate(self) -> ServerConfig:
         """Check every field; normalize `log_level`, `tracing_exporter`, `metrics_listen`."""
@@ -170,6 +176,9 @@ class ServerConfig:
             raise FieldError(
                 "daemon_id", f"daemon_id = {self.daemon_id!r}: use letters, digits, '-' and '_'"
             )
+        t = self.take_over
+        if t and (t == self.daemon_id or not (self.cluster and self.journal) or not _id_ok(t)):
+            raise FieldError("take_over", f"take_over = {t!r}: not a peer's id, or no journal")
 
     def _validate_files(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -211,6 +220,10 @@ _RANGES: dict[str, tuple[float, float]] = {
     "default_max_tokens": (1, _INT32_MAX),
     "stall_timeout_s": (0.1, 86400.0),
     "queue_timeout_s": (0.0, 86400.0),
+    "journal_flush_ms": (1.0, 60000.0),
+    "journal_timeout_s": (0.01, 600.0),
+    "journal_max_age_s": (1.0, 365 * 86400.0),
+    "journal_max_bytes": (1 << 20, 1 << 50),
 }
 
 # Top-level fields set by a scalar: name -> type (from the defaults, so the two cannot disagree).
@@ -249,6 +262,10 @@ def _check_address(name: str, value: str, allow_unix: bool) -> None:
         raise FieldError(
             name, f"{name} = {value!r} must be {forms} (port 0-65535; IPv6 as [ADDR]:PORT)"
         ) from None
+
+
+def _id_ok(value: str) -> bool:  # a daemon id: letters, digits, '-', '_'
+    return all(c.isalnum() or c in "-_" for c in value)
 
 
 def _check_range(name: str, value: float, lo: float, hi: float) -> None:

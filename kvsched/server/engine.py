@@ -120,6 +120,10 @@ class InstanceEngine:
         """Takes new requests and schedules them now."""
         return self.sched is not None and not self.draining and not self.sched.paused
 
+    def sinks_changed(self) -> None:
+        """A tracked request's sink was replaced (Resume): drop the cached sink grouping."""
+        self._deliver = TokenDelivery()
+
     @property
     def queueing(self) -> bool:
         """Takes new requests, if only into its queue (paused: until Resume)."""

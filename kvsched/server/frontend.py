@@ -8,6 +8,7 @@ and a Session's memory is bounded by its open requests.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -19,8 +20,9 @@ import numpy as np
 from kvsched import codec
 from kvsched.core import KvschedError, RequestNotFound
 from kvsched.server.auth import current_principal
+from kvsched.server.durable import Durability
 from kvsched.server.errors import status_for
-from kvsched.server.request_table import RequestTable, Tracked
+from kvsched.server.request_table import Tracked
 from kvsched.v1 import request_service_pb2 as pb
 from kvsched.v1 import request_service_pb2_grpc
 
@@ -68,6 +70,13 @@ class SessionSink:
         self.errors: list[pb.SessionResponse.Error] = []
         self.open: dict[str, Tracked] = {}
         self.client_done = False
+        self.closed = False  # the stream ended
+        # Journal on: accepted requests whose record the journal has not stored yet (their
+        # outputs are held: nothing about them is sent before `accepted`), and the tasks
+        # waiting for those records.
+        self.held: dict[str, Tracked] = {}
+        self.held_set: set[Tracked] = set()  # the same requests (a C-speed overlap test)
+        self.inflight: set[asyncio.Task[None]] = set()
 
     def notify(self, tr: Tracked) -> None:
         if self.pending_since is None:
@@ -76,9 +85,38 @@ class SessionSink:
         self.event.set()
 
     def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /) -> None:
+        if self.held and not self.held_set.isdisjoint(trs):
+            # Held requests' tokens stay in their requests; `announce` sends them all.
+            if counts is None:
+                keep = [i for i, tr in enumerate(trs) if not tr.held]
+                trs, toks = [trs[i] for i in keep], [toks[i] for i in keep]
+            else:
+                starts = list(itertools.accumulate(counts, initial=0))
+                rows = [i for i, tr in enumerate(trs) if not tr.held]
+                toks = [t for i in rows for t in toks[starts[i] : starts[i + 1]]]
+                trs, counts = [trs[i] for i in rows], [counts[i] for i in rows]
+            if not trs:
+                return
         if self.pending_since is None:
             self.pending_since = time.monotonic()
         self.chunks.append((trs, counts, toks))
+        self.event.set()
+
+    def announce(self, tr: Tracked) -> None:
+        """`tr` is accepted (stored): tell it, with the tokens it made while held."""
+        self.open[tr.req.req_id] = tr
+        self.accepted.append(tr)
+        out = tr.req.output_token_ids
+        if tr.held:
+            tr.held = False
+            self.held.pop(tr.req.req_id, None)
+            self.held_set.discard(tr)
+            if out:
+                self.chunks.append(([tr], [len(out)], list(out)))
+            if tr.finished:
+                self.dirty[tr.req.req_id] = tr
+        if self.pending_since is None:
+            self.pending_since = time.monotonic()
         self.event.set()
 
 
@@ -95,25 +133,51 @@ def principal(context: Any) -> str:
 class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     """Accepts requests into the request table and streams their outputs back."""
 
-    def __init__(self, requests: RequestTable, max_session_requests: int) -> None:
-        self.requests = requests
+    def __init__(self, durable: Durability, max_session_requests: int) -> None:
+        self.durable = durable
+        self.requests = durable.table
         self.max_session_requests = max_session_requests
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         sink = StreamSink()
-        tr = self.requests.submit(
+        tr = await self.durable.submit(
             request,
             sink,
             owner=principal(context),
             carrier=metadata(context),
             deadline_s=context.time_remaining(),
         )
+        async for msg in self._follow(tr, sink, pb.GenerateResponse):
+            yield msg
+
+    async def Resume(
+        self, request: pb.RequestServiceResumeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RequestServiceResumeResponse]:
+        sink = StreamSink()
+        got = await self.durable.resume(request, principal(context), sink)
+        if isinstance(got, Tracked):
+            async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse):
+                yield msg
+            return
+        # Finished: the rest of its outputs and its Finished, from the journal's record.
+        have = len(request.token_ids) or request.num_tokens_received
+        yield pb.RequestServiceResumeResponse(
+            queued=pb.GenerateResponse.Queued(request_id=request.request_id)
+        )
+        if len(got.tokens) > have:
+            rest = got.tokens[have:]
+            yield pb.RequestServiceResumeResponse(tokens=pb.GenerateResponse.Tokens(token_ids=rest))
+        yield pb.RequestServiceResumeResponse(finished=got.finished)
+
+    async def _follow(self, tr: Tracked, sink: StreamSink, kind: Any) -> AsyncIterator[Any]:
+        """A request's stream: queued, its tokens past `tr.sent`, its one finished. Ends
+        quietly when a Resume took the request over (`tr.sink` is another sink)."""
         done = False
         self.requests.streams.add(sink)
         try:
-            yield pb.GenerateResponse(
+            yield kind(
                 queued=pb.GenerateResponse.Queued(
                     request_id=tr.req.req_id, instance=tr.engine.instance_id
                 )
@@ -122,6 +186,9 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 await sink.event.wait()
                 sink.event.clear()
                 sink.pending_since = None
+                if tr.sink is not sink:
+                    done = True  # resumed elsewhere: one request streams to one place
+                    return
                 req = tr.req
                 # Decide "finished" and take the tokens at the same instant: more may arrive
                 # while a yield is suspended.
@@ -131,14 +198,14 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 if n > tr.sent:
                     delta = out[tr.sent : n]
                     tr.sent = n
-                    yield pb.GenerateResponse(tokens=pb.GenerateResponse.Tokens(token_ids=delta))
+                    yield kind(tokens=pb.GenerateResponse.Tokens(token_ids=delta))
                 if finished:
                     done = True
-                    yield pb.GenerateResponse(finished=codec.finished_to_proto(req))
+                    yield kind(finished=codec.finished_to_proto(req))
                     return
         finally:
             self.requests.streams.discard(sink)
-            if not done and not tr.detachable:
+            if not done and not tr.detachable and tr.sink is sink:
                 self.requests.abort_tracked(tr, sink_close_reason(sink))
 
     async def Abort(
@@ -183,9 +250,10 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         finally:
             self.requests.streams.discard(sink)
             reader.cancel()
+            sink.closed = True  # submits still at the journal are aborted when they land
             why = sink_close_reason(sink)
-            for tr in list(sink.open.values()):
-                if not tr.detachable:
+            for tr in [*sink.open.values(), *sink.held.values()]:
+                if not tr.detachable and tr.sink is sink:
                     self.requests.abort_tracked(tr, why)
 
     async def _read_session(
@@ -196,13 +264,21 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         carrier: dict[str, str],
     ) -> None:
         limit = self.max_session_requests
+        loop = asyncio.get_running_loop()
+        journal = self.durable.journal is not None
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
-                if kind == "submit":
-                    self._submit(msg.submit, sink, owner, limit, carrier)
+                if kind == "submit" and journal:
+                    # Submits wait for the journal concurrently: one round trip each, overlapped.
+                    task = loop.create_task(self._submit(msg.submit, sink, owner, limit, carrier))
+                    sink.inflight.add(task)
+                    task.add_done_callback(sink.inflight.discard)
+                elif kind == "submit":
+                    await self._submit(msg.submit, sink, owner, limit, carrier)
                 elif kind == "abort":
-                    tr = sink.open.get(msg.abort.request_id)
+                    rid = msg.abort.request_id
+                    tr = sink.open.get(rid) or sink.held.get(rid)
                     if tr is None:
                         sink.errors.append(
                             pb.SessionResponse.Error(
@@ -221,11 +297,13 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                         )
                     )
                 sink.event.set()
+            while sink.inflight:  # the stream ends after the last accepted request finished
+                await asyncio.wait(set(sink.inflight))
         finally:
             sink.client_done = True
             sink.event.set()
 
-    def _submit(
+    async def _submit(
         self,
         submit: pb.SessionRequest.Submit,
         sink: SessionSink,
@@ -235,11 +313,22 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     ) -> None:
         tag = submit.client_tag
         try:
-            if len(sink.open) >= limit:
+            if len(sink.open) + len(sink.held) >= limit:
                 raise_limit(limit)
             tr = self.requests.submit(
                 submit.request, sink, owner=owner, client_tag=tag, carrier=carrier
             )
+            if self.durable.journals(tr):
+                tr.held = True
+                sink.held[tr.req.req_id] = tr
+                sink.held_set.add(tr)
+                try:
+                    await self.durable.confirm(tr, submit.request)
+                except KvschedError:
+                    tr.held = False
+                    sink.held.pop(tr.req.req_id, None)
+                    sink.held_set.discard(tr)
+                    raise
         except KvschedError as exc:
             code, message = status_for(exc)
             sink.errors.append(
@@ -250,9 +339,11 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     message=message,
                 )
             )
+            sink.event.set()
             return
-        sink.open[tr.req.req_id] = tr
-        sink.accepted.append(tr)
+        sink.announce(tr)
+        if sink.closed and not tr.detachable and not tr.finished:
+            self.requests.abort_tracked(tr, sink_close_reason(sink))
 
     def _batch(self, sink: SessionSink) -> pb.SessionResponse | None:
         """Everything new on this session since its last message, in one message: requests
@@ -276,7 +367,11 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             out.num_tokens.extend(counts)
             out.token_ids.extend(tokens)
         for rid, tr in dirty.items():
-            if tr.finished:
+            if rid not in sink.open:
+                continue  # never announced (refused by the journal), or already closed
+            if tr.sink is not sink:
+                sink.open.pop(rid, None)  # resumed on its own stream: it left this session
+            elif tr.finished:
                 msg.finished.append(codec.finished_to_proto(tr.req))
                 sink.open.pop(rid, None)
         if errors:

@@ -73,6 +73,9 @@ class Tracked:
     span: Any = None
     finished: bool = False  # its one Finished is decided: the table no longer tracks it
     forward: Any = None  # cluster: the task relaying it from a peer's instance (engine: remote)
+    durable: int = 0  # journal: 0 not journaled, 1 accepted record in flight, 2 stored, 3 closed
+    journaled: int = 0  # output tokens the journal has recorded
+    held: bool = False  # a Session holds its outputs until the journal stored it
 
 
 class RequestTable:
@@ -96,6 +99,9 @@ class RequestTable:
         # to track it under), `forward(tr, pb, remote, carrier, deadline_s)`, and
         # `abort_elsewhere(request_id, owner)` (awaited by the Abort RPC).
         self.cluster: Any = None
+        # The journal when durability is on (kvsched.durability.journal.Journal): told of
+        # finishes and of requests moved off a lost instance.
+        self.journal: Any = None
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(
@@ -245,6 +251,8 @@ class RequestTable:
         dreq.first_scheduled_time = req.first_scheduled_time
         dreq.num_cached_tokens = req.num_cached_tokens
         tr.req, tr.engine = dreq, d
+        if self.journal is not None:
+            self.journal.progress(tr)
         d.wake()
 
     def on_finished(self, eng: InstanceEngine, req: Request) -> None:
@@ -258,6 +266,8 @@ class RequestTable:
             tr.forward.cancel()
             tr.forward = None
         tr.finished = True
+        if self.journal is not None:
+            self.journal.finished(tr)
         self.recent[req.req_id] = None
         if len(self.recent) > RECENT_FINISHED:
             self.recent.popitem(last=False)
@@ -298,6 +308,8 @@ class RequestTable:
         )
         new.tag = tr
         tr.req = new
+        if self.journal is not None:
+            self.journal.progress(tr)
         self.telemetry.request_moved(tr, reason)
         self.num_requeued += 1
         self.orphans.append((tr, time.monotonic() + self.config.requeue_timeout_s, reason))

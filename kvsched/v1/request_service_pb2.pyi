@@ -436,3 +436,68 @@ class SessionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015
+
+@_typing.final
+class RequestServiceResumeRequest(_message.Message):
+    """(Named after its service: AdminService already has a ResumeRequest.)"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_RECEIVED_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    num_tokens_received: _builtins.int
+    """How many output tokens the client holds (ignored when token_ids is set)."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The output tokens the client holds, in order (preferred: lets the daemon continue after
+        them even when its journal recorded fewer).
+        """
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        num_tokens_received: _builtins.int = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens_received", b"num_tokens_received", "request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestServiceResumeRequest: _TypeAlias = RequestServiceResumeRequest  # noqa: Y015
+
+@_typing.final
+class RequestServiceResumeResponse(_message.Message):
+    """What Resume streams: the same kinds, in the same order, as a GenerateResponse."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUED_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def queued(self) -> Global___GenerateResponse.Queued: ...
+    @_builtins.property
+    def tokens(self) -> Global___GenerateResponse.Tokens: ...
+    @_builtins.property
+    def finished(self) -> Global___Finished: ...
+    def __init__(
+        self,
+        *,
+        queued: Global___GenerateResponse.Queued | None = ...,
+        tokens: Global___GenerateResponse.Tokens | None = ...,
+        finished: Global___Finished | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "kind", b"kind", "queued", b"queued", "tokens", b"tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "kind", b"kind", "queued", b"queued", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["queued", "tokens", "finished"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___RequestServiceResumeResponse: _TypeAlias = RequestServiceResumeResponse  # noqa: Y015

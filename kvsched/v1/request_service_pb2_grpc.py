@@ -71,6 +71,24 @@ class RequestServiceStub:
     4. Steps 4-6 of Generate hold per request. When the client half-closes, the daemon keeps the
     stream open until every accepted request has finished. When the stream drops, its
     unfinished requests are aborted, except detachable ones.
+
+    Resume: the rest of a request, for a client whose stream broke (the daemon restarted, the
+    network dropped a detachable request's stream, a Session request is to be followed alone):
+    1. The client sends the request id and the tokens it holds: `token_ids` (preferred), or
+    only their number in `num_tokens_received`.
+    2. The first response is `queued` (the id, the instance holding it now; empty while the
+    request waits for an instance). Then `tokens` from position num_tokens_received on:
+    every token exactly once, none the client holds, none missing; then one `finished`.
+    What the client holds wins: a request recovered from the journal with fewer tokens
+    than the client continues after the client's tokens.
+    3. The stream that delivered the request before, if still open, ends (OK, no `finished`):
+    one request streams to one place. A request resumed from a Session leaves that session.
+    4. A request that already finished, but whose outputs the daemon or its journal still
+    holds, gets its remaining tokens and its `finished` the same way (its final state).
+    Errors: NOT_FOUND (no such request, or finished longer ago than the journal keeps it),
+    PERMISSION_DENIED (submitted with other credentials), INVALID_ARGUMENT (the client claims
+    more tokens than a finished request produced, or token_ids disagree with the recorded
+    ones), UNAVAILABLE (the daemon is recovering its journal: retry).
     """
 
     def __init__(self, channel):
@@ -93,6 +111,11 @@ class RequestServiceStub:
                 '/kvsched.v1.RequestService/Session',
                 request_serializer=kvsched_dot_v1_dot_request__service__pb2.SessionRequest.SerializeToString,
                 response_deserializer=kvsched_dot_v1_dot_request__service__pb2.SessionResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/kvsched.v1.RequestService/Resume',
+                request_serializer=kvsched_dot_v1_dot_request__service__pb2.RequestServiceResumeRequest.SerializeToString,
+                response_deserializer=kvsched_dot_v1_dot_request__service__pb2.RequestServiceResumeResponse.FromString,
                 _registered_method=True)
 
 
@@ -142,6 +165,24 @@ class RequestServiceServicer:
     4. Steps 4-6 of Generate hold per request. When the client half-closes, the daemon keeps the
     stream open until every accepted request has finished. When the stream drops, its
     unfinished requests are aborted, except detachable ones.
+
+    Resume: the rest of a request, for a client whose stream broke (the daemon restarted, the
+    network dropped a detachable request's stream, a Session request is to be followed alone):
+    1. The client sends the request id and the tokens it holds: `token_ids` (preferred), or
+    only their number in `num_tokens_received`.
+    2. The first response is `queued` (the id, the instance holding it now; empty while the
+    request waits for an instance). Then `tokens` from position num_tokens_received on:
+    every token exactly once, none the client holds, none missing; then one `finished`.
+    What the client holds wins: a request recovered from the journal with fewer tokens
+    than the client continues after the client's tokens.
+    3. The stream that delivered the request before, if still open, ends (OK, no `finished`):
+    one request streams to one place. A request resumed from a Session leaves that session.
+    4. A request that already finished, but whose outputs the daemon or its journal still
+    holds, gets its remaining tokens and its `finished` the same way (its final state).
+    Errors: NOT_FOUND (no such request, or finished longer ago than the journal keeps it),
+    PERMISSION_DENIED (submitted with other credentials), INVALID_ARGUMENT (the client claims
+    more tokens than a finished request produced, or token_ids disagree with the recorded
+    ones), UNAVAILABLE (the daemon is recovering its journal: retry).
     """
 
     def Generate(self, request, context):
@@ -165,6 +206,13 @@ class RequestServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """The rest of a request whose stream broke (see "Resume" above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RequestServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -182,6 +230,11 @@ def add_RequestServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=kvsched_dot_v1_dot_request__service__pb2.SessionRequest.FromString,
                     response_serializer=kvsched_dot_v1_dot_request__service__pb2.SessionResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=kvsched_dot_v1_dot_request__service__pb2.RequestServiceResumeRequest.FromString,
+                    response_serializer=kvsched_dot_v1_dot_request__service__pb2.RequestServiceResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -237,6 +290,24 @@ class RequestService:
     4. Steps 4-6 of Generate hold per request. When the client half-closes, the daemon keeps the
     stream open until every accepted request has finished. When the stream drops, its
     unfinished requests are aborted, except detachable ones.
+
+    Resume: the rest of a request, for a client whose stream broke (the daemon restarted, the
+    network dropped a detachable request's stream, a Session request is to be followed alone):
+    1. The client sends the request id and the tokens it holds: `token_ids` (preferred), or
+    only their number in `num_tokens_received`.
+    2. The first response is `queued` (the id, the instance holding it now; empty while the
+    request waits for an instance). Then `tokens` from position num_tokens_received on:
+    every token exactly once, none the client holds, none missing; then one `finished`.
+    What the client holds wins: a request recovered from the journal with fewer tokens
+    than the client continues after the client's tokens.
+    3. The stream that delivered the request before, if still open, ends (OK, no `finished`):
+    one request streams to one place. A request resumed from a Session leaves that session.
+    4. A request that already finished, but whose outputs the daemon or its journal still
+    holds, gets its remaining tokens and its `finished` the same way (its final state).
+    Errors: NOT_FOUND (no such request, or finished longer ago than the journal keeps it),
+    PERMISSION_DENIED (submitted with other credentials), INVALID_ARGUMENT (the client claims
+    more tokens than a finished request produced, or token_ids disagree with the recorded
+    ones), UNAVAILABLE (the daemon is recovering its journal: retry).
     """
 
     @staticmethod
@@ -310,6 +381,33 @@ class RequestService:
             '/kvsched.v1.RequestService/Session',
             kvsched_dot_v1_dot_request__service__pb2.SessionRequest.SerializeToString,
             kvsched_dot_v1_dot_request__service__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvsched.v1.RequestService/Resume',
+            kvsched_dot_v1_dot_request__service__pb2.RequestServiceResumeRequest.SerializeToString,
+            kvsched_dot_v1_dot_request__service__pb2.RequestServiceResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -87,7 +87,16 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         kv_listen=args.listen_kv or None,
         kv_server_credentials=kv_server_credentials,
         kv_token=args.token or None,
+        reconnect_backoff_s=_backoff(args),
     )
+
+
+def _backoff(args: argparse.Namespace) -> tuple[float, float]:
+    lo = getattr(args, "reconnect_min_s", 0.1)
+    hi = getattr(args, "reconnect_max_s", 1.0)
+    if not 0 < lo <= hi:
+        raise ValueError(f"need 0 < --reconnect-min-s <= --reconnect-max-s, got {lo:g} and {hi:g}")
+    return (lo, hi)
 
 
 def run_worker(args: argparse.Namespace) -> int:

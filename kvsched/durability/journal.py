@@ -1,0 +1,319 @@
+"""The journal: every accepted request of this daemon, durable in a JetStream stream.
+
+    accept()     the accepted record, published and acknowledged (awaited) before the client
+                 is told `queued`; refused with `Unavailable` when it cannot be stored
+    run()        every flush_ms: the live requests' new output tokens, one TokenBatch message
+                 (compacted from position 0 when the deltas outgrow the live tokens, and after
+                 a NATS reconnect); the writer publishes what is queued, in order
+    progress()   one request's tokens now (its instance was lost, or it was handed off)
+    finished()   the finished record (`done.<id>`) and the accepted record's expiring
+                 tombstone, in order, off the caller's path
+    recover()    the unfinished requests this daemon owns, with their recorded tokens
+    lookup()     a request's finished record, or its accepted one on any daemon (Resume)
+
+Subjects, records and retention: journal.proto (records.py encodes them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from kvsched.codec import finished_to_proto
+from kvsched.core import Request, Unavailable
+from kvsched.durability import records as R
+from kvsched.v1 import journal_pb2, request_service_pb2
+
+log = logging.getLogger("kvsched.journal")
+
+PURGE: dict[str, str] = {}  # an outbox entry with these headers purges its subject
+
+
+class Journaled(Protocol):
+    """What the journal reads of a tracked request (the daemon's `Tracked`)."""
+
+    req: Request
+    owner: str
+    client_tag: str
+    finished: bool
+    durable: int  # 0: not journaled, 1: accepted record in flight, 2: stored
+    journaled: int  # output tokens recorded
+
+
+class Journal:
+    def __init__(
+        self,
+        link: Any,  # kvsched.cluster.link.ClusterLink
+        flush_ms: float = 100.0,
+        timeout_s: float = 2.0,
+        max_age_s: float = 86400.0,
+        max_bytes: int = 1 << 30,
+    ) -> None:
+        self.link = link
+        self.nc = link.nc
+        self.js = link.js
+        self.daemon_id: str = link.daemon_id
+        self.tok_subject = R.tok_subject(self.daemon_id)
+        self.flush_s = flush_ms / 1000.0
+        self.timeout_s = timeout_s
+        self.max_age_s = max_age_s
+        self.max_bytes = max_bytes
+        self._outbox: asyncio.Queue[tuple[str, bytes, dict[str, str] | None]] = asyncio.Queue()
+        self._reconnects = 0
+        self._since_compaction = 0  # tokens written to tok.<daemon> since its last compaction
+        self.num_accepted = 0
+        self.num_refused = 0
+        self.num_compactions = 0
+        self.num_publish_errors = 0
+
+    async def open(self) -> None:
+        """Create the stream, or bring an existing one's limits to this config."""
+        cfg = StreamConfig(
+            name=R.STREAM,
+            subjects=[f"{R.PREFIX}.>"],
+            storage=StorageType.FILE,
+            max_age=self.max_age_s,
+            max_bytes=self.max_bytes,
+            discard=DiscardPolicy.OLD,
+            allow_rollup_hdrs=True,
+            allow_direct=True,
+            allow_msg_ttl=True,
+        )
+        try:
+            await self.js.add_stream(cfg)
+        except Exception:
+            await self.js.update_stream(cfg)
+        self._reconnects = self.nc.stats.get("reconnects", 0)
+
+    # ---- writing ------------------------------------------------------------------------------
+    async def accept(
+        self, tr: Journaled, pb: request_service_pb2.GenerateRequest, instance: str
+    ) -> None:
+        """Store the accepted record; `Unavailable` when NATS does not acknowledge it in time."""
+        req_id = tr.req.req_id
+        data = R.accepted_record(pb, req_id, self.daemon_id, instance, tr.owner, tr.client_tag)
+        subject = R.req_subject(self.daemon_id, req_id)
+        try:
+            if not self.nc.is_connected:  # refuse at once: a buffered record could land later
+                raise ConnectionError("not connected")
+            tr.durable = 1
+            await self.js.publish(subject, data, timeout=self.timeout_s)
+        except Exception as exc:
+            if tr.durable == 1:
+                # It may still be stored (sent, then the link broke before the ack): purge it
+                # after it, in order, so that a refused request leaves nothing behind.
+                self._emit(subject, b"", PURGE)
+            tr.durable = 0
+            self.num_refused += 1
+            raise Unavailable(
+                f"the request journal (NATS JetStream at {self.link.url}) did not store the "
+                f"request within {self.timeout_s:g} s ({type(exc).__name__}); nothing was "
+                "accepted: retry, or check NATS"
+            ) from None
+        tr.durable = 2
+        self.num_accepted += 1
+        if tr.finished:  # it finished while its record was in flight
+            self.finished(tr)
+
+    def _emit(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+        self._outbox.put_nowait((subject, data, headers))
+
+    def progress(self, tr: Journaled) -> None:
+        """Record `tr`'s new output tokens now (written off the caller's path)."""
+        out = tr.req.output_token_ids
+        n = len(out)
+        if tr.durable == 2 and n > tr.journaled:
+            entry = (tr.req.req_id, tr.journaled, out[tr.journaled : n])
+            tr.journaled = n
+            self._since_compaction += len(entry[2])
+            for data in R.token_batches([entry]):
+                self._emit(self.tok_subject, data)
+
+    def finished(self, tr: Journaled) -> None:
+        """Record `tr`'s end (its one Finished is decided); the tokens go with it."""
+        if tr.durable != 2:
+            return  # not stored yet: accept() calls again once it is; or never journaled
+        req = tr.req
+        data = R.finished_record(
+            req.req_id, self.daemon_id, tr.owner, list(req.output_token_ids), finished_to_proto(req)
+        )
+        tr.durable = 3
+        self._emit(R.done_subject(req.req_id), data)
+        self._emit(R.req_subject(self.daemon_id, req.req_id), b"", R.TOMBSTONE_HEADERS)
+
+    def flush(self, live: Iterable[Journaled], compact: bool = False) -> None:
+        """Queue the live requests' new tokens as one TokenBatch; all their tokens, from
+        position 0 and rolling the subject up, when `compact` or when the tokens written since
+        the last compaction exceed the live ones."""
+        entries = []
+        trs = []
+        live_tokens = 0
+        for tr in live:
+            if tr.durable != 2:
+                continue
+            trs.append(tr)
+            out = tr.req.output_token_ids
+            n = len(out)
+            live_tokens += n
+            if n > tr.journaled:
+                entries.append((tr.req.req_id, tr.journaled, out[tr.journaled : n]))
+                tr.journaled = n
+                self._since_compaction += len(entries[-1][2])
+        if compact or self._since_compaction > max(live_tokens, 4096):
+            entries = [(tr.req.req_id, 0, list(tr.req.output_token_ids)) for tr in trs]
+            batches = R.token_batches(entries) or [R.token_batches([("", 0, [])])[0]]
+            self._emit(self.tok_subject, batches[0], R.ROLLUP)
+            for data in batches[1:]:
+                self._emit(self.tok_subject, data)
+            self._since_compaction = 0
+            self.num_compactions += 1
+            return
+        for data in R.token_batches(entries):
+            self._emit(self.tok_subject, data)
+
+    async def run(self, live: Callable[[], Iterable[Journaled]]) -> None:
+        """Every flush_ms, the live requests' new tokens (all of them, compacted, after a NATS
+        reconnect); the writer publishes what is queued, in order."""
+        writer = asyncio.get_running_loop().create_task(self._write())
+        try:
+            while True:
+                await asyncio.sleep(self.flush_s)
+                reconnects = self.nc.stats.get("reconnects", 0)
+                compact = reconnects != self._reconnects
+                self._reconnects = reconnects
+                self.flush(live(), compact)
+        finally:
+            writer.cancel()
+
+    async def _write(self) -> None:
+        """Publish queued records in order (core publishes: the stream stores them; a loss is
+        repaired by the next compaction); purges (requests) after the records before them."""
+        box = self._outbox
+        while True:
+            items = [await box.get()]
+            while not box.empty():
+                items.append(box.get_nowait())
+            try:
+                await self._publish_all(items)
+            finally:
+                for _ in items:
+                    box.task_done()
+
+    async def _publish_all(self, items: list[tuple[str, bytes, dict[str, str] | None]]) -> None:
+        purges = []
+        for subject, data, headers in items:
+            if headers is PURGE:
+                purges.append(self.js.purge_stream(R.STREAM, subject=subject))
+                continue
+            try:
+                await self.nc.publish(subject, data, headers=headers)
+            except Exception as exc:  # closed, or the reconnect buffer is full
+                self.num_publish_errors += 1
+                log.debug("journal publish to %s failed: %s", subject, exc)
+        for r in await asyncio.gather(*purges, return_exceptions=True):
+            if isinstance(r, BaseException):
+                log.debug("purging a refused request's record failed: %s", r)
+
+    async def close(self, live: Iterable[Journaled], timeout_s: float = 5.0) -> None:
+        """At shutdown, before the NATS link closes: the live requests' last tokens and every
+        queued record (finished records of a drain) handed to NATS (run() still running)."""
+        self.flush(live)
+        try:
+            await asyncio.wait_for(self._outbox.join(), timeout_s)
+        except TimeoutError:
+            log.warning("journal: %d record(s) not written at shutdown", self._outbox.qsize())
+
+    # ---- reading ------------------------------------------------------------------------------
+    async def _read(self, subject: str, policy: DeliverPolicy) -> list[Any]:
+        psub = await self.js.pull_subscribe(
+            subject,
+            config=ConsumerConfig(
+                deliver_policy=policy, ack_policy=AckPolicy.NONE, inactive_threshold=30.0
+            ),
+        )
+        try:
+            left = (await psub.consumer_info()).num_pending or 0
+            out: list[Any] = []
+            while left > 0:
+                msgs = await psub.fetch(min(left, 1000), timeout=max(self.timeout_s, 5.0))
+                out.extend(msgs)
+                left -= len(msgs)
+            return out
+        finally:
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+
+    async def recover(self, daemon_id: str | None = None) -> list[R.Unfinished]:
+        """The accepted, unfinished requests of this daemon (or of `daemon_id`: the seam of a
+        takeover of a dead peer's journal), with their recorded tokens."""
+        owner = daemon_id or self.daemon_id
+        live: dict[str, R.Unfinished] = {}
+        for msg in await self._read(f"{R.REQ}.{owner}.>", DeliverPolicy.LAST_PER_SUBJECT):
+            if msg.data:  # empty: a finished request's tombstone
+                rec = R.parse_record(msg.data)
+                if rec.kind == R.ACCEPTED:
+                    live[rec.request_id] = R.Unfinished(rec, seq=msg.metadata.sequence.stream)
+        if live:
+            tokens_of = {rid: u.tokens for rid, u in live.items()}
+            for msg in await self._read(R.tok_subject(owner), DeliverPolicy.ALL):
+                R.apply_batch(tokens_of, msg.data)
+        return list(live.values())
+
+    async def adopt(self, dead_id: str) -> list[R.Unfinished]:
+        """Take over daemon `dead_id`'s unfinished requests: for each, its accepted record is
+        stored under this daemon, then the dead daemon's record is replaced by a tombstone
+        published only if that record is still the subject's last (JetStream's
+        expected-last-subject-sequence: a compare-and-set). Exactly one daemon wins each
+        request; a loser withdraws its copy. A crash between the two steps leaves the request
+        with two owners, never with none. Returns the requests won."""
+        won = []
+        for u in await self.recover(dead_id):
+            rec = u.record
+            rid = rec.request_id
+            rec.daemon_id = self.daemon_id
+            mine = R.req_subject(self.daemon_id, rid)
+            await self.js.publish(mine, rec.SerializeToString(), timeout=self.timeout_s)
+            cas = {**R.TOMBSTONE_HEADERS, "Nats-Expected-Last-Subject-Sequence": str(u.seq)}
+            try:
+                await self.js.publish(
+                    R.req_subject(dead_id, rid), b"", timeout=self.timeout_s, headers=cas
+                )
+            except Exception as exc:  # another daemon took it first (or NATS failed): withdraw
+                log.info("takeover of %s from %s not won: %s", rid, dead_id, exc)
+                self._emit(mine, b"", R.TOMBSTONE_HEADERS)
+                continue
+            won.append(u)
+        if won:
+            self._emit(R.tok_subject(dead_id), b"", PURGE)  # its deltas now live in ours
+        return won
+
+    async def lookup(self, req_id: str) -> journal_pb2.JournalRecord | None:
+        """`req_id`'s finished record, else its accepted record on any daemon; None when the
+        journal holds neither."""
+        from nats.js.errors import NotFoundError
+
+        token = R.id_token(req_id)
+        for subject in (R.done_subject(req_id), f"{R.REQ}.*.{token}"):
+            try:
+                msg = await self.js.get_last_msg(R.STREAM, subject)
+            except NotFoundError:
+                continue
+            except Exception as exc:
+                raise Unavailable(
+                    f"the request journal cannot be read now ({exc}); retry"
+                ) from None
+            if msg.data:
+                return R.parse_record(msg.data)
+        return None

@@ -1,0 +1,129 @@
+"""Real processes for the durability tests: a daemon in a cluster (restartable on the same port
+with the same id), sim or model workers, and resuming clients (kvsched.client.resumable)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvsched.client import AsyncClient
+from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, ResumableStream, resumable
+from kvsched.cluster.natsd import free_port
+from kvsched.worker_stub.sim import SimExecutor
+from tests.integration.harness import Proc, wait_pool_free, wait_ready
+
+SIM = SimExecutor()  # what every `kvsched worker --executor sim --seed 0` samples
+
+
+def sim_expected(req_id: str, prompt_len: int, max_tokens: int) -> list[int]:
+    """The tokens an uninterrupted run of the request gives on a sim worker."""
+    return [SIM.token_at(req_id, prompt_len + i) for i in range(max_tokens)]
+
+
+class Daemon:
+    """`kvsched serve --cluster URL --daemon-id ID` on a fixed loopback port: kill -9 and
+    restart keep its address, as an operator's restart would."""
+
+    def __init__(self, nats_url: str, daemon_id: str = "d1", *extra: str) -> None:
+        self.nats_url = nats_url
+        self.daemon_id = daemon_id
+        self.extra = extra
+        self.address = f"127.0.0.1:{free_port()}"
+        self.proc: Proc | None = None
+
+    def start(self) -> Daemon:
+        args = ["serve", "--listen", self.address, "--metrics-listen", "off"]
+        args += ["--cluster", self.nats_url, "--daemon-id", self.daemon_id, *self.extra]
+        env = {"KVSCHED_JOURNAL_FLUSH_MS": "50", "KVSCHED_GRACE_PERIOD_S": "1"}
+        self.proc = Proc(args, env, f"daemon-{self.daemon_id}")
+        self.proc.wait_for(r"kvsched listening on", timeout=60)
+        return self
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.popen.kill()
+        self.proc.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+    def output(self) -> str:
+        return self.proc.output() if self.proc is not None else ""
+
+
+def start_sim_worker(address: str, instance: str, *args: str) -> Proc:
+    return Proc(
+        ["worker", "--server", address, "--instance", instance, "--executor", "sim", *args],
+        name=f"worker-{instance}",
+    )
+
+
+def prompts(n: int, seed: int = 7) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 30000, size=int(rng.integers(16, 200))).tolist() for _ in range(n)]
+
+
+@dataclass
+class LoadResult:
+    streams: list[ResumableStream]
+    errors: list[BaseException]
+    cut: list[int]  # indexes of the streams that had not received all their tokens at the kill
+
+    def first_token_after_break_s(self) -> list[float]:
+        return [t for s in self.streams for t in s.first_token_after_break]
+
+
+def quantiles(xs: Sequence[float]) -> tuple[float, float]:
+    """p50 and p99 (nearest rank) of xs."""
+    ys = sorted(xs)
+    p99 = ys[min(len(ys) - 1, round(0.99 * (len(ys) - 1)))]
+    return statistics.median(ys), p99
+
+
+async def run_with_kill(
+    daemon: Daemon,
+    workers: Sequence[str],
+    requests: list[tuple[str, list[int], int]],
+    kill_after_tokens: int,
+    timeout_s: float = 120.0,
+) -> LoadResult:
+    """Run `requests` (id, prompt, max_tokens) as resumable streams against `daemon`; once
+    every stream holds `kill_after_tokens` tokens, kill -9 the daemon and restart it; wait for
+    every stream to finish (bounded by timeout_s)."""
+    async with AsyncClient(daemon.address, options=RESUMABLE_CHANNEL_OPTIONS) as client:
+        streams = [
+            resumable(client, p, request_id=rid, max_tokens=n, retry_for_s=timeout_s)
+            for rid, p, n in requests
+        ]
+        tasks = [asyncio.create_task(s.read_all()) for s in streams]
+        cut: list[int] = []
+
+        async def kill_when_ready() -> None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s / 2
+            while any(len(s.tokens) < kill_after_tokens for s in streams):
+                if loop.time() > deadline:
+                    raise AssertionError("the load never reached the kill point")
+                await asyncio.sleep(0.02)
+            cut.extend(i for i, s in enumerate(streams) if len(s.tokens) < requests[i][2])
+            daemon.kill9()
+            await asyncio.to_thread(daemon.start)
+            await asyncio.to_thread(wait_ready, daemon.address, workers, 60.0)
+
+        killer = asyncio.create_task(kill_when_ready())
+        done = await asyncio.wait_for(
+            asyncio.gather(*tasks, killer, return_exceptions=True), timeout_s
+        )
+        errors = [r for r in done if isinstance(r, BaseException)]
+        return LoadResult(streams, errors, cut)
+
+
+def pool_free(address: str) -> None:
+    st = wait_pool_free(address, timeout=20.0)
+    for i in st.instances:
+        assert i.num_free_blocks == i.num_gpu_blocks, i
