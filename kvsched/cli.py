@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvsched.server.config import load_config
+    from kvsched.server.config_load import load_config
     from kvsched.server.logs import setup_logging
 
     overrides = {

@@ -11,7 +11,8 @@ import pytest
 
 from kvsched.core.config import EngineConfig, QueuePolicy, Role
 from kvsched.core.errors import ConfigError
-from kvsched.server.config import InstanceConfig, ServerConfig, load_config, split_host_port
+from kvsched.server.config import InstanceConfig, ServerConfig, split_host_port
+from kvsched.server.config_load import load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvsched.toml"
 
