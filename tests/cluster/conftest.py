@@ -37,6 +37,7 @@ def start_cluster(
     workers_per_daemon: int,
     worker_args: tuple[str, ...] = ("--zero-cost",),
     daemon_args: tuple[str, ...] = (),
+    daemon_env: dict[str, str] | None = None,
 ) -> Cluster:
     """Daemons {prefix}-d0.. and workers {prefix}k (instance k attached to daemon
     k // workers_per_daemon); waits until every daemon's routing knows every instance."""
@@ -44,7 +45,7 @@ def start_cluster(
     try:
         for d in range(num_daemons):
             proc, addr = start_daemon(
-                "--cluster", url, "--daemon-id", f"{prefix}-d{d}", *daemon_args
+                "--cluster", url, "--daemon-id", f"{prefix}-d{d}", *daemon_args, env=daemon_env
             )
             c.daemons.append(proc)
             c.addresses.append(addr)

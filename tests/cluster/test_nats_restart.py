@@ -1,5 +1,9 @@
 """NATS restarted under load: routing degrades to each daemon's own instances, nothing accepted
-is lost, and the cluster heals (membership, leases, KV-event index) once NATS is back."""
+is lost, and the cluster heals (membership, leases, KV-event index) once NATS is back.
+
+With the journal on (the default in a cluster) a request submitted while NATS is away is refused
+(UNAVAILABLE naming the journal: durability first, nothing half-accepted); with `journal =
+false` it is accepted and routed locally. Both are run."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import tempfile
 import time
 
 import grpc
+import pytest
 
 from kvsched.cluster.natsd import NatsServer
 from kvsched.v1 import common_pb2, request_service_pb2_grpc
@@ -25,12 +30,20 @@ def _wait(cond, what: str, timeout: float = 30.0) -> None:  # type: ignore[no-un
         time.sleep(0.1)
 
 
-def test_nats_restart_under_load(tmp_path: object) -> None:
+@pytest.mark.parametrize("journal", [True, False], ids=["journal", "no-journal"])
+def test_nats_restart_under_load(journal: bool) -> None:
     store = tempfile.mkdtemp(prefix="kvsched-nats-restart-")
     nats = NatsServer(store_dir=store).start()
     cluster = None
     try:
-        cluster = start_cluster(nats.url, "nr", 2, 1, worker_args=("--speed", "4"))
+        cluster = start_cluster(
+            nats.url,
+            "nr",
+            2,
+            1,
+            worker_args=("--speed", "4"),
+            daemon_env={"KVSCHED_JOURNAL": "true" if journal else "false"},
+        )
         addrs = cluster.addresses
         rng = random.Random(3)
         prefixes = [[rng.randrange(3, 30000) for _ in range(128)] for _ in range(5)]
@@ -79,10 +92,20 @@ def test_nats_restart_under_load(tmp_path: object) -> None:
 
         results = asyncio.run(both())
         assert len(results) == len(specs)
+        refused = 0
         for s, o in results:
+            if journal and o.code == grpc.StatusCode.UNAVAILABLE:
+                # Refused at submit while the journal could not store it: never accepted.
+                assert "journal" in o.details and "nothing was accepted" in o.details, o.details
+                assert o.tokens == [] and o.finished is None, s.req_id
+                refused += 1
+                continue
             assert o.code is None, (s.req_id, o.code, o.details)
             assert o.finished is not None and o.finished.reason == common_pb2.FINISH_REASON_LENGTH
             assert o.tokens == s.expected, s.req_id
+        assert refused < len(specs), "requests before and after the outage are accepted"
+        if not journal:
+            assert refused == 0
         # Degraded: nothing was forwarded while NATS was away.
         assert phase["down_forwarded"] == phase["still_down_forwarded"], phase
         # Healed: connected, both daemons and both instances known everywhere again.
