@@ -294,6 +294,14 @@ class Journal:
                 log.info("takeover of %s from %s not won: %s", rid, dead_id, exc)
                 self._emit(mine, b"", R.TOMBSTONE_HEADERS)
                 continue
+            # Stored again, now after the tombstone: a lookup of the request's last record
+            # on any daemon (`lookup`) finds this one, not the tombstone, while that lives.
+            try:
+                await self.js.publish(
+                    mine, rec.SerializeToString(), timeout=self.timeout_s, headers=R.ROLLUP
+                )
+            except Exception as exc:  # won all the same: lookups see it once the tombstone ages
+                log.warning("takeover of %s: second record not stored: %s", rid, exc)
             won.append(u)
         if won:
             self._emit(R.tok_subject(dead_id), b"", PURGE)  # its deltas now live in ours

@@ -44,6 +44,15 @@ class Done:
     tokens: list[int]
 
 
+class OwnedElsewhere(Unavailable):
+    """Resume of a request whose unfinished journal record names another daemon (a cluster
+    relays the Resume there; alone, the client sees UNAVAILABLE with this message)."""
+
+    def __init__(self, message: str, daemon_id: str) -> None:
+        super().__init__(message)
+        self.daemon_id = daemon_id
+
+
 class ParkedSink:
     """The sink of a recovered request until its client resumes: outputs stay in the request."""
 
@@ -196,9 +205,9 @@ class Durability:
         if rec.principal and rec.principal != owner:
             raise PermissionDenied(f"request {rid!r} was submitted with other credentials")
         if rec.kind != journal_pb2.JournalRecord.KIND_FINISHED:
-            raise Unavailable(
-                f"request {rid!r} belongs to daemon {rec.daemon_id!r}, which is not running; "
-                "resume it there once it restarts"
+            raise OwnedElsewhere(
+                f"request {rid!r} belongs to daemon {rec.daemon_id!r}; resume it there",
+                rec.daemon_id,
             )
         out = finished_tokens(rec)
         if have > len(out):
