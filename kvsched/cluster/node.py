@@ -259,7 +259,9 @@ class ClusterNode:
         it); Unavailable while that daemon is dead and nobody has adopted its requests yet,
         or when this call is itself a relay (never relayed twice)."""
         member = None
-        if daemon_id != self.daemon_id and RELAYED not in carrier and self.connected:
+        if carrier.get(FORWARDED_BY) == daemon_id:
+            pass  # the owner's own forwarder, following it: the owner adopted it (it continues)
+        elif daemon_id != self.daemon_id and RELAYED not in carrier and self.connected:
             member = await asyncio.wait_for(self._live_member(daemon_id), NATS_TIMEOUT_S)
         if member is None:
             raise Unavailable(

@@ -138,6 +138,10 @@ class Durability:
         found = await (self.journal.adopt(dead_id) if dead_id else self.journal.recover())
         for u in found:
             rec = u.record
+            mine = table.tracked.get(rec.request_id)
+            if mine is not None:  # accepted here, forwarded to the dead daemon's instance
+                self._continue_here(mine, dead_id)
+                continue
             req = codec.request_from_proto(
                 rec.request, rec.request_id, now, table.config.default_max_tokens
             )
@@ -159,6 +163,23 @@ class Durability:
             whose = f"daemon {dead_id}'s" if dead_id else "the"
             log.info("recovered %d unfinished request(s) from %s journal", len(found), whose)
         return len(found)
+
+    def _continue_here(self, tr: Tracked, dead_id: str) -> None:
+        """A request this daemon accepted and forwarded to `dead_id`'s instance, whose record
+        this daemon just adopted: its client still streams from here, so it is recomputed
+        here (prompt + the tokens relayed so far), journaled under this daemon from now on."""
+        if tr.finished:
+            return
+        task, tr.forward = tr.forward, None
+        if task is not None:
+            task.cancel()  # the forwarder's attempt to follow it elsewhere
+        tr.durable, tr.journaled = 2, 0
+        self.num_recovered += 1
+        req = tr.req
+        if len(req.output_token_ids) >= req.sampling.max_tokens:
+            self.table._fail(tr, "", FinishReason.LENGTH)
+            return
+        self.table.requeue_lost(req, f"its instance's daemon {dead_id} died; adopted here")
 
     async def resume(
         self, pb: request_service_pb2.RequestServiceResumeRequest, owner: str, sink: Sink
