@@ -26,7 +26,8 @@ One pass, on every live daemon that sees the death:
    dead daemon's: the KV blocks died with the daemon's view of them anyway (a reattaching
    worker starts from an empty cache).
 
-Every NATS call is bounded (`NATS_TIMEOUT_S`); a pass that fails is retried by the next scan.
+Every NATS call is bounded (`NATS_TIMEOUT_S`); a pass that fails (NATS away or slow) is
+retried at every scan until one completes.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvsched.cluster")
 
-NATS_TIMEOUT_S = 2.0
+NATS_TIMEOUT_S = 5.0  # per call: a loaded NATS or host answers late, never blocks the loop
 
 
 class Takeover:
@@ -55,6 +56,7 @@ class Takeover:
         self._recover = recover
         self._task: asyncio.Task[None] | None = None
         self._busy: set[str] = set()  # dead daemon ids with a pass in progress
+        self._retry: dict[str, set[str]] = {}  # dead id -> its instances, until a pass completes
         self.num_instances_taken = 0
         self.num_requests_adopted = 0
         self.passes: list[tuple[str, float, int, int]] = []  # dead id, when, instances, requests
@@ -79,16 +81,23 @@ class Takeover:
                 dep = await asyncio.wait_for(q.get(), timeout)
             except TimeoutError:
                 dep = None
-            try:
-                if dep is not None and not dep.graceful:
-                    await self.take_over(dep.daemon_id, dep.last.instances)
-                if time.monotonic() >= next_scan:
-                    next_scan = time.monotonic() + scan_s
-                    await self._scan()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # NATS away or slow: the next scan tries again
-                log.warning("takeover pass failed: %r (retried at the next scan)", exc)
+            if dep is not None and not dep.graceful:
+                self._retry[dep.daemon_id] = set(dep.last.instances)
+                await self._try(dep.daemon_id)
+            if time.monotonic() >= next_scan:
+                next_scan = time.monotonic() + scan_s
+                await self._scan()
+
+    async def _try(self, dead_id: str) -> None:
+        """A pass for `dead_id`; kept for the next scan until one completes."""
+        try:
+            await self.take_over(dead_id, self._retry.get(dead_id, ()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # NATS away or slow: the next scan tries again
+            log.warning("takeover of daemon %s: %r (retried at the next scan)", dead_id, exc)
+            return
+        self._retry.pop(dead_id, None)
 
     async def _scan(self) -> None:
         """Leases naming a daemon that has no membership entry: take them over."""
@@ -101,8 +110,9 @@ class Takeover:
             for lease in node.leases.owners().values()
             if lease.owner != self.daemon_id and lease.owner not in live
         }
-        for did in sorted(dead):
-            await self.take_over(did, ())
+        for did in sorted(dead | set(self._retry)):
+            self._retry.setdefault(did, set())
+            await self._try(did)
 
     async def take_over(self, dead_id: str, instances: Iterable[str]) -> tuple[int, int]:
         """One pass for `dead_id` (see the module docstring): (instances won by this call,
@@ -134,9 +144,10 @@ class Takeover:
         self.num_requests_adopted += adopted
         if won or adopted:
             self.passes.append((dead_id, time.time(), won, adopted))
-            # The tests and operators read this line (the same words as `--take-over`).
+            # Operators (and the tests) read this line: the same words as `--take-over`'s.
             print(
-                f"kvsched took over {adopted} request(s) and {won} instance(s) of daemon {dead_id}",
+                f"kvsched took over {adopted} request(s) of daemon {dead_id} "
+                f"({won} of its instance lease(s) moved here by this pass)",
                 flush=True,
             )
         return won, adopted

@@ -170,10 +170,12 @@ class Durability:
         here (prompt + the tokens relayed so far), journaled under this daemon from now on."""
         if tr.finished:
             return
+        tr.durable, tr.journaled = 2, 0
+        if tr.forward is None:
+            return  # its forwarder already recomputes it here: journaled here from now on
         task, tr.forward = tr.forward, None
         if task is not None:
             task.cancel()  # the forwarder's attempt to follow it elsewhere
-        tr.durable, tr.journaled = 2, 0
         self.num_recovered += 1
         req = tr.req
         if len(req.output_token_ids) >= req.sampling.max_tokens:
