@@ -27,7 +27,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvsched.cluster.forward import (
     FORWARD_INSTANCE,
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from kvsched.cluster.link import ClusterLink
-    from kvsched.cluster.takeover import Takeover
     from kvsched.server.config import ServerConfig
     from kvsched.server.registry import InstanceRegistry
     from kvsched.server.request_table import RequestTable, Tracked
@@ -60,6 +59,10 @@ log = logging.getLogger("kvsched.cluster")
 
 ABORT_SUBJECT = "kvsched.abort"
 NATS_TIMEOUT_S = 2.0
+
+
+class _Stoppable(Protocol):
+    async def stop(self) -> None: ...
 
 
 class ClusterNode:
@@ -94,7 +97,8 @@ class ClusterNode:
             self._cluster_principal = "\0no cluster token"  # nobody may act as a peer
         self._subs: list[Any] = []
         self._task: asyncio.Task[None] | None = None
-        self.takeover: Takeover | None = None  # set by the daemon (it knows the journal)
+        # takeover.Takeover, set by the daemon (it knows the journal); stopped with the node
+        self.takeover: _Stoppable | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
