@@ -11,6 +11,14 @@ Resume with the tokens it holds, retrying with a short backoff for `retry_for_s`
 broke before `queued` may or may not have been accepted: Resume answers that (NotFound: it
 was not, so it is submitted again). Any other error is raised. Use a client whose channel
 retries connections quickly (`RESUMABLE_CHANNEL_OPTIONS`).
+
+In a cluster, give it one client per daemon (`resumable([c_a, c_b, c_c], prompt, ...)`): it
+submits through the first and, at each break, retries through the next. Any daemon serves a
+Resume: one that does not own the request relays it to the daemon that does (the journal names
+it; after a daemon's death, the daemon that adopted its requests), so the helper needs no
+owner lookup. Pass `detachable=True` there: a request the daemon you talk to forwarded to a
+peer's instance then keeps running on that peer when your daemon dies, instead of being
+aborted as a dropped stream.
 """
 
 from __future__ import annotations
@@ -39,13 +47,17 @@ class ResumableStream:
 
     def __init__(
         self,
-        client: AsyncClient,
+        client: AsyncClient | Sequence[AsyncClient],
         prompt: Sequence[int],
         options: RequestOptions,
         retry_for_s: float,
         backoff_s: float,
     ) -> None:
-        self.client = client
+        self.clients = [client] if isinstance(client, AsyncClient) else list(client)
+        if not self.clients:
+            raise ValueError("resumable needs at least one client")
+        self.client = self.clients[0]
+        self.instance = ""  # the instance the request was first placed on (its `queued`)
         self.prompt = list(prompt)
         self.options: RequestOptions = dict(options)  # type: ignore[assignment]
         self.request_id: str = self.options.get("request_id") or uuid.uuid4().hex
@@ -69,7 +81,9 @@ class ResumableStream:
             except NotFound:
                 if queued:
                     raise  # accepted, and now unknown: lost (the journal is off or expired)
-        return await self.client.generate(self.prompt, **self.options), True
+        stream = await self.client.generate(self.prompt, **self.options)
+        self.instance = self.instance or stream.instance
+        return stream, True
 
     async def __aiter__(self) -> AsyncIterator[list[int]]:
         queued = False
@@ -94,6 +108,10 @@ class ResumableStream:
                 if not waiting_first:
                     self.broken_at.append(now)
                     waiting_first = True
+                # The next daemon (one client: the same one again).
+                self.client = self.clients[
+                    (self.clients.index(self.client) + 1) % len(self.clients)
+                ]
                 await asyncio.sleep(self.backoff_s)
 
     async def read_all(self) -> list[int]:
@@ -103,7 +121,7 @@ class ResumableStream:
 
 
 def resumable(
-    client: AsyncClient,
+    client: AsyncClient | Sequence[AsyncClient],
     prompt: Sequence[int],
     *,
     retry_for_s: float = 60.0,

@@ -35,6 +35,8 @@ from kvsched.v1 import request_service_pb2 as rpb
 from kvsched.v1 import request_service_pb2_grpc
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+
     from kvsched.cluster.routing import RemoteInstance
     from kvsched.server.request_table import RequestTable, Tracked
 
@@ -43,6 +45,7 @@ log = logging.getLogger("kvsched.cluster")
 FORWARDED_BY = "x-kvsched-forwarded-by"
 FORWARD_INSTANCE = "x-kvsched-instance"
 FORWARD_OWNER = "x-kvsched-owner"
+RELAYED = "x-kvsched-relayed"  # a Resume relayed to the request's owner: never relayed again
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.UNKNOWN,
@@ -59,6 +62,11 @@ class Forwarder:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.num_relayed_tokens = 0
         self.num_requeued = 0
+        self.num_reattached = 0
+        # Live peers' addresses (set by the cluster node): where a request whose peer died is
+        # followed to its new owner, for up to `reattach_s` (None: recompute it here at once).
+        self.peers: Callable[[], list[str]] | None = None
+        self.reattach_s = 20.0
 
     def _stub(self, address: str) -> request_service_pb2_grpc.RequestServiceStub:
         ch = self._channels.get(address)
@@ -103,32 +111,18 @@ class Forwarder:
         call = self._stub(remote.address).Generate(msg, metadata=md, timeout=deadline_s)
         try:
             async for out in call:
-                kind = out.WhichOneof("kind")
-                if kind == "tokens":
-                    toks = list(out.tokens.token_ids)
-                    if not toks:
-                        continue
-                    if req.first_token_time < 0:
-                        req.first_token_time = time.monotonic()
-                    req.output_token_ids.extend(toks)
-                    self.num_relayed_tokens += len(toks)
-                    tr.sink.add_tokens([tr], [len(toks)], toks)
-                elif kind == "finished":
-                    self._finish(tr, out.finished)
+                if self._take(tr, out):
                     return
-                elif kind == "queued" and req.first_scheduled_time < 0:
-                    req.first_scheduled_time = time.monotonic()
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                details="peer ended the stream without Finished",
-            )
+            raise _ended()
         except grpc.aio.AioRpcError as exc:
             if tr.finished:
                 return
             why = f"forwarded to daemon {remote.daemon_id}: {exc.code().name}: {exc.details()}"
+            if exc.code() in _RETRYABLE and await self._reattach(tr, why):
+                return
             tr.forward = None
+            if tr.finished:
+                return
             if exc.code() in _RETRYABLE:
                 self.num_requeued += 1
                 log.warning("%s; recomputing request %s here", why, req.req_id)
@@ -137,6 +131,69 @@ class Forwarder:
                 self.requests.abort_tracked(tr, why)
         finally:
             call.cancel()
+
+    def _take(
+        self, tr: Tracked, out: rpb.GenerateResponse | rpb.RequestServiceResumeResponse
+    ) -> bool:
+        """One output of the peer's stream into the local request; True at its Finished."""
+        req = tr.req
+        kind = out.WhichOneof("kind")
+        if kind == "tokens":
+            toks = list(out.tokens.token_ids)
+            if toks:
+                if req.first_token_time < 0:
+                    req.first_token_time = time.monotonic()
+                req.output_token_ids.extend(toks)
+                self.num_relayed_tokens += len(toks)
+                tr.sink.add_tokens([tr], [len(toks)], toks)
+        elif kind == "finished":
+            self._finish(tr, out.finished)
+            return True
+        elif kind == "queued" and req.first_scheduled_time < 0:
+            req.first_scheduled_time = time.monotonic()
+        return False
+
+    async def _reattach(self, tr: Tracked, why: str) -> bool:
+        """The peer running `tr` went away: follow the request to wherever its journal says it
+        lives now (its daemon restarted, or a peer adopted it) with a Resume through any live
+        peer (which relays it to the owner), carrying the tokens already relayed. True when
+        the request ended that way (finished or aborted); False: not journaled anywhere (or
+        nobody took it within `reattach_s`), the caller recomputes it here."""
+        if self.peers is None:
+            return False
+        req = tr.req
+        give_up = time.monotonic() + self.reattach_s
+        log.info("%s; following request %s to its new owner", why, req.req_id)
+        tries = 0
+        while time.monotonic() < give_up and not tr.finished:
+            peers = self.peers()
+            if peers:
+                address = peers[tries % len(peers)]
+                tries += 1
+                msg = rpb.RequestServiceResumeRequest(
+                    request_id=req.req_id, token_ids=req.output_token_ids
+                )
+                md = [(FORWARDED_BY, self.daemon_id), (FORWARD_OWNER, tr.owner), *self._auth()]
+                call = self._stub(address).Resume(msg, metadata=md)
+                try:
+                    async for out in call:
+                        if self._take(tr, out):
+                            self.num_reattached += 1
+                            return True
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.NOT_FOUND:
+                        return False  # its owner never journaled it: recompute here
+                    if exc.code() not in _RETRYABLE:
+                        tr.forward = None
+                        self.requests.abort_tracked(tr, f"{why}; resuming: {exc.details()}")
+                        return True
+                finally:
+                    call.cancel()
+            await asyncio.sleep(0.2)
+        return tr.finished
+
+    def _auth(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")] if self.token else []
 
     def _finish(self, tr: Tracked, fin: rpb.Finished) -> None:
         req = tr.req
@@ -153,11 +210,34 @@ class Forwarder:
         tr.forward = None
         self.requests.on_finished(tr.engine, req)
 
+    async def resume(
+        self, address: str, msg: rpb.RequestServiceResumeRequest, owner: str
+    ) -> AsyncIterator[rpb.RequestServiceResumeResponse]:
+        """A client's Resume relayed to the daemon at `address` (the request's owner), as the
+        client's principal (`x-kvsched-owner`, honoured from a cluster-token caller). Its
+        errors reach the caller as `grpc.aio.AioRpcError`."""
+        md = [(FORWARDED_BY, self.daemon_id), (FORWARD_OWNER, owner), (RELAYED, "1")]
+        call = self._stub(address).Resume(msg, metadata=md + self._auth())
+        try:
+            async for out in call:
+                yield out
+        finally:
+            call.cancel()
+
     async def close(self) -> None:
         for ch in self._channels.values():
             with contextlib.suppress(Exception):
                 await ch.close()
         self._channels.clear()
+
+
+def _ended() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details="peer ended the stream without Finished",
+    )
 
 
 def relay_owner(carrier: dict[str, str], caller: str, cluster_principal: str | None) -> str | None:

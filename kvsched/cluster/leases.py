@@ -5,7 +5,7 @@ the owning daemon's id (UTF-8). Entries never expire: a lease is created with `c
 the key exists) and moved with `update(last=revision)` (fails if anyone changed it since that
 revision), so two daemons racing for one instance cannot both win: exactly one owner at a time.
 A daemon that leaves gracefully deletes its leases (also by revision). A dead daemon's leases
-stay until a live daemon takes them with `try_take` (the takeover, issue 16, does that when
+stay until a live daemon takes them with `try_take` (`takeover.py` does that when
 `Membership` reports the owner expired; a worker's Hello does it for its own instance).
 
 Public API:

@@ -7,7 +7,7 @@ each instance the daemon drives to its load summary (`running`, `waiting`, `queu
 refreshing it; a daemon rewrites its entry every `ttl_s / 4`, and marks it `"leaving": true`
 when it stops (a graceful departure; the TTL removes it later).
 
-Public API (the request journal's takeover, issue 16, builds on this):
+Public API (`takeover.py` follows the departures):
 
     m = Membership(link, address="10.0.0.5:50051", ttl_s=6.0, load=callable_returning_dict)
     await m.start()                   # first entry written, refresh + poll loop running

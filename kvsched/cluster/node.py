@@ -8,12 +8,11 @@
                        answer a Redirect to its owner
     stop:              release this daemon's leases, mark its membership entry `leaving`
 
-For the failover takeover (issue 16): `daemon.cluster_node.membership.departures()` yields the
-daemons whose entry expired (`Departure.graceful` False) with their last entry (`last.instances`);
-`cluster_node.leases.try_take(instance_id, from_daemon=dead_id)` moves each lease by CAS (True
-for exactly one daemon). The dead daemon's workers find the new owner on their own: they try
-their next daemon address, and a Hello for an instance leased to a live peer is redirected
-there (one whose lessee is dead is taken by the daemon reached, with the same CAS).
+Failover (`takeover.py`, started by the daemon as `node.takeover`): a daemon whose membership
+entry expired has its instances' leases moved by CAS and its unfinished requests adopted from
+the journal. The dead daemon's workers find the new owner on their own: they try their next
+daemon address, and a Hello for an instance leased to a live peer is redirected there (one
+whose lessee is dead is taken by the daemon reached, with the same CAS).
 
 While NATS is unreachable the node degrades: requests are routed among this daemon's own
 instances, workers are admitted locally, and nothing accepted waits on NATS. It heals when the
@@ -28,9 +27,15 @@ import hashlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvsched.cluster.forward import FORWARD_INSTANCE, FORWARDED_BY, Forwarder, relay_owner
+from kvsched.cluster.forward import (
+    FORWARD_INSTANCE,
+    FORWARDED_BY,
+    RELAYED,
+    Forwarder,
+    relay_owner,
+)
 from kvsched.cluster.kv_stream import KvStream, load_of
 from kvsched.cluster.leases import Leases
 from kvsched.cluster.membership import Member, Membership
@@ -42,6 +47,8 @@ from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import worker_service_pb2 as wpb
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from kvsched.cluster.link import ClusterLink
     from kvsched.server.config import ServerConfig
     from kvsched.server.registry import InstanceRegistry
@@ -52,6 +59,10 @@ log = logging.getLogger("kvsched.cluster")
 
 ABORT_SUBJECT = "kvsched.abort"
 NATS_TIMEOUT_S = 2.0
+
+
+class _Stoppable(Protocol):
+    async def stop(self) -> None: ...
 
 
 class ClusterNode:
@@ -78,12 +89,16 @@ class ClusterNode:
             self.daemon_id, registry, self.stream.index, self._addresses, self._owners
         )
         self.forwarder = Forwarder(self.daemon_id, requests, config.cluster_token)
+        self.forwarder.peers = self._peer_addresses
+        self.forwarder.reattach_s = max(20.0, 4 * config.member_ttl_s)
         token = config.cluster_token
         self._cluster_principal = principal_of(token) if config.auth_file and token else None
         if config.auth_file and not token:
             self._cluster_principal = "\0no cluster token"  # nobody may act as a peer
         self._subs: list[Any] = []
         self._task: asyncio.Task[None] | None = None
+        # takeover.Takeover, set by the daemon (it knows the journal); stopped with the node
+        self.takeover: _Stoppable | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -103,6 +118,8 @@ class ClusterNode:
     async def stop(self) -> None:
         self.requests.cluster = None
         self.registry.worker_gate = None
+        if self.takeover is not None:
+            await self.takeover.stop()
         if self._task is not None:
             self._task.cancel()
         for sub in self._subs:
@@ -127,6 +144,9 @@ class ClusterNode:
     def _summary(self) -> tuple[list[str], dict[str, dict[str, float]]]:
         scheds = self._schedulers()
         return sorted(scheds), {iid: load_of(s) for iid, s in scheds.items()}
+
+    def _peer_addresses(self) -> list[str]:
+        return [a for d, a in sorted(self._addresses.items()) if d != self.daemon_id]
 
     def _refresh_views(self) -> None:
         """The router reads these dicts: live daemons' addresses and instance owners."""
@@ -231,6 +251,35 @@ class ClusterNode:
         deadline_s: float | None,
     ) -> None:
         self.forwarder.start(tr, msg, remote, carrier, deadline_s)
+
+    async def resume_at(
+        self,
+        daemon_id: str,
+        msg: rpb.RequestServiceResumeRequest,
+        owner: str,
+        carrier: dict[str, str],
+    ) -> AsyncIterator[rpb.RequestServiceResumeResponse]:
+        """Relay a Resume to the live daemon that owns the request (its journal record names
+        it); Unavailable while that daemon is dead and nobody has adopted its requests yet,
+        or when this call is itself a relay (never relayed twice)."""
+        member = None
+        if carrier.get(FORWARDED_BY) == daemon_id:
+            pass  # the owner's own forwarder, following it: the owner adopted it (it continues)
+        elif daemon_id != self.daemon_id and RELAYED not in carrier and self.connected:
+            member = await asyncio.wait_for(self._live_member(daemon_id), NATS_TIMEOUT_S)
+        if member is None:
+            raise Unavailable(
+                f"request {msg.request_id!r} belongs to daemon {daemon_id!r}, which is not "
+                f"running; a live daemon adopts its requests within about "
+                f"{1.5 * self.config.member_ttl_s:g} s (or it restarts): retry"
+            )
+        async for out in self.forwarder.resume(member.address, msg, owner):
+            yield out
+
+    def caller_of(self, carrier: dict[str, str], caller: str) -> str:
+        """The principal a call acts for: the original client's when a peer relayed it."""
+        relayed = relay_owner(carrier, caller, self._cluster_principal)
+        return caller if relayed is None else relayed
 
     async def abort_elsewhere(self, request_id: str, owner: str | None) -> bool:
         """Ask every daemon to abort `request_id` (True: one of them tracked it)."""

@@ -42,6 +42,9 @@ class RemoteInstance:
     def wake(self) -> None:
         pass
 
+    def sinks_changed(self) -> None:  # a Resume took its outputs: the forwarder hands them on
+        pass
+
 
 class ClusterRouter:
     def __init__(

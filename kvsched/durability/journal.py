@@ -36,6 +36,8 @@ from kvsched.core import Request, Unavailable
 from kvsched.durability import records as R
 from kvsched.v1 import journal_pb2, request_service_pb2
 
+ADOPTED_BY = "Kvsched-Adopted-By"  # header of a takeover's tombstone: the adopting daemon
+
 log = logging.getLogger("kvsched.journal")
 
 PURGE: dict[str, str] = {}  # an outbox entry with these headers purges its subject
@@ -285,7 +287,11 @@ class Journal:
             rec.daemon_id = self.daemon_id
             mine = R.req_subject(self.daemon_id, rid)
             await self.js.publish(mine, rec.SerializeToString(), timeout=self.timeout_s)
-            cas = {**R.TOMBSTONE_HEADERS, "Nats-Expected-Last-Subject-Sequence": str(u.seq)}
+            cas = {
+                **R.TOMBSTONE_HEADERS,
+                "Nats-Expected-Last-Subject-Sequence": str(u.seq),
+                ADOPTED_BY: self.daemon_id,
+            }
             try:
                 await self.js.publish(
                     R.req_subject(dead_id, rid), b"", timeout=self.timeout_s, headers=cas
@@ -294,6 +300,14 @@ class Journal:
                 log.info("takeover of %s from %s not won: %s", rid, dead_id, exc)
                 self._emit(mine, b"", R.TOMBSTONE_HEADERS)
                 continue
+            # Stored again, now after the tombstone: a lookup of the request's last record
+            # on any daemon (`lookup`) finds this one, not the tombstone, while that lives.
+            try:
+                await self.js.publish(
+                    mine, rec.SerializeToString(), timeout=self.timeout_s, headers=R.ROLLUP
+                )
+            except Exception as exc:  # won all the same: lookups see it once the tombstone ages
+                log.warning("takeover of %s: second record not stored: %s", rid, exc)
             won.append(u)
         if won:
             self._emit(R.tok_subject(dead_id), b"", PURGE)  # its deltas now live in ours
@@ -316,4 +330,16 @@ class Journal:
                 ) from None
             if msg.data:
                 return R.parse_record(msg.data)
+            adopter = (msg.headers or {}).get(ADOPTED_BY)
+            if adopter:  # a takeover's tombstone, newer than the adopter's record: read that
+                try:
+                    got = await self.js.get_last_msg(R.STREAM, R.req_subject(adopter, req_id))
+                except NotFoundError:
+                    continue
+                except Exception as exc:
+                    raise Unavailable(
+                        f"the request journal cannot be read now ({exc}); retry"
+                    ) from None
+                if got.data:
+                    return R.parse_record(got.data)
         return None

@@ -106,6 +106,12 @@ class Daemon:
         log.info("joined cluster %s as daemon %s", config.cluster, daemon_id)
         if config.journal:
             await self.open_journal(self.cluster_link)
+        from kvsched.cluster.takeover import Takeover
+
+        # A peer whose membership expires: its instances and unfinished requests come here
+        # when this daemon wins their leases (without a journal: the instances only).
+        self.cluster_node.takeover = Takeover(self.cluster_node, self.durable.recover)
+        self.cluster_node.takeover.start()
 
     async def open_journal(self, link: ClusterLink) -> None:
         """Open the journal, park this daemon's unfinished requests from it (placed when

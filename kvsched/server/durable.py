@@ -44,6 +44,15 @@ class Done:
     tokens: list[int]
 
 
+class OwnedElsewhere(Unavailable):
+    """Resume of a request whose unfinished journal record names another daemon (a cluster
+    relays the Resume there; alone, the client sees UNAVAILABLE with this message)."""
+
+    def __init__(self, message: str, daemon_id: str) -> None:
+        super().__init__(message)
+        self.daemon_id = daemon_id
+
+
 class ParkedSink:
     """The sink of a recovered request until its client resumes: outputs stay in the request."""
 
@@ -129,6 +138,10 @@ class Durability:
         found = await (self.journal.adopt(dead_id) if dead_id else self.journal.recover())
         for u in found:
             rec = u.record
+            mine = table.tracked.get(rec.request_id)
+            if mine is not None:  # accepted here, forwarded to the dead daemon's instance
+                self._continue_here(mine, dead_id)
+                continue
             req = codec.request_from_proto(
                 rec.request, rec.request_id, now, table.config.default_max_tokens
             )
@@ -150,6 +163,25 @@ class Durability:
             whose = f"daemon {dead_id}'s" if dead_id else "the"
             log.info("recovered %d unfinished request(s) from %s journal", len(found), whose)
         return len(found)
+
+    def _continue_here(self, tr: Tracked, dead_id: str) -> None:
+        """A request this daemon accepted and forwarded to `dead_id`'s instance, whose record
+        this daemon just adopted: its client still streams from here, so it is recomputed
+        here (prompt + the tokens relayed so far), journaled under this daemon from now on."""
+        if tr.finished:
+            return
+        tr.durable, tr.journaled = 2, 0
+        if tr.forward is None:
+            return  # its forwarder already recomputes it here: journaled here from now on
+        task, tr.forward = tr.forward, None
+        if task is not None:
+            task.cancel()  # the forwarder's attempt to follow it elsewhere
+        self.num_recovered += 1
+        req = tr.req
+        if len(req.output_token_ids) >= req.sampling.max_tokens:
+            self.table._fail(tr, "", FinishReason.LENGTH)
+            return
+        self.table.requeue_lost(req, f"its instance's daemon {dead_id} died; adopted here")
 
     async def resume(
         self, pb: request_service_pb2.RequestServiceResumeRequest, owner: str, sink: Sink
@@ -196,9 +228,9 @@ class Durability:
         if rec.principal and rec.principal != owner:
             raise PermissionDenied(f"request {rid!r} was submitted with other credentials")
         if rec.kind != journal_pb2.JournalRecord.KIND_FINISHED:
-            raise Unavailable(
-                f"request {rid!r} belongs to daemon {rec.daemon_id!r}, which is not running; "
-                "resume it there once it restarts"
+            raise OwnedElsewhere(
+                f"request {rid!r} belongs to daemon {rec.daemon_id!r}; resume it there",
+                rec.daemon_id,
             )
         out = finished_tokens(rec)
         if have > len(out):

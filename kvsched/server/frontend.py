@@ -20,7 +20,7 @@ import numpy as np
 from kvsched import codec
 from kvsched.core import KvschedError, RequestNotFound
 from kvsched.server.auth import current_principal
-from kvsched.server.durable import Durability
+from kvsched.server.durable import Durability, OwnedElsewhere
 from kvsched.server.errors import status_for
 from kvsched.server.request_table import Tracked
 from kvsched.v1 import request_service_pb2 as pb
@@ -156,7 +156,19 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         self, request: pb.RequestServiceResumeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.RequestServiceResumeResponse]:
         sink = StreamSink()
-        got = await self.durable.resume(request, principal(context), sink)
+        carrier, node = metadata(context), self.requests.cluster
+        owner = principal(context) if node is None else node.caller_of(carrier, principal(context))
+        try:
+            got = await self.durable.resume(request, owner, sink)
+        except OwnedElsewhere as exc:
+            if node is None:
+                raise
+            try:  # another daemon owns it: relay its stream (see ClusterNode.resume_at)
+                async for out in node.resume_at(exc.daemon_id, request, owner, carrier):
+                    yield out
+            except grpc.aio.AioRpcError as err:
+                await context.abort(err.code(), err.details() or "")
+            return
         if isinstance(got, Tracked):
             async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse):
                 yield msg

@@ -88,7 +88,11 @@ class RequestServiceStub:
     Errors: NOT_FOUND (no such request, or finished longer ago than the journal keeps it),
     PERMISSION_DENIED (submitted with other credentials), INVALID_ARGUMENT (the client claims
     more tokens than a finished request produced, or token_ids disagree with the recorded
-    ones), UNAVAILABLE (the daemon is recovering its journal: retry).
+    ones), UNAVAILABLE (the daemon is recovering its journal, or the request's daemon died and
+    no live daemon has adopted its requests yet: retry).
+    5. In a cluster any daemon answers: one that does not hold the request relays the Resume to
+    the daemon its journal record names (after a daemon's death, the one that adopted it),
+    as the same caller, and streams that daemon's answer (errors included) back.
     """
 
     def __init__(self, channel):
@@ -182,7 +186,11 @@ class RequestServiceServicer:
     Errors: NOT_FOUND (no such request, or finished longer ago than the journal keeps it),
     PERMISSION_DENIED (submitted with other credentials), INVALID_ARGUMENT (the client claims
     more tokens than a finished request produced, or token_ids disagree with the recorded
-    ones), UNAVAILABLE (the daemon is recovering its journal: retry).
+    ones), UNAVAILABLE (the daemon is recovering its journal, or the request's daemon died and
+    no live daemon has adopted its requests yet: retry).
+    5. In a cluster any daemon answers: one that does not hold the request relays the Resume to
+    the daemon its journal record names (after a daemon's death, the one that adopted it),
+    as the same caller, and streams that daemon's answer (errors included) back.
     """
 
     def Generate(self, request, context):
@@ -307,7 +315,11 @@ class RequestService:
     Errors: NOT_FOUND (no such request, or finished longer ago than the journal keeps it),
     PERMISSION_DENIED (submitted with other credentials), INVALID_ARGUMENT (the client claims
     more tokens than a finished request produced, or token_ids disagree with the recorded
-    ones), UNAVAILABLE (the daemon is recovering its journal: retry).
+    ones), UNAVAILABLE (the daemon is recovering its journal, or the request's daemon died and
+    no live daemon has adopted its requests yet: retry).
+    5. In a cluster any daemon answers: one that does not hold the request relays the Resume to
+    the daemon its journal record names (after a daemon's death, the one that adopted it),
+    as the same caller, and streams that daemon's answer (errors included) back.
     """
 
     @staticmethod

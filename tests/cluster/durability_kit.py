@@ -28,17 +28,20 @@ class Daemon:
     """`kvsched serve --cluster URL --daemon-id ID` on a fixed loopback port: kill -9 and
     restart keep its address, as an operator's restart would."""
 
-    def __init__(self, nats_url: str, daemon_id: str = "d1", *extra: str) -> None:
+    def __init__(
+        self, nats_url: str, daemon_id: str = "d1", *extra: str, env: dict[str, str] | None = None
+    ) -> None:
         self.nats_url = nats_url
         self.daemon_id = daemon_id
         self.extra = extra
+        self.env = env or {}
         self.address = f"127.0.0.1:{free_port()}"
         self.proc: Proc | None = None
 
     def start(self) -> Daemon:
         args = ["serve", "--listen", self.address, "--metrics-listen", "off"]
         args += ["--cluster", self.nats_url, "--daemon-id", self.daemon_id, *self.extra]
-        env = {"KVSCHED_JOURNAL_FLUSH_MS": "50", "KVSCHED_GRACE_PERIOD_S": "1"}
+        env = {"KVSCHED_JOURNAL_FLUSH_MS": "50", "KVSCHED_GRACE_PERIOD_S": "1", **self.env}
         self.proc = Proc(args, env, f"daemon-{self.daemon_id}")
         self.proc.wait_for(r"kvsched listening on", timeout=60)
         return self
