@@ -96,6 +96,8 @@ class Placement:
     last_token_id: int  # the token decoding starts from when num_cached == num_prefill (else -1)
     sampling: SamplingParams
     lora_name: str = ""
+    # The request's multimodal items (their chunks read the items' encoder outputs).
+    mm_ranges: list[MultimodalRange] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -141,6 +141,7 @@ class Placements:
                 last_token_id=last,
                 sampling=req.sampling,
                 lora_name=req.lora_name,
+                mm_ranges=list(req.mm_ranges),
             )
         )
         if req.kv_target is not None:
