@@ -164,3 +164,20 @@ def test_many_requests_sharing_few_items_all_finish() -> None:
     assert not s.requests
     assert all(r.is_finished for r in reqs)
     assert s.enc is not None and s.enc.stats.hits > 0 and s.enc.stats.evictions > 0
+
+
+def test_a_miss_never_evicts_an_item_the_same_chunk_reads() -> None:
+    """ "b" is the least recently used item, but the chunk that misses "a" also reads "b": the
+    room comes from "c" instead."""
+    s = make_scheduler(encoder_cache_size=100)
+    s.add_request(make_request(80, max_tokens=1, mm_ranges=[mm(10, 60, "b")]))
+    finish_prefill(s)
+    s.add_request(make_request(80, max_tokens=1, mm_ranges=[mm(10, 30, "c")]))
+    finish_prefill(s)
+    r = make_request(140, max_tokens=1, mm_ranges=[mm(10, 40, "a"), mm(60, 60, "b")])
+    s.add_request(r)
+    t, _ = step(s)
+    assert chunks(t) == [(0, 140)]
+    assert t.encoder_drops == ["c"]
+    assert s.enc is not None and set(s.enc.items) == {"a", "b"}
+    assert (s.enc.stats.hits, s.enc.stats.misses) == (1, 3)

@@ -278,7 +278,8 @@ class Admission(Preemption, Deadlines):
         sc = self.config.scheduler
         enc = self.enc
         end = start + n
-        missed: dict[str, int] = {}
+        missed: dict[str, int] = {}  # the chunk's misses so far and their sizes
+        touched: set[str] = set()  # every item the chunk reads: none is evicted for it
         for r in req.mm_ranges:
             r_end = r.offset + r.length
             if r_end <= start or r.offset >= end:
@@ -289,17 +290,17 @@ class Admission(Preemption, Deadlines):
             if enc is not None:
                 h = r.content_hash
                 if h in enc or h in missed:
+                    touched.add(h)
                     continue
                 full = sc.max_num_encoder_tokens
                 if enc_left >= 0 and r.length > enc_left and not (enc_left == full and not missed):
                     end = max(r.offset, start)
                     break
-                if not enc.can_fit(
-                    sum(missed.values()) + r.length, self._enc_needed, missed.keys()
-                ):
+                if not enc.can_fit(sum(missed.values()) + r.length, self._enc_needed, touched):
                     end = max(r.offset, start)
                     break
                 missed[h] = r.length
+                touched.add(h)
                 enc_left -= r.length if enc_left >= 0 else 0
                 continue
             used = min(r_end, end) - max(r.offset, start)
@@ -311,12 +312,14 @@ class Admission(Preemption, Deadlines):
 
     def _use_encoder_budget(self, req: Request, start: int, end: int, budget: StepBudget) -> None:
         enc = self.enc
-        if enc is not None:  # the items the chunk touches: misses pay, hits are free
-            for r in req.mm_ranges:
-                if r.offset < end and r.offset + r.length > start:
-                    miss = enc.use(req, r.content_hash, r.length, self._enc_needed)
-                    if miss and budget.encoder >= 0:  # (a lone larger item leaves 0)
-                        budget.encoder = max(0, budget.encoder - r.length)
+        if enc is not None:  # the items the chunk reads: misses pay, hits are free
+            ranges = [r for r in req.mm_ranges if r.offset < end and r.offset + r.length > start]
+            # Hits first: once this request uses them, no miss below evicts them (as sized).
+            ranges.sort(key=lambda r: r.content_hash not in enc)
+            for r in ranges:
+                miss = enc.use(req, r.content_hash, r.length, self._enc_needed)
+                if miss and budget.encoder >= 0:  # (a lone larger item leaves 0)
+                    budget.encoder = max(0, budget.encoder - r.length)
             return
         if budget.encoder < 0:
             return
