@@ -53,6 +53,13 @@ def _add_serve(sub: Any) -> None:
         "(engine.cache.host_write_policy; default write_back)",
     )
     p.add_argument(
+        "--encoder-cache-size",
+        type=int,
+        metavar="N",
+        help="multimodal encoder outputs a worker keeps, in embeddings, every instance "
+        "(engine.cache.encoder_cache_size; default 0: off)",
+    )
+    p.add_argument(
         "--itl-target-ms",
         type=float,
         metavar="MS",
@@ -244,6 +251,7 @@ def _serve(args: argparse.Namespace) -> int:
     }
     overrides["engine.scheduler.itl_target_ms"] = args.itl_target_ms
     overrides["engine.cache.host_write_policy"] = args.host_write_policy
+    overrides["engine.cache.encoder_cache_size"] = args.encoder_cache_size
     config = load_config(args.config, os.environ, overrides)
     setup_logging(config.log_level, config.log_json)
     from kvsched.server.app import run_server

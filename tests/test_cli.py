@@ -270,3 +270,19 @@ def test_serve_itl_target_flag_sets_every_instance_engine(
     assert config.engine.scheduler.itl_target_ms == 40.0
     assert config.engine.step_cost.forgetting == 0.9
     assert cli.main(["serve", "--itl-target-ms", "-1"]) == 2  # a ConfigError naming the field
+
+
+def test_serve_encoder_cache_flag_sets_every_instance_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[ServerConfig] = []
+
+    def run_server(config: ServerConfig) -> int:
+        seen.append(config)
+        return 0
+
+    fake_module(monkeypatch, "kvsched.server.app", run_server=run_server)
+    assert cli.main(["serve", "--listen", "127.0.0.1:0", "--encoder-cache-size", "8192"]) == 0
+    (config,) = seen
+    assert config.engine.cache.encoder_cache_size == 8192
+    assert cli.main(["serve", "--encoder-cache-size", "-1"]) == 2  # a ConfigError naming the field

@@ -33,6 +33,8 @@ import numpy as np
 from kvsched.codec.common import (
     FINISH_REASONS,
     MAX_FINISH_REASON,
+    mm_ranges_from_proto,
+    mm_ranges_to_proto,
     sampling_from_proto,
     sampling_to_proto,
 )
@@ -68,6 +70,7 @@ def placement_to_proto(p: core.Placement) -> worker_service_pb2.Placement:
         last_token_id=p.last_token_id,
         sampling=sampling_to_proto(p.sampling),
         lora_name=p.lora_name,
+        mm_ranges=mm_ranges_to_proto(p.mm_ranges) if p.mm_ranges else None,
     )
 
 
@@ -83,6 +86,7 @@ def placement_from_proto(pb: worker_service_pb2.Placement) -> core.Placement:
         last_token_id=pb.last_token_id,
         sampling=sampling_from_proto(pb.sampling),
         lora_name=pb.lora_name,
+        mm_ranges=mm_ranges_from_proto(pb.mm_ranges) if pb.mm_ranges else [],
     )
 
 
@@ -132,6 +136,8 @@ def _fill_tasks(pb: worker_service_pb2.Tasks, tasks: core.Tasks) -> None:
         pb.swap_ins.handles.extend(tasks.swap_in_handles)
         pb.swap_ins.host_block_ids.extend(tasks.swap_in_host)
         pb.swap_ins.gpu_block_ids.extend(tasks.swap_in_gpu)
+    if tasks.encoder_drops:
+        pb.encoder_drops.extend(tasks.encoder_drops)
     if tasks.kv_sends:
         sends = tasks.kv_sends
         pb.kv_sends.handles.extend([s.handle for s in sends])
@@ -153,6 +159,8 @@ def tasks_from_proto(msg: worker_service_pb2.Tasks) -> core.Tasks:
         tasks.aborts = msg.aborts[:]
     if msg.placements:
         tasks.placements = [placement_from_proto(p) for p in msg.placements]
+    if msg.encoder_drops:
+        tasks.encoder_drops = msg.encoder_drops[:]
     ext, chk, snd = msg.extensions, msg.chunks, msg.kv_sends
     outs, ins = msg.swap_outs, msg.swap_ins
     if outs.gpu_block_ids or outs.host_block_ids:

@@ -69,9 +69,13 @@ class CacheConfig:
     num_host_blocks: int = 0
     host_write_policy: WritePolicy = WritePolicy.WRITE_BACK
     host_write_hits: int = 1
+    # The worker's multimodal encoder cache (kvsched/core/encoder_cache.py), in embeddings
+    # (one per placeholder token); 0: off, every chunk touching an item pays its encoder budget.
+    encoder_cache_size: int = 0
 
     def validate(self) -> None:
         s = "cache"
+        _check_range(s, "encoder_cache_size", self.encoder_cache_size, 0, 1 << 31)
         _check_range(s, "num_host_blocks", self.num_host_blocks, 0, 1 << 31)
         _check_range(s, "host_write_hits", self.host_write_hits, 1, 1 << 20)
         try:

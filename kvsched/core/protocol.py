@@ -15,6 +15,8 @@ Order in which a worker applies one `Tasks` message, at a step boundary:
     0. swap-outs             copy GPU blocks to host blocks (before anything below, or any
                              later message, may overwrite those GPU blocks)
     1. preempts, aborts      drop those handles (their blocks may be reused below)
+    1b. encoder drops        forget those multimodal items' encoder outputs (no chunk of a
+                             handle still held needs them; kvsched/core/encoder_cache.py)
     2. placements            occupy a slot: block table, sampling, where decoding starts
     3. extensions            append block ids to a handle's table (resumes a paused slot)
     3b. swap-ins             copy host blocks into a handle's fresh GPU blocks (before any chunk
@@ -94,6 +96,8 @@ class Placement:
     last_token_id: int  # the token decoding starts from when num_cached == num_prefill (else -1)
     sampling: SamplingParams
     lora_name: str = ""
+    # The request's multimodal items (their chunks read the items' encoder outputs).
+    mm_ranges: list[MultimodalRange] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -144,10 +148,13 @@ class Tasks:
     swap_in_handles: list[int] = field(default_factory=list)
     swap_in_host: list[int] = field(default_factory=list)
     swap_in_gpu: list[int] = field(default_factory=list)
+    # Multimodal items (content hashes) whose encoder outputs the worker drops (step 1b).
+    encoder_drops: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (
-            self.swap_out_gpu
+            self.encoder_drops
+            or self.swap_out_gpu
             or self.swap_in_gpu
             or self.preempts
             or self.aborts

@@ -39,6 +39,11 @@ _FROM_SNAPSHOT = (
     "num_swap_outs",
     "num_swap_ins",
     "num_swap_failures",
+    "encoder_cache_size",
+    "encoder_cache_used",
+    "encoder_cache_hits",
+    "encoder_cache_misses",
+    "encoder_cache_evictions",
 )
 
 

@@ -76,6 +76,8 @@ _COUNTERS = (
     ("prefix_cache_host_hits", "Prefix cache hits swapped in from the host tier, in tokens."),
     ("kv_swap_out_blocks", "KV blocks copied GPU -> host tier."),
     ("kv_swap_in_blocks", "KV blocks copied host tier -> GPU."),
+    ("encoder_cache_hits", "Multimodal items whose encoder output the worker already held."),
+    ("encoder_cache_misses", "Multimodal items the worker had to encode."),
 )
 
 
@@ -90,6 +92,8 @@ def _sched_counts(sched: Any) -> tuple[int, ...]:
         snap.prefix_cache_host_hit_tokens,
         snap.num_swap_outs,
         snap.num_swap_ins,
+        snap.encoder_cache_hits,
+        snap.encoder_cache_misses,
     )
 
 

@@ -34,9 +34,11 @@ _BASE_HEADERS = (
     "preempt",
 )
 _HOST_HEADERS = ("host use", "host hit")
+_ENC_HEADERS = ("enc hit",)  # multimodal items found in the worker's encoder cache
 _COST_HEADERS = ("step ms pred/meas", "ITL target")
 _RIGHT = frozenset(
     {
+        "enc hit",
         "KV use",
         "free blocks",
         "waiting",
@@ -91,10 +93,20 @@ def _host(inst: admin_service_pb2.InstanceStatus) -> tuple[str, ...]:
     )
 
 
-def _row(inst: admin_service_pb2.InstanceStatus, host: bool, cost: bool) -> tuple[str, ...]:
+def _enc(inst: admin_service_pb2.InstanceStatus) -> tuple[str, ...]:
+    if inst.encoder_cache_size == 0:
+        return ("-",)
+    items = inst.encoder_cache_hits + inst.encoder_cache_misses
+    return (_percent(inst.encoder_cache_hits, items),)
+
+
+def _row(
+    inst: admin_service_pb2.InstanceStatus, host: bool, enc: bool, cost: bool
+) -> tuple[str, ...]:
     return (
         *_base(inst),
         *(_host(inst) if host else ()),
+        *(_enc(inst) if enc else ()),
         *((_step_ms(inst), _target(inst)) if cost else ()),
     )
 
@@ -172,8 +184,14 @@ def format_status(resp: admin_service_pb2.GetStatusResponse) -> str:
     in a cluster, the cluster's instances (owner, load) and daemons after it."""
     cost = any(i.itl_target_ms > 0 or i.step_measured_ewma_ms > 0 for i in resp.instances)
     host = any(i.num_host_blocks > 0 for i in resp.instances)
-    headers = _BASE_HEADERS + (_HOST_HEADERS if host else ()) + (_COST_HEADERS if cost else ())
-    lines = _table([headers, *(_row(inst, host, cost) for inst in resp.instances)])
+    enc = any(i.encoder_cache_size > 0 for i in resp.instances)
+    headers = (
+        _BASE_HEADERS
+        + (_HOST_HEADERS if host else ())
+        + (_ENC_HEADERS if enc else ())
+        + (_COST_HEADERS if cost else ())
+    )
+    lines = _table([headers, *(_row(inst, host, enc, cost) for inst in resp.instances)])
     if not resp.instances:
         lines.append("(no instances: no worker has connected)")
     lines.append(_daemon_line(resp))

@@ -499,6 +499,7 @@ class Tasks(_message.Message):
     REPORT_STEP_FIELD_NUMBER: _builtins.int
     SWAP_OUTS_FIELD_NUMBER: _builtins.int
     SWAP_INS_FIELD_NUMBER: _builtins.int
+    ENCODER_DROPS_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """1, 2, 3, ... on each stream (see step 3); the worker echoes the last one applied as
     StepReport.applied_seq.
@@ -537,6 +538,14 @@ class Tasks(_message.Message):
     def swap_ins(self) -> Global___Tasks.SwapIns:
         """Run after extensions, before chunks (see step 4)."""
 
+    @_builtins.property
+    def encoder_drops(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Multimodal items (MultimodalRange.content_hash) whose encoder outputs the worker drops,
+        after this message's preempts and aborts (see step 4). The daemon tracks the worker's
+        encoder cache (its engine.cache.encoder_cache_size embeddings) and never names an item a
+        queued chunk of a handle still held reads.
+        """
+
     def __init__(
         self,
         *,
@@ -551,10 +560,11 @@ class Tasks(_message.Message):
         report_step: _builtins.int = ...,
         swap_outs: Global___Tasks.SwapOuts | None = ...,
         swap_ins: Global___Tasks.SwapIns | None = ...,
+        encoder_drops: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborts", b"aborts", "chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends", "placements", b"placements", "preempts", b"preempts", "report_step", b"report_step", "reset_prefix_cache", b"reset_prefix_cache", "seq", b"seq", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborts", b"aborts", "chunks", b"chunks", "encoder_drops", b"encoder_drops", "extensions", b"extensions", "kv_sends", b"kv_sends", "placements", b"placements", "preempts", b"preempts", "report_step", b"report_step", "reset_prefix_cache", b"reset_prefix_cache", "seq", b"seq", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -582,6 +592,7 @@ class Placement(_message.Message):
     LAST_TOKEN_ID_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     LORA_NAME_FIELD_NUMBER: _builtins.int
+    MM_RANGES_FIELD_NUMBER: _builtins.int
     handle: _builtins.int
     slot: _builtins.int
     request_id: _builtins.str
@@ -606,6 +617,13 @@ class Placement(_message.Message):
 
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams: ...
+    @_builtins.property
+    def mm_ranges(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MultimodalRange]:
+        """The request's multimodal items: a chunk covering positions of mm_ranges[i] reads that
+        item's encoder output (the worker encodes the whole item when a chunk first needs it and
+        keeps it until Tasks.encoder_drops or reset_prefix_cache names it). Empty: text only.
+        """
+
     def __init__(
         self,
         *,
@@ -619,10 +637,11 @@ class Placement(_message.Message):
         last_token_id: _builtins.int = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         lora_name: _builtins.str = ...,
+        mm_ranges: _abc.Iterable[_common_pb2.MultimodalRange] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "handle", b"handle", "last_token_id", b"last_token_id", "lora_name", b"lora_name", "num_cached_tokens", b"num_cached_tokens", "num_output_tokens", b"num_output_tokens", "num_prefill_tokens", b"num_prefill_tokens", "request_id", b"request_id", "sampling", b"sampling", "slot", b"slot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "handle", b"handle", "last_token_id", b"last_token_id", "lora_name", b"lora_name", "mm_ranges", b"mm_ranges", "num_cached_tokens", b"num_cached_tokens", "num_output_tokens", b"num_output_tokens", "num_prefill_tokens", b"num_prefill_tokens", "request_id", b"request_id", "sampling", b"sampling", "slot", b"slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

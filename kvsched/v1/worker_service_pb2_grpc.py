@@ -49,10 +49,13 @@ class WorkerServiceStub:
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
     each in this order: swap_outs (copy GPU blocks to host blocks now, before anything in
     this or a later message may overwrite those GPU blocks), preempts and aborts (drop those
-    handles; their blocks may be reused below), placements, extensions (resume a paused
-    handle), swap_ins (copy host blocks into a handle's fresh GPU blocks now, before any
-    chunk reads them), chunks (at most one per handle per step, in order), kv_sends,
-    reset_prefix_cache. Copies run when their message is applied: the next report's
+    handles; their blocks may be reused below), encoder_drops (forget those multimodal
+    items' encoder outputs: no queued chunk of a handle still held reads them), placements,
+    extensions (resume a paused handle), swap_ins (copy host blocks into a handle's fresh
+    GPU blocks now, before any chunk reads them), chunks (at most one per handle per step,
+    in order), kv_sends,
+    reset_prefix_cache (which also drops every encoder output: a queued chunk that reads an
+    item encodes it again). Copies run when their message is applied: the next report's
     applied_seq acknowledges them (step 6). A swap-out that failed is named by host block
     id in failed_swap_outs (the daemon never treats that host block as holding the data); a
     swap-in that failed is named by handle in failed_swap_ins and that handle runs nothing
@@ -152,10 +155,13 @@ class WorkerServiceServicer:
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
     each in this order: swap_outs (copy GPU blocks to host blocks now, before anything in
     this or a later message may overwrite those GPU blocks), preempts and aborts (drop those
-    handles; their blocks may be reused below), placements, extensions (resume a paused
-    handle), swap_ins (copy host blocks into a handle's fresh GPU blocks now, before any
-    chunk reads them), chunks (at most one per handle per step, in order), kv_sends,
-    reset_prefix_cache. Copies run when their message is applied: the next report's
+    handles; their blocks may be reused below), encoder_drops (forget those multimodal
+    items' encoder outputs: no queued chunk of a handle still held reads them), placements,
+    extensions (resume a paused handle), swap_ins (copy host blocks into a handle's fresh
+    GPU blocks now, before any chunk reads them), chunks (at most one per handle per step,
+    in order), kv_sends,
+    reset_prefix_cache (which also drops every encoder output: a queued chunk that reads an
+    item encodes it again). Copies run when their message is applied: the next report's
     applied_seq acknowledges them (step 6). A swap-out that failed is named by host block
     id in failed_swap_outs (the daemon never treats that host block as holding the data); a
     swap-in that failed is named by handle in failed_swap_ins and that handle runs nothing
@@ -265,10 +271,13 @@ class WorkerService:
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
     each in this order: swap_outs (copy GPU blocks to host blocks now, before anything in
     this or a later message may overwrite those GPU blocks), preempts and aborts (drop those
-    handles; their blocks may be reused below), placements, extensions (resume a paused
-    handle), swap_ins (copy host blocks into a handle's fresh GPU blocks now, before any
-    chunk reads them), chunks (at most one per handle per step, in order), kv_sends,
-    reset_prefix_cache. Copies run when their message is applied: the next report's
+    handles; their blocks may be reused below), encoder_drops (forget those multimodal
+    items' encoder outputs: no queued chunk of a handle still held reads them), placements,
+    extensions (resume a paused handle), swap_ins (copy host blocks into a handle's fresh
+    GPU blocks now, before any chunk reads them), chunks (at most one per handle per step,
+    in order), kv_sends,
+    reset_prefix_cache (which also drops every encoder output: a queued chunk that reads an
+    item encodes it again). Copies run when their message is applied: the next report's
     applied_seq acknowledges them (step 6). A swap-out that failed is named by host block
     id in failed_swap_outs (the daemon never treats that host block as holding the data); a
     swap-in that failed is named by handle in failed_swap_ins and that handle runs nothing

@@ -34,11 +34,13 @@ from kvsched.core.protocol import (
     Extension,
     FinishReason,
     KvSend,
+    MultimodalRange,
     Placement,
     SamplingParams,
     StepReport,
     Tasks,
 )
+from kvsched.worker_stub.encoder_drops import check_encoder_drops
 from kvsched.worker_stub.executor import ColumnarExecutor, Executor, SeqWork
 from kvsched.worker_stub.host_kv import HostCopies
 from kvsched.worker_stub.slots import IntArray, SlotTable
@@ -71,6 +73,7 @@ class _Slot:
     history: list[int] = field(default_factory=list)  # tokens seen here, for draft proposers
     chunks: dict[int, list[int]] = field(default_factory=dict)  # start -> token ids
     kv_send: KvSend | None = None
+    mm_ranges: list[MultimodalRange] = field(default_factory=list)
 
 
 class WorkerEngine:
@@ -169,6 +172,8 @@ class WorkerEngine:
             if handle in self._held:
                 self._free(handle)
             self._acked[handle] = None
+        if tasks.encoder_drops:
+            self._drop_encoder_items(tasks.encoder_drops)
         for placement in tasks.placements:
             self._place(placement)
         for extension in tasks.extensions:
@@ -179,7 +184,15 @@ class WorkerEngine:
             self._queue_chunk(chunk)
         for send in tasks.kv_sends:
             self._attach_send(send)
+        if tasks.reset_prefix_cache and (clear := getattr(self.executor, "clear_encoder", None)):
+            clear()  # queued chunks that read an item encode it again
         self.applied_seq = max(self.applied_seq, tasks.seq)
+
+    def _drop_encoder_items(self, hashes: list[str]) -> None:
+        held = [(s.handle, s.mm_ranges, s.chunks) for s in self._held.values() if s.mm_ranges]
+        check_encoder_drops(held, hashes)  # ProtocolError: a queued chunk still reads one
+        if (drop := getattr(self.executor, "drop_encoder_items", None)) is not None:
+            drop(hashes)
 
     def _swap_in(self, handles: list[int], host_ids: list[int], gpu_ids: list[int]) -> None:
         """A handle whose swap-in failed does not run: its chunks are dropped (and later ones
@@ -238,6 +251,7 @@ class WorkerEngine:
             num_prefill=p.num_prefill_tokens,
             sampling=p.sampling,
             history=[p.last_token_id] if decoding and self._draft is not None else [],
+            mm_ranges=p.mm_ranges,
         )
         t = self._table
         key = self.executor.request_key(p.req_id) if self._columnar else 0  # type: ignore[attr-defined]
@@ -378,7 +392,9 @@ class WorkerEngine:
         if not t.decoding[i]:
             tokens = s.chunks.pop(start)
             sample = start + len(tokens) == s.num_prefill
-            return SeqWork(s.handle, s.req_id, s.block_ids, start, tokens, sample, 0, s.sampling)
+            return SeqWork(
+                s.handle, s.req_id, s.block_ids, start, tokens, sample, 0, s.sampling, s.mm_ranges
+            )
         drafts = self._propose(s, start)
         tokens = [int(t.last_token[i]), *drafts]
         return SeqWork(

@@ -12,13 +12,13 @@ transformer whose K/V live in the paged cache). Positions of one `SeqWork`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.core.protocol import SamplingParams
+from kvsched.core.protocol import MultimodalRange, SamplingParams
 
 
 @dataclass(slots=True)
@@ -33,6 +33,8 @@ class SeqWork:
     sample: bool  # True when the step ends the prompt or decodes: sample after the last position
     num_draft: int  # trailing token_ids that are speculative draft guesses (verify greedily)
     sampling: SamplingParams
+    # The handle's multimodal items: positions in their ranges read the items' encoder outputs.
+    mm_ranges: list[MultimodalRange] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -13,6 +13,11 @@ With a host tier (Setup.num_host_blocks > 0) the shadow covers host blocks too: 
 the shadow GPU block, swap-ins copy it back, reset_prefix_cache wipes it, and some copies fail
 (Setup.copy_fail_every). Every host block in the prefix index must then hold the KV its hash
 names, every host pin is a copy in flight (check_integrity), and all are released at the end.
+
+With an encoder cache (Setup.encoder_cache_size > 0) most prompts start with an image-like
+item (its hash names its first token and length); the real WorkerEngine refuses any
+encoder_drops that names an item a queued chunk still reads, and the shadow worker's encoder
+cache must never hold more than the capacity.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from hypothesis.stateful import (
 from kvsched.core import (
     Events,
     FinishReason,
+    MultimodalRange,
     Request,
     RequestNotFound,
     SamplingParams,
@@ -85,6 +91,15 @@ class CheckedSim(SimExecutor):
         self._copies = 0
         self._ins = 0
         self.swap_owner: dict[int, int] = {}  # GPU block -> handle of its swap-in (its writer)
+        self.encoded: dict[str, int] = {}  # the worker's encoder outputs: item -> embeddings
+        self.encoder_peak = 0
+
+    def drop_encoder_items(self, hashes: list[str]) -> None:
+        for h in hashes:
+            self.encoded.pop(h, None)
+
+    def clear_encoder(self) -> None:
+        self.encoded.clear()
 
     def _maybe_fail(self, swap_in: bool = False) -> None:
         """Every fail_every-th copy batch fails (every second swap-in: they are rarer)."""
@@ -128,6 +143,11 @@ class CheckedSim(SimExecutor):
 
     def execute(self, work: list[SeqWork]) -> StepResult:
         writes: dict[tuple[int, int], int] = {}
+        for w in work:
+            for r in w.mm_ranges:  # a chunk reading an item: encoded unless held
+                if r.offset < w.start + len(w.token_ids) and r.offset + r.length > w.start:
+                    self.encoded[r.content_hash] = r.length
+        self.encoder_peak = max(self.encoder_peak, sum(self.encoded.values()))
         for w in work:
             rid, real = w.req_id, len(w.token_ids) - w.num_draft
             for i, token in enumerate(w.token_ids[:real]):
@@ -206,6 +226,8 @@ class Setup:
     num_host_blocks: int = 0
     write_policy: str = "write_through_selective"
     copy_fail_every: int | None = None
+    encoder_cache_size: int = 0
+    max_num_encoder_tokens: int = 0
 
 
 class Harness:
@@ -228,7 +250,10 @@ class Harness:
             prealloc_threshold=setup.prealloc_threshold,
             num_host_blocks=setup.num_host_blocks,
             host_write_policy=setup.write_policy,
+            encoder_cache_size=setup.encoder_cache_size,
+            max_num_encoder_tokens=setup.max_num_encoder_tokens,
         )
+        self.encoder_cache_size = setup.encoder_cache_size
         ticks = itertools.count(1)
         self.scheduler = Scheduler(config, clock=lambda: float(next(ticks)))
         self.prompts: dict[str, list[int]] = {}
@@ -264,11 +289,20 @@ class Harness:
             priority=priority,
             ttft_deadline_ms=float((n * 7) % 5 * 3),
             tenant=f"t{n % 3}",
+            mm_ranges=self._items(prompt),
         )
         self.scheduler.add_request(req)
         self.requests[req_id] = req
         self.prompts[req_id] = prompt
         self._unindexed[req_id] = req
+
+    def _items(self, prompt: list[int]) -> list[MultimodalRange]:
+        """With an encoder cache, an item over the prompt's first tokens (not when the last
+        token is a multiple of 3): the same first token and length, the same item."""
+        if not self.encoder_cache_size or prompt[-1] % 3 == 0:
+            return []
+        n = min(6, len(prompt), self.encoder_cache_size)
+        return [MultimodalRange(0, n, f"img{prompt[0]}x{n}")]
 
     def abort(self, req_id: str) -> None:
         self.scheduler.abort(req_id)
@@ -347,6 +381,8 @@ class Harness:
                 assert written, f"block {block} is a cached prefix before its owner wrote it"
                 want = self.sim.chain(req_id, i * BLOCK + j)
                 assert self.sim.kv.get(where) == want, f"block {block}: cached KV is not its hash"
+        if self.encoder_cache_size:
+            assert self.sim.encoder_peak <= self.encoder_cache_size, "worker encoder cache overfull"
         host = self.scheduler.kv.host
         for h, hb in host.pool.cached.items() if host is not None else ():
             req_id, i = self._hash_owner[h]
@@ -431,6 +467,8 @@ setups = st.builds(
     num_host_blocks=st.sampled_from([0, 0, 4, 12, 40]),
     write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
     copy_fail_every=st.sampled_from([None, None, 3, 7]),
+    encoder_cache_size=st.sampled_from([0, 0, 6, 12, 40]),
+    max_num_encoder_tokens=st.sampled_from([0, 6, 8]),
 )
 delays = st.integers(0, 2)
 
@@ -520,8 +558,16 @@ test_scheduler_state_machine = SchedulerMachine.TestCase
             eos_every=6,
         ),
         Setup(num_blocks=16, max_num_seqs=4, policy="slo", eos_every=6),
+        Setup(
+            num_blocks=16,
+            max_num_seqs=4,
+            policy="slo",
+            eos_every=6,
+            encoder_cache_size=8,
+            max_num_encoder_tokens=8,
+        ),
     ],
-    ids=["fcfs", "priority-spec", "slo"],
+    ids=["fcfs", "priority-spec", "slo", "encoder-cache"],
 )
 def test_fixed_seed_long_run(setup: Setup) -> None:
     """~2000 steps of the same loop with a fixed seed: a regression net that needs no search."""
@@ -544,5 +590,7 @@ def test_fixed_seed_long_run(setup: Setup) -> None:
         h.advance(rng.randint(0, 2), rng.randint(0, 2))
         h.check()
     assert h.scheduler.stats.num_preemptions > 0, "the pool was meant to force preemption"
+    if (enc := h.scheduler.enc) is not None:  # items were shared, and evicted
+        assert enc.stats.hits > 0 and enc.stats.evictions > 0, enc.stats
     h.drain(rng)
     h.verify()

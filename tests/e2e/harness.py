@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 
 from kvsched.core import Role
-from kvsched.core.protocol import StepReport, Tasks
+from kvsched.core.protocol import MultimodalRange, StepReport, Tasks
 from kvsched.server import app as daemon_mod
 from kvsched.server.config import InstanceConfig
 from kvsched.server.config_load import load_config
@@ -39,14 +39,21 @@ def make_prompt(seed: int, length: int) -> list[int]:
     return np.random.default_rng(seed).integers(2, MODEL.vocab_size, size=length).tolist()
 
 
+Item = tuple[int, int, str]  # a multimodal item: (offset, length, content hash)
+
+
 @cache
-def _reference(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
-    return tuple(generate_reference(MODEL, list(prompt), max_tokens))
+def _reference(
+    prompt: tuple[int, ...], max_tokens: int, mm: tuple[Item, ...] = ()
+) -> tuple[int, ...]:
+    ranges = [MultimodalRange(*m) for m in mm]
+    return tuple(generate_reference(MODEL, list(prompt), max_tokens, mm_ranges=ranges))
 
 
-def reference(prompt: list[int], max_tokens: int) -> list[int]:
-    """The unpaged numpy run of the same model: what every paged run must produce."""
-    return list(_reference(tuple(prompt), max_tokens))
+def reference(prompt: list[int], max_tokens: int, mm: tuple[Item, ...] = ()) -> list[int]:
+    """The unpaged numpy run of the same model (its multimodal items encoded afresh): what
+    every paged run must produce."""
+    return list(_reference(tuple(prompt), max_tokens, mm))
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +75,7 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     instance: str = ""
     finished: rpb.Finished | None = None
+    mm: tuple[Item, ...] = ()
 
     @property
     def reason(self) -> int:
@@ -76,16 +84,19 @@ class Result:
 
     @property
     def expected(self) -> list[int]:
-        return reference(self.prompt, self.max_tokens)
+        return reference(self.prompt, self.max_tokens, self.mm)
 
 
 def generate_request(
-    req_id: str, prompt: list[int], max_tokens: int, **sampling: Any
+    req_id: str, prompt: list[int], max_tokens: int, mm: tuple[Item, ...] = (), **sampling: Any
 ) -> rpb.GenerateRequest:
     return rpb.GenerateRequest(
         request_id=req_id,
         prompt_token_ids=prompt,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
+        mm_ranges=[
+            common_pb2.MultimodalRange(offset=o, length=n, content_hash=h) for o, n, h in mm
+        ],
     )
 
 
@@ -183,12 +194,14 @@ class ModelHarness:
         prompt: list[int],
         max_tokens: int,
         abort_after: int | None = None,
+        mm: tuple[Item, ...] = (),
         **sampling: Any,
     ) -> Result:
         """Run one request through RequestService.Generate; with abort_after, call
-        RequestService.Abort once that many tokens have streamed, and read on to Finished."""
-        out = Result(req_id, prompt, max_tokens)
-        msg = generate_request(req_id, prompt, max_tokens, **sampling)
+        RequestService.Abort once that many tokens have streamed, and read on to Finished.
+        mm: its multimodal items (offset, length, content hash)."""
+        out = Result(req_id, prompt, max_tokens, mm=mm)
+        msg = generate_request(req_id, prompt, max_tokens, mm, **sampling)
         aborted = False
         async for r in self.stub.Generate(msg, timeout=TIMEOUT_S):
             kind = r.WhichOneof("kind")

@@ -104,6 +104,16 @@ def test_host_tier_columns_appear_when_an_instance_has_one() -> None:
     assert "host" not in format_status(make_response()), "no host tier anywhere: no columns"
 
 
+def test_encoder_cache_column_appears_when_an_instance_has_one() -> None:
+    resp = make_response()
+    i0 = resp.instances[0]
+    i0.encoder_cache_size, i0.encoder_cache_hits, i0.encoder_cache_misses = 4096, 3, 1
+    header, row, other, _ = format_status(resp).splitlines()
+    assert header.split()[-2:] == ["enc", "hit"]
+    assert row.split()[-1] == "75.0%" and other.split()[-1] == "-"
+    assert "enc hit" not in format_status(make_response()), "no encoder cache: no column"
+
+
 def test_a_cluster_daemon_shows_owners_loads_and_daemons() -> None:
     from kvsched.v1 import admin_service_pb2 as apb
 

@@ -272,9 +272,14 @@ class Admission(Preemption, Deadlines):
     def _trim_chunk_for_mm(self, req: Request, start: int, n: int, enc_left: int) -> int:
         """Never end a chunk inside an image range (disable_chunked_mm_input), and keep the
         step's multimodal tokens within the encoder budget (`enc_left`, -1: unlimited): roll
-        back to the range start."""
+        back to the range start. With the encoder cache on, only misses cost budget (the whole
+        item, encoded at once; one larger than the budget runs alone in a step) and a miss
+        needs room in the cache."""
         sc = self.config.scheduler
+        enc = self.enc
         end = start + n
+        missed: dict[str, int] = {}  # the chunk's misses so far and their sizes
+        touched: set[str] = set()  # every item the chunk reads: none is evicted for it
         for r in req.mm_ranges:
             r_end = r.offset + r.length
             if r_end <= start or r.offset >= end:
@@ -282,6 +287,22 @@ class Admission(Preemption, Deadlines):
             if sc.disable_chunked_mm_input and r.offset < end < r_end:
                 end = max(r.offset, start)
                 break
+            if enc is not None:
+                h = r.content_hash
+                if h in enc or h in missed:
+                    touched.add(h)
+                    continue
+                full = sc.max_num_encoder_tokens
+                if enc_left >= 0 and r.length > enc_left and not (enc_left == full and not missed):
+                    end = max(r.offset, start)
+                    break
+                if not enc.can_fit(sum(missed.values()) + r.length, self._enc_needed, touched):
+                    end = max(r.offset, start)
+                    break
+                missed[h] = r.length
+                touched.add(h)
+                enc_left -= r.length if enc_left >= 0 else 0
+                continue
             used = min(r_end, end) - max(r.offset, start)
             if enc_left >= 0 and used > enc_left:
                 end = max(r.offset, start)
@@ -289,8 +310,17 @@ class Admission(Preemption, Deadlines):
             enc_left -= used if enc_left >= 0 else 0
         return end - start
 
-    @staticmethod
-    def _use_encoder_budget(req: Request, start: int, end: int, budget: StepBudget) -> None:
+    def _use_encoder_budget(self, req: Request, start: int, end: int, budget: StepBudget) -> None:
+        enc = self.enc
+        if enc is not None:  # the items the chunk reads: misses pay, hits are free
+            ranges = [r for r in req.mm_ranges if r.offset < end and r.offset + r.length > start]
+            # Hits first: once this request uses them, no miss below evicts them (as sized).
+            ranges.sort(key=lambda r: r.content_hash not in enc)
+            for r in ranges:
+                miss = enc.use(req, r.content_hash, r.length, self._enc_needed)
+                if miss and budget.encoder >= 0:  # (a lone larger item leaves 0)
+                    budget.encoder = max(0, budget.encoder - r.length)
+            return
         if budget.encoder < 0:
             return
         for r in req.mm_ranges:

@@ -122,3 +122,9 @@ class SchedulerSnapshot:
     num_swap_ins: int = 0
     num_swap_failures: int = 0
     num_swap_ins_declined: int = 0
+    # The multimodal encoder cache (0 when off): capacity and use in embeddings, item counts.
+    encoder_cache_size: int = 0
+    encoder_cache_used: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
+    encoder_cache_evictions: int = 0

@@ -30,6 +30,8 @@ def check_integrity(sched: Placements) -> None:
     sched.kv.pool.check_integrity(owners)
     if sched.kv.host is not None:  # the host pool: every pin is a copy queued or in flight
         sched.kv.host.check_integrity()
+    if sched.enc is not None:  # within capacity; needed items only by requests that hold them
+        sched.enc.check_integrity(sched._enc_needed)
     for req in placed:  # a cached block under a request holds that request's tokens
         for b, h in zip(req.block_ids, req.block_hashes, strict=False):
             got = sched.kv.pool.block_hash[b]

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 
 from kvsched.core.config import EngineConfig, Role
+from kvsched.core.encoder_cache import EncoderCache
 from kvsched.core.kv_cache_manager import KVCacheManager, _cdiv
 from kvsched.core.protocol import Extension, FinishReason, KvSend, Placement, StepReport, Tasks
 from kvsched.core.queue import make_queue
@@ -50,6 +51,8 @@ class Placements:
             cc.host_write_policy,
             cc.host_write_hits,
         )
+        # The worker's multimodal encoder outputs (None: cache off).
+        self.enc = EncoderCache(cc.encoder_cache_size) if cc.encoder_cache_size else None
         self.waiting = make_queue(sc.policy)
         self.requests: dict[str, Request] = {}  # every live (unfinished) request
         self.running: dict[str, Request] = {}  # placed, in admission order (LIFO victims)
@@ -138,6 +141,7 @@ class Placements:
                 last_token_id=last,
                 sampling=req.sampling,
                 lora_name=req.lora_name,
+                mm_ranges=list(req.mm_ranges),
             )
         )
         if req.kv_target is not None:
@@ -228,6 +232,19 @@ class Placements:
         cc = self.config.cache
         want = math.ceil(self._lag * (1 + self._spec_k))
         self._threshold = max(cc.prealloc_threshold, min(want, MAX_ADAPTIVE_HEADROOM))
+
+    def _enc_needed(self, req: Request, handle: int, content_hash: str) -> bool:
+        """req, placed under `handle`, may still run a chunk that reads the item's encoder
+        output: that placement is live and the worker has not reported its KV past the item.
+        (A preempt or abort in the same message is applied before its encoder drops.)"""
+        if req.handle != handle or req.status != RequestStatus.RUNNING:
+            return False
+        if self.live.get(handle) is not req:
+            return False
+        done = req.num_reported_tokens
+        return any(
+            r.content_hash == content_hash and done < r.offset + r.length for r in req.mm_ranges
+        )
 
     # ==== out: the one exit path ==============================================================
     def _release(self, req: Request) -> None:

@@ -85,6 +85,8 @@ class Scheduler(Reports, Admission):
                     list(hb_),
                     list(gb_),
                 )
+        if self.enc is not None:
+            tasks.encoder_drops = self.enc.take_drops()
         tasks.preempts, self._pending_preempts = self._pending_preempts, []
         tasks.aborts, self._pending_aborts = self._pending_aborts, []
         tasks.placements, self._pending_placements = (
@@ -130,6 +132,8 @@ class Scheduler(Reports, Admission):
         n = self.kv.reset_cache()  # both tiers
         for req in self.running.values():
             req.num_cached_blocks = len(req.block_ids)  # do not re-register old content
+        if self.enc is not None:  # the worker drops every encoder output with it
+            self.enc.reset(self._enc_needed)
         self._pending_reset = True
         return n
 
@@ -195,7 +199,21 @@ class Scheduler(Reports, Admission):
             last_tasks_seq=self._seq,
             **self._step_cost_view(),
             **self._host_view(),
+            **self._encoder_view(),
         )
+
+    def _encoder_view(self) -> dict[str, Any]:
+        enc = self.enc
+        if enc is None:
+            return {}
+        st = enc.stats
+        return {
+            "encoder_cache_size": enc.capacity,
+            "encoder_cache_used": enc.used,
+            "encoder_cache_hits": st.hits,
+            "encoder_cache_misses": st.misses,
+            "encoder_cache_evictions": st.evictions,
+        }
 
     def _host_view(self) -> dict[str, Any]:
         kv, host = self.kv, self.kv.host

@@ -80,6 +80,12 @@ def validate(req: Request, config: EngineConfig, live: Container[str], num_block
                 f"request {rid!r}: a multimodal item of {r.length} tokens can never fit "
                 "the per-step token or encoder budget with chunked mm input disabled"
             )
+        enc_cap = config.cache.encoder_cache_size
+        if enc_cap and r.length > enc_cap:
+            raise InvalidRequest(
+                f"request {rid!r}: a multimodal item of {r.length} embeddings can never fit "
+                f"the encoder cache ({enc_cap} embeddings: cache.encoder_cache_size)"
+            )
 
 
 def _mm_never_fits(config: EngineConfig, length: int) -> bool:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvsched.core.protocol import MultimodalRange
 from kvsched.worker_stub.model.backend import Array, Backend
-from kvsched.worker_stub.model.transformer import ModelConfig, Transformer
+from kvsched.worker_stub.model.encoder import encode_item, placeholder_rows
+from kvsched.worker_stub.model.transformer import _EMBED_STD, ModelConfig, Transformer
 
 
 def generate_reference(
@@ -20,9 +22,11 @@ def generate_reference(
     backend: Backend | str = "numpy",
     eos_token_id: int | None = None,
     ignore_eos: bool = True,
+    mm_ranges: list[MultimodalRange] | None = None,
 ) -> list[int]:
     """Greedy continuation of the prompt: up to max_tokens tokens, stopping after EOS unless
-    ignore_eos, and stopping when the sequence reaches config.max_model_len."""
+    ignore_eos, and stopping when the sequence reaches config.max_model_len. mm_ranges: the
+    prompt's multimodal items, encoded afresh here (no cache)."""
     if not prompt_token_ids:
         raise ValueError("prompt_token_ids must not be empty")
     if len(prompt_token_ids) >= config.max_model_len:
@@ -42,9 +46,15 @@ def generate_reference(
 
     feed = list(prompt_token_ids)
     output: list[int] = []
+
+    def encode(content_hash: str, length: int) -> np.ndarray:
+        return encode_item(content_hash, length, config.hidden, config.seed, _EMBED_STD)
+
+    embeds = placeholder_rows([(0, 0, len(feed), mm_ranges or [])], encode)
     while len(output) < max_tokens and start + len(feed) < config.max_model_len:
         positions = np.arange(start, start + len(feed))
-        hidden = model.forward(np.asarray(feed, dtype=np.int64), positions, attention)
+        hidden = model.forward(np.asarray(feed, dtype=np.int64), positions, attention, embeds)
+        embeds = None  # the prompt only
         token = int(b.argmax(model.logits(hidden[len(feed) - 1 :]))[0])
         output.append(token)
         if token == eos and not ignore_eos:

@@ -26,6 +26,7 @@ import numpy as np
 
 from kvsched.worker_stub.executor import SeqWork, StepResult
 from kvsched.worker_stub.model.backend import Array, Backend, get_backend
+from kvsched.worker_stub.model.encoder import EncoderOutputs, placeholder_rows
 from kvsched.worker_stub.model.host_pool import HostKvPool
 
 # Initial weight scales, chosen so greedy decoding neither sticks to one token nor falls into a
@@ -134,9 +135,14 @@ class Transformer:
         self._scale = 1.0 / np.sqrt(config.head_dim)
 
     def forward(
-        self, token_ids: np.ndarray, positions: np.ndarray, attention: AttentionFn
+        self,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        attention: AttentionFn,
+        embeds: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> Array:
-        """Hidden states [T, hidden] of a flat batch of tokens at the given positions.
+        """Hidden states [T, hidden] of a flat batch of tokens at the given positions; embeds
+        (rows, embeddings): encoder outputs that replace those rows' token embeddings.
 
         attention(layer, q [T, heads, hd], k [T, kv_heads, hd], v [T, kv_heads, hd]) -> [T, hidden]
         """
@@ -144,6 +150,8 @@ class Transformer:
         n, hd = len(token_ids), c.head_dim
         nq, nkv = c.num_heads * hd, c.num_kv_heads * hd
         x = b.gather(w["embed"], b.asindex(token_ids))
+        if embeds is not None:  # multimodal placeholders (encoder.py)
+            b.scatter_(x, b.asindex(embeds[0]), b.asarray(embeds[1]))
         cos = b.asarray(self._cos[positions][:, None, :])
         sin = b.asarray(self._sin[positions][:, None, :])
         for i in range(c.num_layers):
@@ -225,6 +233,7 @@ class PagedModelExecutor:
         self.k_cache: list[Array] = []
         self.v_cache: list[Array] = []
         self.host = HostKvPool(config, num_host_blocks, block_size)
+        self.encoder = EncoderOutputs(config.hidden, config.seed, _EMBED_STD)
         self.reset()
 
     @property
@@ -245,6 +254,16 @@ class PagedModelExecutor:
         self.k_cache = [noise() for _ in range(c.num_layers)]
         self.v_cache = [noise() for _ in range(c.num_layers)]
         self.host.fill_noise()
+        self.encoder.clear()
+
+    # ---- the encoder cache (encoder.py) -------------------------------------------------------
+    def drop_encoder_items(self, hashes: list[str]) -> None:
+        """Tasks.encoder_drops: forget those items' encoder outputs."""
+        self.encoder.drop(hashes)
+
+    def clear_encoder(self) -> None:
+        """reset_prefix_cache: forget every encoder output."""
+        self.encoder.clear()
 
     # ---- the host tier (host_pool.HostKvPool holds the memory) -------------------------------
     def swap_out(self, gpu_ids: list[int], host_ids: list[int]) -> None:
@@ -285,7 +304,11 @@ class PagedModelExecutor:
         tokens = np.concatenate([np.asarray(w.token_ids, dtype=np.int64) for w in work])
         positions = np.concatenate([np.arange(w.start, w.start + len(w.token_ids)) for w in work])
         attention = self._paged_attention(work, context_slots, bounds)
-        hidden = self.model.forward(tokens, positions, attention)
+        spans = [
+            (int(bounds[i]), w.start, len(w.token_ids), w.mm_ranges) for i, w in enumerate(work)
+        ]
+        embeds = placeholder_rows([s for s in spans if s[3]], self.encoder.get)
+        hidden = self.model.forward(tokens, positions, attention, embeds)
         sampled = self._sample(work, hidden, bounds)
         return StepResult(tokens=sampled, step_time_s=time.perf_counter() - started)
 
