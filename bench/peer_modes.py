@@ -3,7 +3,7 @@
 - Placements. `routed`: each scheduler behind its own router (kvsched's Router over kvsched's
   state; vLLM's instances scored by the same formula over vLLM's state, bench/vllm_adapter.py).
   `pinned`: both schedulers serve the SAME per-request placement, the one kvsched's router made
-  in its routed run (recorded from rec.instance). `rr`: both round-robin (request i on instance
+  in its routed run (recorded from rec.instance); `pinned-vllm`: the one vLLM's made. `rr`: both round-robin (request i on instance
   i mod N, blind to everything). `single`: one instance, no routing at all, at the same load per
   instance (arrivals slowed N times).
 - Arrivals. A trace's own timestamps (scaled by --rate-scale), or Poisson arrivals at a given
@@ -30,7 +30,7 @@ from kvsched.core.step_cost import FEATURES
 from kvsched.traces import TraceRequest
 from kvsched.worker_stub.costmodel import fit_for
 
-MODES = ("routed", "pinned", "rr", "single")
+MODES = ("routed", "pinned", "pinned-vllm", "rr", "single")
 
 
 def request_index(req_id: str) -> int:

