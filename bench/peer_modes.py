@@ -76,7 +76,12 @@ def kvsched_factory(
     control_latency_s: float,
     name: str,
     placement: Sequence[int] | None = None,
+    model_log: list[dict[str, float]] | None = None,
+    model_every_s: float = 30.0,
 ) -> Callable[[EventLoop], KvschedCluster]:
+    """model_log: filled with the step-cost model against the sim's fit every model_every_s
+    of virtual time (`model_sample`), while the run has events left."""
+
     def make(loop: EventLoop) -> KvschedCluster:
         cluster = KvschedCluster(
             loop,
@@ -88,6 +93,14 @@ def kvsched_factory(
         )
         if placement is not None:
             cluster.router = FixedRouter(placement)  # type: ignore[assignment]
+        if model_log is not None:
+
+            def sample() -> None:
+                model_log.append(model_sample(cluster, loop.now, gpu))
+                if loop._heap:  # something else is still to happen
+                    loop.at(loop.now + model_every_s, sample)
+
+            loop.at(0.0, sample)
         return cluster
 
     return make
@@ -132,18 +145,36 @@ def capacity_rps(result: SimResult) -> float:
 
 
 # ---- the step-cost model against the sim's fit ------------------------------------------------
+_TERMS = ("prefill_tokens", "decode_context", "attention")
+
+
+def _true_ms(gpu: str) -> dict[str, float]:
+    fit = fit_for(gpu)
+    return {
+        "prefill_tokens": fit.per_token_ms,
+        "decode_context": fit.per_ctx_ms,
+        "attention": fit.per_attn_ms,
+    }
+
+
+def model_sample(cluster: KvschedCluster, now: float, gpu: str) -> dict[str, float]:
+    """Learned / true per term (mean over instances) and reports learned, at virtual time now."""
+    costs = [inst.sched.cost for inst in cluster.instances]
+    true = _true_ms(gpu)
+    row = {"t_s": now, "steps_learned": float(sum(c.num_observed for c in costs))}
+    for term in _TERMS:
+        i = FEATURES.index(term)
+        row[term] = float(np.mean([c.coefficients[i] for c in costs])) / true[term]
+    return row
+
+
 def model_vs_fit(summary: dict[str, Any], gpu: str) -> dict[str, Any] | None:
     """Learned / true for the terms the sim's fit has (mean over instances): 1.0 is converged.
     None for a scheduler without a model (vLLM)."""
     models = [m for m in summary.get("cost_models") or [] if m]
     if not models:
         return None
-    fit = fit_for(gpu)
-    true = {
-        "prefill_tokens": fit.per_token_ms,
-        "decode_context": fit.per_ctx_ms,
-        "attention": fit.per_attn_ms,
-    }
+    true = _true_ms(gpu)
     out: dict[str, Any] = {}
     for term, value in true.items():
         i = FEATURES.index(term)

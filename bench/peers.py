@@ -188,6 +188,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="Poisson arrivals at this multiple of measured capacity",
     )
+    ap.add_argument(
+        "--model-every",
+        type=float,
+        default=30.0,
+        help="virtual seconds between samples of kvsched's step-cost model (routed run)",
+    )
     ap.add_argument("--no-vllm", action="store_true", help="kvsched rows only")
     args = ap.parse_args(argv)
     names = args.configs.split(",")
@@ -252,9 +258,12 @@ def main(argv: list[str] | None = None) -> None:
             )
             rows.append(out)
 
+    model_log: list[dict[str, float]] = []
     out, routed = run_one(
         requests,
-        kvsched_factory(config, n, gpu, lat, f"kvsched {names[0]} routed"),
+        kvsched_factory(
+            config, n, gpu, lat, f"kvsched {names[0]} routed", None, model_log, args.model_every
+        ),
         args.rate_scale,
         args,
         scheduler="kvsched",
@@ -300,8 +309,21 @@ def main(argv: list[str] | None = None) -> None:
         "TTFT-only: the same with no TPOT limit; GPU-s: busy worker time; model: kvsched's learned / true prefill-token / attention "
         "coefficient, seeded at 2.00 by seed-x2)"
     )
+    print(
+        "kvsched's step-cost model in the routed run, learned / true (prefill token, "
+        "decode context, attention):"
+    )
+    print(
+        "  "
+        + "; ".join(
+            f"{m['t_s']:.0f} s ({m['steps_learned']:.0f} steps): {m['prefill_tokens']:.2f} {m['decode_context']:.2f} "
+            f"{m['attention']:.2f}"
+            for m in model_log[:12]
+        )
+    )
     if vllm_error:
         print(f"\nvLLM could not run: {vllm_error}")
+    meta.update(model_trajectory=model_log)
     meta.update(ideal_lru_hit_rate=bounds, vllm_error=vllm_error, wall_s=time.perf_counter() - t0)
     write_json(args.json, {**meta, "results": rows})
 
