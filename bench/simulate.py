@@ -438,7 +438,8 @@ def simulate(
                 "steps_learned": cost.num_observed,
             }
         sched = getattr(inst, "sched", None)
-        if sched is not None and sched.kv.host is not None:  # the host-memory KV tier
+        kv = getattr(sched, "kv", None)  # None for vLLM's scheduler (bench.vllm_adapter)
+        if sched is not None and kv is not None and kv.host is not None:  # the host KV tier
             snap = sched.snapshot()
             inst.stats.host = {
                 "num_host_blocks": snap.num_host_blocks,

@@ -367,8 +367,11 @@ class VllmInstance:
 
 
 class VllmCluster:
-    """vLLM's scheduler on N instances, routed by the score kvsched's Router uses (prefix
-    overlap minus load_weight x load above the least-loaded), so only the scheduler differs."""
+    """vLLM's scheduler on N instances, routed by the form of kvsched's Router score (prefix
+    overlap minus load_weight x load above the least-loaded) over vLLM's state, with the load
+    counted in requests per slot plus KV usage: vLLM has no cost model to predict queued
+    seconds, which kvsched's Router weighs instead. bench.peers's `pinned` and `rr` modes
+    (bench/peer_modes.py) hold the placement equal to compare the schedulers alone."""
 
     def __init__(
         self,
