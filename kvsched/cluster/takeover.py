@@ -114,20 +114,25 @@ class Takeover:
             self._retry.setdefault(did, set())
             await self._try(did)
 
-    async def take_over(self, dead_id: str, instances: Iterable[str]) -> tuple[int, int]:
+    async def take_over(
+        self, dead_id: str, instances: Iterable[str], force: bool = False
+    ) -> tuple[int, int]:
         """One pass for `dead_id` (see the module docstring): (instances won by this call,
-        requests adopted)."""
+        requests adopted). `force` (`serve --take-over`, the operator says it is dead): no
+        liveness check, and its requests are adopted whatever the leases say."""
         if dead_id == self.daemon_id or dead_id in self._busy:
             return 0, 0
         self._busy.add(dead_id)
         try:
-            return await self._pass(dead_id, set(instances))
+            return await self._pass(dead_id, set(instances), force)
         finally:
             self._busy.discard(dead_id)
 
-    async def _pass(self, dead_id: str, instances: set[str]) -> tuple[int, int]:
+    async def _pass(self, dead_id: str, instances: set[str], force: bool) -> tuple[int, int]:
         node = self.node
-        if await asyncio.wait_for(node.membership.lookup(dead_id), NATS_TIMEOUT_S) is not None:
+        if not force and (
+            await asyncio.wait_for(node.membership.lookup(dead_id), NATS_TIMEOUT_S) is not None
+        ):
             return 0, 0  # alive (restarted under its id): it recovers its own journal
         instances |= {i for i, lease in node.leases.owners().items() if lease.owner == dead_id}
         won, mine = 0, 0
@@ -139,7 +144,7 @@ class Takeover:
         if not instances:  # no instance to decide by: the smallest live id adopts
             live = set(node.membership.members) | {self.daemon_id}
             mine = int(min(live) == self.daemon_id)
-        adopted = await self._recover(dead_id) if mine else 0
+        adopted = await self._recover(dead_id) if mine or force else 0
         self.num_instances_taken += won
         self.num_requests_adopted += adopted
         if won or adopted:

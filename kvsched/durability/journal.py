@@ -298,7 +298,12 @@ class Journal:
                 )
             except Exception as exc:  # another daemon took it first (or NATS failed): withdraw
                 log.info("takeover of %s from %s not won: %s", rid, dead_id, exc)
-                self._emit(mine, b"", R.TOMBSTONE_HEADERS)
+                # The withdrawal names the winner (from its tombstone), for `lookup`.
+                winner = await self._last_headers(R.req_subject(dead_id, rid))
+                headers = dict(R.TOMBSTONE_HEADERS)
+                if winner.get(ADOPTED_BY):
+                    headers[ADOPTED_BY] = winner[ADOPTED_BY]
+                self._emit(mine, b"", headers)
                 continue
             # Stored again, now after the tombstone: a lookup of the request's last record
             # on any daemon (`lookup`) finds this one, not the tombstone, while that lives.
@@ -315,31 +320,38 @@ class Journal:
 
     async def lookup(self, req_id: str) -> journal_pb2.JournalRecord | None:
         """`req_id`'s finished record, else its accepted record on any daemon; None when the
-        journal holds neither."""
-        from nats.js.errors import NotFoundError
-
-        token = R.id_token(req_id)
-        for subject in (R.done_subject(req_id), f"{R.REQ}.*.{token}"):
-            try:
-                msg = await self.js.get_last_msg(R.STREAM, subject)
-            except NotFoundError:
-                continue
-            except Exception as exc:
-                raise Unavailable(
-                    f"the request journal cannot be read now ({exc}); retry"
-                ) from None
+        journal holds neither. A takeover's tombstones name the adopter (`Kvsched-Adopted-By`),
+        followed here; a tombstone that names nobody, with no finished record, is a record
+        changing hands (or a refused request's, for 2 s): Unavailable, retry."""
+        done = await self._last(R.done_subject(req_id))
+        if done is not None and done.data:
+            return R.parse_record(done.data)
+        msg = await self._last(f"{R.REQ}.*.{R.id_token(req_id)}")
+        for _ in range(4):
+            if msg is None:
+                return None
             if msg.data:
                 return R.parse_record(msg.data)
             adopter = (msg.headers or {}).get(ADOPTED_BY)
-            if adopter:  # a takeover's tombstone, newer than the adopter's record: read that
-                try:
-                    got = await self.js.get_last_msg(R.STREAM, R.req_subject(adopter, req_id))
-                except NotFoundError:
-                    continue
-                except Exception as exc:
-                    raise Unavailable(
-                        f"the request journal cannot be read now ({exc}); retry"
-                    ) from None
-                if got.data:
-                    return R.parse_record(got.data)
-        return None
+            if not adopter:
+                break
+            msg = await self._last(R.req_subject(adopter, req_id))
+        raise Unavailable(f"request {req_id!r} is changing owner in the journal; retry")
+
+    async def _last(self, subject: str) -> Any:
+        """The stream's last message on `subject` (None: none); Unavailable when NATS fails."""
+        from nats.js.errors import NotFoundError
+
+        try:
+            return await self.js.get_last_msg(R.STREAM, subject)
+        except NotFoundError:
+            return None
+        except Exception as exc:
+            raise Unavailable(f"the request journal cannot be read now ({exc}); retry") from None
+
+    async def _last_headers(self, subject: str) -> dict[str, str]:
+        try:
+            msg = await self._last(subject)
+        except Unavailable:
+            return {}
+        return dict(msg.headers or {}) if msg is not None else {}

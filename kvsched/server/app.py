@@ -110,8 +110,17 @@ class Daemon:
 
         # A peer whose membership expires: its instances and unfinished requests come here
         # when this daemon wins their leases (without a journal: the instances only).
-        self.cluster_node.takeover = Takeover(self.cluster_node, self.durable.recover)
-        self.cluster_node.takeover.start()
+        takeover = self.cluster_node.takeover = Takeover(self.cluster_node, self.durable.recover)
+        if config.take_over:  # by hand: the operator says it is dead; its leases come here too
+            dead = config.take_over
+            try:
+                _, taken = await takeover.take_over(dead, (), force=True)
+            except Exception as exc:
+                raise Unavailable(
+                    f"cannot take over daemon {dead!r} ({type(exc).__name__}: {exc})"
+                ) from None
+            print(f"kvsched took over {taken} request(s) of daemon {dead}", flush=True)
+        takeover.start()
 
     async def open_journal(self, link: ClusterLink) -> None:
         """Open the journal, park this daemon's unfinished requests from it (placed when
@@ -130,7 +139,6 @@ class Daemon:
             await journal.open()
             self.durable.use(journal)
             n = await self.durable.recover()
-            taken = await self.durable.recover(config.take_over) if config.take_over else 0
         except Unavailable:
             raise
         except Exception as exc:
@@ -140,8 +148,6 @@ class Daemon:
             ) from None
         if n:
             print(f"kvsched recovered {n} request(s) from the journal", flush=True)
-        if config.take_over:
-            print(f"kvsched took over {taken} request(s) of daemon {config.take_over}", flush=True)
         requests = self.requests
         self.journal_task = asyncio.get_running_loop().create_task(
             journal.run(lambda: requests.tracked.values()), name="journal"

@@ -192,3 +192,31 @@ async def _run(
     finally:
         for c in clients:
             await c.close()
+
+
+def test_graceful_leave_takes_nothing_over_and_its_workers_move(nats_server: NatsServer) -> None:
+    """SIGTERM: the daemon drains (its requests finish) and releases its leases; the others
+    adopt no request (the takeover is for expired daemons only) and its worker, given every
+    address, is attached by a survivor."""
+    env = {"KVSCHED_MEMBER_TTL_S": str(TTL_S)}
+    daemons = [Daemon(nats_server.url, f"gl{d}", env=env).start() for d in range(2)]
+    addrs = [d.address for d in daemons]
+    worker = start_sim_worker(",".join(addrs), "gli0", "--reconnect-max-s", "0.5")
+    try:
+        wait_ready(addrs[0], ["gli0"], 60.0)
+
+        async def one() -> list[int]:
+            async with AsyncClient(addrs[0]) as c:
+                return await (await c.generate([5, 6, 7], request_id="gl-1", max_tokens=8)).tokens()
+
+        assert asyncio.run(one()) == sim_expected("gl-1", 3, 8)
+        daemons[0].stop()  # SIGTERM: drain, release the lease, entry marked leaving
+        wait_ready(addrs[1], ["gli0"], 60.0)
+        time.sleep(3 * TTL_S)  # long past the entry's expiry: a takeover would have run
+        assert "took over" not in daemons[1].output()
+        owners = {i.instance_id: i.owner_daemon_id for i in status(addrs[1]).cluster.instances}
+        assert owners.get("gli0") == "gl1", owners
+    finally:
+        worker.stop()
+        for d in daemons:
+            d.stop()
