@@ -108,8 +108,11 @@ def test_membership_sees_joins_graceful_leaves_and_expiry(nats_server: NatsServe
             dep = await asyncio.wait_for(q.get(), 10)
             assert (dep.daemon_id, dep.graceful) == ("mem-b", True)
             # c dies: it stops refreshing without a word; its entry expires.
+            # Its NATS connection goes with it: cancelling its refresh task alone is not
+            # enough (a nats-py call can swallow the cancellation and the loop runs on).
             assert mc._task is not None
             mc._task.cancel()
+            await c.close()
             dep = await asyncio.wait_for(q.get(), 15)
             assert (dep.daemon_id, dep.graceful) == ("mem-c", False)
             assert not ma.alive("mem-c") and ma.alive("mem-a")
