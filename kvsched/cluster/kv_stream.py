@@ -30,17 +30,15 @@ from kvsched.cluster.kv_index import (
     encode_snapshot,
 )
 from kvsched.cluster.link import ClusterLink
-from kvsched.core import RequestStatus, Scheduler
+from kvsched.core import Scheduler
 
 log = logging.getLogger("kvsched.cluster")
 
 
 def load_of(sched: Scheduler) -> dict[str, float]:
     """An instance's load summary: what the router and the membership entry carry."""
-    queued = 0
-    for req in sched.requests.values():
-        if req.status == RequestStatus.WAITING:
-            queued += req.num_tokens - req.num_computed_tokens
+    # The waiting queue, not every request of the instance: this runs at each publish.
+    queued = sum(req.num_tokens - req.num_computed_tokens for req in sched.waiting)
     return {
         "running": float(sched.num_running),
         "waiting": float(sched.num_waiting),
@@ -54,14 +52,13 @@ def load_of(sched: Scheduler) -> dict[str, float]:
 class _Pub:
     """One instance's publishing state: the scheduler it reads, its epoch and seq."""
 
-    __slots__ = ("epoch", "last_load", "last_sent", "sched", "seq")
+    __slots__ = ("epoch", "last_sent", "sched", "seq")
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.epoch = uuid.uuid4().hex[:12]
         self.seq = 0
         self.last_sent = 0.0
-        self.last_load: dict[str, float] = {}
 
 
 class KvStream:
@@ -134,14 +131,16 @@ class KvStream:
                 pub = self._pubs[iid] = _Pub(sched)
                 sched.enable_kv_events()
             events = sched.take_kv_events()
-            load = load_of(sched)
-            if not events and load == pub.last_load and now - pub.last_sent < self.load_every_s:
+            # Load rides with every event batch, alone at least every load_every_s: it is not
+            # computed (a scan of the queue and the cost model) on the flushes that send nothing.
+            if not events and now - pub.last_sent < self.load_every_s:
                 continue
+            load = load_of(sched)
             pub.seq += 1
             data = encode_batch(
                 iid, self.daemon_id, pub.epoch, pub.seq, time.time(), sched.block_size, load, events
             )
-            pub.last_sent, pub.last_load = now, load
+            pub.last_sent = now
             if self.drop_next:
                 self.drop_next = False
                 continue  # a lost batch: subscribers must find the gap
