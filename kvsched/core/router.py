@@ -57,7 +57,7 @@ class Router:
     @staticmethod
     def count_load(s: Scheduler) -> float:
         """Requests placed or queued per slot, plus KV usage (decode instances)."""
-        return (s.num_running + s.num_waiting) / s.config.scheduler.max_num_seqs + s.kv.usage
+        return load_value(s.num_running, s.num_waiting, s.config.scheduler.max_num_seqs, s.kv.usage)
 
     def pick(self, schedulers: Sequence[Scheduler], req: Request) -> int:
         """Index of the instance that should take `req` (a new request: never a decode-role
