@@ -20,6 +20,71 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ListModelsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListModelsRequest: _TypeAlias = ListModelsRequest  # noqa: Y015
+
+@_typing.final
+class ListModelsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class Model(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        NAME_FIELD_NUMBER: _builtins.int
+        MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
+        VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+        READY_INSTANCES_FIELD_NUMBER: _builtins.int
+        name: _builtins.str
+        """As Hello.model names it; what GenerateRequest.model selects."""
+        max_model_len: _builtins.int
+        """The largest max_model_len of the ready instances serving it (prompt + output tokens)."""
+        vocab_size: _builtins.int
+        """Its vocabulary size (0 = not announced)."""
+        ready_instances: _builtins.int
+        """Instances serving it that are ready now."""
+        def __init__(
+            self,
+            *,
+            name: _builtins.str = ...,
+            max_model_len: _builtins.int = ...,
+            vocab_size: _builtins.int = ...,
+            ready_instances: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["max_model_len", b"max_model_len", "name", b"name", "ready_instances", b"ready_instances", "vocab_size", b"vocab_size"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MODELS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ListModelsResponse.Model]: ...
+    def __init__(
+        self,
+        *,
+        models: _abc.Iterable[Global___ListModelsResponse.Model] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["models", b"models"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListModelsResponse: _TypeAlias = ListModelsResponse  # noqa: Y015
+
+@_typing.final
 class GenerateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -46,8 +111,9 @@ class GenerateRequest(_message.Message):
     cache_salt: _builtins.str
     """Isolates prefix-cache sharing: only requests with the same salt share cached blocks."""
     model: _builtins.str
-    """Empty: the daemon's model. Otherwise it must equal the daemon's configured `model` (the
-    TOML key or KVSCHED_MODEL; "default" unless set), else INVALID_ARGUMENT.
+    """Which model: the request runs only on instances whose workers' Hello.model equals it
+    (NOT_FOUND naming the models served otherwise). Empty: the daemon's configured `model`
+    (the TOML key or KVSCHED_MODEL) when set, else the only model served.
     """
     detachable: _builtins.bool
     """When true, a dropped stream does not abort the request (see the service comment, step 6)."""

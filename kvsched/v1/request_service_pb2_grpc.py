@@ -121,6 +121,11 @@ class RequestServiceStub:
                 request_serializer=kvsched_dot_v1_dot_request__service__pb2.RequestServiceResumeRequest.SerializeToString,
                 response_deserializer=kvsched_dot_v1_dot_request__service__pb2.RequestServiceResumeResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/kvsched.v1.RequestService/ListModels',
+                request_serializer=kvsched_dot_v1_dot_request__service__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=kvsched_dot_v1_dot_request__service__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class RequestServiceServicer:
@@ -221,6 +226,14 @@ class RequestServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """The models this daemon's instances serve (each named by its workers' Hello.model), with
+        the limits requests for them must fit. What OpenAI-style front ends list at /v1/models.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RequestServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -243,6 +256,11 @@ def add_RequestServiceServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=kvsched_dot_v1_dot_request__service__pb2.RequestServiceResumeRequest.FromString,
                     response_serializer=kvsched_dot_v1_dot_request__service__pb2.RequestServiceResumeResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=kvsched_dot_v1_dot_request__service__pb2.ListModelsRequest.FromString,
+                    response_serializer=kvsched_dot_v1_dot_request__service__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -420,6 +438,33 @@ class RequestService:
             '/kvsched.v1.RequestService/Resume',
             kvsched_dot_v1_dot_request__service__pb2.RequestServiceResumeRequest.SerializeToString,
             kvsched_dot_v1_dot_request__service__pb2.RequestServiceResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsched.v1.RequestService/ListModels',
+            kvsched_dot_v1_dot_request__service__pb2.ListModelsRequest.SerializeToString,
+            kvsched_dot_v1_dot_request__service__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

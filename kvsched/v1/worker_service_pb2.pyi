@@ -112,6 +112,8 @@ class Hello(_message.Message):
     WORKER_ADDRESS_FIELD_NUMBER: _builtins.int
     EXECUTOR_FIELD_NUMBER: _builtins.int
     NUM_HOST_BLOCKS_FIELD_NUMBER: _builtins.int
+    MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """The instance (model replica) this worker is a rank of; the same for all its ranks."""
     rank: _builtins.int
@@ -125,9 +127,9 @@ class Hello(_message.Message):
     The daemon may use fewer (its max_num_seqs), never more.
     """
     model: _builtins.str
-    """The model this rank serves (e.g. its Hugging Face id), the same on every rank. The daemon
-    only shows it in InstanceStatus.model: it does not compare it with the model front ends
-    name (GenerateRequest.model is checked against the daemon's own configured `model`).
+    """The model this rank serves (e.g. its Hugging Face id or served name), the same on every
+    rank. GenerateRequest.model selects among instances by it; empty: the daemon's configured
+    `model`.
     """
     protocol_version: _builtins.int
     """1: the version of the protocol these comments describe."""
@@ -138,6 +140,15 @@ class Hello(_message.Message):
     num_host_blocks: _builtins.int
     """KV blocks of this rank's host-memory tier (the same on every rank; the same block_size);
     0 = no host tier: the daemon then never sends swap_outs or swap_ins.
+    """
+    max_model_len: _builtins.int
+    """The longest sequence (prompt + output tokens) this rank's model can hold; 0 = not
+    announced (the daemon's max_model_len applies). The daemon admits to this instance only
+    requests that fit, and tells the worker the smaller of the two in Welcome.max_model_len.
+    """
+    vocab_size: _builtins.int
+    """Token ids this rank's model accepts are 0..vocab_size-1; 0 = not announced (unchecked).
+    The daemon refuses, before queueing, a prompt or stop token id outside it.
     """
     def __init__(
         self,
@@ -153,10 +164,12 @@ class Hello(_message.Message):
         worker_address: _builtins.str = ...,
         executor: _builtins.str = ...,
         num_host_blocks: _builtins.int = ...,
+        max_model_len: _builtins.int = ...,
+        vocab_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "vocab_size", b"vocab_size", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
