@@ -56,6 +56,8 @@ class RankConn:
     address: str
     model: str
     num_host_blocks: int = 0  # the host-memory KV tier (Hello.num_host_blocks)
+    max_model_len: int = 0  # Hello's limits (0: not announced); see server/models.py
+    vocab_size: int = 0
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     last_seen: float = field(default_factory=time.monotonic)
     closed: bool = False
@@ -101,6 +103,7 @@ class InstanceEngine:
         self.sched: Scheduler | None = None
         self.draining = False
         self.kv_events = False  # record the prefix cache's changes (a cluster publishes them)
+        self.limits: Any = None  # server.models.Limits from the first rank's Hello (registry)
         self.reports: list[StepReport] = []
         self._next_handle = 0  # handles continue across schedulers of this instance
         self._wake = asyncio.Event()
@@ -146,7 +149,15 @@ class InstanceEngine:
         if first is not None:
             # The ranks run one model sharded: one block table, one slot table, the same
             # weights. A disagreement is a misconfigured launch, never something to average.
-            for name in ("block_size", "num_gpu_blocks", "num_host_blocks", "num_slots", "model"):
+            for name in (
+                "block_size",
+                "num_gpu_blocks",
+                "num_host_blocks",
+                "num_slots",
+                "model",
+                "max_model_len",
+                "vocab_size",
+            ):
                 mine, theirs = getattr(conn, name), getattr(first, name)
                 if mine != theirs:
                     raise ProtocolError(
@@ -166,6 +177,8 @@ class InstanceEngine:
         cfg.cache.num_gpu_blocks = conns[0].num_gpu_blocks  # every rank says the same (attach)
         cfg.cache.num_host_blocks = conns[0].num_host_blocks
         cfg.scheduler.max_num_seqs = min(cfg.scheduler.max_num_seqs, conns[0].num_slots)
+        if self.limits is not None:  # the smaller of the daemon's and the worker's
+            cfg.scheduler.max_model_len = self.limits.max_model_len
         try:
             self.sched = Scheduler(
                 cfg,

@@ -76,6 +76,7 @@ class Tracked:
     durable: int = 0  # journal: 0 not journaled, 1 accepted record in flight, 2 stored, 3 closed
     journaled: int = 0  # output tokens the journal has recorded
     held: bool = False  # a Session holds its outputs until the journal stored it
+    model: str = ""  # the model it runs on (a lost instance's request moves within it)
 
 
 class RequestTable:
@@ -117,22 +118,19 @@ class RequestTable:
         returns its Tracked state; from then on the sink gets exactly one Finished."""
         if self.draining:
             raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
-        if pb.model and pb.model != self.config.model:
-            raise InvalidRequest(
-                f"unknown model {pb.model!r}; this daemon serves {self.config.model!r}"
-            )
+        model = self.registry.model_for(pb.model)
         req_id = pb.request_id or uuid.uuid4().hex
         if req_id in self.tracked:
             raise InvalidRequest(f"request_id {req_id!r} is already in use by a live request")
         req = codec.request_from_proto(pb, req_id, time.monotonic(), self.config.default_max_tokens)
         cluster = self.cluster
         if cluster is None:
-            eng = self.registry.route(req)
+            eng = self.registry.route(req, model)
         else:
-            eng, owner = cluster.route_new(req, carrier or {}, owner)
+            eng, owner = cluster.route_new(req, carrier or {}, owner, model)
             if not isinstance(eng, InstanceEngine):  # a peer's instance: forward it there
                 return self._forward(req, eng, pb, sink, owner, client_tag, carrier, deadline_s)
-        tr = Tracked(req, eng, sink, pb.detachable, owner, client_tag)
+        tr = Tracked(req, eng, sink, pb.detachable, owner, client_tag, model=model)
         if eng.role == Role.PREFILL:
             tr.decode_engine = self._reserve_decode(req)
         try:
@@ -322,7 +320,7 @@ class RequestTable:
         for tr, deadline, reason in self.orphans:
             if self.tracked.get(tr.req.req_id) is not tr:
                 continue  # aborted meanwhile
-            eng = self.registry.route_moved(tr.req)
+            eng = self.registry.route_moved(tr.req, tr.model)
             if eng is not None:
                 try:
                     eng.add_request(tr.req)

@@ -11,6 +11,7 @@ from kvsched.worker_stub.engine import KvSender, WorkerEngine
 from kvsched.worker_stub.sim import SimExecutor
 
 _SIM_MAX_MODEL_LEN = 1 << 20  # the sim has no length limit of its own
+SIM_VOCAB_SIZE = 32000  # SimExecutor's default vocabulary: the ids its outputs come from
 
 
 @dataclass(frozen=True, slots=True)
