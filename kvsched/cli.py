@@ -149,6 +149,22 @@ def _add_worker(sub: Any) -> None:
     )
     p.add_argument("--num-slots", type=int, default=256, help="concurrent requests")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--crash-on-token",
+        type=int,
+        default=-1,
+        metavar="ID",
+        help="sim, fault injection: drop the stream and the engine (a crash) when a prefill "
+        "carries this token id (-1: never)",
+    )
+    p.add_argument(
+        "--crash-on-prompt-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sim, fault injection: crash when a request with at least N prompt tokens is "
+        "placed (0: never)",
+    )
     p.add_argument("--backend", choices=("auto", "numpy", "paddle"), default="auto")
     p.add_argument("--listen-kv", default="", metavar="HOST:PORT", help="accept KV pushes here")
     p.add_argument(

@@ -27,6 +27,7 @@ from kvsched.worker_stub.factories import (
     model_engine_factory,
     sim_engine_factory,
 )
+from kvsched.worker_stub.faults import Faults
 from kvsched.worker_stub.session import Worker, WorkerError
 from kvsched.worker_stub.stats import WorkerStats
 
@@ -62,6 +63,9 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
             zero_cost=args.zero_cost,
             seed=args.seed,
             pcie_gbps=getattr(args, "pcie_gbps", 50.0),
+            faults=Faults(
+                getattr(args, "crash_on_token", -1), getattr(args, "crash_on_prompt_len", 0)
+            ),
         )
     elif args.executor == "model":
         from kvsched.worker_stub.model import ModelConfig
