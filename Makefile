@@ -10,7 +10,7 @@ PROTOS  := $(wildcard protos/kvsched/v1/*.proto)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,paddle,bench]'
+	$(BIN)/pip install -q -e '.[dev,paddle,bench,text]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -73,10 +73,13 @@ def misfit(req: Request, lim: Limits) -> str | None:
     return None
 
 
-def resolve_model(requested: str, configured: str, served: Iterable[str]) -> str:
-    """The model a request runs on: `requested`, or for an empty one the configured model
-    when served, else the only model served. NOT_FOUND naming the known models for an unknown
-    one; INVALID_ARGUMENT when the request must choose among several."""
+def resolve_model(
+    requested: str, configured: str, served: Iterable[str], ready: Iterable[str] = ()
+) -> str:
+    """The model a request runs on: `requested`, or for an empty one the configured model when
+    an instance of it is ready, else the only model ready (else the only one served). NOT_FOUND
+    naming the known models for an unknown one; INVALID_ARGUMENT when the request must choose
+    among several."""
     known = sorted(set(served))
     if requested:
         if requested not in known:
@@ -84,13 +87,16 @@ def resolve_model(requested: str, configured: str, served: Iterable[str]) -> str
                 f"unknown model {requested!r}; served: {', '.join(map(repr, known)) or 'none yet'}"
             )
         return requested
-    if configured in known or not known:
+    live = sorted(set(ready))
+    if configured in live:
         return configured
-    if len(known) == 1:
-        return known[0]
+    if len(live) == 1:
+        return live[0]
+    if not live:
+        return known[0] if len(known) == 1 and configured not in known else configured
     raise InvalidRequest(
         f"GenerateRequest.model is empty and this daemon's model {configured!r} is not served; "
-        f"name one of: {', '.join(map(repr, known))}"
+        f"name one of: {', '.join(map(repr, live))}"
     )
 
 
