@@ -35,6 +35,7 @@ def test_refusals_with_nats_down_name_the_cause() -> None:
         worker = start_worker(a0, "nd0", "--zero-cost")
         procs.insert(0, worker)
         wait_ready(a0, ["nd0"])
+
         def peers_ready() -> bool:
             with Client(a1, timeout=5) as c:
                 return any(m.ready_instances for m in c.list_models())
