@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvsched import codec
 from kvsched.core import (
+    InvalidRequest,
     KvschedError,
     ProtocolError,
     Request,
@@ -24,6 +25,7 @@ from kvsched.core import (
     Router,
     Unavailable,
 )
+from kvsched.core.scheduler.validation import validate
 from kvsched.server.engine import EngineListener, InstanceEngine, RankConn
 from kvsched.server.models import Limits, fitting, limits_of, resolve_model
 from kvsched.v1 import worker_service_pb2
@@ -272,7 +274,20 @@ class InstanceRegistry:
     def candidates(self, req: Request, model: str, engines: list[InstanceEngine]) -> list[Any]:
         """`engines` (ready ones) that serve `model` and whose limits `req` fits; raises
         InvalidRequest naming the limit when the model's instances can never run it."""
-        return fitting(req, model, [(e, _limits(e, self.config.model)) for e in engines])
+        pairs = [(e, _limits(e, self.config.model)) for e in engines]
+        try:
+            return fitting(req, model, pairs)
+        except InvalidRequest:
+            # Fields out of range are named first, in the core's order, as an instance that
+            # fits would name them; the limit only when the request is otherwise valid.
+            best = max(
+                (p for p in pairs if p[1].model == model),
+                key=lambda p: (p[1].max_model_len, p[1].vocab_size),
+            )[0]
+            sched = best.sched
+            if sched is not None:
+                validate(req, sched.config, (), sched.kv.pool.num_blocks)
+            raise
 
     def route(self, req: Request, model: str = "") -> InstanceEngine:
         """The instance a new request goes to; Unavailable when none takes new requests. A
