@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvsched.core import InvalidRequest, Request, RequestNotFound, Unavailable
 
@@ -115,3 +115,21 @@ def fitting(req: Request, model: str, candidates: list[tuple[object, Limits]]) -
         )
         raise InvalidRequest(f"request {req.req_id!r}: {misfit(req, best)}")
     return fits
+
+
+def too_long(pb: Any, req_id: str, limit: int, default_max_tokens: int) -> InvalidRequest:
+    """The refusal of a GenerateRequest `pb` whose prompt is longer than `limit` (the longest
+    any instance holds), read off the message without making its prompt a Python list. The
+    sampling fields the core checks before the length are named first, as it would."""
+    sp = pb.sampling
+    max_tokens = sp.max_tokens if sp.HasField("max_tokens") else default_max_tokens
+    if max_tokens < 1:
+        return InvalidRequest(f"request {req_id!r}: max_tokens = {max_tokens} must be >= 1")
+    if not 0 <= sp.min_tokens <= max_tokens:
+        return InvalidRequest(
+            f"request {req_id!r}: min_tokens = {sp.min_tokens} must be in [0, max_tokens]"
+        )
+    return InvalidRequest(
+        f"request {req_id!r}: prompt of {len(pb.prompt_token_ids)} tokens exceeds "
+        f"max_model_len {limit} (the longest any instance here holds)"
+    )
