@@ -17,6 +17,7 @@ from typing import Any
 
 from kvsched.core.errors import ConfigError
 from kvsched.data import CONVERSATION_SLICE
+from kvsched.http.args import add_http_parser
 from kvsched.replay.args import add_replay_arguments
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -124,6 +125,12 @@ def _add_worker(sub: Any) -> None:
     p.add_argument("--gpu", choices=("h100", "a100"), default="h100", help="sim cost model")
     p.add_argument("--speed", type=float, default=1.0, help="sim: step time divided by this")
     p.add_argument("--zero-cost", action="store_true", help="sim: steps take no time")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=32000,
+        help="sim: tokens drawn from [0, N) (a model's vocab)",
+    )
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the pool")
     p.add_argument(
         "--host-blocks", type=int, default=0, help="KV blocks of the host-memory tier (0: none)"
@@ -222,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_serve, _add_worker, _add_status, _add_demo, _add_replay, _add_nats):
         add(sub)
+    add_http_parser(sub)
     return parser
 
 

@@ -57,6 +57,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
             zero_cost=args.zero_cost,
             seed=args.seed,
             pcie_gbps=getattr(args, "pcie_gbps", 50.0),
+            vocab_size=getattr(args, "vocab_size", 32000),
         )
     elif args.executor == "model":
         factory = model_engine_factory(

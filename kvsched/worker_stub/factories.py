@@ -34,6 +34,7 @@ def sim_engine_factory(
     seed: int = 0,
     eos_every: int | None = None,
     pcie_gbps: float = 50.0,
+    vocab_size: int = 32000,
 ) -> EngineFactory:
     """Engines over a `SimExecutor`; the arguments are checked now, not after the Welcome.
     Host tier copies cost a block's bytes (the fitted model's, KV_BYTES_PER_TOKEN a token)
@@ -45,6 +46,7 @@ def sim_engine_factory(
         seed=seed,
         eos_every=eos_every,
         pcie_gbps=pcie_gbps,
+        vocab_size=vocab_size,
     )
 
     def build(settings: EngineSettings, kv_sender: KvSender) -> WorkerEngine:
@@ -56,6 +58,7 @@ def sim_engine_factory(
             eos_every=eos_every,
             block_bytes=KV_BYTES_PER_TOKEN * settings.block_size,
             pcie_gbps=pcie_gbps,
+            vocab_size=vocab_size,
         )
         return WorkerEngine(
             sim,
