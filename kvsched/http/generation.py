@@ -76,7 +76,12 @@ class Generation:
                 except StopAsyncIteration:
                     self._finish()
                     break
-            tail = self._stops.flush()
+            # Bytes the incremental decoder still held (an incomplete character: U+FFFD, as the
+            # whole sequence's decode has it), then the text held back for stop strings.
+            tail = "" if self._stops.hit is not None else self._stops.feed(self._detok.flush())
+            if self._stops.hit is not None:
+                self.finish_reason = "stop"
+            tail += self._stops.flush()
             if tail:
                 yield tail
         except KvschedClientError as exc:  # the stream broke for good (resume gave up)

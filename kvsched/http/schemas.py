@@ -4,7 +4,8 @@ fields kvsched does not serve into a 400 naming the field instead of silently ig
 Supported: model, prompt (one: a string, a list of one string, token ids, or a list of one
 list of ids), messages (text content), max_tokens / max_completion_tokens, temperature, top_p,
 seed, n=1, stop, stream, stream_options.include_usage, user (ignored); vLLM's extensions
-ignore_eos, stop_token_ids, top_k, min_tokens, skip_special_tokens, add_generation_prompt.
+ignore_eos, stop_token_ids, top_k, min_tokens, skip_special_tokens, add_generation_prompt,
+request_id (kvsched's request id: the same id and sampling give the same tokens on the sim).
 Refused with 400: n > 1, best_of > 1, echo, suffix, logprobs, logit_bias, presence/frequency
 penalties != 0, tools/functions, response_format other than text, several prompts.
 """
@@ -46,6 +47,7 @@ class _Sampling(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     def check_common(self) -> None:
         if self.n not in (None, 1):
@@ -85,6 +87,8 @@ class _Sampling(BaseModel):
             out["seed"] = self.seed
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.request_id:
+            out["request_id"] = self.request_id
         return out
 
 

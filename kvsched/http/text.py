@@ -66,15 +66,29 @@ class Detokenizer:
         from tokenizers.decoders import DecodeStream
 
         self._backend = backend
+        self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._num_chars = 0
 
     def push(self, ids: Sequence[int]) -> str:
         out = []
         for t in ids:
+            self._ids.append(int(t))
             piece = self._stream.step(self._backend, int(t))
             if piece:
                 out.append(piece)
-        return "".join(out)
+        text = "".join(out)
+        self._num_chars += len(text)
+        return text
+
+    def flush(self) -> str:
+        """At the end: what decoding the whole sequence has beyond what was pushed out (bytes
+        of an incomplete character, which the stream holds back, decode as U+FFFD)."""
+        full: str = self._backend.decode(self._ids, skip_special_tokens=self._skip)
+        tail = full[self._num_chars :]
+        self._num_chars = len(full)
+        return tail
 
 
 class StopStrings:
