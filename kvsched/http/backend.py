@@ -11,10 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from kvsched.client import AsyncClient, KvschedClientError
 from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, ResumableStream, resumable
 
 _MODELS_TTL_S = 5.0
+_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +54,9 @@ class Backend:
         self._tls = (tls_ca, tls_cert, tls_key)
         self._clients: list[AsyncClient] = []
         self._turn = 0
-        self._models: tuple[float, list[ModelInfo] | None] = (0.0, None)
+        # ListModels answers by token (a cached answer never serves a caller the daemon
+        # would refuse): token -> (when, models)
+        self._models: dict[str, tuple[float, list[ModelInfo] | None]] = {}
 
     def _all(self) -> list[AsyncClient]:
         if not self._clients:
@@ -99,7 +104,7 @@ class Backend:
     async def list_models(self, token: str | None) -> list[ModelInfo] | None:
         """The daemons' models (cached a few seconds), or None when the daemon has no
         ListModels (an older kvsched) or cannot be reached."""
-        at, cached = self._models
+        at, cached = self._models.get(token or "", (float("-inf"), None))
         if time.monotonic() - at < _MODELS_TTL_S:
             return cached
         models: list[ModelInfo] | None = None
@@ -109,11 +114,15 @@ class Backend:
                 break
             try:
                 resp = await call(timeout=5.0, metadata=self.metadata(token))
-            except (KvschedClientError, TypeError):
+            except KvschedClientError as exc:
+                if exc.code in _REFUSALS:
+                    raise  # the caller's token: theirs to fix (401 / 403)
                 continue
             models = [_model_info(m) for m in resp]
             break
-        self._models = (time.monotonic(), models)
+        if len(self._models) > 1000:
+            self._models.clear()
+        self._models[token or ""] = (time.monotonic(), models)
         return models
 
     async def close(self) -> None:

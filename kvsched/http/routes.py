@@ -15,8 +15,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvsched.client import KvschedClientError
 from kvsched.http.backend import Backend, ModelInfo
-from kvsched.http.errors import ApiError, model_not_found
+from kvsched.http.errors import ApiError, from_client_error, model_not_found
 from kvsched.http.generation import Generation, raise_if_failed
 from kvsched.http.metrics import HttpMetrics
 from kvsched.http.responses import DONE, Shape, sse
@@ -96,8 +97,7 @@ def create_app(settings: Settings, text: TextModel | None = None) -> FastAPI:
 
 
 async def _model_cards(state: State, token: str | None) -> list[dict[str, Any]]:
-    assert state.backend is not None
-    daemon = await state.backend.list_models(token)
+    daemon = await _list_models(state, token)
     cards = []
     for name in state.settings.served_names:
         info = _daemon_entry(state, daemon, state.settings.daemon_model)
@@ -106,6 +106,14 @@ async def _model_cards(state: State, token: str | None) -> list[dict[str, Any]]:
         if m.name not in state.settings.served_names:
             cards.append(_card(m.name, m))
     return cards
+
+
+async def _list_models(state: State, token: str | None) -> list[ModelInfo] | None:
+    assert state.backend is not None
+    try:
+        return await state.backend.list_models(token)
+    except KvschedClientError as exc:
+        raise from_client_error(exc) from None
 
 
 def _card(name: str, info: ModelInfo | None) -> dict[str, Any]:
@@ -126,8 +134,7 @@ def _daemon_entry(state: State, daemon: list[ModelInfo] | None, name: str) -> Mo
 
 async def _resolve(state: State, model: str, token: str | None) -> tuple[str, ModelInfo | None]:
     """The kvsched model name for a request's `model`, and what the daemon says of it."""
-    assert state.backend is not None
-    daemon = await state.backend.list_models(token)
+    daemon = await _list_models(state, token)
     if model in state.settings.served_names:
         name = state.settings.daemon_model
     elif daemon is not None and model in {m.name for m in daemon}:

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.harness import Proc, start_daemon, start_worker, wait_ready
+from kvsched.client import Client
+from tests.integration.harness import Proc, start_daemon, start_worker
 
 MODEL = "tiny"
 VOCAB = 512
@@ -52,6 +53,7 @@ def stack(
     daemon_args: tuple[str, ...] = (),
     worker_args: tuple[str, ...] = (),
     http_args: tuple[str, ...] = (),
+    admin_token: str = "",
 ) -> Iterator[Stack]:
     """Daemon (with its metrics endpoint), one sim worker, the front end; all stopped after."""
     daemon, address = start_daemon("--metrics-listen", "127.0.0.1:0", *daemon_args)
@@ -59,7 +61,7 @@ def stack(
     try:
         metrics = daemon.wait_for(r"kvsched metrics on (\S+:\d+)").group(1)
         procs.append(start_worker(address, "i0", "--vocab-size", str(VOCAB), *worker_args))
-        wait_ready(address, ["i0"], timeout=60)
+        wait_ready(address, admin_token)
         http, url = start_http(model_dir, address, *http_args)
         procs.append(http)
         yield Stack(daemon, address, f"http://{metrics}/metrics", http, url)
@@ -96,3 +98,12 @@ def scrape(url: str, sample: str, **labels: str) -> float:
             if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
+
+
+def wait_ready(address: str, admin_token: str = "", timeout: float = 60.0) -> None:
+    """Wait until the daemon's instance i0 is ready (status with the admin token, if any)."""
+    deadline = time.monotonic() + timeout
+    with Client(address, token=admin_token, timeout=5) as c:
+        while not any(i.instance_id == "i0" and i.ready for i in c.status().instances):
+            assert time.monotonic() < deadline, f"i0 not ready: {c.status()}"
+            time.sleep(0.05)
