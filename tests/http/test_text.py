@@ -79,7 +79,7 @@ def test_stop_strings_cut_before_the_earliest_and_hold_back_a_possible_start() -
     first = s.feed("hello S")
     assert first == "hell"  # the last len("STOP") - 1 characters wait: "o S" may begin it
     pieces = [first] + [s.feed(x) for x in ("T", "x more", "ore S", "TOP and more")]
-    assert "".join(pieces) == s.text == "hello STx more ore "  # "STOP" straddled two feeds
+    assert "".join(pieces) == s.text == "hello STx moreore "  # "STOP" straddled two feeds
     assert s.hit == "STOP"
     assert s.feed("anything") == "" and s.flush() == ""
     t = StopStrings(["xyz", "b"])
