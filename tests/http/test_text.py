@@ -87,4 +87,4 @@ def test_stop_strings_cut_before_the_earliest_and_hold_back_a_possible_start() -
     u = StopStrings([])
     assert u.feed("abc") == "abc" and u.flush() == "" and u.hit is None
     v = StopStrings(["END"])
-    assert v.feed("the E") == "the " and v.flush() == "E"  # ended without the stop string
+    assert v.feed("the E") == "the" and v.flush() == " E"  # ended without the stop string
