@@ -255,13 +255,16 @@ class AsyncClient:
             raise from_rpc_error(exc) from None
         return resp
 
-    async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
-        """The models the daemon serves (RequestService.ListModels), by name."""
+    async def list_models(
+        self, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()
+    ) -> list[ModelInfo]:
+        """The models the daemon serves (RequestService.ListModels), by name. `metadata` is
+        sent with the call (e.g. a bearer token per caller)."""
         try:
             resp = await self._requests.ListModels(
                 rpb.ListModelsRequest(),
                 timeout=self._conn.deadline(timeout),
-                metadata=self._conn.metadata(),
+                metadata=self._conn.metadata(metadata),
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None

@@ -8,26 +8,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from kvsched.client import AsyncClient, KvschedClientError
+from kvsched.client import AsyncClient, KvschedClientError, ModelInfo
 from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, ResumableStream, resumable
 
 _MODELS_TTL_S = 5.0
 _REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """A model the daemons serve (RequestService.ListModels)."""
-
-    name: str
-    max_model_len: int
-    vocab_size: int
-    ready_instances: int
 
 
 class Backend:
@@ -102,23 +91,19 @@ class Backend:
             await stream.client.abort(stream.request_id, timeout=5.0, metadata=self.metadata(token))
 
     async def list_models(self, token: str | None) -> list[ModelInfo] | None:
-        """The daemons' models (cached a few seconds), or None when the daemon has no
-        ListModels (an older kvsched) or cannot be reached."""
+        """The daemons' models (cached a few seconds per token), or None when no daemon
+        answers. Unauthenticated / PermissionDenied raise (the caller's token is refused)."""
         at, cached = self._models.get(token or "", (float("-inf"), None))
         if time.monotonic() - at < _MODELS_TTL_S:
             return cached
         models: list[ModelInfo] | None = None
         for client in self._rotation():
-            call = getattr(client, "list_models", None)
-            if call is None:
-                break
             try:
-                resp = await call(timeout=5.0, metadata=self.metadata(token))
+                models = await client.list_models(timeout=5.0, metadata=self.metadata(token))
             except KvschedClientError as exc:
                 if exc.code in _REFUSALS:
                     raise  # the caller's token: theirs to fix (401 / 403)
                 continue
-            models = [_model_info(m) for m in resp]
             break
         if len(self._models) > 1000:
             self._models.clear()
@@ -129,12 +114,3 @@ class Backend:
         for c in self._clients:
             await c.close()
         self._clients = []
-
-
-def _model_info(m: Any) -> ModelInfo:
-    return ModelInfo(
-        str(m.name),
-        int(getattr(m, "max_model_len", 0)),
-        int(getattr(m, "vocab_size", 0)),
-        int(getattr(m, "ready_instances", 0)),
-    )

@@ -15,8 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvsched.client import KvschedClientError
-from kvsched.http.backend import Backend, ModelInfo
+from kvsched.client import KvschedClientError, ModelInfo
+from kvsched.http.backend import Backend
 from kvsched.http.errors import ApiError, from_client_error, model_not_found
 from kvsched.http.generation import Generation, raise_if_failed
 from kvsched.http.metrics import HttpMetrics
@@ -97,13 +97,13 @@ def create_app(settings: Settings, text: TextModel | None = None) -> FastAPI:
 
 
 async def _model_cards(state: State, token: str | None) -> list[dict[str, Any]]:
+    """The served names first (with the facts of the daemon model they map to), then the
+    daemon's other models this front end's tokenizer fits (same vocabulary size)."""
     daemon = await _list_models(state, token)
-    cards = []
-    for name in state.settings.served_names:
-        info = _daemon_entry(state, daemon, state.settings.daemon_model)
-        cards.append(_card(name, info))
+    names = state.settings.served_names
+    cards = [_card(n, _daemon_entry(daemon, _daemon_name(state, n, daemon))) for n in names]
     for m in daemon or []:
-        if m.name not in state.settings.served_names:
+        if m.name not in names and _fits(state, m):
             cards.append(_card(m.name, m))
     return cards
 
@@ -124,7 +124,19 @@ def _card(name: str, info: ModelInfo | None) -> dict[str, Any]:
     return card
 
 
-def _daemon_entry(state: State, daemon: list[ModelInfo] | None, name: str) -> ModelInfo | None:
+def _fits(state: State, m: ModelInfo) -> bool:
+    return m.vocab_size in (0, state.text.vocab_size)
+
+
+def _daemon_name(state: State, model: str, daemon: list[ModelInfo] | None) -> str:
+    """What GenerateRequest.model says for a served name: the same name when the daemon serves
+    a model so named, else --daemon-model ("" = the daemon's default model)."""
+    if daemon is not None and any(m.name == model for m in daemon):
+        return model
+    return state.settings.daemon_model
+
+
+def _daemon_entry(daemon: list[ModelInfo] | None, name: str) -> ModelInfo | None:
     if not daemon:
         return None
     if name:
@@ -133,16 +145,23 @@ def _daemon_entry(state: State, daemon: list[ModelInfo] | None, name: str) -> Mo
 
 
 async def _resolve(state: State, model: str, token: str | None) -> tuple[str, ModelInfo | None]:
-    """The kvsched model name for a request's `model`, and what the daemon says of it."""
+    """The kvsched model name for a request's `model`, and what the daemon says of it: a served
+    name, or a model the daemon serves whose vocabulary this front end's tokenizer fits."""
     daemon = await _list_models(state, token)
-    if model in state.settings.served_names:
-        name = state.settings.daemon_model
-    elif daemon is not None and model in {m.name for m in daemon}:
-        name = model
-    else:
-        known = state.settings.served_names + [m.name for m in daemon or []]
-        raise model_not_found(model, known)
-    return name, _daemon_entry(state, daemon, name)
+    known = {m.name: m for m in daemon or []}
+    if model not in state.settings.served_names:
+        if model not in known:
+            names = state.settings.served_names + [m for m in known if _fits(state, known[m])]
+            raise model_not_found(model, names)
+        if not _fits(state, known[model]):
+            raise ApiError(
+                400,
+                f"model {model!r} has a {known[model].vocab_size}-token vocabulary; this front "
+                f"end's tokenizer has {state.text.vocab_size}: use a kvsched http serving it",
+                param="model",
+            )
+    name = _daemon_name(state, model, daemon)
+    return name, _daemon_entry(daemon, name)
 
 
 async def _serve(

@@ -17,5 +17,5 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def live(model_dir: Path) -> Iterator[Stack]:
     """One daemon + sim worker + front end shared by a module's tests (their counts are
     compared before and after, never absolute)."""
-    with stack(model_dir) as s:
+    with stack(model_dir, worker_args=("--served-model-name", "tiny")) as s:
         yield s

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from kvsched.worker_stub.sim import SimExecutor
 from tests.http.harness import MODEL, VOCAB, Stack, scrape
-from tests.integration.harness import status
+from tests.integration.harness import start_worker, status
 
 SIM = SimExecutor(vocab_size=VOCAB)
 LONG = 100_000  # max_tokens of a request that runs until it is aborted
@@ -42,9 +42,12 @@ def chat_prompt(tok: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(tok(text, add_special_tokens=False).input_ids)
 
 
-def test_models_lists_the_served_name(live: Stack) -> None:
-    ids = [m.id for m in client(live).models.list().data]
-    assert MODEL in ids
+def test_models_lists_the_served_name_with_the_daemons_facts(live: Stack) -> None:
+    models = httpx.get(live.url + "/v1/models", timeout=10).json()
+    assert models["object"] == "list"
+    assert [(m["id"], m["ready_instances"]) for m in models["data"]] == [(MODEL, 1)]
+    assert models["data"][0]["max_model_len"] > 0
+    assert [m.id for m in client(live).models.list().data] == [MODEL]
 
 
 def test_completion_text_is_the_decoding_of_the_sim_tokens(live: Stack, tok: Any) -> None:
@@ -259,3 +262,36 @@ def test_metrics_and_health(live: Stack) -> None:
     assert "kvsched_http_request_duration_seconds_bucket" in text
     assert "kvsched_http_time_to_first_token_seconds_bucket" in text
     assert json.loads(httpx.get(live.url + "/v1/models", timeout=10).text)["object"] == "list"
+
+
+def test_a_daemon_model_of_another_vocabulary_is_not_served_here(live: Stack) -> None:
+    """A second model on the same daemon (a sim with 32,000 ids): not listed, refused with
+    400 naming the vocabularies; the served model goes on."""
+    big = start_worker(live.address, "i1", "--served-model-name", "big")
+    try:
+        _wait(
+            lambda: any(i.instance_id == "i1" and i.ready for i in status(live.address).instances)
+        )
+
+        # Until the front end's cached ListModels answer (5 s) is renewed "big" is unknown.
+        def big_request() -> httpx.Response:
+            return httpx.post(
+                live.url + "/v1/completions", json={"model": "big", "prompt": "x"}, timeout=30
+            )
+
+        _wait(lambda: big_request().status_code != 404)
+        err = _error(big_request(), 400)
+        ids = [m["id"] for m in httpx.get(live.url + "/v1/models", timeout=10).json()["data"]]
+        assert ids == [MODEL]
+        assert "32000-token vocabulary" in err["message"] and err["param"] == "model"
+        out = client(live).completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert out.choices[0].finish_reason == "length"
+    finally:
+        big.stop()
+
+
+def _wait(cond: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
