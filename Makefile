@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROTOS  := $(wildcard protos/kvsched/v1/*.proto)
 
-.PHONY: install proto proto-check lint typecheck test test-fast demo demo-cluster bench bench-peers clean
+.PHONY: install proto proto-check lint typecheck test test-fast demo demo-cluster demo-real demo-real-sim bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,6 +49,22 @@ demo: $(STAMP)
 # The same trace under two daemons joined through a local NATS (docs/CLUSTER.md).
 demo-cluster: $(STAMP)
 	$(BIN)/kvsched demo --cluster --daemons 2 --json bench/results/demo_cluster.json
+
+# A real model over HTTP (README "Serve a model", docs/HTTP.md): the vllm extra in its own
+# virtualenv (torch + vLLM, never in .venv), a tiny model made offline, daemon + vLLM worker +
+# kvsched http, streamed chat with curl and the openai client. demo-real-sim: the sim worker.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -e '.[vllm]'
+	touch $(VLLM_STAMP)
+
+demo-real: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python tools/demo_real.py --worker-python $(VLLM_VENV)/bin/python
+
+demo-real-sim: $(STAMP)
+	$(BIN)/python tools/demo_real.py --executor sim
 
 # The benchmark suite; figures and how to read them: docs/BENCHMARKS.md.
 bench: $(STAMP)
