@@ -194,10 +194,11 @@ async def _serve(
     watch = _watch_disconnect(request, gen)
     try:
         await gen.start()
-    except BaseException:
+    except BaseException as exc:
         watch.cancel()
         m.in_flight.dec()
-        await gen.abort()
+        if not isinstance(exc, ApiError):  # a refusal was never accepted: nothing to abort
+            await gen.abort()
         raise
     m.ttft.labels(endpoint).observe(time.monotonic() - arrived)
 
