@@ -68,6 +68,12 @@ def run_http(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"kvsched http: {exc.name} is missing: pip install 'kvsched[http]'", file=sys.stderr)
         return 2
+    if not os.path.isdir(args.model):  # a local directory: nothing is downloaded
+        print(f"kvsched http: --model {args.model!r} is not a directory", file=sys.stderr)
+        return 2
+    if not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+        print(f"kvsched http: {args.model}: no tokenizer.json (a fast tokenizer)", file=sys.stderr)
+        return 2
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         print(f"kvsched http: --listen must be HOST:PORT, got {args.listen!r}", file=sys.stderr)
@@ -89,7 +95,7 @@ def run_http(args: argparse.Namespace) -> int:
     try:
         app = create_app(settings)
     except (OSError, ValueError) as exc:
-        print(f"kvsched http: {args.model}: {exc}", file=sys.stderr)
+        print(f"kvsched http: {args.model}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     config = uvicorn.Config(
         app, host=host, port=int(port), log_level=args.log_level, timeout_graceful_shutdown=5
