@@ -209,6 +209,7 @@ async def _serve(
         m.finished.labels(endpoint, reason).inc()
         m.prompt_tokens.inc(gen.prompt_tokens)
         m.completion_tokens.inc(gen.completion_tokens)
+        m.resumes.inc(gen.stream.resumes)
         m.latency.labels(endpoint).observe(time.monotonic() - arrived)
 
     if body.stream:
