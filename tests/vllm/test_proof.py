@@ -209,6 +209,8 @@ def test_kvsched_with_vllm_worker_gives_vllm_tokens(
     for r, pos, have, want in diffs:
         if pos is None:
             print(f"  {r['id']}: lengths differ: kvsched {len(have)}, vLLM {len(want)}")
+    # A distinct prompt over twice the step budget cannot be prefilled in fewer than 3 steps.
+    assert any(len(r["prompt"]) > 2 * STEP_TOKENS for r in reqs[24:]), "no chunked prefill"
     assert st.num_preemptions > 0, "the small KV pool forced no preemption"
     assert st.prefix_cache_hit_tokens >= 2 * 96, "the shared prefixes were not hit"
     assert share >= 0.99, f"only {equal}/{len(reqs)} equal"
