@@ -415,7 +415,7 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
 
     from bench.core_step import Worker, build, warm_up
     from kvsched import codec
-    from kvsched.server.engine import TokenDelivery
+    from kvsched.server.delivery import TokenDelivery
     from kvsched.server.frontend import RequestServicer
     from kvsched.server.request_table import Tracked
     from kvsched.server.sinks import SessionSink

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvsched.core.errors import ConfigError
 from kvsched.data import CONVERSATION_SLICE
+from kvsched.http.args import add_http_parser
 from kvsched.replay.args import add_replay_arguments
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -142,6 +143,12 @@ def _add_worker(sub: Any) -> None:
     p.add_argument("--speed", type=float, default=1.0, help="sim: step time divided by this")
     p.add_argument("--zero-cost", action="store_true", help="sim: steps take no time")
     p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=32000,
+        help="sim: tokens drawn from [0, N) (a model's vocab)",
+    )
+    p.add_argument(
         "--num-blocks",
         type=int,
         default=0,
@@ -177,6 +184,22 @@ def _add_worker(sub: Any) -> None:
     )
     p.add_argument("--num-slots", type=int, default=256, help="concurrent requests")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--crash-on-token",
+        type=int,
+        default=-1,
+        metavar="ID",
+        help="sim, fault injection: drop the stream and the engine (a crash) when a prefill "
+        "carries this token id (-1: never)",
+    )
+    p.add_argument(
+        "--crash-on-prompt-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sim, fault injection: crash when a request with at least N prompt tokens is "
+        "placed (0: never)",
+    )
     p.add_argument("--backend", choices=("auto", "numpy", "paddle"), default="auto")
     p.add_argument("--listen-kv", default="", metavar="HOST:PORT", help="accept KV pushes here")
     p.add_argument(
@@ -265,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_serve, _add_worker, _add_status, _add_demo, _add_replay, _add_nats):
         add(sub)
+    add_http_parser(sub)
     return parser
 
 

@@ -98,6 +98,7 @@ class ServerConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     requeue_timeout_s: float = 30.0  # a lost instance's request waits this long for another
+    poison_max_losses: int = 2  # a request on this many lost instances ends (server/poison.py)
     max_session_requests: int = 100000  # open requests per Session stream
     default_max_tokens: int = 16  # a request that does not set max_tokens gets this many
     stall_timeout_s: float = 30.0  # a stream that does not read its outputs this long is cut
@@ -211,6 +212,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "heartbeat_interval_s": (0.01, 3600.0),
     "heartbeat_timeout_s": (0.01, 86400.0),
     "requeue_timeout_s": (0.0, 86400.0),
+    "poison_max_losses": (1, 1000),
     "member_ttl_s": (0.5, 3600.0),
     "max_session_requests": (1, _INT32_MAX),
     "default_max_tokens": (1, _INT32_MAX),

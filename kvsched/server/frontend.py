@@ -55,13 +55,18 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         sink = StreamSink()
-        tr = await self.durable.submit(
-            request,
-            sink,
-            owner=principal(context),
-            carrier=metadata(context),
-            deadline_s=context.time_remaining(),
-        )
+        carrier = metadata(context)
+        try:
+            tr = await self.durable.submit(
+                request,
+                sink,
+                owner=principal(context),
+                carrier=carrier,
+                deadline_s=context.time_remaining(),
+            )
+        except KvschedError as exc:
+            self._refused(request, exc, carrier)
+            raise
         async for msg in self._follow(tr, sink, pb.GenerateResponse):
             yield msg
 
@@ -132,6 +137,12 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             self.requests.streams.discard(sink)
             if not done and not tr.detachable and tr.sink is sink:
                 self.requests.abort_tracked(tr, sink_close_reason(sink))
+
+    def _refused(self, request: pb.GenerateRequest, exc: KvschedError, carrier: Any) -> None:
+        """Count, log and trace a refused submission (server/refusals.py)."""
+        code, message = status_for(exc)
+        reason = "draining" if self.requests.draining else code.name.lower()
+        self.requests.telemetry.request_refused(request.request_id, reason, message, carrier)
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -264,6 +275,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     sink.held_set.discard(tr)
                     raise
         except KvschedError as exc:
+            self._refused(submit.request, exc, carrier)
             code, message = status_for(exc)
             sink.errors.append(
                 pb.SessionResponse.Error(

@@ -33,6 +33,7 @@ from kvsched.core import (
 )
 from kvsched.core.request import FINISHED_STATUS
 from kvsched.server.engine import InstanceEngine
+from kvsched.server.poison import PoisonGuard
 from kvsched.v1 import request_service_pb2
 
 if TYPE_CHECKING:
@@ -77,6 +78,8 @@ class Tracked:
     journaled: int = 0  # output tokens the journal has recorded
     held: bool = False  # a Session holds its outputs until the journal stored it
     model: str = ""  # the model it runs on (a lost instance's request moves within it)
+    losses: int = 0  # instance losses it is a suspect of (server/poison.py)
+    out_at_place: int = 0  # output tokens it had when last placed
 
 
 class RequestTable:
@@ -95,6 +98,7 @@ class RequestTable:
         self._timer_seq = 0
         self.streams: set[Any] = set()  # open Generate / Session sinks (stall watchdog)
         self.num_requeued = 0
+        self.poison = PoisonGuard(config.poison_max_losses)
         # A cluster's routing and forwarding (kvsched.cluster.node.ClusterNode; None: alone):
         # `route_new(req, carrier, owner)` -> (an engine here or a peer's instance, the owner
         # to track it under), `forward(tr, pb, remote, carrier, deadline_s)`, and
@@ -283,6 +287,11 @@ class RequestTable:
         if tr.decode_engine is not None or tr.engine.role != Role.MIXED:
             self._fail(tr, f"{reason}; disaggregated requests are not moved")
             return
+        quarantined = self.poison.lost(tr, reason)
+        if quarantined is not None:
+            self.telemetry.request_quarantined(tr)
+            self._fail(tr, quarantined)
+            return
         new = Request(
             old.req_id,
             old.prompt_token_ids,
@@ -321,6 +330,8 @@ class RequestTable:
             if self.tracked.get(tr.req.req_id) is not tr:
                 continue  # aborted meanwhile
             eng = self.registry.route_moved(tr.req, tr.model)
+            if eng is not None and not self.poison.may_place(tr, self._live):
+                eng = None  # a suspect waits for the one on trial (server/poison.py)
             if eng is not None:
                 try:
                     eng.add_request(tr.req)
@@ -328,6 +339,7 @@ class RequestTable:
                     self._fail(tr, f"{reason}; cannot move to {eng.instance_id}: {exc}")
                     continue
                 tr.engine = eng
+                tr.out_at_place = len(tr.req.output_token_ids)
                 eng.wake()
             elif now >= deadline:
                 self._fail(
@@ -338,6 +350,9 @@ class RequestTable:
             else:
                 keep.append((tr, deadline, reason))
         self.orphans = keep
+
+    def _live(self, tr: Tracked) -> bool:
+        return self.tracked.get(tr.req.req_id) is tr and tr.engine.holds(tr.req)
 
     def _fail(self, tr: Tracked, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
         """End a request no scheduler holds (orphaned, hand-off failed)."""

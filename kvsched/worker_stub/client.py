@@ -27,6 +27,7 @@ from kvsched.worker_stub.factories import (
     model_engine_factory,
     sim_engine_factory,
 )
+from kvsched.worker_stub.faults import Faults
 from kvsched.worker_stub.session import Worker, WorkerError
 from kvsched.worker_stub.stats import WorkerStats
 
@@ -57,7 +58,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
     if max_model_len < 0:
         raise ValueError(f"--max-model-len must be >= 0, got {max_model_len}")
     if args.executor == "sim":
-        vocab_size = SIM_VOCAB_SIZE
+        vocab_size = getattr(args, "vocab_size", SIM_VOCAB_SIZE)  # announced in Hello too
         factory = sim_engine_factory(
             args.num_slots,
             gpu=args.gpu,
@@ -65,6 +66,10 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
             zero_cost=args.zero_cost,
             seed=args.seed,
             pcie_gbps=getattr(args, "pcie_gbps", 50.0),
+            vocab_size=vocab_size,
+            faults=Faults(
+                getattr(args, "crash_on_token", -1), getattr(args, "crash_on_prompt_len", 0)
+            ),
         )
     elif args.executor == "vllm":
         from kvsched.worker_vllm.cli import vllm_factory_from_args

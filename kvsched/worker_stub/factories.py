@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvsched.worker_stub.costmodel import KV_BYTES_PER_TOKEN
 from kvsched.worker_stub.engine import KvSender, WorkerEngine
+from kvsched.worker_stub.faults import Faults, FaultyEngine
 from kvsched.worker_stub.sim import SimExecutor
 
 _SIM_MAX_MODEL_LEN = 1 << 20  # the sim has no length limit of its own
@@ -35,10 +36,12 @@ def sim_engine_factory(
     seed: int = 0,
     eos_every: int | None = None,
     pcie_gbps: float = 50.0,
+    vocab_size: int = SIM_VOCAB_SIZE,
+    faults: Faults | None = None,
 ) -> EngineFactory:
     """Engines over a `SimExecutor`; the arguments are checked now, not after the Welcome.
     Host tier copies cost a block's bytes (the fitted model's, KV_BYTES_PER_TOKEN a token)
-    over pcie_gbps GB/s."""
+    over pcie_gbps GB/s. `faults`: crash on the requests it names (worker_stub/faults.py)."""
     SimExecutor(
         gpu=gpu,
         speed=speed,
@@ -46,6 +49,7 @@ def sim_engine_factory(
         seed=seed,
         eos_every=eos_every,
         pcie_gbps=pcie_gbps,
+        vocab_size=vocab_size,
     )
 
     def build(settings: EngineSettings, kv_sender: KvSender) -> WorkerEngine:
@@ -57,8 +61,9 @@ def sim_engine_factory(
             eos_every=eos_every,
             block_bytes=KV_BYTES_PER_TOKEN * settings.block_size,
             pcie_gbps=pcie_gbps,
+            vocab_size=vocab_size,
         )
-        return WorkerEngine(
+        engine = (FaultyEngine if faults else WorkerEngine)(
             sim,
             settings.block_size,
             num_slots,
@@ -68,6 +73,9 @@ def sim_engine_factory(
             kv_sender=kv_sender,
             columnar=True,
         )
+        if faults and isinstance(engine, FaultyEngine):
+            engine.faults = faults
+        return engine
 
     return build
 

@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 
 from kvsched.core import Request
-from kvsched.server.engine import TokenDelivery
+from kvsched.server.delivery import TokenDelivery
 from kvsched.server.request_table import Tracked
 from kvsched.server.sinks import SessionSink, _token_columns
 
