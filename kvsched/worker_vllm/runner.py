@@ -7,24 +7,24 @@ SeqWorks become one `SchedulerOutput`; the runner's sampled tokens come back.
 
 How kvsched's decisions map onto vLLM's per-step structures:
 
-    SeqWork (prefill chunk, request not  -> NewRequestData: prompt_token_ids = the prompt as
-      yet known to the runner, or a          known so far, zeros past it (the runner reads only
-      later chunk of its prompt)             positions it computes), block_ids = kvsched's
+    SeqWork, a chunk that does not end   -> NewRequestData under the request's alias id (see
+      the prompt                             _ALIAS), unseeded: prompt_token_ids = the prompt
+                                             as known so far, zeros past it (the runner reads
+                                             only positions it computes), block_ids = kvsched's
                                              table (+1: vLLM's block 0 is its null block),
-                                             num_computed_tokens = chunk start. A later chunk
-                                             re-sends it: the runner updates a known request in
-                                             place (its streaming-input path), keeping its
-                                             sampler's generator
-    SeqWork (decode of a known request)  -> CachedRequestData: new blocks, computed tokens,
+                                             num_computed_tokens = the chunk's start
+    SeqWork, the prompt's last chunk (or -> NewRequestData under the request's id; a request
+      the first decode of a full hit)        the runner still holds (preempted, now re-placed)
+                                             is updated in place (its streaming-input path),
+                                             keeping its seeded generator, as vLLM does
+    SeqWork, a decode                    -> CachedRequestData: new blocks, computed tokens,
                                              output count
-    finished / aborted handle            -> finished_req_ids (once)
+    finished / aborted handle            -> finished_req_ids (once; its alias too)
     preempted handle                     -> nothing: vLLM drops an unscheduled request from its
-                                             batch and keeps its state; the re-placement after
-                                             recompute re-sends it as above (a seeded request's
-                                             generator goes on where it was, as in vLLM)
+                                             batch and keeps its state for the re-placement
 
 A non-final chunk leaves the runner a prompt longer than what it computed, so it discards that
-step's sample exactly as for its own chunked prefill. Nothing here checks stops: the worker
+step's sample as for its own chunked prefill. Nothing here checks stops: the worker
 engine does (EOS, stop ids, max tokens), as for every executor.
 """
 
@@ -44,6 +44,19 @@ log = logging.getLogger(__name__)
 # Requests preempted here (their state kept for a re-placement) beyond this many: the oldest is
 # finished in the runner (a preempted request the daemon later aborted is never re-placed).
 _MAX_PARKED = 1024
+# A chunk that does not end the prompt runs under the request's id + this, without a seed: the
+# runner samples every request and discards a partial prefill's token, and on CPU it then fails
+# to rewind a seeded request's generator ("CPU Generator does not use offset"). The KV lands in
+# kvsched's blocks either way; the real id (and its generator) first runs the prompt's last chunk.
+_ALIAS = "\x00chunk"
+
+
+def _unseeded(params: Any) -> Any:
+    if params.seed is None:
+        return params
+    copy = params.clone()
+    copy.seed = None
+    return copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +81,7 @@ class _Req:
     num_blocks_known: int = 0  # blocks of its table the runner has
     num_out: int = 0  # tokens the runner sampled for it since it last (re)sent it
     synced: bool = False  # the runner holds its current prompt and table
+    alias_live: bool = False  # the runner holds its prompt's first chunks under the alias id
 
 
 class VllmModel:
@@ -228,8 +242,11 @@ class VllmExecutor:
     def release(self, req_id: str, *, preempted: bool) -> None:
         """The engine dropped the request: finished, aborted or failed (the runner forgets
         it), or preempted (kept for its re-placement)."""
-        if self._reqs.pop(req_id, None) is None:
+        r = self._reqs.pop(req_id, None)
+        if r is None:
             return
+        if r.alias_live:
+            self._finished.add(req_id + _ALIAS)
         if preempted:
             self._parked[req_id] = None
             while len(self._parked) > _MAX_PARKED:
@@ -240,7 +257,7 @@ class VllmExecutor:
     # ---- Executor ---------------------------------------------------------------------------
 
     def execute(self, work: list[SeqWork]) -> StepResult:
-        from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+        from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
         started = time.perf_counter()
         new: list[Any] = []
@@ -252,20 +269,20 @@ class VllmExecutor:
             end = w.start + n
             if end > len(r.prompt):  # a decode past the prompt: the runner samples positions
                 r.prompt.extend([0] * (end - len(r.prompt)))  # (only a full-hit placement)
+            blocks = ([b + 1 for b in w.block_ids],)
+            if not w.sample:  # a chunk that ends before the prompt does: under the alias
+                r.prompt[w.start : end] = w.token_ids
+                alias = w.req_id + _ALIAS
+                new.append(self._new_data(alias, r, _unseeded(r.params), blocks, w.start))
+                r.alias_live = True
+                num_scheduled[alias] = n
+                continue
             if not r.synced or w.start < r.num_prefill:
                 r.prompt[w.start : end] = w.token_ids
-                new.append(
-                    NewRequestData(
-                        req_id=w.req_id,
-                        prompt_token_ids=list(r.prompt),
-                        mm_features=[],
-                        sampling_params=r.params,
-                        pooling_params=None,
-                        block_ids=([b + 1 for b in w.block_ids],),
-                        num_computed_tokens=w.start,
-                        lora_request=None,
-                    )
-                )
+                if r.alias_live:
+                    self._finished.add(w.req_id + _ALIAS)
+                    r.alias_live = False
+                new.append(self._new_data(w.req_id, r, r.params, blocks, w.start))
                 r.num_out = 0
                 r.synced = True
             else:
@@ -311,6 +328,21 @@ class VllmExecutor:
         self.num_steps += 1
         return StepResult(tokens, time.perf_counter() - started)
 
+    @staticmethod
+    def _new_data(req_id: str, r: _Req, params: Any, blocks: Any, start: int) -> Any:
+        from vllm.v1.core.sched.output import NewRequestData
+
+        return NewRequestData(
+            req_id=req_id,
+            prompt_token_ids=list(r.prompt),
+            mm_features=[],
+            sampling_params=params,
+            pooling_params=None,
+            block_ids=blocks,
+            num_computed_tokens=start,
+            lora_request=None,
+        )
+
     def export_kv(self, block_ids: list[int]) -> bytes:
         raise NotImplementedError(
             "the vllm executor does not export KV (prefill/decode hand-off is not supported)"
@@ -325,6 +357,7 @@ class VllmExecutor:
         """Forget every request (a new session starts from an empty cache): the runner is told
         with the next step."""
         self._finished.update(self._reqs)
+        self._finished.update(r + _ALIAS for r, s in self._reqs.items() if s.alias_live)
         self._finished.update(self._parked)
         self._reqs.clear()
         self._parked.clear()
