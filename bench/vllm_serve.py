@@ -66,7 +66,11 @@ class Procs:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (kept open for the child)
         full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
         p = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=REPO,
             start_new_session=True,
         )
         self.procs.append((name, p))
@@ -103,16 +107,17 @@ def wait_http(procs: Procs, url: str, timeout: float = 300.0, want: str = "") ->
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         procs.check()
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=2) as r:
-                body = r.read().decode()
-                if r.status == 200 and want in body:
-                    return
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
+            body = r.read().decode()
+            if r.status == 200 and want in body:
+                return
         time.sleep(0.5)
     raise TimeoutError(f"{url} not ready in {timeout:.0f} s")
 
 
-def bench(base_url: str, model_dir: Path, concurrency: int, a: argparse.Namespace) -> dict[str, Any]:
+def bench(
+    base_url: str, model_dir: Path, concurrency: int, a: argparse.Namespace
+) -> dict[str, Any]:
     """One run of vLLM's serving benchmark; its result dict."""
     from vllm.benchmarks import serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -121,20 +126,33 @@ def bench(base_url: str, model_dir: Path, concurrency: int, a: argparse.Namespac
     serve.add_cli_args(parser)
     args = parser.parse_args(
         [
-            "--backend", "openai",
-            "--base-url", base_url,
-            "--endpoint", "/v1/completions",
-            "--model", NAME,
-            "--tokenizer", str(model_dir),
-            "--dataset-name", "random",
-            "--random-input-len", str(a.input_len),
-            "--random-output-len", str(a.output_len),
-            "--num-prompts", str(a.num_prompts),
+            "--backend",
+            "openai",
+            "--base-url",
+            base_url,
+            "--endpoint",
+            "/v1/completions",
+            "--model",
+            NAME,
+            "--tokenizer",
+            str(model_dir),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(a.input_len),
+            "--random-output-len",
+            str(a.output_len),
+            "--num-prompts",
+            str(a.num_prompts),
             "--ignore-eos",
-            "--max-concurrency", str(concurrency),
-            "--percentile-metrics", "ttft,itl,tpot,e2el",
-            "--metric-percentiles", "50,99",
-            "--seed", "0",
+            "--max-concurrency",
+            str(concurrency),
+            "--percentile-metrics",
+            "ttft,itl,tpot,e2el",
+            "--metric-percentiles",
+            "50,99",
+            "--seed",
+            "0",
             "--disable-tqdm",
         ]
     )
@@ -151,10 +169,23 @@ def run_vllm(model_dir: Path, logs: Path, a: argparse.Namespace) -> dict[int, di
         procs.start(
             "vllm_server",
             [
-                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(model_dir), "--dtype", "float32", "--max-model-len", "1024",
-                "--block-size", "32", "--served-model-name", NAME,
-                "--host", "127.0.0.1", "--port", str(port),
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model_dir),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "1024",
+                "--block-size",
+                "32",
+                "--served-model-name",
+                NAME,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
             ],
         )
         wait_http(procs, f"http://127.0.0.1:{port}/health")
@@ -174,16 +205,37 @@ def run_kvsched(model_dir: Path, logs: Path, a: argparse.Namespace) -> dict[int,
         procs.start(
             "kvsched_worker",
             [
-                *kvsched, "worker", "--server", daemon, "--instance", "v0",
-                "--executor", "vllm", "--model", str(model_dir), "--dtype", "float32",
-                "--max-model-len", "1024", "--served-model-name", NAME,
+                *kvsched,
+                "worker",
+                "--server",
+                daemon,
+                "--instance",
+                "v0",
+                "--executor",
+                "vllm",
+                "--model",
+                str(model_dir),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "1024",
+                "--served-model-name",
+                NAME,
             ],
         )
         procs.start(
             "kvsched_http",
             [
-                *kvsched, "http", "--listen", f"127.0.0.1:{http_port}", "--server", daemon,
-                "--model", str(model_dir), "--served-model-name", NAME,
+                *kvsched,
+                "http",
+                "--listen",
+                f"127.0.0.1:{http_port}",
+                "--server",
+                daemon,
+                "--model",
+                str(model_dir),
+                "--served-model-name",
+                NAME,
             ],
         )
         wait_http(procs, f"http://127.0.0.1:{http_port}/v1/models", want='"ready_instances":1')
@@ -198,7 +250,9 @@ def print_table(results: dict[str, dict[int, dict[str, Any]]]) -> None:
     for c in concurrencies:
         for stack, by_c in results.items():
             r = by_c[c]
-            cells = [fmt.format(r[key]) if r.get(key) is not None else "-" for _, key, fmt in METRICS]
+            cells = [
+                fmt.format(r[key]) if r.get(key) is not None else "-" for _, key, fmt in METRICS
+            ]
             print("| " + " | ".join([str(c), stack, *cells]) + " |")
         if len(results) == 2:
             v, k = (results[s][c] for s in ("vllm", "kvsched"))
@@ -230,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         results[stack] = runners[stack](model_dir, work, a)
     print_table(results)
     doc = {
-        "command": "python -m bench.vllm_serve " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m bench.vllm_serve "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{os.cpu_count()} cores, shared",
         "model": "kvsched.tinymodel: Llama, 2 layers, hidden 128, vocab 512, float32",
         "benchmark": {
