@@ -239,7 +239,67 @@ def run_kvsched(model_dir: Path, logs: Path, a: argparse.Namespace) -> dict[int,
             ],
         )
         wait_http(procs, f"http://127.0.0.1:{http_port}/v1/models", want='"ready_instances":1')
-        return {c: bench(f"http://127.0.0.1:{http_port}", model_dir, c, a) for c in a.concurrency}
+        url = f"http://127.0.0.1:{http_port}"
+        out = {c: bench(url, model_dir, c, a) for c in a.concurrency}
+        if a.profile:  # once more at the highest concurrency, each kvsched process sampled
+            with profiling(procs, logs):
+                bench(url, model_dir, max(a.concurrency), a)
+            for name, _ in procs.procs:
+                print(f"--- {name}: where the samples are (py-spy, own time) ---")
+                print(summarize(logs / f"{name}.pyspy"))
+        return out
+
+
+@contextlib.contextmanager
+def profiling(procs: Procs, logs: Path) -> Iterator[None]:
+    """py-spy record (raw collapsed stacks, all threads, idle excluded) of every process."""
+    spies = [
+        subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("py-spy")),
+                "record",
+                "--pid",
+                str(p.pid),
+                "--format",
+                "raw",
+                "--rate",
+                "200",
+                "--output",
+                str(logs / f"{name}.pyspy"),
+                "--nonblocking",
+                "--subprocesses",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name, p in procs.procs
+    ]
+    try:
+        yield
+    finally:
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            spy.wait(60)
+
+
+def summarize(path: Path, top: int = 12) -> str:
+    """The functions with the most own samples, and each one's share, from py-spy raw output."""
+    own: dict[str, int] = {}
+    total = 0
+    if not path.exists():
+        return "(no profile)"
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        leaf = stack.split(";")[-1]
+        own[leaf] = own.get(leaf, 0) + int(count)
+        total += int(count)
+    rows = sorted(own.items(), key=lambda kv: -kv[1])[:top]
+    return (
+        "\n".join(f"{100 * n / total:5.1f} %  {leaf}" for leaf, n in rows) + f"\n({total} samples)"
+    )
 
 
 def print_table(results: dict[str, dict[int, dict[str, Any]]]) -> None:
@@ -268,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--stacks", default="vllm,kvsched", help="which to run, in order")
     p.add_argument("--json", default=str(REPO / "bench/results/vllm_serve.json"))
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="kvsched: one more run at the highest concurrency under py-spy (pip install py-spy)",
+    )
     a = p.parse_args(argv)
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
     from kvsched.tinymodel.model import make_model
