@@ -66,7 +66,11 @@ class Procs:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (kept open for the child)
         full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
         p = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=REPO,
             start_new_session=True,
         )
         self.procs.append((name, p))
@@ -103,16 +107,17 @@ def wait_http(procs: Procs, url: str, timeout: float = 300.0, want: str = "") ->
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         procs.check()
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=2) as r:
-                body = r.read().decode()
-                if r.status == 200 and want in body:
-                    return
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
+            body = r.read().decode()
+            if r.status == 200 and want in body:
+                return
         time.sleep(0.5)
     raise TimeoutError(f"{url} not ready in {timeout:.0f} s")
 
 
-def bench(base_url: str, model_dir: Path, concurrency: int, a: argparse.Namespace) -> dict[str, Any]:
+def bench(
+    base_url: str, model_dir: Path, concurrency: int, a: argparse.Namespace
+) -> dict[str, Any]:
     """One run of vLLM's serving benchmark; its result dict."""
     from vllm.benchmarks import serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -121,20 +126,33 @@ def bench(base_url: str, model_dir: Path, concurrency: int, a: argparse.Namespac
     serve.add_cli_args(parser)
     args = parser.parse_args(
         [
-            "--backend", "openai",
-            "--base-url", base_url,
-            "--endpoint", "/v1/completions",
-            "--model", NAME,
-            "--tokenizer", str(model_dir),
-            "--dataset-name", "random",
-            "--random-input-len", str(a.input_len),
-            "--random-output-len", str(a.output_len),
-            "--num-prompts", str(a.num_prompts),
+            "--backend",
+            "openai",
+            "--base-url",
+            base_url,
+            "--endpoint",
+            "/v1/completions",
+            "--model",
+            NAME,
+            "--tokenizer",
+            str(model_dir),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(a.input_len),
+            "--random-output-len",
+            str(a.output_len),
+            "--num-prompts",
+            str(a.num_prompts),
             "--ignore-eos",
-            "--max-concurrency", str(concurrency),
-            "--percentile-metrics", "ttft,itl,tpot,e2el",
-            "--metric-percentiles", "50,99",
-            "--seed", "0",
+            "--max-concurrency",
+            str(concurrency),
+            "--percentile-metrics",
+            "ttft,itl,tpot,e2el",
+            "--metric-percentiles",
+            "50,99",
+            "--seed",
+            "0",
             "--disable-tqdm",
         ]
     )
@@ -151,10 +169,23 @@ def run_vllm(model_dir: Path, logs: Path, a: argparse.Namespace) -> dict[int, di
         procs.start(
             "vllm_server",
             [
-                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(model_dir), "--dtype", "float32", "--max-model-len", "1024",
-                "--block-size", "32", "--served-model-name", NAME,
-                "--host", "127.0.0.1", "--port", str(port),
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model_dir),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "1024",
+                "--block-size",
+                "32",
+                "--served-model-name",
+                NAME,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
             ],
         )
         wait_http(procs, f"http://127.0.0.1:{port}/health")
@@ -174,20 +205,101 @@ def run_kvsched(model_dir: Path, logs: Path, a: argparse.Namespace) -> dict[int,
         procs.start(
             "kvsched_worker",
             [
-                *kvsched, "worker", "--server", daemon, "--instance", "v0",
-                "--executor", "vllm", "--model", str(model_dir), "--dtype", "float32",
-                "--max-model-len", "1024", "--served-model-name", NAME,
+                *kvsched,
+                "worker",
+                "--server",
+                daemon,
+                "--instance",
+                "v0",
+                "--executor",
+                "vllm",
+                "--model",
+                str(model_dir),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "1024",
+                "--served-model-name",
+                NAME,
             ],
         )
         procs.start(
             "kvsched_http",
             [
-                *kvsched, "http", "--listen", f"127.0.0.1:{http_port}", "--server", daemon,
-                "--model", str(model_dir), "--served-model-name", NAME,
+                *kvsched,
+                "http",
+                "--listen",
+                f"127.0.0.1:{http_port}",
+                "--server",
+                daemon,
+                "--model",
+                str(model_dir),
+                "--served-model-name",
+                NAME,
             ],
         )
         wait_http(procs, f"http://127.0.0.1:{http_port}/v1/models", want='"ready_instances":1')
-        return {c: bench(f"http://127.0.0.1:{http_port}", model_dir, c, a) for c in a.concurrency}
+        url = f"http://127.0.0.1:{http_port}"
+        out = {c: bench(url, model_dir, c, a) for c in a.concurrency}
+        if a.profile:  # once more at the highest concurrency, each kvsched process sampled
+            with profiling(procs, logs):
+                bench(url, model_dir, max(a.concurrency), a)
+            for name, _ in procs.procs:
+                print(f"--- {name}: where the samples are (py-spy, own time) ---")
+                print(summarize(logs / f"{name}.pyspy"))
+        return out
+
+
+@contextlib.contextmanager
+def profiling(procs: Procs, logs: Path) -> Iterator[None]:
+    """py-spy record (raw collapsed stacks, all threads, idle excluded) of every process."""
+    spies = [
+        subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("py-spy")),
+                "record",
+                "--pid",
+                str(p.pid),
+                "--format",
+                "raw",
+                "--rate",
+                "200",
+                "--output",
+                str(logs / f"{name}.pyspy"),
+                "--nonblocking",
+                "--subprocesses",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name, p in procs.procs
+    ]
+    try:
+        yield
+    finally:
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            spy.wait(60)
+
+
+def summarize(path: Path, top: int = 12) -> str:
+    """The functions with the most own samples, and each one's share, from py-spy raw output."""
+    own: dict[str, int] = {}
+    total = 0
+    if not path.exists():
+        return "(no profile)"
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        leaf = stack.split(";")[-1]
+        own[leaf] = own.get(leaf, 0) + int(count)
+        total += int(count)
+    rows = sorted(own.items(), key=lambda kv: -kv[1])[:top]
+    return (
+        "\n".join(f"{100 * n / total:5.1f} %  {leaf}" for leaf, n in rows) + f"\n({total} samples)"
+    )
 
 
 def print_table(results: dict[str, dict[int, dict[str, Any]]]) -> None:
@@ -198,7 +310,9 @@ def print_table(results: dict[str, dict[int, dict[str, Any]]]) -> None:
     for c in concurrencies:
         for stack, by_c in results.items():
             r = by_c[c]
-            cells = [fmt.format(r[key]) if r.get(key) is not None else "-" for _, key, fmt in METRICS]
+            cells = [
+                fmt.format(r[key]) if r.get(key) is not None else "-" for _, key, fmt in METRICS
+            ]
             print("| " + " | ".join([str(c), stack, *cells]) + " |")
         if len(results) == 2:
             v, k = (results[s][c] for s in ("vllm", "kvsched"))
@@ -214,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--stacks", default="vllm,kvsched", help="which to run, in order")
     p.add_argument("--json", default=str(REPO / "bench/results/vllm_serve.json"))
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="kvsched: one more run at the highest concurrency under py-spy (pip install py-spy)",
+    )
     a = p.parse_args(argv)
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
     from kvsched.tinymodel.model import make_model
@@ -230,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         results[stack] = runners[stack](model_dir, work, a)
     print_table(results)
     doc = {
-        "command": "python -m bench.vllm_serve " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m bench.vllm_serve "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{os.cpu_count()} cores, shared",
         "model": "kvsched.tinymodel: Llama, 2 layers, hidden 128, vocab 512, float32",
         "benchmark": {

@@ -34,7 +34,9 @@ def make_model(
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     if hidden % heads or heads % kv_heads:
-        raise ValueError(f"need hidden % heads == 0 and heads % kv_heads == 0, got {hidden}/{heads}/{kv_heads}")
+        raise ValueError(
+            f"need hidden % heads == 0 and heads % kv_heads == 0, got {hidden}/{heads}/{kv_heads}"
+        )
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(

@@ -28,8 +28,6 @@ def vllm_factory_from_args(args: argparse.Namespace) -> tuple[EngineFactory, Ann
         raise ValueError("--executor vllm needs --model DIR (a model directory)")
     if not os.path.isdir(model):
         raise ValueError(f"--model {model!r} is not a directory")
-    if getattr(args, "host_blocks", 0):
-        raise ValueError("--executor vllm has no host KV tier: leave --host-blocks at 0")
     for flag, value in [("--num-blocks", args.num_blocks), ("--block-size", args.block_size)]:
         if value < 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
@@ -37,9 +35,7 @@ def vllm_factory_from_args(args: argparse.Namespace) -> tuple[EngineFactory, Ann
         from kvsched.worker_vllm.engine import vllm_engine_factory
         from kvsched.worker_vllm.runner import VllmModel
     except ImportError as e:  # the extra is not installed
-        raise ValueError(
-            f"--executor vllm needs vLLM: pip install 'kvsched[vllm]' ({e})"
-        ) from None
+        raise ValueError(f"--executor vllm needs vLLM: pip install 'kvsched[vllm]' ({e})") from None
     engine = VllmModel(
         model,
         dtype=args.dtype,
@@ -49,6 +45,7 @@ def vllm_factory_from_args(args: argparse.Namespace) -> tuple[EngineFactory, Ann
         max_num_seqs=args.num_slots,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
+        num_host_blocks=getattr(args, "host_blocks", 0),
     )
     f = engine.facts
     name = os.path.basename(os.path.normpath(model))

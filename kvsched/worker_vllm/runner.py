@@ -98,6 +98,7 @@ class VllmModel:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         seed: int = 0,
+        num_host_blocks: int = 0,
         extra: dict[str, Any] | None = None,
     ) -> None:
         from vllm import envs
@@ -124,6 +125,7 @@ class VllmModel:
             async_scheduling=False,  # one step at a time: kvsched's step loop
             **(extra or {}),
         )
+        self.num_host_blocks = num_host_blocks  # the host KV tier (host.py), in block copies
         started = time.monotonic()
         self.config = config = args.create_engine_config()
         if getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False):
@@ -343,6 +345,23 @@ class VllmExecutor:
             lora_request=None,
         )
 
+    # ---- the host KV tier: copies run inside vLLM's worker process (host.py) ------------------
+
+    def swap_out(self, gpu_ids: list[int], host_ids: list[int]) -> None:
+        from kvsched.worker_vllm import host
+
+        self.model.executor.collective_rpc(host.swap_out, args=([g + 1 for g in gpu_ids], host_ids))
+
+    def swap_in(self, host_ids: list[int], gpu_ids: list[int]) -> None:
+        from kvsched.worker_vllm import host
+
+        self.model.executor.collective_rpc(host.swap_in, args=(host_ids, [g + 1 for g in gpu_ids]))
+
+    def drop_host(self) -> None:
+        from kvsched.worker_vllm import host
+
+        self.model.executor.collective_rpc(host.drop)
+
     def export_kv(self, block_ids: list[int]) -> bytes:
         raise NotImplementedError(
             "the vllm executor does not export KV (prefill/decode hand-off is not supported)"
@@ -361,3 +380,5 @@ class VllmExecutor:
         self._finished.update(self._parked)
         self._reqs.clear()
         self._parked.clear()
+        if self.model.num_host_blocks:
+            self.drop_host()

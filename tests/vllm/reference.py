@@ -16,7 +16,8 @@ import sys
 def main(path_in: str, path_out: str) -> None:
     from vllm import LLM, SamplingParams
 
-    job = json.loads(open(path_in).read())
+    with open(path_in) as f:
+        job = json.load(f)
     vocab = int(job.get("vocab_size", 512))
     llm = LLM(
         job["model"],
@@ -48,7 +49,12 @@ def main(path_in: str, path_out: str) -> None:
             a, b = g["tokens"]
             top = max(lps.values(), key=lambda lp: lp.logprob).logprob
             gaps.append(
-                {"a": lps[a].logprob, "b": lps[b].logprob, "top": top, "gap": abs(lps[a].logprob - lps[b].logprob)}
+                {
+                    "a": lps[a].logprob,
+                    "b": lps[b].logprob,
+                    "top": top,
+                    "gap": abs(lps[a].logprob - lps[b].logprob),
+                }
             )
         out["gaps"] = gaps
     with open(path_out, "w") as f:

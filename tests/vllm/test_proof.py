@@ -3,8 +3,9 @@
 loopback), on a tiny random-weight Llama made at test time, float32.
 
 (b) runs with a small KV pool (preemptions by recompute), a small step token budget (prompts
-split into chunks), shared prompt prefixes (prefix hits: reused block ids) and aborts mid-way;
-greedy and seeded random sampling. At least 99 % of requests must match token for token, and
+split into chunks), shared prompt prefixes (prefix hits: reused block ids), aborts mid-way and a
+host-memory KV tier (prefixes evicted from the pool come back by swap-in); greedy and seeded
+random sampling. At least 99 % of requests must match token for token, and
 every difference must sit at a near-tie of the two tokens' logits (the gap is printed).
 
 Needs vLLM (the `vllm` extra: `make test-vllm`); skipped in the main virtualenv.
@@ -24,9 +25,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this")
 
-from kvsched.client import AsyncClient  # noqa: E402
-from kvsched.tinymodel.model import make_model  # noqa: E402
-from tests.integration.harness import (  # noqa: E402
+from kvsched.client import AsyncClient
+from kvsched.tinymodel.model import make_model
+from tests.integration.harness import (
     REPO,
     Proc,
     child_env,
@@ -39,6 +40,7 @@ from tests.integration.harness import (  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 NUM_BLOCKS = 40  # x 32 tokens: far less than the requests in flight hold: preemptions
+HOST_BLOCKS = 256  # the host tier: blocks evicted from the 40 are written back there
 STEP_TOKENS = 128  # the daemon's step budget: longer prompts are prefilled in chunks
 NEAR_TIE = 0.05  # logit gap below which float32 reorderings may flip the argmax
 
@@ -68,6 +70,8 @@ def _requests() -> list[dict[str, Any]]:
             add(prefix + [rng.randrange(5, 512) for _ in range(rng.randrange(4, 60))], g * 8 + k)
     for i in range(24, 48):  # distinct prompts, some longer than a step's budget
         add([rng.randrange(5, 512) for _ in range(rng.randrange(8, 300))], i)
+    for i in (0, 8, 16):  # sent again at the end (_run_all): the same tokens are due
+        reqs.append({**reqs[i], "id": f"r{i}again"})
     return reqs
 
 
@@ -120,6 +124,8 @@ def kvsched_vllm(model: Path):
             "float32",
             "--num-blocks",
             str(NUM_BLOCKS),
+            "--host-blocks",
+            str(HOST_BLOCKS),
             "--max-model-len",
             "1024",
             "--num-slots",
@@ -152,16 +158,19 @@ async def _run_one(client: AsyncClient, req: dict[str, Any]) -> tuple[list[int],
     return tokens, stream.finished.reason
 
 
-async def _run_all(
-    address: str, reqs: list[dict[str, Any]]
-) -> dict[str, tuple[list[int], str]]:
+async def _run_all(address: str, reqs: list[dict[str, Any]]) -> dict[str, tuple[list[int], str]]:
     async with AsyncClient(address, timeout=600) as client:
         # One request of each prefix group first, so the others find its blocks cached.
         firsts = [reqs[0], reqs[8], reqs[16]]
         done = await asyncio.gather(*(_run_one(client, r) for r in firsts))
-        rest = [r for r in reqs if r not in firsts]
+        rest = [r for r in reqs if r not in firsts and not r["id"].endswith("again")]
         done += await asyncio.gather(*(_run_one(client, r) for r in rest))
-    return {r["id"]: d for r, d in zip(firsts + rest, done, strict=True)}
+        # The groups' first prompts once more, after the flood evicted their blocks from the
+        # 40 on the worker: their prefix comes back from the host tier (swap-in).
+        again = [r for r in reqs if r["id"].endswith("again")]
+        for r in again:
+            done.append(await _run_one(client, r))
+    return {r["id"]: d for r, d in zip(firsts + rest + again, done, strict=True)}
 
 
 def test_kvsched_with_vllm_worker_gives_vllm_tokens(
@@ -186,7 +195,7 @@ def test_kvsched_with_vllm_worker_gives_vllm_tokens(
         if ok:
             equal += 1
             continue
-        pos = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), None)
+        pos = next((i for i, (a, b) in enumerate(zip(have, want, strict=False)) if a != b), None)
         diffs.append((r, pos, have, want))
     gaps = []
     if diffs:
@@ -202,9 +211,12 @@ def test_kvsched_with_vllm_worker_gives_vllm_tokens(
     print(
         f"\nproof: {equal}/{len(reqs)} requests equal token for token ({100 * share:.1f} %); "
         f"prefix hit tokens {st.prefix_cache_hit_tokens} of {st.prefix_cache_query_tokens}, "
+        f"of them from the host tier {st.prefix_cache_host_hit_tokens}, "
         f"preemptions {st.num_preemptions}, steps {st.num_steps}"
     )
-    for (r, pos, have, want), gap in zip([d for d in diffs if d[1] is not None], gaps, strict=True):
+    for (r, pos, _have, _want), gap in zip(
+        [d for d in diffs if d[1] is not None], gaps, strict=True
+    ):
         print(f"  {r['id']} {r['params']}: first difference at output {pos}: {gap}")
     for r, pos, have, want in diffs:
         if pos is None:
@@ -212,6 +224,7 @@ def test_kvsched_with_vllm_worker_gives_vllm_tokens(
     # A distinct prompt over twice the step budget cannot be prefilled in fewer than 3 steps.
     assert any(len(r["prompt"]) > 2 * STEP_TOKENS for r in reqs[24:]), "no chunked prefill"
     assert st.num_preemptions > 0, "the small KV pool forced no preemption"
+    assert st.prefix_cache_host_hit_tokens > 0, "no prefix came back from the host tier"
     assert st.prefix_cache_hit_tokens >= 2 * 96, "the shared prefixes were not hit"
     assert share >= 0.99, f"only {equal}/{len(reqs)} equal"
     assert all(d[1] is not None for d in diffs), "a difference in length, not at a token"
@@ -223,3 +236,4 @@ def test_hello_announces_the_engines_facts(kvsched_vllm: str) -> None:
     st = status(kvsched_vllm).instances[0]
     assert st.model == "tiny-llama"  # the model directory's name
     assert st.num_gpu_blocks == NUM_BLOCKS
+    assert st.num_host_blocks == HOST_BLOCKS
