@@ -21,7 +21,7 @@ from kvsched.http.errors import ApiError, from_client_error, model_not_found
 from kvsched.http.generation import Generation, raise_if_failed
 from kvsched.http.metrics import HttpMetrics
 from kvsched.http.responses import DONE, Shape, sse
-from kvsched.http.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from kvsched.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvsched.http.text import TextModel
 
 
@@ -165,7 +165,7 @@ async def _resolve(state: State, model: str, token: str | None) -> tuple[str, Mo
 
 
 async def _serve(
-    state: State, request: Request, body: _Sampling, prompt: list[int], chat: bool
+    state: State, request: Request, body: SamplingFields, prompt: list[int], chat: bool
 ) -> Response:
     assert state.backend is not None
     endpoint = "chat" if chat else "completions"
