@@ -17,6 +17,7 @@ from typing import Any
 
 from kvsched.core.errors import ConfigError
 from kvsched.data import CONVERSATION_SLICE
+from kvsched.http.args import add_http_parser
 from kvsched.replay.args import add_replay_arguments
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -152,22 +153,51 @@ def _add_worker(sub: Any) -> None:
     )
     p.add_argument(
         "--executor",
-        choices=("sim", "model"),
+        choices=("sim", "model", "vllm"),
         default="sim",
         help="sim: a simulated GPU (fitted step times); model: a small seeded transformer "
-        "that really computes (numpy or Paddle)",
+        "that really computes (numpy or Paddle); vllm: vLLM's model runner on --model (the "
+        "`vllm` extra: pip install 'kvsched[vllm]')",
+    )
+    p.add_argument("--model", default="", metavar="DIR", help="vllm: the model directory")
+    p.add_argument(
+        "--dtype", default="auto", help="vllm: weights and activations (auto, float32, ...)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        metavar="N",
+        help="vllm: most tokens in one step (the daemon's scheduler budget must not exceed it)",
     )
     p.add_argument("--gpu", choices=("h100", "a100"), default="h100", help="sim cost model")
     p.add_argument("--speed", type=float, default=1.0, help="sim: step time divided by this")
     p.add_argument("--zero-cost", action="store_true", help="sim: steps take no time")
-    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the pool")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=32000,
+        help="sim: tokens drawn from [0, N) (a model's vocab)",
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=0,
+        help="KV blocks in the pool (default: 4096; vllm: what vLLM's memory sizing finds, "
+        "on CPU from VLLM_CPU_KVCACHE_SPACE, 1 GiB unless set)",
+    )
     p.add_argument(
         "--host-blocks", type=int, default=0, help="KV blocks of the host-memory tier (0: none)"
     )
     p.add_argument(
         "--pcie-gbps", type=float, default=50.0, help="sim: host tier copy bandwidth, GB/s"
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=0,
+        help="tokens per KV block (default 16; vllm: what its attention backend needs, 32 on CPU)",
+    )
     p.add_argument(
         "--served-model-name",
         default="",
@@ -382,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_nats,
     ):
         add(sub)
+    add_http_parser(sub)
     for command in sub.choices.values():  # every subcommand, however it was added
         command.formatter_class = _Help
     return parser
