@@ -123,6 +123,12 @@ class RequestTable:
         if self.draining:
             raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
         model = self.registry.model_for(pb.model)
+        n, limit = len(pb.prompt_token_ids), self.registry.largest_max_model_len()
+        if n > limit:  # before the prompt becomes a Python list (a refusal costs nothing)
+            raise InvalidRequest(
+                f"prompt of {n} tokens exceeds max_model_len {limit} (the longest any instance "
+                "here holds)"
+            )
         req_id = pb.request_id or uuid.uuid4().hex
         if req_id in self.tracked:
             raise InvalidRequest(f"request_id {req_id!r} is already in use by a live request")
