@@ -5,12 +5,12 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROTOS  := $(wildcard protos/kvsched/v1/*.proto)
 
-.PHONY: install install-vllm test-vllm proto proto-check lint typecheck test test-fast demo demo-cluster bench bench-peers clean
+.PHONY: install install-vllm test-vllm proto proto-check lint typecheck test test-fast demo demo-cluster demo-real demo-real-sim bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,paddle,bench]'
+	$(BIN)/pip install -q -e '.[dev,paddle,bench,text]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -75,6 +75,15 @@ install-vllm: $(VLLM_STAMP)
 # The tests marked `vllm` (tests/vllm: the proof against vLLM's own LLM.generate).
 test-vllm: $(VLLM_STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -s -p no:cacheprovider -m vllm tests/vllm
+
+# A real model over HTTP (README "Serve a model", docs/HTTP.md): the vllm extra in its own
+# virtualenv (torch + vLLM, never in .venv), a tiny model made offline, daemon + vLLM worker +
+# kvsched http, streamed chat with curl and the openai client. demo-real-sim: the sim worker.
+demo-real: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python tools/demo_real.py --worker-python $(VLLM_VENV)/bin/python
+
+demo-real-sim: $(STAMP)
+	$(BIN)/python tools/demo_real.py --executor sim
 
 # vLLM's own scheduler beside ours (a separate ~2.5 GB virtualenv; never a kvsched dependency).
 bench-peers:

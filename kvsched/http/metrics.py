@@ -44,6 +44,11 @@ class HttpMetrics:
         self.prompt_tokens = Counter(
             "kvsched_http_prompt_tokens", "Prompt tokens of served requests", registry=r
         )
+        self.resumes = Counter(
+            "kvsched_http_resumes",
+            "Broken kvsched streams taken up again through RequestService.Resume",
+            registry=r,
+        )
         self.completion_tokens = Counter(
             "kvsched_http_completion_tokens", "Output tokens sent back", registry=r
         )

@@ -21,7 +21,7 @@ from kvsched.http.errors import ApiError, from_client_error, model_not_found
 from kvsched.http.generation import Generation, raise_if_failed
 from kvsched.http.metrics import HttpMetrics
 from kvsched.http.responses import DONE, Shape, sse
-from kvsched.http.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from kvsched.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvsched.http.text import TextModel
 
 
@@ -165,7 +165,7 @@ async def _resolve(state: State, model: str, token: str | None) -> tuple[str, Mo
 
 
 async def _serve(
-    state: State, request: Request, body: _Sampling, prompt: list[int], chat: bool
+    state: State, request: Request, body: SamplingFields, prompt: list[int], chat: bool
 ) -> Response:
     assert state.backend is not None
     endpoint = "chat" if chat else "completions"
@@ -194,10 +194,11 @@ async def _serve(
     watch = _watch_disconnect(request, gen)
     try:
         await gen.start()
-    except BaseException:
+    except BaseException as exc:
         watch.cancel()
         m.in_flight.dec()
-        await gen.abort()
+        if not isinstance(exc, ApiError):  # a refusal was never accepted: nothing to abort
+            await gen.abort()
         raise
     m.ttft.labels(endpoint).observe(time.monotonic() - arrived)
 
@@ -208,6 +209,7 @@ async def _serve(
         m.finished.labels(endpoint, reason).inc()
         m.prompt_tokens.inc(gen.prompt_tokens)
         m.completion_tokens.inc(gen.completion_tokens)
+        m.resumes.inc(gen.stream.resumes)
         m.latency.labels(endpoint).observe(time.monotonic() - arrived)
 
     if body.stream:

@@ -23,7 +23,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingFields(BaseModel):
     """Fields both endpoints share. Unknown fields are ignored (as vLLM does)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -92,7 +92,7 @@ class _Sampling(BaseModel):
         return out
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool = False
@@ -142,7 +142,7 @@ class ResponseFormat(BaseModel):
     type: str
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False

@@ -76,7 +76,7 @@ def make_tokenizer(directory: str | Path, vocab_size: int = 512) -> Path:
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call,unused-ignore]
         tokenizer_object=train_tokenizer(vocab_size),
         bos_token=BOS,
         eos_token=EOS,

@@ -118,6 +118,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         kv_server_credentials=kv_server_credentials,
         kv_token=args.token or None,
         reconnect_backoff_s=_backoff(args),
+        give_up_after_s=getattr(args, "give_up_after", 0.0),
     )
 
 

@@ -154,6 +154,21 @@ def test_stop_string_cuts_the_text_and_aborts_the_request(
     assert live.wait_finished("abort", aborted + 1) == aborted + 1
 
 
+def test_stop_token_ids_end_the_request_at_that_token(live: Stack, tok: Any) -> None:
+    n_prompt = len(tok("Hi").input_ids)
+    toks = sim_tokens("stop-id", n_prompt, 40)
+    k = toks.index(toks[12])  # the first time that id comes
+    out = client(live).completions.create(
+        model=MODEL,
+        prompt="Hi",
+        max_tokens=40,
+        extra_body={"request_id": "stop-id", "stop_token_ids": [toks[12]]},
+    )
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage is not None and out.usage.completion_tokens == k + 1
+    assert out.choices[0].text == tok.decode(toks[: k + 1], skip_special_tokens=True)
+
+
 def _running(live: Stack) -> int:
     return sum(i.num_running + i.num_waiting for i in status(live.address).instances)
 
