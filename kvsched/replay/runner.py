@@ -46,6 +46,9 @@ class ReplayResult:
     host_hit_tokens: int = 0  # prompt tokens swapped in from host tiers during the run
     block_size: int = 0
     instances: list[dict[str, Any]] = field(default_factory=list)
+    # Requests no ready instance could hold when the replay started: (request id, KV blocks
+    # its prompt needs); the daemon refuses them (the records say how).
+    unfit: list[tuple[str, int]] = field(default_factory=list)
 
 
 class _Run:
@@ -105,12 +108,15 @@ class _Run:
             rec = records[f.request_id]
             rec.finish_s = now
             rec.finish_reason = f.reason
+            rec.message = f.message
             rec.num_cached_tokens = f.usage.cached_tokens
             self._count_done()
         for e in batch.errors:
             rec = records.get(e.client_tag)
             if rec is not None and not rec.finish_reason:
                 rec.finish_reason = "rejected"
+                exc = e.exception()
+                rec.message = f"{exc.code.name}: {exc.message}"
                 self._count_done()
 
     def _count_done(self) -> None:
@@ -159,8 +165,11 @@ async def replay(
                 "(pass --admin-token for them)",
                 file=sys.stderr,
             )
-        run.t0 = time.monotonic()
         result = ReplayResult(list(run.records.values()))
+        if before is not None:
+            result.unfit = unfit(requests, before)
+            _warn_unfit(result.unfit, before)
+        run.t0 = time.monotonic()
         sampler = (
             asyncio.ensure_future(_sample(admins, run, result, sample_every_s, progress))
             if before is not None
@@ -210,12 +219,44 @@ async def replay(
     ]
     ready = [i for i in after.instances if i.ready]
     result.num_gpu_blocks = ready[0].num_gpu_blocks if ready else 0
+    result.block_size = ready[0].block_size if ready else 0
     result.num_host_blocks = ready[0].num_host_blocks if ready else 0
     prev_host = {i.instance_id: i.prefix_cache_host_hit_tokens for i in before.instances}
     result.host_hit_tokens = sum(
         i.prefix_cache_host_hit_tokens - prev_host.get(i.instance_id, 0) for i in after.instances
     )
     return result
+
+
+def unfit(requests: Sequence[TraceRequest], status: apb.GetStatusResponse) -> list[tuple[str, int]]:
+    """The requests whose prompt needs more KV blocks than the largest ready instance has
+    (`trace-i`, blocks needed), in the daemon's own terms: ceil(prompt tokens / block size)."""
+    ready = [i for i in status.instances if i.ready and i.block_size > 0]
+    if not ready:
+        return []
+    best = max(ready, key=lambda i: i.num_gpu_blocks * i.block_size)
+    out = []
+    for k, r in enumerate(requests):
+        need = -(-len(r.prompt_token_ids) // best.block_size)
+        if need > best.num_gpu_blocks:
+            out.append((f"trace-{k}", need))
+    return out
+
+
+def _warn_unfit(rows: Sequence[tuple[str, int]], status: apb.GetStatusResponse) -> None:
+    if not rows:
+        return
+    ready = [i for i in status.instances if i.ready and i.block_size > 0]
+    best = max(ready, key=lambda i: i.num_gpu_blocks * i.block_size)
+    shown = ", ".join(f"{rid} ({need:,} blocks)" for rid, need in rows[:10])
+    more = f" and {len(rows) - 10} more" if len(rows) > 10 else ""
+    print(
+        f"kvsched replay: {len(rows)} request(s) of the trace need more KV blocks than the "
+        f"largest ready instance ({best.instance_id}: {best.num_gpu_blocks:,} blocks of "
+        f"{best.block_size} tokens); the daemon will refuse them: {shown}{more}. Give the "
+        f"workers more blocks (kvsched worker --num-blocks N --block-size B) to replay them.",
+        file=sys.stderr,
+    )
 
 
 async def _status(admins: Sequence[AsyncClient]) -> apb.GetStatusResponse | None:
