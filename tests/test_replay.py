@@ -72,7 +72,9 @@ def test_unfit_names_the_requests_the_largest_instance_cannot_hold() -> None:
         instances=[
             apb.InstanceStatus(instance_id="small", ready=True, num_gpu_blocks=100, block_size=16),
             apb.InstanceStatus(instance_id="big", ready=True, num_gpu_blocks=4096, block_size=16),
-            apb.InstanceStatus(instance_id="gone", ready=False, num_gpu_blocks=10**6, block_size=16),
+            apb.InstanceStatus(
+                instance_id="gone", ready=False, num_gpu_blocks=10**6, block_size=16
+            ),
         ]
     )
     expected = [
