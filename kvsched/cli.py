@@ -204,7 +204,20 @@ def _add_demo(sub: Any) -> None:
         default=2.5,
         help="simulate this much faster than real time (figures stay in simulated seconds)",
     )
-    p.add_argument("--json", type=Path, default=Path("bench/results/demo.json"), metavar="OUT")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="folder for the summary JSON and plots (default: runs/demo-<UTC time>/)",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="OUT",
+        help="summary JSON path (default: in --out)",
+    )
     p.add_argument(
         "--cluster",
         action="store_true",

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from kvsched.data import CONVERSATION_SLICE
+from kvsched.replay.fit import unfit
 from kvsched.replay.launch import spawn, start_daemon
-from kvsched.replay.runner import unfit
 from kvsched.traces import load_trace
 from kvsched.v1 import admin_service_pb2 as apb
 

@@ -65,6 +65,8 @@ def run_replay(args: argparse.Namespace) -> int:
         result.block_size = BLOCK_SIZE
     summary = make_summary(result, args, idle)
     print(format_table(summary))
+    if getattr(args, "explain", False):
+        print(EXPLAIN)
     if summary["not_completed"]:
         print(format_not_completed(summary["not_completed"]))
     if args.json:
@@ -72,8 +74,10 @@ def run_replay(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
         from kvsched.replay.plots import write_plots
 
-        plots = write_plots(result, args.json.with_suffix(""))
+        plots = write_plots(result, args.json.with_suffix(""), summary)
         print(f"wrote {args.json}" + "".join(f", {p}" for p in plots))
+        if plots and getattr(args, "explain", False):
+            print(EXPLAIN_PLOTS)
         if not plots:
             print("(no plots: they need matplotlib, pip install 'kvsched[bench]')")
     if summary["completed"] != summary["requests"]:
@@ -158,7 +162,32 @@ def make_summary(
         num_host_blocks=result.num_host_blocks,
         host_hit_rate=result.host_hit_tokens / num_prompt if num_prompt else 0.0,
         not_completed=not_completed(result),
+        config={
+            "embedded": bool(args.embedded),
+            "gpu": args.gpu if args.embedded else "",
+            "workers": args.workers if args.embedded else len(result.instances),
+            "daemons": max(len(result.daemons), 1),
+        },
     )
+
+
+EXPLAIN = """\
+what the figures mean (times are simulated GPU seconds, as if the run took real time):
+  requests (completed)          requests sent; completed = ended by EOS/stop or max_tokens
+  output tokens/s               output tokens of all workers per second, first arrival to last finish
+  TTFT p50 / p99                time to first token: arrival at the daemon to the first output token
+  TPOT p50 / p99                time per output token after the first: the decode speed a request saw
+  prefix-cache hit              share of prompt tokens found in KV blocks cached by earlier requests
+  of it from host memory        of those, the share swapped in from the workers' host-memory tier
+  preemptions                   requests evicted from the KV cache to make room, recomputed later
+  goodput                       completed requests per second that met both SLOs (and their share)
+  worker idle on control plane  of the time a worker held requests, the share it sat waiting only on
+                                the daemon's next decision; 0.00 % = kvsched never kept a GPU waiting\
+"""
+EXPLAIN_PLOTS = """\
+  *_latency_cdf.png: for each latency, the share of requests at or under it (log axes; dashed: SLOs)
+  *_timeline.png: requests running and waiting, KV cache used and output tokens/s over the run\
+"""
 
 
 def format_table(s: dict[str, Any]) -> str:
