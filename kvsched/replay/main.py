@@ -181,8 +181,8 @@ what the figures mean (times are simulated GPU seconds, as if the run took real 
   of it from host memory        of those, the share swapped in from the workers' host-memory tier
   preemptions                   requests evicted from the KV cache to make room, recomputed later
   goodput                       completed requests per second that met both SLOs (and their share)
-  worker idle on control plane  of the time a worker held requests, the share it sat waiting only on
-                                the daemon's next decision; 0.00 % = kvsched never kept a GPU waiting\
+  worker idle on control plane  the worst worker's share of the time it held requests spent waiting
+                                only on the daemon's next decision; 0.00 % = no GPU waited on kvsched\
 """
 EXPLAIN_PLOTS = """\
   *_latency_cdf.png: for each latency, the share of requests at or under it (log axes; dashed: SLOs)
