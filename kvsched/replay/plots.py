@@ -127,7 +127,10 @@ def _config_line(s: dict[str, Any], width: int) -> str:
         parts.append(f"{cfg['daemons']} daemons")
     if s.get("num_gpu_blocks"):
         parts.append(f"{s['num_gpu_blocks']:,} KV blocks x {s['block_size']} tokens each")
-    parts.append(f"time x{s['time_scale']:g}, rate x{s['rate_scale']:g}")
+    if s["time_scale"] != 1:
+        parts.append(f"run {s['time_scale']:g}x faster than real time")
+    if s["rate_scale"] != 1:
+        parts.append(f"arrival rate x{s['rate_scale']:g}")
     parts.append(f"SLO TTFT {s['slo_ttft_s']:g} s, TPOT {s['slo_tpot_s']:g} s")
     return textwrap.fill("; ".join(parts), width)
 
