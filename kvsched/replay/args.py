@@ -27,7 +27,12 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
         help="the daemon, or a cluster's daemons (requests spread round-robin)",
     )
     p.add_argument("--duration", type=float, default=None, help="seconds of the trace")
-    p.add_argument("--requests", type=int, default=None, help="first N requests")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="first N requests (sent as trace-0 ... trace-<N-1>, the ids the summary lists)",
+    )
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     p.add_argument(
         "--time-scale",
