@@ -211,11 +211,14 @@ async def replay(
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             finished.cancel()
             gathered.cancel()
-            if submitter.done():
-                submitter.result()  # a refused stream raises here rather than hang
+            # A refused stream raises here rather than hang. The readers first: they hold the
+            # daemon's status (PERMISSION_DENIED, ...), while a submit racing the refusal may
+            # only have seen "RPC already finished" (InvalidStateError) writing to it.
             for r in readers:
                 if r.done() and not r.cancelled():
                     r.result()
+            if submitter.done():
+                submitter.result()
         finally:
             for task in (sampler, submitter, *readers):
                 if task is not None:
