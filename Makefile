@@ -46,9 +46,9 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvsched demo
 
-# The same trace under two daemons joined through a local NATS (docs/CLUSTER.md).
+# The same trace under three daemons joined through a local NATS, six workers (docs/CLUSTER.md).
 demo-cluster: $(STAMP)
-	$(BIN)/kvsched demo --cluster --daemons 2 --json bench/results/demo_cluster.json
+	$(BIN)/kvsched demo --cluster --daemons 3 --workers 6
 
 # The benchmark suite; figures and how to read them: docs/BENCHMARKS.md.
 bench: $(STAMP)

@@ -12,11 +12,11 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from kvsched.core.errors import ConfigError
 from kvsched.data import CONVERSATION_SLICE
+from kvsched.demo_args import add_demo_arguments
 from kvsched.http.args import add_http_parser
 from kvsched.replay.args import add_replay_arguments
 from kvsched.worker_stub.args import add_worker_parser
@@ -212,41 +212,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _add_demo(sub: Any) -> None:
     p = sub.add_parser("demo", help="daemon + sim workers replaying a trace", description="Demo.")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of the trace to replay")
-    p.add_argument("--gpu", choices=("h100", "a100"), default="h100", help="sim cost model")
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=4,
-        help="simulated instances (4: ~75 %% busy on the default trace's first 60 s)",
-    )
-    p.add_argument(
-        "--trace",
-        type=Path,
-        default=DEFAULT_TRACE,
-        metavar="PATH",
-        help="Mooncake .jsonl or Azure .csv (the shipped Mooncake conversation slice)",
-    )
-    p.add_argument(
-        "--time-scale",
-        type=float,
-        default=2.5,
-        help="simulate this much faster than real time (figures stay in simulated seconds)",
-    )
-    p.add_argument(
-        "--json",
-        type=Path,
-        default=Path("bench/results/demo.json"),
-        metavar="OUT",
-        help="where the run's figures are saved (JSON)",
-    )
-    p.add_argument(
-        "--cluster",
-        action="store_true",
-        help="run several daemons joined through a local NATS (docs/CLUSTER.md); requests are "
-        "spread over them",
-    )
-    p.add_argument("--daemons", type=int, default=2, help="with --cluster: daemons")
+    add_demo_arguments(p)
     p.set_defaults(func=_demo)
 
 
