@@ -170,7 +170,15 @@ def main(argv: list[str] | None = None) -> None:
             for r in cell:
                 r["vs_count"] = r["good"] / max(1, base)
             rows.extend(cell)
-            write_json(args.json, {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows})
+            write_json(
+                args.json,
+                {
+                    "args": {
+                        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                    },
+                    "rows": rows,
+                },
+            )
     print()
     print(table(rows))
     print(

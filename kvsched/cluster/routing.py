@@ -3,9 +3,14 @@
 Candidates are this daemon's instances that accept requests (read live off their schedulers,
 as the single-daemon router does) and the peers' instances known from KV events
 (`ClusterIndex`): synced, heard from within `stale_s`, owned (lease) by a live member. Each is
-scored by the single-daemon rule (`core.router.best_by_score`): the fraction of the prompt its
-cache holds, minus `load_weight` times its load above the least loaded one. A peer's load is
-what it last published plus the requests this daemon forwarded to it since.
+scored by the single-daemon rule (`core.router`): the prompt fraction its cache is worth (GPU
+hits whole; its host-memory run, found by the index's `HitIndex` like a local instance's
+`prefix_hit_tokens`, priced by the peer's published step-cost model: swap-in vs recompute),
+minus `load_weight` times its load above the least loaded one, among the candidates whose
+predicted wait meets the request's deadline (all of them when none does). A peer's load and
+wait are what it last published (predicted backlog) plus the requests this daemon forwarded
+to it since. Peers are read as numpy columns (`LoadTable`) and the prompt's runs on every
+peer at once (`HitIndex.runs`): a decision's cost follows the prompt, not the fleet's size.
 """
 
 from __future__ import annotations
@@ -15,8 +20,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+import numpy.typing as npt
+
 from kvsched.core import KVCacheManager, Request, Role
-from kvsched.core.router import backlog_load, best_by_score, load_value
+from kvsched.core.router import predicted_wait_ms, priced_hit, priced_hit_tokens
 from kvsched.server.engine import InstanceEngine
 
 if TYPE_CHECKING:
@@ -68,6 +76,9 @@ class ClusterRouter:
         self.num_forwarded = 0
         self.num_prefix_routed = 0  # placements on an instance holding part of the prompt
         self.route_s: collections.deque[float] = collections.deque(maxlen=2048)
+        self.refresh_s = 0.25  # how often ownership and membership are re-read
+        self._mask: npt.NDArray[np.intp] = np.zeros(0, np.intp)
+        self._mask_version, self._mask_at = -1, float("-inf")
 
     def _hashes(
         self, req: Request, block_size: int, by_size: dict[int, list[bytes]]
@@ -84,16 +95,33 @@ class ClusterRouter:
         return got
 
     def remote_candidates(self, now: float) -> list[InstanceView]:
-        out = []
-        for iid, v in self.index.instances.items():
-            if not v.synced or v.daemon == self.daemon_id or not v.load:
-                continue
-            if now - v.heard > self.stale_s or iid in self.registry.engines:
-                continue
-            if self.owner_of.get(iid) != v.daemon or v.daemon not in self.address_of:
-                continue
-            out.append(v)
-        return out
+        """The peers' instances a request may go to now (the rule of module docstring)."""
+        slots = self._remote_slots(now)
+        views = self.index.slots
+        return [v for i in slots.tolist() if (v := views[i]) is not None]
+
+    def _eligible(self, v: InstanceView) -> bool:
+        if not v.synced or v.daemon == self.daemon_id or not v.load:
+            return False
+        if v.instance_id in self.registry.engines:
+            return False
+        return self.owner_of.get(v.instance_id) == v.daemon and v.daemon in self.address_of
+
+    def _remote_slots(self, now: float) -> npt.NDArray[np.intp]:
+        """Slots of the eligible peer instances heard from within stale_s. Ownership and
+        membership are re-read every `refresh_s` or when the index changed (not per decision:
+        that is a Python loop over every instance); staleness is checked per decision."""
+        index = self.index
+        if index.version != self._mask_version or now - self._mask_at > self.refresh_s:
+            self._mask = np.array(
+                [i for i, v in enumerate(index.slots) if v is not None and self._eligible(v)],
+                dtype=np.intp,
+            )
+            self._mask_version, self._mask_at = index.version, now
+        m = self._mask
+        if m.size == 0:
+            return m
+        return m[index.table.heard[m] >= now - self.stale_s]
 
     def route(self, req: Request) -> InstanceEngine | RemoteInstance:
         """Where `req` goes. With no peer instance known this is the daemon's own routing
@@ -112,8 +140,8 @@ class ClusterRouter:
         return 1e6 * xs[len(xs) // 2], 1e6 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
     def _route(self, req: Request) -> InstanceEngine | RemoteInstance:
-        remotes = self.remote_candidates(time.monotonic())
-        if not remotes:
+        slots = self._remote_slots(time.monotonic())
+        if slots.size == 0:
             eng = self.registry.route(req)
             self.num_local += 1
             return eng
@@ -124,43 +152,75 @@ class ClusterRouter:
         ]
         router = self.registry.router
         n = max(1, len(req.prompt_token_ids))
-        hits: list[float] = []
-        loads: list[float] = []
+        local_hits: list[float] = []
+        local_loads: list[float] = []
+        local_waits: list[float] = []
         by_size: dict[int, list[bytes]] = {}  # the prompt's block hashes, once per block size
         for e in engines:
             sched = e.sched
             assert sched is not None
             req.block_hashes = self._hashes(req, sched.block_size, by_size)
-            hits.append(sched.prefix_hit_tokens(req) / n)
-            loads.append(router.load(sched))
-        for v in remotes:
-            bs = v.block_size or 16
-            hits.append(v.prefix_blocks(self._hashes(req, bs, by_size)) * bs / n)
-            ld = v.load
-            # Requests forwarded since the peer last published count as one slot each.
-            sent = v.sent_since_load / max(1.0, ld.get("max_num_seqs", 1.0))
-            if "predicted_backlog_ms" in ld:  # the peer's own cost model, as for local ones
-                load = backlog_load(
-                    ld["predicted_backlog_ms"], ld.get("kv_usage", 0.0), router.load_seconds
-                )
-                loads.append(load + sent)
-                continue
-            loads.append(
-                load_value(
-                    ld.get("running", 0.0),
-                    ld.get("waiting", 0.0) + v.sent_since_load,
-                    ld.get("max_num_seqs", 1.0),
-                    ld.get("kv_usage", 0.0),
-                )
-            )
+            worth, hit = priced_hit(sched, req)
+            local_hits.append(worth / n)
+            local_loads.append(router.load(sched))
+            local_waits.append(router.calibration.factor * predicted_wait_ms(sched, req, hit))
+        hits, waits = self._remote_hits(req, slots, by_size, n)
+        t = self.index.table
+        sent = t.sent[slots] / t.max_num_seqs[slots]
+        loads = t.backlog_ms[slots] / (1e3 * router.load_seconds) + t.kv_usage[slots] + sent
         req.block_hashes = []  # the instance chosen hashes with its own block size
-        i = best_by_score(hits, loads, self.load_weight)
-        if hits[i] > 0:
+        all_hits = np.concatenate([np.asarray(local_hits), hits])
+        all_loads = np.concatenate([np.asarray(local_loads), loads])
+        all_waits = np.concatenate([np.asarray(local_waits), waits])
+        target = req.ttft_deadline_ms or router.ttft_target_ms
+        ok = all_waits <= target
+        if router.overload == "off" or not ok.any():
+            ok = np.ones(len(all_hits), bool)
+            if router.overload != "off":
+                router.num_overflowed += 1
+        score = all_hits - self.load_weight * (all_loads - all_loads[ok].min())
+        score[~ok] = -np.inf
+        i = int(np.argmax(score))
+        if all_hits[i] > 0:
             self.num_prefix_routed += 1
         if i < len(engines):
             self.num_local += 1
             return engines[i]
-        v = remotes[i - len(engines)]
+        slot = int(slots[i - len(engines)])
+        t.sent[slot] += 1
+        v = self.index.slots[slot]
+        assert v is not None
         v.sent_since_load += 1
         self.num_forwarded += 1
         return RemoteInstance(v.instance_id, v.daemon, self.address_of[v.daemon])
+
+    def _remote_hits(
+        self,
+        req: Request,
+        slots: npt.NDArray[np.intp],
+        by_size: dict[int, list[bytes]],
+        n: int,
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """Per peer slot: the prompt fraction its cache is worth (GPU hits whole, host hits
+        priced by its published step-cost model: swap-in vs recompute) and its predicted wait
+        for the request in ms (its published backlog plus the request's uncached prefill)."""
+        t, index = self.index.table, self.index
+        bs = t.block_size[slots]
+        worth = np.zeros(slots.size)
+        cached = np.zeros(slots.size)
+        for size in np.unique(bs).tolist():
+            gpu, total = index.hits.runs(self._hashes(req, int(size), by_size), len(index.slots))
+            sel = bs == size
+            worth[sel] = gpu[slots[sel]] * size
+            cached[sel] = total[slots[sel]] * size
+        host = cached - worth
+        a_tok, a_attn = t.prefill_token_ms[slots], t.attention_ms[slots]
+        for j in np.flatnonzero(host > 0).tolist():  # priced one by one: few hold host runs
+            s = int(slots[j])
+            swap = t.swap_block_ms[s] * host[j] / t.block_size[s]
+            worth[j] = priced_hit_tokens(worth[j], [(host[j], swap)], a_tok[j], a_attn[j])
+        ntok = float(len(req.prompt_token_ids))
+        start = np.minimum(cached, ntok - 1)
+        own = a_tok * (ntok - start) + a_attn * (ntok * ntok - start * start) / 2
+        waits = self.registry.router.calibration.factor * (t.backlog_ms[slots] + own)
+        return worth / n, waits

@@ -1,8 +1,18 @@
 """Pick an instance for a new request: prefix overlap first, predicted queued work second.
 
 score(i) = cached_fraction(i) - load_weight * (load(i) - min load)
-    cached_fraction = prompt tokens instance i holds cached now / prompt tokens
+    cached_fraction = prompt tokens instance i holds cached now / prompt tokens, a GPU hit
+                      whole, a host-memory hit by the share of its recompute time the swap-in
+                      saves (`priced_hit_tokens`, the instance's step-cost model)
     load            = predicted queued prefill seconds / load_seconds  +  KV usage
+
+Placement is judged by goodput (issue 25, DESIGN section 14): only the instances whose
+predicted wait for the request (`predicted_wait_ms`, times a factor calibrated against the
+measured TTFT of the requests placed, `WaitCalibration`) meets its deadline (its own, or
+`ttft_target_ms`) are scored. When none is, the request overflows: demoted (queued behind
+every request that can still make its deadline) on the instance predicted to reach it first,
+or refused with a retry hint. Below capacity every instance qualifies and this is the score
+rule alone; past it, equal queues that all miss the target no longer take every request.
 
 The queued prefill is each instance's own prediction (`Scheduler.predicted_backlog_ms`: the
 step-cost model's prefill terms over the uncached tokens of the prompts waiting or being
@@ -21,7 +31,6 @@ from kvsched.core.config import Role
 from kvsched.core.errors import CapacityExceeded, Unavailable
 from kvsched.core.request import Request
 from kvsched.core.scheduler import Scheduler
-
 
 OVERLOAD_POLICIES = ("demote", "refuse", "off")
 
@@ -67,6 +76,54 @@ class WaitCalibration:
                     self.num_measured += 1
             elif req.finished_time < 0:
                 q.append((req, predicted))
+
+
+def priced_hit_tokens(
+    gpu_tokens: float,
+    runs: Sequence[tuple[float, float]],
+    prefill_token_ms: float,
+    attention_ms: float,
+) -> float:
+    """Prompt tokens a hit is worth: GPU hits whole; each further run (tokens, ms to bring them
+    to the GPU) in tier order (host memory: swap-in, then storage: fetch by size / bandwidth)
+    by the share of its recompute time the transfer saves (none when moving costs more than
+    recomputing: the step-cost model's prefill terms over its positions)."""
+    worth, start = float(gpu_tokens), float(gpu_tokens)
+    for tokens, transfer_ms in runs:
+        if tokens <= 0:
+            continue
+        end = start + tokens
+        recompute = prefill_token_ms * tokens + attention_ms * (end * end - start * start) / 2
+        if recompute > 0:
+            worth += tokens * max(0.0, 1.0 - transfer_ms / recompute)
+        start = end
+    return worth
+
+
+def tier_hit_tokens(s: Scheduler, req: Request) -> tuple[int, int]:
+    """(GPU, host) prompt tokens of req's longest cached run on `s` (prefix_hit_tokens split by
+    tier: the GPU prefix, then its continuation in host memory)."""
+    kv = s.kv
+    if not kv.enable_caching:
+        return 0, 0
+    kv.ensure_hashes(req, (req.num_tokens - 1) // s.block_size)
+    lookup, n = kv.pool.cached.get, 0
+    for h in req.block_hashes:
+        if lookup(h) is None:
+            break
+        n += 1
+    host = len(kv.host.run_from(req.block_hashes[n:])) if kv.host is not None else 0
+    return n * s.block_size, host * s.block_size
+
+
+def priced_hit(s: Scheduler, req: Request) -> tuple[float, int]:
+    """(tokens the hit is worth on `s`, tokens cached in either tier)."""
+    gpu, host = tier_hit_tokens(s, req)
+    if not host:
+        return float(gpu), gpu
+    a_tok, a_attn = s.cost.prefill_costs
+    swap_ms = s.cost.swap_block_ms * host / s.block_size
+    return priced_hit_tokens(gpu, [(host, swap_ms)], a_tok, a_attn), gpu + host
 
 
 def load_value(running: float, waiting: float, max_num_seqs: float, kv_usage: float) -> float:
@@ -145,8 +202,8 @@ class Router:
             if mixed:
                 req.block_hashes = []
             s = schedulers[i]
-            hit = s.prefix_hit_tokens(req)
-            hits[i] = hit / n
+            worth, hit = priced_hit(s, req)
+            hits[i] = worth / n
             waits[i] = self.calibration.factor * predicted_wait_ms(s, req, hit)
         if mixed:
             req.block_hashes = []
