@@ -11,7 +11,8 @@ cost model's GPU-seconds with no prefix hits, over instances x span) is each `--
 Placements: `kvsched` is `kvsched.core.Router` as the daemon runs it; `count` is the rule
 `bench.peers` used for vLLM's instances (the same score, load = requests per slot + KV usage);
 `seconds` is the router before issue 25 (load = predicted queued prefill seconds + KV usage,
-no deadline check). Same scheduler config (`seed-x2`), simulator, H100 cost model and sampled
+no deadline check); `refuse`: kvsched's router refusing (with a retry hint) what it would
+demote; `uncalibrated`: kvsched's router with its predicted waits taken as they are. Same scheduler config (`seed-x2`), simulator, H100 cost model and sampled
 tokens for all. Goodput: finished with TTFT <= 5 s and TPOT <= 100 ms, counted in requests
 (refused ones count as not good). Latencies are virtual time: the load of the machine running
 this does not change them. Writes bench/results/placement.json.
@@ -43,6 +44,7 @@ from kvsched.traces import TraceRequest, load_trace  # noqa: E402
 
 FULL_TRACE = _REPO / "tests" / "data" / "mooncake_conversation.jsonl.xz"
 DEFAULT_JSON = _REPO / "bench" / "results" / "placement.json"
+PLACEMENTS = ("kvsched", "count", "seconds", "refuse", "uncalibrated")
 
 
 class ScoreRouter(Router):
@@ -92,8 +94,13 @@ def run(
 
     def factory(loop: Any) -> Any:
         cluster = make(loop)
-        if placement != "kvsched":
+        if placement in ("count", "seconds"):
             cluster.router = ScoreRouter(count=placement == "count")
+        elif placement == "refuse":
+            cluster.router = Router(overload="refuse")
+        elif placement == "uncalibrated":
+            cluster.router = Router()
+            cluster.router.calibration.alpha = 0.0  # predictions taken as they are
         return cluster
 
     t0 = time.perf_counter()
@@ -147,10 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = ap.parse_args(argv)
     placements = args.placements.split(",")
-    if "count" not in placements or any(
-        p not in ("kvsched", "count", "seconds") for p in placements
-    ):
-        ap.error("--placements: from kvsched, count, seconds; count included (the baseline)")
+    if "count" not in placements or any(p not in PLACEMENTS for p in placements):
+        ap.error(f"--placements: from {PLACEMENTS}; count included (the baseline)")
     rows: list[dict[str, Any]] = []
     for start in [float(w) for w in args.windows.split(",")]:
         requests = window(args.trace, start, args.duration)

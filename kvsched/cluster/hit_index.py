@@ -11,6 +11,7 @@ instance's `Scheduler.prefix_hit_tokens`); the storage medium is reserved (`kv_e
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import numpy as np
@@ -19,6 +20,7 @@ import numpy.typing as npt
 from kvsched.core.kv_events import CPU, GPU
 
 _EMPTY: frozenset[int] = frozenset()
+_FEW = 8  # continuing slots at or below which each run is finished alone
 IntArray = npt.NDArray[np.int32]
 
 
@@ -29,6 +31,13 @@ class HitIndex:
 
     def __init__(self) -> None:
         self.holders: dict[str, dict[bytes, set[int]]] = {m: {} for m in self.MEDIA}
+        # Per slot, its own (GPU, host) hash sets (the ClusterIndex's views keep them): once
+        # few instances still continue a run, each is finished alone against its own sets.
+        self.own: dict[int, tuple[set[bytes], set[bytes]]] = {}
+
+    def bind(self, slot: int, gpu: set[bytes], host: set[bytes]) -> None:
+        """The sets holding `slot`'s hashes (kept equal to what add/remove were told)."""
+        self.own[slot] = (gpu, host)
 
     def add(self, medium: str, slot: int, hashes: Iterable[bytes]) -> None:
         d = self.holders.get(medium)
@@ -64,6 +73,9 @@ class HitIndex:
         on_host: set[int] | frozenset[int] = cpu.get(hashes[0], _EMPTY) - alive
         j, nb = 1, len(hashes)
         while (alive or on_host) and j < nb:
+            if len(alive) + len(on_host) <= _FEW:
+                self._finish(hashes, j, alive, on_host, gpu_len, all_len)
+                return gpu_len, all_len
             h = hashes[j]
             nxt = alive & gpu.get(h, _EMPTY)
             cs = cpu.get(h, _EMPTY)
@@ -86,3 +98,28 @@ class HitIndex:
         if on_host:
             all_len[list(on_host)] = j
         return gpu_len, all_len
+
+    def _finish(
+        self,
+        hashes: list[bytes],
+        j: int,
+        alive: Iterable[int],
+        on_host: Iterable[int],
+        gpu_len: IntArray,
+        all_len: IntArray,
+    ) -> None:
+        """The runs of the few slots still continuing at block j, each walked in its own
+        sets (C-level `takewhile` over the prompt: no set operations per block)."""
+        own = self.own
+        for s in alive:
+            gpu, host = own[s]
+            g = j + _run(gpu, hashes, j)
+            gpu_len[s] = g
+            all_len[s] = g + _run(host, hashes, g)
+        for s in on_host:
+            all_len[s] = j + _run(own[s][1], hashes, j)
+
+
+def _run(held: set[bytes], hashes: list[bytes], start: int) -> int:
+    """How many of hashes[start:] in a row `held` contains."""
+    return len(list(itertools.takewhile(held.__contains__, itertools.islice(hashes, start, None))))

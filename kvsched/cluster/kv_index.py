@@ -244,6 +244,7 @@ class ClusterIndex:
                 self.slots.append(v)
                 self.table.grow(len(self.slots))
             self.table.reset(v.slot)
+            self.hits.bind(v.slot, v.hashes, v.host)
             self.version += 1
         return v
 
@@ -332,6 +333,7 @@ class ClusterIndex:
         if v is not None:
             self._clear(v)
             self.slots[v.slot] = None
+            self.hits.own.pop(v.slot, None)
             self._free_slots.append(v.slot)
             self.version += 1
 

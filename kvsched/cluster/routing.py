@@ -123,12 +123,15 @@ class ClusterRouter:
             return m
         return m[index.table.heard[m] >= now - self.stale_s]
 
-    def route(self, req: Request) -> InstanceEngine | RemoteInstance:
+    def route(
+        self, req: Request, hashes_by_size: dict[int, list[bytes]] | None = None
+    ) -> InstanceEngine | RemoteInstance:
         """Where `req` goes. With no peer instance known this is the daemon's own routing
-        (including its errors: Unavailable when nothing is ready)."""
+        (including its errors: Unavailable when nothing is ready). hashes_by_size: the
+        prompt's chained block hashes per block size when the caller has them already."""
         t0 = time.perf_counter()
         try:
-            return self._route(req)
+            return self._route(req, dict(hashes_by_size or {}))
         finally:
             self.route_s.append(time.perf_counter() - t0)
 
@@ -139,7 +142,9 @@ class ClusterRouter:
             return 0.0, 0.0
         return 1e6 * xs[len(xs) // 2], 1e6 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
-    def _route(self, req: Request) -> InstanceEngine | RemoteInstance:
+    def _route(
+        self, req: Request, by_size: dict[int, list[bytes]]
+    ) -> InstanceEngine | RemoteInstance:
         slots = self._remote_slots(time.monotonic())
         if slots.size == 0:
             eng = self.registry.route(req)
@@ -155,7 +160,6 @@ class ClusterRouter:
         local_hits: list[float] = []
         local_loads: list[float] = []
         local_waits: list[float] = []
-        by_size: dict[int, list[bytes]] = {}  # the prompt's block hashes, once per block size
         for e in engines:
             sched = e.sched
             assert sched is not None
@@ -185,6 +189,10 @@ class ClusterRouter:
             self.num_prefix_routed += 1
         if i < len(engines):
             self.num_local += 1
+            # The chosen instance's hashes: its scheduler extends them instead of rehashing.
+            sched = engines[i].sched
+            assert sched is not None
+            req.block_hashes = by_size.get(sched.block_size, [])
             return engines[i]
         slot = int(slots[i - len(engines)])
         t.sent[slot] += 1

@@ -70,7 +70,9 @@ def test_host_tier_publishes_cpu_stored_and_removed_and_the_index_matches_both_t
         }
     )
     kinds = set()
-    for seq, p in enumerate(prompts(14), 1):  # 14 x 3 blocks through 8 GPU and 24 host blocks: both evict
+    for seq, p in enumerate(
+        prompts(14), 1
+    ):  # 14 x 3 blocks through 8 GPU and 24 host blocks: both evict
         serve(s, p)
         events = s.take_kv_events()
         kinds |= {(type(e).__name__, e.medium) for e in events}
@@ -108,6 +110,7 @@ def test_hit_index_runs_equal_each_instance_walked_alone() -> None:
         host = {h for h in chain if rng.random() < 0.6}
         idx.add(GPU, slot, gpu)
         idx.add(CPU, slot, host)
+        idx.bind(slot, gpu, host)
         views.append((gpu, host))
     for slot in range(0, 30, 3):  # removals are indexed too
         gone = [h for h in chain if rng.random() < 0.2]
