@@ -2,7 +2,7 @@
 the index ingests 50,000 events per second, all on one core (issue 25).
 
     .venv/bin/python -m bench.router_scale [--instances 1000] [--events-per-s 50000]
-        [--decisions-per-s 1000] [--seconds 10] [--prompt-blocks 128,1024] [--json OUT]
+        [--decisions-per-s 1000] [--seconds 10] [--prompt-blocks 128] [--json OUT]
 
 What runs is kvsched's own code: `ClusterIndex` (kvsched/cluster/kv_index.py) fed with JSON
 batches in the wire format (decoded and applied here: the cost of a subscriber), and
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--events-per-s", type=float, default=50_000)
     ap.add_argument("--decisions-per-s", type=float, default=1_000)
     ap.add_argument("--seconds", type=float, default=10.0, help="of the target rates")
-    ap.add_argument("--prompt-blocks", default="128,1024", help="median prompt, 16-token blocks")
+    ap.add_argument("--prompt-blocks", default="128", help="median prompt, 16-token blocks")
     ap.add_argument("--conversations", type=int, default=4000)
     ap.add_argument("--gpu-convs", type=int, default=6, help="conversations per instance GPU")
     ap.add_argument("--host-convs", type=int, default=12, help="... in its host memory")

@@ -2,11 +2,13 @@
 the longest cached run of a prompt on every instance at once (pure, no I/O).
 
 Routing over a thousand peer instances cannot ask each one in turn (a Python loop of ~1 us
-per instance is a millisecond). Instances get a small integer slot; `runs` walks the prompt's
-chained hashes once, intersecting the sets of slots that still continue their run (C-level
-set operations), so its cost follows the prompt's shared prefix, not the number of instances.
-A run is the GPU prefix first, then its continuation in host memory (the rule of one
-instance's `Scheduler.prefix_hit_tokens`); the storage medium is reserved (`kv_events.MEDIA`).
+per instance is a millisecond). Instances get a small integer slot, and the instances holding
+a hash are a bitmask of slots (a Python int: AND/OR over 1,000 slots are a few dozen machine
+words, ~0.1 us). `runs` walks the prompt's chained hashes once, ANDing the masks of the slots
+that still continue their run; once only a few continue, each is finished alone against its
+own hash sets (C-level `takewhile`). Its cost follows the prompt's shared prefix, not the
+number of instances. A run is the GPU prefix first, then its continuation in host memory (the
+rule of one instance's `Scheduler.prefix_hit_tokens`); storage is reserved (`kv_events.MEDIA`).
 """
 
 from __future__ import annotations
@@ -19,18 +21,43 @@ import numpy.typing as npt
 
 from kvsched.core.kv_events import CPU, GPU
 
-_EMPTY: frozenset[int] = frozenset()
-_FEW = 8  # continuing slots at or below which each run is finished alone
+_FEW = 1  # continuing slots at or below which each run is finished alone (one walk of its
+# own sets, C-level; with more, the masks need fewer lookups than one walk per slot)
 IntArray = npt.NDArray[np.int32]
 
 
+def slots_of(mask: int) -> list[int]:
+    """The slots set in a bitmask, ascending."""
+    if mask.bit_count() <= 16:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(low.bit_length() - 1)
+            mask ^= low
+        return out
+    raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()  # type: ignore[no-any-return]
+
+
+def _set(arr: IntArray, mask: int, value: int) -> None:
+    """arr[slot] = value for every slot set in mask (few: one by one; many: a boolean mask)."""
+    if mask.bit_count() <= 16:
+        while mask:
+            low = mask & -mask
+            arr[low.bit_length() - 1] = value
+            mask ^= low
+        return
+    raw = np.frombuffer(mask.to_bytes((arr.size + 7) // 8, "little"), np.uint8)
+    arr[np.unpackbits(raw, bitorder="little", count=arr.size).view(bool)] = value
+
+
 class HitIndex:
-    """Owns, per indexed medium, hash -> set of instance slots."""
+    """Owns, per indexed medium, hash -> bitmask of the instance slots holding it."""
 
     MEDIA = (GPU, CPU)
 
     def __init__(self) -> None:
-        self.holders: dict[str, dict[bytes, set[int]]] = {m: {} for m in self.MEDIA}
+        self.holders: dict[str, dict[bytes, int]] = {m: {} for m in self.MEDIA}
         # Per slot, its own (GPU, host) hash sets (the ClusterIndex's views keep them): once
         # few instances still continue a run, each is finished alone against its own sets.
         self.own: dict[int, tuple[set[bytes], set[bytes]]] = {}
@@ -43,22 +70,22 @@ class HitIndex:
         d = self.holders.get(medium)
         if d is None:
             return
+        bit, get = 1 << slot, d.get
         for h in hashes:
-            s = d.get(h)
-            if s is None:
-                d[h] = {slot}
-            else:
-                s.add(slot)
+            d[h] = get(h, 0) | bit
 
     def remove(self, medium: str, slot: int, hashes: Iterable[bytes]) -> None:
         d = self.holders.get(medium)
         if d is None:
             return
+        keep, get = ~(1 << slot), d.get
         for h in hashes:
-            s = d.get(h)
-            if s is not None:
-                s.discard(slot)
-                if not s:
+            m = get(h)
+            if m is not None:
+                m &= keep
+                if m:
+                    d[h] = m
+                else:
                     del d[h]
 
     def runs(self, hashes: list[bytes], size: int) -> tuple[IntArray, IntArray]:
@@ -68,35 +95,39 @@ class HitIndex:
         all_len = np.zeros(size, np.int32)
         if not hashes:
             return gpu_len, all_len
-        gpu, cpu = self.holders[GPU], self.holders[CPU]
-        alive: set[int] | frozenset[int] = gpu.get(hashes[0], _EMPTY)
-        on_host: set[int] | frozenset[int] = cpu.get(hashes[0], _EMPTY) - alive
+        gpu, cpu = self.holders[GPU].get, self.holders[CPU].get
+        alive = gpu(hashes[0], 0)  # slots whose GPU run continues
+        on_host = cpu(hashes[0], 0) & ~alive  # slots whose run continues in host memory
         j, nb = 1, len(hashes)
-        while (alive or on_host) and j < nb:
-            if len(alive) + len(on_host) <= _FEW:
-                self._finish(hashes, j, alive, on_host, gpu_len, all_len)
-                return gpu_len, all_len
+        if (alive | on_host).bit_count() <= _FEW:
+            self._finish(hashes, j, slots_of(alive), slots_of(on_host), gpu_len, all_len)
+            return gpu_len, all_len
+        while j < nb and (alive or on_host):
             h = hashes[j]
-            nxt = alive & gpu.get(h, _EMPTY)
-            cs = cpu.get(h, _EMPTY)
-            host_next = on_host & cs if on_host else on_host
-            if len(on_host) != len(host_next):
-                all_len[list(on_host - host_next)] = j
-            if len(nxt) != len(alive):
-                dropped = alive - nxt
-                gpu_len[list(dropped)] = j
+            nxt = alive & gpu(h, 0)
+            cs = -1  # the host holders of h, looked up only when needed
+            if on_host:
+                cs = cpu(h, 0)
+                host_next = on_host & cs
+                if host_next != on_host:
+                    _set(all_len, on_host ^ host_next, j)
+                    on_host = host_next
+            if nxt != alive:
+                dropped = alive ^ nxt
+                _set(gpu_len, dropped, j)
+                if cs < 0:
+                    cs = cpu(h, 0)
                 cont = dropped & cs
-                if len(cont) != len(dropped):
-                    all_len[list(dropped - cont)] = j
-                host_next = host_next | cont
-            alive, on_host = nxt, host_next
+                if cont != dropped:
+                    _set(all_len, dropped ^ cont, j)
+                alive, on_host = nxt, on_host | cont
+                if (alive | on_host).bit_count() <= _FEW:
+                    j += 1
+                    self._finish(hashes, j, slots_of(alive), slots_of(on_host), gpu_len, all_len)
+                    return gpu_len, all_len
             j += 1
-        if alive:
-            ix = list(alive)
-            gpu_len[ix] = j
-            all_len[ix] = j
-        if on_host:
-            all_len[list(on_host)] = j
+        _set(gpu_len, alive, j)
+        _set(all_len, alive | on_host, j)
         return gpu_len, all_len
 
     def _finish(
@@ -109,7 +140,7 @@ class HitIndex:
         all_len: IntArray,
     ) -> None:
         """The runs of the few slots still continuing at block j, each walked in its own
-        sets (C-level `takewhile` over the prompt: no set operations per block)."""
+        sets (C-level `takewhile` over the prompt: no mask operations per block)."""
         own = self.own
         for s in alive:
             gpu, host = own[s]

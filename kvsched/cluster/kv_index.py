@@ -289,18 +289,18 @@ class ClusterIndex:
             v.load = dict(load)
             v.sent_since_load = 0
             self.table.set(v)
-        slot, hits = v.slot, self.hits
+        slot, hits, fromhex = v.slot, self.hits, bytes.fromhex
         for ev in batch.get("events", ()):
             kind, medium = ev.get("type"), ev.get("medium", GPU)
             hs = v.medium(medium)
             if hs is None:
                 continue  # storage: reserved (a shared tier is not one instance's)
             if kind == "BlockStored":
-                got = [bytes.fromhex(h) for h in ev["block_hashes"]]
+                got = list(map(fromhex, ev["block_hashes"]))
                 hs.update(got)
                 hits.add(medium, slot, got)
             elif kind == "BlockRemoved":
-                got = [bytes.fromhex(h) for h in ev["block_hashes"]]
+                got = list(map(fromhex, ev["block_hashes"]))
                 hs.difference_update(got)
                 hits.remove(medium, slot, got)
             elif kind == "AllBlocksCleared":

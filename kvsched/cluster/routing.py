@@ -76,8 +76,9 @@ class ClusterRouter:
         self.num_forwarded = 0
         self.num_prefix_routed = 0  # placements on an instance holding part of the prompt
         self.route_s: collections.deque[float] = collections.deque(maxlen=2048)
-        self.refresh_s = 0.25  # how often ownership and membership are re-read
-        self._mask: npt.NDArray[np.intp] = np.zeros(0, np.intp)
+        self.refresh_s = 1.0  # ownership and membership re-read at least this often
+        self._base: npt.NDArray[np.bool_] = np.zeros(0, bool)
+        self._sizes: list[int] = []  # the eligible peers' block sizes
         self._mask_version, self._mask_at = -1, float("-inf")
 
     def _hashes(
@@ -96,32 +97,38 @@ class ClusterRouter:
 
     def remote_candidates(self, now: float) -> list[InstanceView]:
         """The peers' instances a request may go to now (the rule of module docstring)."""
-        slots = self._remote_slots(now)
         views = self.index.slots
-        return [v for i in slots.tolist() if (v := views[i]) is not None]
+        return [v for i in np.flatnonzero(self._remote_mask(now)).tolist() if (v := views[i])]
 
-    def _eligible(self, v: InstanceView) -> bool:
-        if not v.synced or v.daemon == self.daemon_id or not v.load:
-            return False
-        if v.instance_id in self.registry.engines:
-            return False
-        return self.owner_of.get(v.instance_id) == v.daemon and v.daemon in self.address_of
+    def refresh(self) -> None:
+        """Re-read which indexed instances may take requests (synced, with a load, a peer's,
+        leased to a live member): a loop over every instance, so it runs when the index gains
+        or resyncs one, when the daemon's membership and lease views were refreshed
+        (`ClusterNode`, every 0.2 s) and at least every `refresh_s`, never per decision."""
+        index, me, engines = self.index, self.daemon_id, self.registry.engines
+        owner, live = self.owner_of.get, self.address_of
+        ok = [
+            v is not None
+            and v.synced
+            and bool(v.load)
+            and v.daemon != me
+            and v.daemon in live
+            and owner(v.instance_id) == v.daemon
+            and v.instance_id not in engines
+            for v in index.slots
+        ]
+        self._base = np.array(ok, dtype=bool)
+        sizes = index.table.block_size[: len(ok)][self._base]
+        self._sizes = sorted({int(b) for b in sizes.tolist()})
+        self._mask_version, self._mask_at = index.version, time.monotonic()
 
-    def _remote_slots(self, now: float) -> npt.NDArray[np.intp]:
-        """Slots of the eligible peer instances heard from within stale_s. Ownership and
-        membership are re-read every `refresh_s` or when the index changed (not per decision:
-        that is a Python loop over every instance); staleness is checked per decision."""
+    def _remote_mask(self, now: float) -> npt.NDArray[np.bool_]:
+        """Per slot: an eligible peer instance heard from within stale_s."""
         index = self.index
         if index.version != self._mask_version or now - self._mask_at > self.refresh_s:
-            self._mask = np.array(
-                [i for i, v in enumerate(index.slots) if v is not None and self._eligible(v)],
-                dtype=np.intp,
-            )
-            self._mask_version, self._mask_at = index.version, now
-        m = self._mask
-        if m.size == 0:
-            return m
-        return m[index.table.heard[m] >= now - self.stale_s]
+            self.refresh()
+        base = self._base
+        return base & (index.table.heard[: base.size] >= now - self.stale_s)
 
     def route(
         self, req: Request, hashes_by_size: dict[int, list[bytes]] | None = None
@@ -145,8 +152,8 @@ class ClusterRouter:
     def _route(
         self, req: Request, by_size: dict[int, list[bytes]]
     ) -> InstanceEngine | RemoteInstance:
-        slots = self._remote_slots(time.monotonic())
-        if slots.size == 0:
+        elig = self._remote_mask(time.monotonic())
+        if not elig.any():
             eng = self.registry.route(req)
             self.num_local += 1
             return eng
@@ -168,18 +175,16 @@ class ClusterRouter:
             local_hits.append(worth / n)
             local_loads.append(router.load(sched))
             local_waits.append(router.calibration.factor * predicted_wait_ms(sched, req, hit))
-        hits, waits = self._remote_hits(req, slots, by_size, n)
-        t = self.index.table
-        sent = t.sent[slots] / t.max_num_seqs[slots]
-        loads = t.backlog_ms[slots] / (1e3 * router.load_seconds) + t.kv_usage[slots] + sent
+        hits, waits, loads = self._remote_scores(req, elig.size, by_size, n)
         req.block_hashes = []  # the instance chosen hashes with its own block size
         all_hits = np.concatenate([np.asarray(local_hits), hits])
         all_loads = np.concatenate([np.asarray(local_loads), loads])
         all_waits = np.concatenate([np.asarray(local_waits), waits])
+        cand = np.concatenate([np.ones(len(engines), bool), elig])
         target = req.ttft_deadline_ms or router.ttft_target_ms
-        ok = all_waits <= target
+        ok = cand & (all_waits <= target)
         if router.overload == "off" or not ok.any():
-            ok = np.ones(len(all_hits), bool)
+            ok = cand
             if router.overload != "off":
                 router.num_overflowed += 1
         score = all_hits - self.load_weight * (all_loads - all_loads[ok].min())
@@ -194,7 +199,8 @@ class ClusterRouter:
             assert sched is not None
             req.block_hashes = by_size.get(sched.block_size, [])
             return engines[i]
-        slot = int(slots[i - len(engines)])
+        slot = i - len(engines)
+        t = self.index.table
         t.sent[slot] += 1
         v = self.index.slots[slot]
         assert v is not None
@@ -202,33 +208,40 @@ class ClusterRouter:
         self.num_forwarded += 1
         return RemoteInstance(v.instance_id, v.daemon, self.address_of[v.daemon])
 
-    def _remote_hits(
-        self,
-        req: Request,
-        slots: npt.NDArray[np.intp],
-        by_size: dict[int, list[bytes]],
-        n: int,
-    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-        """Per peer slot: the prompt fraction its cache is worth (GPU hits whole, host hits
-        priced by its published step-cost model: swap-in vs recompute) and its predicted wait
-        for the request in ms (its published backlog plus the request's uncached prefill)."""
+    def _remote_scores(
+        self, req: Request, size: int, by_size: dict[int, list[bytes]], n: int
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """Per slot (the first `size`; the caller masks the ineligible): the prompt fraction
+        its cache is worth (GPU hits whole, host hits priced by its published step-cost model:
+        swap-in vs recompute), its predicted wait for the request in ms (its published backlog
+        plus the request's uncached prefill) and its load (router.load's rule)."""
         t, index = self.index.table, self.index
-        bs = t.block_size[slots]
-        worth = np.zeros(slots.size)
-        cached = np.zeros(slots.size)
-        for size in np.unique(bs).tolist():
-            gpu, total = index.hits.runs(self._hashes(req, int(size), by_size), len(index.slots))
-            sel = bs == size
-            worth[sel] = gpu[slots[sel]] * size
-            cached[sel] = total[slots[sel]] * size
-        host = cached - worth
-        a_tok, a_attn = t.prefill_token_ms[slots], t.attention_ms[slots]
-        for j in np.flatnonzero(host > 0).tolist():  # priced one by one: few hold host runs
-            s = int(slots[j])
-            swap = t.swap_block_ms[s] * host[j] / t.block_size[s]
-            worth[j] = priced_hit_tokens(worth[j], [(host[j], swap)], a_tok[j], a_attn[j])
+        router = self.registry.router
+        bs = t.block_size[:size]
+        if len(self._sizes) == 1:
+            b = self._sizes[0]
+            gpu, total = index.hits.runs(self._hashes(req, b, by_size), size)
+            worth, cached = gpu * float(b), total * float(b)
+        else:
+            worth, cached = np.zeros(size), np.zeros(size)
+            for b in self._sizes:
+                gpu, total = index.hits.runs(self._hashes(req, b, by_size), size)
+                sel = bs == b
+                worth[sel] = gpu[sel] * b
+                cached[sel] = total[sel] * b
+        a_tok, a_attn = t.prefill_token_ms[:size], t.attention_ms[:size]
+        for j in np.flatnonzero(cached > worth).tolist():  # priced one by one: few hold them
+            host = cached[j] - worth[j]
+            swap = t.swap_block_ms[j] * host / bs[j]
+            worth[j] = priced_hit_tokens(worth[j], [(host, swap)], a_tok[j], a_attn[j])
         ntok = float(len(req.prompt_token_ids))
         start = np.minimum(cached, ntok - 1)
         own = a_tok * (ntok - start) + a_attn * (ntok * ntok - start * start) / 2
-        waits = self.registry.router.calibration.factor * (t.backlog_ms[slots] + own)
-        return worth / n, waits
+        backlog = t.backlog_ms[:size]
+        waits = router.calibration.factor * (backlog + own)
+        loads = (
+            backlog / (1e3 * router.load_seconds)
+            + t.kv_usage[:size]
+            + t.sent[:size] / t.max_num_seqs[:size]
+        )
+        return worth / n, waits, loads
