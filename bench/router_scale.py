@@ -209,7 +209,7 @@ def run(args: argparse.Namespace, prompt_blocks: int) -> dict[str, Any]:
         ingest_s += time.perf_counter() - t
         ingest_cpu += time.thread_time() - c
         t, c = time.perf_counter(), time.thread_time()
-        out = router.route(req, hashes)
+        out = router.route(req, hashes_by_size=hashes)
         decide_cpu.append(time.thread_time() - c)
         decide_s.append(time.perf_counter() - t)
         remote += out.__class__.__name__ == "RemoteInstance"

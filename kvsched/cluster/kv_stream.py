@@ -92,6 +92,11 @@ class KvStream:
         self._syncing: set[str] = set()
         self.num_published = 0
         self.drop_next = False  # tests: drop the next batch instead of publishing it
+        # An instance's model and limits, published with its load (None: not published).
+        self.info_of: Callable[[str], dict[str, Any] | None] | None = None
+
+    def _info(self, iid: str) -> dict[str, Any] | None:
+        return None if self.info_of is None else self.info_of(iid)
 
     async def start(self, publish_every_flush_s: bool = True) -> None:
         """Subscribe to everyone's batches and answer snapshot requests for this daemon's
@@ -149,7 +154,15 @@ class KvStream:
             load = load_of(sched)
             pub.seq += 1
             data = encode_batch(
-                iid, self.daemon_id, pub.epoch, pub.seq, time.time(), sched.block_size, load, events
+                iid,
+                self.daemon_id,
+                pub.epoch,
+                pub.seq,
+                time.time(),
+                sched.block_size,
+                load,
+                events,
+                self._info(iid),
             )
             pub.last_sent = now
             if self.drop_next:
@@ -176,6 +189,7 @@ class KvStream:
             sched.block_size,
             load_of(sched),
             sched.cached_block_hashes(),
+            self._info(iid),
             host_block_hashes(sched),
         )
         with contextlib.suppress(Exception):

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.core import KVCacheManager, Request, Role
+from kvsched.core import KVCacheManager, KvschedError, Request, Role
 from kvsched.core.router import predicted_wait_ms, priced_hit, priced_hit_tokens
 from kvsched.server.engine import InstanceEngine
+from kvsched.server.models import Limits
 
 if TYPE_CHECKING:
     from kvsched.cluster.kv_index import ClusterIndex, InstanceView
@@ -79,6 +80,10 @@ class ClusterRouter:
         self.refresh_s = 1.0  # ownership and membership re-read at least this often
         self._base: npt.NDArray[np.bool_] = np.zeros(0, bool)
         self._sizes: list[int] = []  # the eligible peers' block sizes
+        self._models: list[str] = []  # per slot, the model it serves
+        self._model_masks: dict[str, npt.NDArray[np.bool_]] = {}
+        self._max_model_len: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self._vocab: npt.NDArray[np.int64] = np.zeros(0, np.int64)
         self._mask_version, self._mask_at = -1, float("-inf")
 
     def _hashes(
@@ -118,6 +123,15 @@ class ClusterRouter:
             for v in index.slots
         ]
         self._base = np.array(ok, dtype=bool)
+        default = self.registry.config.model
+        self._models = [(v.model or default) if v is not None else "" for v in index.slots]
+        self._model_masks: dict[str, npt.NDArray[np.bool_]] = {}
+        self._max_model_len = np.array(
+            [v.max_model_len if v is not None else 0 for v in index.slots], np.int64
+        )
+        self._vocab = np.array(
+            [v.vocab_size if v is not None else 0 for v in index.slots], np.int64
+        )
         sizes = index.table.block_size[: len(ok)][self._base]
         self._sizes = sorted({int(b) for b in sizes.tolist()})
         self._mask_version, self._mask_at = index.version, time.monotonic()
@@ -130,15 +144,51 @@ class ClusterRouter:
         base = self._base
         return base & (index.table.heard[: base.size] >= now - self.stale_s)
 
+    def peer_models(self) -> set[str]:
+        """The models the peers' instances serve (known from their published info)."""
+        return {
+            v.model for v in self.index.instances.values() if v.model and v.daemon != self.daemon_id
+        }
+
+    def peer_limits(self) -> list[Limits]:
+        """The limits of the peers' live instances (ListModels counts them as ready)."""
+        cfg = self.registry.config
+        return [
+            Limits(
+                v.model or cfg.model,
+                v.max_model_len or cfg.engine.scheduler.max_model_len,
+                v.vocab_size,
+            )
+            for v in self.remote_candidates(time.monotonic())
+        ]
+
+    def _fits(self, req: Request, model: str) -> npt.NDArray[np.bool_]:
+        """Per slot: the instance serves `model` and `req` fits its published limits (an
+        instance that published none is taken to serve the configured model, unchecked):
+        `server.models.misfit`'s rule over the columns read at `refresh`."""
+        mask = self._model_masks.get(model)
+        if mask is None:
+            mask = self._model_masks[model] = np.array([m == model for m in self._models], bool)
+        n, sp = len(req.prompt_token_ids), req.sampling
+        mml, vocab = self._max_model_len, self._vocab
+        top = max(req.prompt_token_ids, default=-1)
+        top = max(top, max(sp.stop_token_ids, default=-1))
+        return mask & ((mml == 0) | (n + sp.max_tokens <= mml)) & ((vocab <= 0) | (top < vocab))
+
     def route(
-        self, req: Request, hashes_by_size: dict[int, list[bytes]] | None = None
+        self,
+        req: Request,
+        model: str = "",
+        hashes_by_size: dict[int, list[bytes]] | None = None,
     ) -> InstanceEngine | RemoteInstance:
         """Where `req` goes. With no peer instance known this is the daemon's own routing
         (including its errors: Unavailable when nothing is ready). hashes_by_size: the
         prompt's chained block hashes per block size when the caller has them already."""
         t0 = time.perf_counter()
         try:
-            return self._route(req, dict(hashes_by_size or {}))
+            return self._route(
+                req, model or self.registry.model_for(""), dict(hashes_by_size or {})
+            )
         finally:
             self.route_s.append(time.perf_counter() - t0)
 
@@ -150,11 +200,11 @@ class ClusterRouter:
         return 1e6 * xs[len(xs) // 2], 1e6 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
     def _route(
-        self, req: Request, by_size: dict[int, list[bytes]]
+        self, req: Request, model: str, by_size: dict[int, list[bytes]]
     ) -> InstanceEngine | RemoteInstance:
-        elig = self._remote_mask(time.monotonic())
+        elig = self._remote_mask(time.monotonic()) & self._fits(req, model)
         if not elig.any():
-            eng = self.registry.route(req)
+            eng = self.registry.route(req, model)
             self.num_local += 1
             return eng
         engines = [
@@ -162,6 +212,10 @@ class ClusterRouter:
             for e in self.registry.engines.values()
             if e.accepting and not e.is_decode and e.sched is not None
         ]
+        try:
+            engines = self.registry.candidates(req, model, engines)
+        except KvschedError:
+            engines = []  # none here fits: a peer's does
         router = self.registry.router
         n = max(1, len(req.prompt_token_ids))
         local_hits: list[float] = []
