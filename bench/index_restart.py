@@ -31,7 +31,7 @@ if str(_REPO) not in sys.path:
 
 from bench.policies import write_json  # noqa: E402
 from kvsched.cluster.kv_index import ClusterIndex  # noqa: E402
-from kvsched.cluster.kv_stream import KvStream  # noqa: E402
+from kvsched.cluster.kv_stream import KvStream, host_block_hashes  # noqa: E402
 from kvsched.cluster.link import connect_cluster  # noqa: E402
 from kvsched.cluster.natsd import NatsServer  # noqa: E402
 from kvsched.core import (  # noqa: E402
@@ -106,10 +106,10 @@ async def measure(args: argparse.Namespace, url: str, scheds: dict[str, Schedule
     out = []
     try:
         deadline = time.monotonic() + 30
-        while len(entries(ref.index)) < sum(
-            len(s.cached_block_hashes()) + len(s.kv.host.pool.cached)  # type: ignore[union-attr]
-            for s in scheds.values()
-        ):
+        total = sum(
+            len(s.cached_block_hashes()) + len(host_block_hashes(s)) for s in scheds.values()
+        )
+        while len(entries(ref.index)) < total:
             assert time.monotonic() < deadline, "the warm index never caught up"
             await asyncio.sleep(0.05)
         want = entries(ref.index)

@@ -49,7 +49,7 @@ from bench.policies import write_json  # noqa: E402
 from kvsched.cluster.kv_index import ClusterIndex, decode, encode_batch, encode_snapshot  # noqa: E402
 from kvsched.cluster.routing import ClusterRouter  # noqa: E402
 from kvsched.core import KVCacheManager, Request, SamplingParams  # noqa: E402
-from kvsched.core.kv_events import CPU, GPU, BlockRemoved, BlockStored  # noqa: E402
+from kvsched.core.kv_events import CPU, GPU, BlockRemoved, BlockStored, KvEvent  # noqa: E402
 from kvsched.server.config import ServerConfig  # noqa: E402
 from kvsched.server.registry import InstanceRegistry  # noqa: E402
 from kvsched.server.telemetry import Telemetry  # noqa: E402
@@ -112,7 +112,14 @@ class Fleet:
         gpu = {h for c in self.gpu[i] for h in self.chains[c]}
         host = {h for c in self.host[i] for h in self.chains[c][SYSTEM_BLOCKS:]}
         return encode_snapshot(
-            self.iid(i), self.daemon(i), "e", self.seq[i], BS, self.load, list(gpu), list(host)
+            self.iid(i),
+            self.daemon(i),
+            "e",
+            self.seq[i],
+            BS,
+            self.load,
+            list(gpu),
+            host_hashes=list(host),
         )
 
     def batch(self, i: int) -> tuple[bytes, int]:
@@ -120,7 +127,8 @@ class Fleet:
         gpu BlockStored (a conversation's next blocks), its oldest GPU blocks evicted (gpu
         BlockRemoved) and written to host memory (cpu BlockStored), its oldest host blocks
         evicted (cpu BlockRemoved). The instance's GPU and host contents stay the same size."""
-        rng, ev = self.rng, []
+        rng = self.rng
+        ev: list[KvEvent] = []
         gpu, host = self.gpu_q[i], self.host_q[i]
         moved: list[bytes] = []
         for _ in range(2):

@@ -28,15 +28,16 @@ IntArray = npt.NDArray[np.int32]
 
 def slots_of(mask: int) -> list[int]:
     """The slots set in a bitmask, ascending."""
+    out: list[int] = []
     if mask.bit_count() <= 16:
-        out = []
         while mask:
             low = mask & -mask
             out.append(low.bit_length() - 1)
             mask ^= low
         return out
     raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
-    return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()  # type: ignore[no-any-return]
+    out.extend(np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist())
+    return out
 
 
 def _set(arr: IntArray, mask: int, value: int) -> None:

@@ -125,7 +125,7 @@ class ClusterRouter:
         self._base = np.array(ok, dtype=bool)
         default = self.registry.config.model
         self._models = [(v.model or default) if v is not None else "" for v in index.slots]
-        self._model_masks: dict[str, npt.NDArray[np.bool_]] = {}
+        self._model_masks = {}
         self._max_model_len = np.array(
             [v.max_model_len if v is not None else 0 for v in index.slots], np.int64
         )
@@ -173,7 +173,8 @@ class ClusterRouter:
         mml, vocab = self._max_model_len, self._vocab
         top = max(req.prompt_token_ids, default=-1)
         top = max(top, max(sp.stop_token_ids, default=-1))
-        return mask & ((mml == 0) | (n + sp.max_tokens <= mml)) & ((vocab <= 0) | (top < vocab))
+        fits: npt.NDArray[np.bool_] = (mml == 0) | (n + sp.max_tokens <= mml)
+        return mask & fits & ((vocab <= 0) | (top < vocab))
 
     def route(
         self,

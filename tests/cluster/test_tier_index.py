@@ -136,7 +136,8 @@ def _peer(index: ClusterIndex, iid: str, host: list[bytes], backlog_ms: float, s
     load |= {"predicted_backlog_ms": backlog_ms, "prefill_token_ms": 0.05}
     load |= {"attention_ms": 1e-6, "swap_block_ms": swap_ms}
     index.apply_snapshot(
-        decode(encode_snapshot(iid, "peer", "e", 0, BS, load, [], host)), time.monotonic()
+        decode(encode_snapshot(iid, "peer", "e", 0, BS, load, [], host_hashes=host)),
+        time.monotonic(),
     )
 
 
