@@ -6,7 +6,7 @@ score(i) = cached_fraction(i) - load_weight * (load(i) - min load)
                       saves (`priced_hit_tokens`, the instance's step-cost model)
     load            = predicted queued prefill seconds / load_seconds  +  KV usage
 
-Placement is judged by goodput (issue 25, DESIGN section 14): only the instances whose
+Placement is judged by goodput (issue 25; docs/BENCHMARKS.md section 12): only the instances whose
 predicted wait for the request (`predicted_wait_ms`, times a factor calibrated against the
 measured TTFT of the requests placed, `WaitCalibration`) meets its deadline (its own, or
 `ttft_target_ms`) are scored. When none is, the request overflows: demoted (queued behind
