@@ -210,7 +210,7 @@ class Router:
         target = req.ttft_deadline_ms or self.ttft_target_ms
         ok = [i for i in cands if waits[i] <= target]
         if self.overload == "off" or ok:
-            pool = ok or cands
+            pool = cands if self.overload == "off" else ok
             loads = {i: self.load(schedulers[i]) for i in pool}
             best = pool[
                 best_by_score([hits[i] for i in pool], [loads[i] for i in pool], self.load_weight)
