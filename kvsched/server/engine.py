@@ -223,6 +223,10 @@ class InstanceEngine:
         for req in list(sched.requests.values()):
             self.listener.requeue_lost(req, f"instance {self.instance_id} lost: {reason}")
 
+    def close(self) -> None:
+        """Stop the engine loop of an instance the registry forgot (no worker, no request)."""
+        self._task.cancel()
+
     def detach(self, conn: RankConn, reason: str) -> None:
         if self.ranks.get(conn.rank) is conn:
             self.take_out(reason)

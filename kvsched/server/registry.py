@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvsched import codec
 from kvsched.core import (
+    InvalidRequest,
     KvschedError,
     ProtocolError,
     Request,
@@ -24,6 +25,7 @@ from kvsched.core import (
     Router,
     Unavailable,
 )
+from kvsched.core.scheduler.validation import validate
 from kvsched.server.engine import EngineListener, InstanceEngine, RankConn
 from kvsched.server.models import Limits, fitting, limits_of, resolve_model
 from kvsched.v1 import worker_service_pb2
@@ -46,6 +48,7 @@ class InstanceRegistry:
         self.router = Router(
             ttft_target_ms=config.routing_ttft_target_ms, overload=config.routing_overload
         )
+        self._empty_since: dict[str, float] = {}  # instance -> since when it has no worker
         self.paused = False  # AdminService Pause without an instance id (shown by GetStatus)
         self._listener: EngineListener | None = None
         # A cluster's Hello gate (kvsched.cluster.node.ClusterNode.admit_worker; None: alone):
@@ -190,6 +193,21 @@ class InstanceRegistry:
                     Unavailable("heartbeat timeout: no message within heartbeat_timeout_s"),
                 )
 
+    def forget_lost(self, now: float) -> None:
+        """Drop auto-created instances that have had no worker for forget_lost_instance_s
+        (0: never): `kvsched status` shows them as lost until then. Configured ones stay."""
+        after = self.config.forget_lost_instance_s
+        for iid, eng in list(self.engines.items()):
+            if eng.ranks or eng.ready or iid in self.config.instances:
+                self._empty_since.pop(iid, None)
+                continue
+            since = self._empty_since.setdefault(iid, now)
+            if after > 0 and now - since >= after:
+                del self.engines[iid]
+                del self._empty_since[iid]
+                eng.close()
+                log.info("instance %s forgotten: no worker for %g s", iid, after)
+
     def send_heartbeats(self, now: float) -> None:
         """A Heartbeat to every worker rank the daemon has sent nothing for the welcome's
         heartbeat interval. Called by the watchdog, never per step: what a rank was sent is
@@ -216,7 +234,14 @@ class InstanceRegistry:
     def model_for(self, requested: str) -> str:
         """The model a request naming `requested` runs on (see server/models.py): NOT_FOUND
         naming the known models for an unknown one."""
-        return resolve_model(requested, self.config.model, self.models())
+        ready = {
+            _limits(e, self.config.model).model
+            for e in self.engines.values()
+            if e.queueing and not e.is_decode
+        }
+        if self.peer_limits is not None:
+            ready |= {lim.model for lim in self.peer_limits()}
+        return resolve_model(requested, self.config.model, self.models(), ready)
 
     def models(self) -> set[str]:
         """Every model an instance of this daemon (or of a peer, in a cluster) serves or
@@ -251,7 +276,20 @@ class InstanceRegistry:
     def candidates(self, req: Request, model: str, engines: list[InstanceEngine]) -> list[Any]:
         """`engines` (ready ones) that serve `model` and whose limits `req` fits; raises
         InvalidRequest naming the limit when the model's instances can never run it."""
-        return fitting(req, model, [(e, _limits(e, self.config.model)) for e in engines])
+        pairs = [(e, _limits(e, self.config.model)) for e in engines]
+        try:
+            return fitting(req, model, pairs)
+        except InvalidRequest:
+            # Fields out of range are named first, in the core's order, as an instance that
+            # fits would name them; the limit only when the request is otherwise valid.
+            best = max(
+                (p for p in pairs if p[1].model == model),
+                key=lambda p: (p[1].max_model_len, p[1].vocab_size),
+            )[0]
+            sched = best.sched
+            if sched is not None:
+                validate(req, sched.config, (), sched.kv.pool.num_blocks)
+            raise
 
     def route(self, req: Request, model: str = "") -> InstanceEngine:
         """The instance a new request goes to; Unavailable when none takes new requests. A
