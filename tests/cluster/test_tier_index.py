@@ -159,10 +159,10 @@ def test_router_prefers_a_peers_host_hit_only_while_swapping_in_beats_recomputin
 
 def test_peer_sees_host_hits_over_nats_and_after_a_snapshot(nats_server: NatsServer) -> None:
     async def go() -> None:
-        sched = host_sched()
+        sched, idle = host_sched(), host_sched()
         pub_link = await connect_cluster(nats_server.url, "tier-pub")
         sub_link = await connect_cluster(nats_server.url, "tier-sub")
-        pub = KvStream(pub_link, lambda: {"h0": sched})
+        pub = KvStream(pub_link, lambda: {"h0": sched, "h1": idle})
         sub = KvStream(sub_link, dict)
         late = KvStream(await connect_cluster(nats_server.url, "tier-late"), dict)
         await pub.start(publish_every_flush_s=False)
@@ -200,6 +200,20 @@ def test_peer_sees_host_hits_over_nats_and_after_a_snapshot(nats_server: NatsSer
                 assert v.tier_blocks(req.block_hashes) == (gpu // BS, (gpu + host) // BS)
                 splits.append((gpu, host))
             assert (0, 3 * BS) in splits, splits
+            # The subscriber's router sends a prompt held only in h0's host memory to h0, though
+            # h0 is the busier one (a queued prompt) and h1 holds nothing of it: swapping 3
+            # blocks in beats recomputing them. Without the host hit h1 would win on load.
+            host_only = ps[splits.index((0, 3 * BS))]
+            sched.add_request(make_request(100, max_tokens=2))
+            deadline = time.monotonic() + 10
+            while sub.index.instances["h0"].load.get("waiting", 0.0) < 1:
+                assert time.monotonic() < deadline, "h0's load never arrived"
+                pub.load_every_s = 0.0
+                await pub.flush()
+                await asyncio.sleep(0.05)
+            router = _router(sub.index, {"h0": pub_link.daemon_id, "h1": pub_link.daemon_id})
+            got = router.route(make_request(host_only + [4, 5], max_tokens=2))
+            assert isinstance(got, RemoteInstance) and got.instance_id == "h0", got
             # A daemon that starts now gets the host tier through the snapshot.
             await late.start(publish_every_flush_s=False)
             serve(sched, ps[-1] + [1, 2, 3])
