@@ -84,6 +84,7 @@ class ClusterRouter:
         self._model_masks: dict[str, npt.NDArray[np.bool_]] = {}
         self._max_model_len: npt.NDArray[np.int64] = np.zeros(0, np.int64)
         self._vocab: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self._any_vocab = False
         self._mask_version, self._mask_at = -1, float("-inf")
 
     def _hashes(
@@ -132,6 +133,7 @@ class ClusterRouter:
         self._vocab = np.array(
             [v.vocab_size if v is not None else 0 for v in index.slots], np.int64
         )
+        self._any_vocab = bool((self._vocab > 0).any())
         sizes = index.table.block_size[: len(ok)][self._base]
         self._sizes = sorted({int(b) for b in sizes.tolist()})
         self._mask_version, self._mask_at = index.version, time.monotonic()
@@ -171,10 +173,11 @@ class ClusterRouter:
             mask = self._model_masks[model] = np.array([m == model for m in self._models], bool)
         n, sp = len(req.prompt_token_ids), req.sampling
         mml, vocab = self._max_model_len, self._vocab
-        top = max(req.prompt_token_ids, default=-1)
-        top = max(top, max(sp.stop_token_ids, default=-1))
-        fits: npt.NDArray[np.bool_] = (mml == 0) | (n + sp.max_tokens <= mml)
-        return mask & fits & ((vocab <= 0) | (top < vocab))
+        fits: npt.NDArray[np.bool_] = mask & ((mml == 0) | (n + sp.max_tokens <= mml))
+        if not self._any_vocab:  # no peer announced a vocabulary: skip the scan of the prompt
+            return fits
+        top = max(max(req.prompt_token_ids, default=-1), max(sp.stop_token_ids, default=-1))
+        return fits & ((vocab <= 0) | (top < vocab))
 
     def route(
         self,
