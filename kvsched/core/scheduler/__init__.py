@@ -13,7 +13,7 @@ from kvsched.core.scheduler.events import (
     SchedulerStats,
     TokenDelta,
 )
-from kvsched.core.scheduler.placement import MAX_ADAPTIVE_HEADROOM
+from kvsched.core.scheduler.outbox import MAX_ADAPTIVE_HEADROOM
 from kvsched.core.scheduler.scheduler import Scheduler
 
 __all__ = [
