@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvsched.core import KVCacheManager, Request, Role
-from kvsched.core.router import backlog_load, best_by_score, load_value
+from kvsched.core.router import best_by_score, instance_load
 from kvsched.server.engine import InstanceEngine
 
 if TYPE_CHECKING:
@@ -117,42 +117,24 @@ class ClusterRouter:
             eng = self.registry.route(req)
             self.num_local += 1
             return eng
-        engines = [
-            e
-            for e in self.registry.engines.values()
-            if e.accepting and not e.is_decode and e.sched is not None
-        ]
+        engines = [e for e in self.registry.engines.values() if e.accepting and not e.is_decode]
         router = self.registry.router
         n = max(1, len(req.prompt_token_ids))
         hits: list[float] = []
         loads: list[float] = []
         by_size: dict[int, list[bytes]] = {}  # the prompt's block hashes, once per block size
         for e in engines:
-            sched = e.sched
-            assert sched is not None
-            req.block_hashes = self._hashes(req, sched.block_size, by_size)
-            hits.append(sched.prefix_hit_tokens(req) / n)
-            loads.append(router.load(sched))
+            req.block_hashes = self._hashes(req, e.block_size, by_size)
+            hits.append(e.prefix_hit_tokens(req) / n)
+            loads.append(router.load(e))
         for v in remotes:
             bs = v.block_size or 16
             hits.append(v.prefix_blocks(self._hashes(req, bs, by_size)) * bs / n)
             ld = v.load
             # Requests forwarded since the peer last published count as one slot each.
             sent = v.sent_since_load / max(1.0, ld.get("max_num_seqs", 1.0))
-            if "predicted_backlog_ms" in ld:  # the peer's own cost model, as for local ones
-                load = backlog_load(
-                    ld["predicted_backlog_ms"], ld.get("kv_usage", 0.0), router.load_seconds
-                )
-                loads.append(load + sent)
-                continue
-            loads.append(
-                load_value(
-                    ld.get("running", 0.0),
-                    ld.get("waiting", 0.0) + v.sent_since_load,
-                    ld.get("max_num_seqs", 1.0),
-                    ld.get("kv_usage", 0.0),
-                )
-            )
+            # The peer's own cost model when it publishes one, as for local ones; else counts.
+            loads.append(instance_load(ld, router.load_seconds) + sent)
         req.block_hashes = []  # the instance chosen hashes with its own block size
         i = best_by_score(hits, loads, self.load_weight)
         if hits[i] > 0:

@@ -14,23 +14,41 @@ it goes to the instance with the least predicted work.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
-from kvsched.core.config import Role
 from kvsched.core.errors import Unavailable
 from kvsched.core.request import Request
-from kvsched.core.scheduler import Scheduler
 
 
-def load_value(running: float, waiting: float, max_num_seqs: float, kv_usage: float) -> float:
-    """An instance's load from its numbers (as `Router.load` reads them off a scheduler)."""
-    return (running + waiting) / max(1.0, max_num_seqs) + kv_usage
+class Candidate(Protocol):
+    """What the router reads of an instance: a Scheduler, or the daemon's engine of one (which
+    publishes these facts and nothing else of its scheduler)."""
+
+    @property
+    def paused(self) -> bool: ...
+
+    @property
+    def is_decode(self) -> bool: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    def prefix_hit_tokens(self, req: Request) -> int: ...
+
+    def load_facts(self) -> dict[str, float]: ...
 
 
-def backlog_load(backlog_ms: float, kv_usage: float, load_seconds: float) -> float:
-    """An instance's load from its predicted queued prefill and KV usage (`Router.load`'s
-    rule over numbers, for a peer's instance known from what it published)."""
-    return backlog_ms / (1e3 * load_seconds) + kv_usage
+def instance_load(facts: Mapping[str, float], load_seconds: float, by_count: bool = False) -> float:
+    """An instance's load, from its facts (`Scheduler.load_facts`, or what a peer published):
+    predicted queued prefill seconds / load_seconds + KV usage; or, by requests placed or
+    queued per slot + KV usage when `by_count` (a decode instance queues no prefill) or when the
+    facts carry no prediction (a peer that publishes only counts). The only load formula."""
+    kv_usage = facts.get("kv_usage", 0.0)
+    if not by_count and "predicted_backlog_ms" in facts:
+        return facts["predicted_backlog_ms"] / (1e3 * load_seconds) + kv_usage
+    n = facts.get("running", 0.0) + facts.get("waiting", 0.0)
+    return n / max(1.0, facts.get("max_num_seqs", 1.0)) + kv_usage
 
 
 def best_by_score(hits: Sequence[float], loads: Sequence[float], load_weight: float) -> int:
@@ -51,20 +69,20 @@ class Router:
         self.load_weight = load_weight
         self.load_seconds = load_seconds
 
-    def load(self, s: Scheduler) -> float:
-        return backlog_load(s.predicted_backlog_ms(), s.kv.usage, self.load_seconds)
+    def load(self, s: Candidate) -> float:
+        return instance_load(s.load_facts(), self.load_seconds)
 
     @staticmethod
-    def count_load(s: Scheduler) -> float:
+    def count_load(s: Candidate) -> float:
         """Requests placed or queued per slot, plus KV usage (decode instances)."""
-        return load_value(s.num_running, s.num_waiting, s.config.scheduler.max_num_seqs, s.kv.usage)
+        return instance_load(s.load_facts(), 1.0, by_count=True)
 
-    def pick(self, schedulers: Sequence[Scheduler], req: Request) -> int:
+    def pick(self, schedulers: Sequence[Candidate], req: Request) -> int:
         """Index of the instance that should take `req` (a new request: never a decode-role
         instance). A paused instance queues what it is given, so it is chosen only when every
         candidate is paused (the request waits for Resume there). Raises Unavailable when no
         instance can take new requests."""
-        cands = [i for i, s in enumerate(schedulers) if s.config.role != Role.DECODE]
+        cands = [i for i, s in enumerate(schedulers) if not s.is_decode]
         cands = [i for i in cands if not schedulers[i].paused] or cands
         if not cands:
             raise Unavailable("no instance is ready to take new requests")
@@ -87,10 +105,8 @@ class Router:
             req.block_hashes = []
         return best
 
-    def pick_decode(self, schedulers: Sequence[Scheduler]) -> int | None:
+    def pick_decode(self, schedulers: Sequence[Candidate]) -> int | None:
         """Least-loaded decode-role instance (by requests per slot and KV usage: a decode
         instance queues no prefill), or None when there is none."""
-        cands = [
-            i for i, s in enumerate(schedulers) if s.config.role == Role.DECODE and not s.paused
-        ]
+        cands = [i for i, s in enumerate(schedulers) if s.is_decode and not s.paused]
         return min(cands, key=lambda i: self.count_load(schedulers[i])) if cands else None

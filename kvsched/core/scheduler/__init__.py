@@ -6,6 +6,7 @@ Importers outside the package use these names; the parts themselves import nothi
 
 from kvsched.core.scheduler.admission import StepBudget
 from kvsched.core.scheduler.events import (
+    SNAPSHOT_COUNTERS,
     DecodeColumn,
     Events,
     RowTokens,
@@ -18,6 +19,7 @@ from kvsched.core.scheduler.scheduler import Scheduler
 
 __all__ = [
     "MAX_ADAPTIVE_HEADROOM",
+    "SNAPSHOT_COUNTERS",
     "DecodeColumn",
     "Events",
     "RowTokens",

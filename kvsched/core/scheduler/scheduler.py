@@ -29,10 +29,11 @@ Imported by `kvsched.core.scheduler` (the package) only; imports the parts.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
-from kvsched.core.config import EngineConfig
+from kvsched.core.config import EngineConfig, Role
 from kvsched.core.encoder_cache import EncoderCache
 from kvsched.core.errors import CapacityExceeded, RequestNotFound
 from kvsched.core.kv_cache_manager import KVCacheManager
@@ -50,6 +51,10 @@ from kvsched.core.scheduler.roles import Roles
 from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.scheduler.table import PlacementTable
 from kvsched.core.scheduler.validation import validate
+
+# Every scheduler made in this process gets the next epoch: an engine whose scheduler is
+# replaced (its workers reconnected) shows a new one, and readers know their numbers restarted.
+_epochs = itertools.count(1)
 
 
 class Scheduler:
@@ -69,6 +74,7 @@ class Scheduler:
         first_handle: int = 0,
     ) -> None:
         self.config = config = (config or EngineConfig()).validate()
+        self.epoch = next(_epochs)
         self.clock = clock
         self.instance_id = instance_id
         cc = config.cache
@@ -273,6 +279,10 @@ class Scheduler:
         return self.exits.paused
 
     @property
+    def is_decode(self) -> bool:
+        return self.config.role == Role.DECODE
+
+    @property
     def requests(self) -> dict[str, Request]:
         return self.table.requests
 
@@ -421,6 +431,30 @@ class Scheduler:
             "num_swap_failures": st.swap_out_failures + st.swap_in_failures,
             "num_swap_ins_declined": st.swap_ins_declined,
         }
+
+    def load_facts(self, queued: bool = False) -> dict[str, float]:
+        """The numbers an instance's load is computed from (`kvsched.core.router.instance_load`)
+        and a cluster publishes; `queued`: with the prompt tokens waiting (O(waiting))."""
+        facts = {
+            "running": float(self.num_running),
+            "waiting": float(self.num_waiting),
+            "max_num_seqs": float(self.config.scheduler.max_num_seqs),
+            "kv_usage": self.kv.usage,
+        }
+        if queued:
+            waiting = self.backlog.waiting
+            facts["queued_prefill_tokens"] = float(
+                sum(req.num_tokens - req.num_computed_tokens for req in waiting)
+            )
+        facts["predicted_backlog_ms"] = self.backlog.predicted_backlog_ms()
+        return facts
+
+    def published_load(self) -> dict[str, float]:
+        """The load facts a cluster publishes (with the queued prompt tokens; rounded)."""
+        facts = self.load_facts(queued=True)
+        facts["kv_usage"] = round(facts["kv_usage"], 4)
+        facts["predicted_backlog_ms"] = round(facts["predicted_backlog_ms"], 3)
+        return facts
 
     def prefix_hit_tokens(self, req: Request) -> int:
         """Tokens of req's prompt this instance holds cached now (for routing); no side effects."""
