@@ -267,7 +267,6 @@ class Admitter:
         if req.kv_target is not None:
             dst, dst_handle, dst_blocks = req.kv_target
             tasks.kv_sends.append(KvSend(req.handle, dst, dst_handle, dst_blocks))
-        self.events.scheduled.append(req)
 
     def _host_hits(
         self, num_gpu_hits: int, host_hits: list[int], num_hit: int

@@ -13,7 +13,6 @@ from kvsched.core.errors import RequestNotFound
 from kvsched.core.kv_cache_manager import KVCacheManager
 from kvsched.core.protocol import Placement
 from kvsched.core.request import Request
-from kvsched.core.scheduler.events import Events
 from kvsched.core.scheduler.outbox import Outbox
 from kvsched.core.scheduler.table import PlacementTable
 
@@ -26,14 +25,13 @@ class Roles:
         table: PlacementTable,
         kv: KVCacheManager,
         outbox: Outbox,
-        events: Events,
         clock: Callable[[], float],
         instance_id: str,
         spec_k: int,
     ) -> None:
         self._table, self._kv, self._outbox = table, kv, outbox
         self._spec_k = spec_k
-        self._events, self._clock, self._instance_id = events, clock, instance_id
+        self._clock, self._instance_id = clock, instance_id
 
     def preallocate(self, src: Request) -> tuple[int, list[int]] | None:
         """Decode role: hold a slot and blocks for a request another instance will prefill and
@@ -114,5 +112,4 @@ class Roles:
         room = len(req.block_ids) * table.block_size - req.num_tokens
         if room <= outbox.threshold + self._spec_k:
             table.need_blocks(req)
-        self._events.scheduled.append(req)
         return req

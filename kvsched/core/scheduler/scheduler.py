@@ -91,13 +91,13 @@ class Scheduler:
         self.enc = EncoderCache(cc.encoder_cache_size) if cc.encoder_cache_size else None
         self.stats = stats = SchedulerStats()
         self.events = events = Events()  # appended to by the parts; emptied by take_events
-        self.table = table = PlacementTable(config, kv, first_handle)
+        self.table = table = PlacementTable(config, kv, events, first_handle)
         self.outbox = outbox = Outbox(config, stats)
         self.plan = plan = StepPlan(config, table, outbox, kv)
         self.backlog = backlog = Backlog(config, table, plan, kv, clock, instance_id)
         self.exits = exits = Exits(config, table, backlog, outbox, events, stats, clock)
         spec_k = config.speculative.num_speculative_tokens
-        self.roles = Roles(table, kv, outbox, events, clock, instance_id, spec_k)
+        self.roles = Roles(table, kv, outbox, clock, instance_id, spec_k)
         self.reports = ReportApplier(
             config, table, kv, plan, backlog, exits, outbox, events, stats, clock
         )

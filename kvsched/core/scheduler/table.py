@@ -8,7 +8,7 @@ freed (`Freed`), and its caller updates what else depends on that (the backlog, 
 `exits.Exits`). A request's room (`grow`, `set_check_at`) is decided here, against the decode
 headroom the caller passes (the outbox follows it).
 
-Imports nothing of the package.
+Imports nothing of the package but `events` (a placement is a `scheduled` event).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import NamedTuple
 from kvsched.core.config import EngineConfig, Role
 from kvsched.core.kv_cache_manager import KVCacheManager, _cdiv
 from kvsched.core.request import Request, RequestStatus
+from kvsched.core.scheduler.events import Events
 from kvsched.core.slots import SlotTable
 
 
@@ -32,9 +33,12 @@ class Freed(NamedTuple):
 class PlacementTable:
     """Owns the live requests, their slots, handles and running sets, and the prefill debt."""
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, first_handle: int = 0) -> None:
+    def __init__(
+        self, config: EngineConfig, kv: KVCacheManager, events: Events, first_handle: int = 0
+    ) -> None:
         cc, sc = config.cache, config.scheduler
         self.kv = kv
+        self._events = events  # placing a request is its `scheduled` event
         self.block_size = cc.block_size
         self._prealloc_blocks = cc.prealloc_blocks
         self._prealloc_threshold = cc.prealloc_threshold
@@ -72,6 +76,7 @@ class PlacementTable:
         self.live[req.handle] = req
         self.running[req.req_id] = req
         self.prefilling[req.req_id] = req
+        self._events.scheduled.append(req)
 
     def hold(self, req: Request) -> None:
         """Decode role: a slot and handle for a request whose KV another instance pushes."""
@@ -93,6 +98,7 @@ class PlacementTable:
         self.live[req.handle] = req
         self.running[req.req_id] = req
         self.num_decoding += 1
+        self._events.scheduled.append(req)
 
     def _issue_handle(self, req: Request) -> None:
         """A fresh handle for req's slot (handle & mask == slot), and the slot table row."""
