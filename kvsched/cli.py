@@ -132,8 +132,39 @@ def _add_worker(sub: Any) -> None:
         "--pcie-gbps", type=float, default=50.0, help="sim: host tier copy bandwidth, GB/s"
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--served-model-name",
+        default="",
+        metavar="NAME",
+        help="the model this instance serves, as GenerateRequest.model names it "
+        '(default "": the daemon\'s configured model)',
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prompt + output tokens announced to the daemon (default 0: the executor's own "
+        "limit: model 4096, sim none)",
+    )
     p.add_argument("--num-slots", type=int, default=256, help="concurrent requests")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--crash-on-token",
+        type=int,
+        default=-1,
+        metavar="ID",
+        help="sim, fault injection: drop the stream and the engine (a crash) when a prefill "
+        "carries this token id (-1: never)",
+    )
+    p.add_argument(
+        "--crash-on-prompt-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sim, fault injection: crash when a request with at least N prompt tokens is "
+        "placed (0: never)",
+    )
     p.add_argument("--backend", choices=("auto", "numpy", "paddle"), default="auto")
     p.add_argument("--listen-kv", default="", metavar="HOST:PORT", help="accept KV pushes here")
     p.add_argument(

@@ -29,6 +29,7 @@ from kvsched.client.sync import Client, GenerateStream, Session
 from kvsched.client.types import (
     Accepted,
     Finished,
+    ModelInfo,
     RequestOptions,
     SessionBatch,
     SessionError,
@@ -48,6 +49,7 @@ __all__ = [
     "GenerateStream",
     "InvalidArgument",
     "KvschedClientError",
+    "ModelInfo",
     "NotFound",
     "PermissionDenied",
     "RequestOptions",

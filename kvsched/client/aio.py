@@ -12,7 +12,13 @@ import grpc.aio
 
 from kvsched.client.connection import Connection
 from kvsched.client.errors import Cancelled, KvschedClientError, from_rpc_error
-from kvsched.client.types import Finished, RequestOptions, SessionBatch, build_request
+from kvsched.client.types import (
+    Finished,
+    ModelInfo,
+    RequestOptions,
+    SessionBatch,
+    build_request,
+)
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
@@ -241,6 +247,18 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         return resp
+
+    async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        """The models the daemon serves (RequestService.ListModels), by name."""
+        try:
+            resp = await self._requests.ListModels(
+                rpb.ListModelsRequest(),
+                timeout=self._conn.deadline(timeout),
+                metadata=self._conn.metadata(),
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return [ModelInfo.from_pb(m) for m in resp.models]
 
     async def close(self) -> None:
         await self._channel.close()

@@ -12,7 +12,13 @@ import grpc
 
 from kvsched.client.connection import Connection
 from kvsched.client.errors import Cancelled, KvschedClientError, from_rpc_error
-from kvsched.client.types import Finished, RequestOptions, SessionBatch, build_request
+from kvsched.client.types import (
+    Finished,
+    ModelInfo,
+    RequestOptions,
+    SessionBatch,
+    build_request,
+)
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
@@ -238,6 +244,18 @@ class Client:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         return resp
+
+    def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        """The models the daemon serves (RequestService.ListModels), by name."""
+        try:
+            resp = self._requests.ListModels(
+                rpb.ListModelsRequest(),
+                timeout=self._conn.deadline(timeout),
+                metadata=self._conn.metadata(),
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return [ModelInfo.from_pb(m) for m in resp.models]
 
     def close(self) -> None:
         self._channel.close()

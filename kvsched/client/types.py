@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
-from kvsched.client.errors import KvschedClientError, error_for
+from kvsched.client.errors import InvalidArgument, KvschedClientError, error_for
 from kvsched.v1 import common_pb2
 from kvsched.v1 import request_service_pb2 as rpb
 
@@ -55,20 +55,57 @@ _REQUEST = (
 
 
 def build_request(prompt: Sequence[int], options: RequestOptions) -> rpb.GenerateRequest:
-    """A GenerateRequest from a prompt and RequestOptions. Values are passed on unchecked: the
-    daemon validates them and answers InvalidArgument naming the field."""
+    """A GenerateRequest from a prompt and RequestOptions. A value the message cannot carry (of
+    the wrong type, or outside its field's range: max_tokens=10**12) raises InvalidArgument
+    naming the field; the daemon checks the rest and answers InvalidArgument naming the field."""
     unknown = set(options) - set(_SAMPLING) - set(_REQUEST) - {"stop_token_ids"}
     if unknown:
         raise TypeError(f"unknown request option(s): {', '.join(sorted(unknown))}")
-    sampling = common_pb2.SamplingParams(
-        **{k: options[k] for k in _SAMPLING if k in options},  # type: ignore[literal-required]
-        stop_token_ids=list(options.get("stop_token_ids", ())),
-    )
-    return rpb.GenerateRequest(
-        prompt_token_ids=list(prompt),
-        sampling=sampling,
-        **{k: options[k] for k in _REQUEST if k in options},  # type: ignore[literal-required]
-    )
+    msg = rpb.GenerateRequest()
+    sampling = msg.sampling
+    for key in _SAMPLING:
+        if key in options:
+            _put(sampling, key, options[key])  # type: ignore[literal-required]
+    _put_list(sampling.stop_token_ids, "stop_token_ids", options.get("stop_token_ids", ()))
+    for key in _REQUEST:
+        if key in options:
+            _put(msg, key, options[key])  # type: ignore[literal-required]
+    _put_list(msg.prompt_token_ids, "prompt", prompt)
+    return msg
+
+
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def _put(msg: object, key: str, value: object) -> None:
+    try:
+        setattr(msg, key, value)
+    except (ValueError, TypeError) as exc:
+        raise InvalidArgument(f"{key}={value!r} cannot be sent: {_why(exc)}") from None
+
+
+def _put_list(field: object, key: str, values: Sequence[int]) -> None:
+    try:
+        field.extend(values)  # type: ignore[attr-defined]
+    except (ValueError, TypeError) as exc:
+        lo, hi = _INT32
+        bad = next(
+            (
+                (i, v)
+                for i, v in enumerate(values)
+                if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi
+            ),
+            None,
+        )
+        where = f"{key}[{bad[0]}]={bad[1]!r}" if bad is not None else key
+        raise InvalidArgument(
+            f"{where} cannot be sent: {_why(exc)} (token ids are int32)"
+        ) from None
+
+
+def _why(exc: Exception) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return "out of range for its field" if "out of range" in text.lower() else text
 
 
 @dataclass(frozen=True)
@@ -182,3 +219,19 @@ class SessionBatch:
             f"SessionBatch(accepted={self.accepted}, tokens={self.tokens}, "
             f"finished={self.finished}, errors={self.errors})"
         )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One model the daemon serves (RequestService.ListModels): what GenerateRequest.model
+    names, the longest prompt + output its ready instances hold, its vocabulary size (0: not
+    announced) and how many of its instances are ready now."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    ready_instances: int
+
+    @classmethod
+    def from_pb(cls, m: rpb.ListModelsResponse.Model) -> ModelInfo:
+        return cls(m.name, m.max_model_len, m.vocab_size, m.ready_instances)

@@ -63,9 +63,11 @@ def encode_batch(
     block_size: int,
     load: dict[str, float],
     events: list[KvEvent],
+    info: dict[str, Any] | None = None,
 ) -> bytes:
     return json.dumps(
         {
+            **({"info": info} if info else {}),
             "instance": instance,
             "daemon": daemon,
             "epoch": epoch,
@@ -87,9 +89,11 @@ def encode_snapshot(
     block_size: int,
     load: dict[str, float],
     hashes: list[bytes],
+    info: dict[str, Any] | None = None,
 ) -> bytes:
     return json.dumps(
         {
+            **({"info": info} if info else {}),
             "instance": instance,
             "daemon": daemon,
             "epoch": epoch,
@@ -117,6 +121,16 @@ class InstanceView:
     pending: list[dict[str, Any]] = field(default_factory=list)  # batches while resyncing
     sent_since_load: int = 0  # requests this daemon forwarded since the last load heard
     heard: float = 0.0  # when its last batch or snapshot was applied (the caller's clock)
+    # Its model and limits ("info": server/models.py; "" / 0 from a daemon that sends none).
+    model: str = ""
+    max_model_len: int = 0
+    vocab_size: int = 0
+
+    def take_info(self, info: dict[str, Any] | None) -> None:
+        if info:
+            self.model = str(info.get("model", ""))
+            self.max_model_len = int(info.get("max_model_len", 0))
+            self.vocab_size = int(info.get("vocab_size", 0))
 
     def prefix_blocks(self, block_hashes: list[bytes]) -> int:
         """How many leading blocks of a request (its chained hashes) this instance holds."""
@@ -172,6 +186,7 @@ class ClusterIndex:
     def _apply(self, v: InstanceView, batch: dict[str, Any]) -> None:
         v.daemon, v.epoch, v.seq = str(batch["daemon"]), str(batch["epoch"]), int(batch["seq"])
         v.block_size = int(batch.get("block_size", v.block_size))
+        v.take_info(batch.get("info"))
         load = batch.get("load")
         if load:
             v.load = dict(load)
@@ -192,6 +207,7 @@ class ClusterIndex:
         self.num_snapshots += 1
         v.daemon, v.epoch, v.seq = str(snap["daemon"]), str(snap["epoch"]), int(snap["seq"])
         v.block_size = int(snap["block_size"])
+        v.take_info(snap.get("info"))
         v.hashes = {bytes.fromhex(h) for h in snap["block_hashes"]}
         if snap.get("load"):
             v.load = dict(snap["load"])

@@ -85,6 +85,11 @@ class KvStream:
         self._syncing: set[str] = set()
         self.num_published = 0
         self.drop_next = False  # tests: drop the next batch instead of publishing it
+        # An instance's model and limits, published with its load (None: not published).
+        self.info_of: Callable[[str], dict[str, Any] | None] | None = None
+
+    def _info(self, iid: str) -> dict[str, Any] | None:
+        return None if self.info_of is None else self.info_of(iid)
 
     async def start(self, publish_every_flush_s: bool = True) -> None:
         """Subscribe to everyone's batches and answer snapshot requests for this daemon's
@@ -142,7 +147,15 @@ class KvStream:
             load = src.published_load()
             pub.seq += 1
             data = encode_batch(
-                iid, self.daemon_id, pub.epoch, pub.seq, time.time(), src.block_size, load, events
+                iid,
+                self.daemon_id,
+                pub.epoch,
+                pub.seq,
+                time.time(),
+                src.block_size,
+                load,
+                events,
+                self._info(iid),
             )
             pub.last_sent = now
             if self.drop_next:
@@ -169,6 +182,7 @@ class KvStream:
             src.block_size,
             src.published_load(),
             src.cached_block_hashes(),
+            self._info(iid),
         )
         with contextlib.suppress(Exception):
             await msg.respond(data)

@@ -88,6 +88,9 @@ class ClusterNode:
         self.router = ClusterRouter(
             self.daemon_id, registry, self.stream.index, self._addresses, self._owners
         )
+        self.stream.info_of = self._info_of
+        registry.peer_models = self.router.peer_models
+        registry.peer_limits = self.router.peer_limits
         self.forwarder = Forwarder(self.daemon_id, requests, config.cluster_token)
         self.forwarder.peers = self._peer_addresses
         self.forwarder.reattach_s = max(20.0, 4 * config.member_ttl_s)
@@ -230,18 +233,32 @@ class ClusterNode:
 
     # ---- requests -----------------------------------------------------------------------------
     def route_new(
-        self, req: Request, carrier: dict[str, str], owner: str
+        self, req: Request, carrier: dict[str, str], owner: str, model: str = ""
     ) -> tuple[InstanceEngine | RemoteInstance, str]:
         """Where a new request goes, and the owner it is tracked under."""
         if FORWARDED_BY in carrier:  # a peer chose this daemon: place it here, never forward
             relayed = relay_owner(carrier, owner, self._cluster_principal)
             eng = self.registry.engines.get(carrier.get(FORWARD_INSTANCE, ""))
             if eng is None or not eng.queueing or eng.is_decode:
-                eng = self.registry.route(req)
+                eng = self.registry.route(req, model)
+            else:
+                self.registry.candidates(req, model or self.registry.model_for(""), [eng])
             return eng, owner if relayed is None else relayed
         if not self.connected:
-            return self.registry.route(req), owner  # degraded: local instances only
-        return self.router.route(req), owner
+            return self.registry.route(req, model), owner  # degraded: local instances only
+        return self.router.route(req, model), owner
+
+    def _info_of(self, iid: str) -> dict[str, Any] | None:
+        """An instance's model and limits, published with its load (server/models.py)."""
+        eng = self.registry.engines.get(iid)
+        lim = None if eng is None else eng.limits
+        if lim is None:
+            return None
+        return {
+            "model": lim.model,
+            "max_model_len": lim.max_model_len,
+            "vocab_size": lim.vocab_size,
+        }
 
     def forward(
         self,

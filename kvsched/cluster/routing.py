@@ -15,9 +15,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvsched.core import KVCacheManager, Request, Role
+from kvsched.core import KVCacheManager, KvschedError, Request, Role
 from kvsched.core.router import best_by_score, instance_load
 from kvsched.server.engine import InstanceEngine
+from kvsched.server.models import Limits, misfit
 
 if TYPE_CHECKING:
     from kvsched.cluster.kv_index import ClusterIndex, InstanceView
@@ -95,12 +96,39 @@ class ClusterRouter:
             out.append(v)
         return out
 
-    def route(self, req: Request) -> InstanceEngine | RemoteInstance:
+    def peer_models(self) -> set[str]:
+        """The models the peers' instances serve (known from their published info)."""
+        return {
+            v.model for v in self.index.instances.values() if v.model and v.daemon != self.daemon_id
+        }
+
+    def peer_limits(self) -> list[Limits]:
+        """The limits of the peers' live instances (ListModels counts them as ready)."""
+        cfg = self.registry.config
+        return [
+            Limits(
+                v.model or cfg.model,
+                v.max_model_len or cfg.engine.scheduler.max_model_len,
+                v.vocab_size,
+            )
+            for v in self.remote_candidates(time.monotonic())
+        ]
+
+    def _remote_fits(self, req: Request, model: str, v: InstanceView) -> bool:
+        """Whether a peer's instance serves `model` and `req` fits its published limits (an
+        instance that published none is taken to serve the configured model, unchecked)."""
+        if (v.model or self.registry.config.model) != model:
+            return False
+        if not v.max_model_len:
+            return True
+        return misfit(req, Limits(model, v.max_model_len, v.vocab_size)) is None
+
+    def route(self, req: Request, model: str = "") -> InstanceEngine | RemoteInstance:
         """Where `req` goes. With no peer instance known this is the daemon's own routing
         (including its errors: Unavailable when nothing is ready)."""
         t0 = time.perf_counter()
         try:
-            return self._route(req)
+            return self._route(req, model or self.registry.model_for(""))
         finally:
             self.route_s.append(time.perf_counter() - t0)
 
@@ -111,13 +139,19 @@ class ClusterRouter:
             return 0.0, 0.0
         return 1e6 * xs[len(xs) // 2], 1e6 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
-    def _route(self, req: Request) -> InstanceEngine | RemoteInstance:
-        remotes = self.remote_candidates(time.monotonic())
+    def _route(self, req: Request, model: str) -> InstanceEngine | RemoteInstance:
+        remotes = [
+            v for v in self.remote_candidates(time.monotonic()) if self._remote_fits(req, model, v)
+        ]
         if not remotes:
-            eng = self.registry.route(req)
+            eng = self.registry.route(req, model)
             self.num_local += 1
             return eng
         engines = [e for e in self.registry.engines.values() if e.accepting and not e.is_decode]
+        try:
+            engines = self.registry.candidates(req, model, engines)
+        except KvschedError:
+            engines = []  # none here fits: a peer's does
         router = self.registry.router
         n = max(1, len(req.prompt_token_ids))
         hits: list[float] = []

@@ -55,7 +55,7 @@ def instance_status(eng: InstanceEngine) -> apb.InstanceStatus:
         draining=eng.draining,
         num_ranks_connected=len(eng.ranks),
         world_size=eng.world_size,
-        model=next((c.model for c in eng.ranks.values()), ""),
+        model=eng.limits.model if eng.limits is not None else "",
     )
     snap = eng.snapshot()
     if snap is not None:

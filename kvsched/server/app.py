@@ -196,10 +196,15 @@ class Daemon:
 
 
 def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
-    mb = config.max_message_bytes
+    receive = config.receive_message_bytes()
     options = [
-        ("grpc.max_send_message_length", mb),
-        ("grpc.max_receive_message_length", mb),
+        ("grpc.max_send_message_length", config.send_message_bytes()),
+        ("grpc.max_receive_message_length", receive),
+        # A stream's receive window stays the largest valid request (no BDP growth): a client
+        # sending a far larger one has at most that much in flight when the call is refused,
+        # instead of the many MB a grown window lets in per refusal (bench/refusal_rss.py).
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", receive),
         ("grpc.max_concurrent_streams", config.max_concurrent_streams),
         ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),

@@ -90,7 +90,9 @@ class ServerConfig:
 
     listen: str = "127.0.0.1:50051"  # HOST:PORT or unix:PATH; port 0 picks a free port
     metrics_listen: str = "127.0.0.1:9464"  # HOST:PORT; "" or "off" disables (normalized to "")
-    max_message_bytes: int = 64 * 1024 * 1024
+    # Largest gRPC message the daemon receives (0: derived from max_model_len, see
+    # `receive_message_bytes`); messages it sends may be up to max(this, 64 MiB).
+    max_message_bytes: int = 0
     max_concurrent_streams: int = 10000
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
@@ -98,6 +100,7 @@ class ServerConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     requeue_timeout_s: float = 30.0  # a lost instance's request waits this long for another
+    poison_max_losses: int = 2  # a request on this many lost instances ends (server/poison.py)
     max_session_requests: int = 100000  # open requests per Session stream
     default_max_tokens: int = 16  # a request that does not set max_tokens gets this many
     stall_timeout_s: float = 30.0  # a stream that does not read its outputs this long is cut
@@ -138,6 +141,12 @@ class ServerConfig:
             _check_address("metrics_listen", self.metrics_listen, allow_unix=False)
         for name, (lo, hi) in _RANGES.items():
             _check_range(name, getattr(self, name), lo, hi)
+        if 0 < self.max_message_bytes < 1024:
+            raise FieldError(
+                "max_message_bytes",
+                f"max_message_bytes = {self.max_message_bytes} is below 1024 (0: derived from "
+                "max_model_len)",
+            )
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise FieldError(
                 "heartbeat_timeout_s",
@@ -189,6 +198,24 @@ class ServerConfig:
             if path and not os.path.isfile(path):
                 raise FieldError(name, f"{name} = {path!r}: no such file")
 
+    def receive_message_bytes(self) -> int:
+        """The largest message the daemon takes in: max_message_bytes when set, else the
+        largest valid request (max_model_len token ids, 5 bytes each at most, packed) plus
+        1 MiB for its other fields: a request that cannot be valid is refused by gRPC before
+        the daemon holds it (a 60 MB prompt costs nothing but its refusal)."""
+        if self.max_message_bytes:
+            return self.max_message_bytes
+        mml = max(
+            [self.engine.scheduler.max_model_len]
+            + [i.engine.scheduler.max_model_len for i in self.instances.values()]
+        )
+        return min(_INT32_MAX, 6 * mml + (1 << 20))
+
+    def send_message_bytes(self) -> int:
+        """The largest message the daemon sends (a Session's batch of many requests' tokens
+        may exceed the largest request)."""
+        return max(self.max_message_bytes, 64 << 20)
+
     def instance_for(self, instance_id: str, world_size: int = 1) -> InstanceConfig | None:
         """The configuration of an instance a worker names in Hello.
 
@@ -203,7 +230,7 @@ class ServerConfig:
 
 
 _RANGES: dict[str, tuple[float, float]] = {
-    "max_message_bytes": (1024, _INT32_MAX),
+    "max_message_bytes": (0, _INT32_MAX),
     "max_concurrent_streams": (1, _INT32_MAX),
     "keepalive_time_s": (0.01, 86400.0),
     "keepalive_timeout_s": (0.01, 3600.0),
@@ -211,6 +238,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "heartbeat_interval_s": (0.01, 3600.0),
     "heartbeat_timeout_s": (0.01, 86400.0),
     "requeue_timeout_s": (0.0, 86400.0),
+    "poison_max_losses": (1, 1000),
     "member_ttl_s": (0.5, 3600.0),
     "max_session_requests": (1, _INT32_MAX),
     "default_max_tokens": (1, _INT32_MAX),

@@ -149,6 +149,7 @@ class Durability:
             tr = Tracked(
                 req, NOWHERE, ParkedSink(), rec.request.detachable, rec.principal, rec.client_tag
             )
+            tr.model = rec.request.model
             # Taken over: its tokens are journaled anew under this daemon at the next flush.
             tr.durable, tr.journaled = 2, 0 if dead_id else len(u.tokens)
             req.tag = tr

@@ -40,6 +40,7 @@ from kvsched.core import (
 )
 from kvsched.core.protocol import StepReport
 from kvsched.core.scheduler import SNAPSHOT_COUNTERS
+from kvsched.server.delivery import TokenDelivery
 
 if TYPE_CHECKING:
     from kvsched.server.telemetry import Telemetry
@@ -58,6 +59,8 @@ class RankConn:
     address: str
     model: str
     num_host_blocks: int = 0  # the host-memory KV tier (Hello.num_host_blocks)
+    max_model_len: int = 0  # Hello's limits (0: not announced); see server/models.py
+    vocab_size: int = 0
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     last_seen: float = field(default_factory=time.monotonic)
     closed: bool = False
@@ -103,6 +106,7 @@ class InstanceEngine:
         self.sched: Scheduler | None = None
         self.draining = False
         self.kv_events = False  # record the prefix cache's changes (a cluster publishes them)
+        self.limits: Any = None  # server.models.Limits from the first rank's Hello (registry)
         self.reports: list[StepReport] = []
         self._next_handle = 0  # handles continue across schedulers of this instance
         # Final counters of the schedulers taken out (SNAPSHOT_COUNTERS; tenants' served / shed).
@@ -152,7 +156,15 @@ class InstanceEngine:
         if first is not None:
             # The ranks run one model sharded: one block table, one slot table, the same
             # weights. A disagreement is a misconfigured launch, never something to average.
-            for name in ("block_size", "num_gpu_blocks", "num_host_blocks", "num_slots", "model"):
+            for name in (
+                "block_size",
+                "num_gpu_blocks",
+                "num_host_blocks",
+                "num_slots",
+                "model",
+                "max_model_len",
+                "vocab_size",
+            ):
                 mine, theirs = getattr(conn, name), getattr(first, name)
                 if mine != theirs:
                     raise ProtocolError(
@@ -172,6 +184,8 @@ class InstanceEngine:
         cfg.cache.num_gpu_blocks = conns[0].num_gpu_blocks  # every rank says the same (attach)
         cfg.cache.num_host_blocks = conns[0].num_host_blocks
         cfg.scheduler.max_num_seqs = min(cfg.scheduler.max_num_seqs, conns[0].num_slots)
+        if self.limits is not None:  # the smaller of the daemon's and the worker's
+            cfg.scheduler.max_model_len = self.limits.max_model_len
         try:
             self.sched = Scheduler(
                 cfg,
@@ -416,71 +430,3 @@ class InstanceEngine:
 def _add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
     for k, n in counts.items():
         into[k] = into.get(k, 0) + n
-
-
-class TokenDelivery:
-    """Hands token deltas (core `Events.tokens`, in order) to the requests' sinks: a columnar
-    delta goes to its sink as one call (to each sink, when several share it).
-
-    A columnar delta names its requests by the core's snapshot of the slot table, which stays
-    the same object until a slot changes hands; rows come in the worker's slot order, usually
-    the same from step to step. So the requests, their sinks and the grouping by sink are
-    looked up once and kept while the snapshot and the slot column stay the same (the rounds
-    of a merged report, and step after step in a steady batch): the same `trs` list then
-    reaches the sink, which a Session recognises when it joins deltas."""
-
-    __slots__ = ("_a", "_groups", "_keep", "_slots", "_trs")
-
-    def __init__(self) -> None:
-        self._a: Any = None  # the snapshot of the last lookup
-        self._slots = b""  # its slot column, as bytes
-        self._trs: list[Any] = []
-        self._keep: list[int] | None = None  # rows of tracked requests (None: all)
-        # One sink: None. Several: (sink, its rows, their Tracked) each.
-        self._groups: list[tuple[Any, list[int], list[Any]]] | None = None
-
-    def __call__(self, deltas: list[Any]) -> None:
-        for a, slots, toks in deltas:
-            if slots is None:  # one request's row
-                tr = a.tag
-                if tr is not None:
-                    tr.sink.add_tokens([tr], [len(toks)], toks)
-                continue
-            key = slots.tobytes()
-            if a is not self._a or key != self._slots:
-                self._lookup(a, slots, key)
-            trs = self._trs
-            if not trs:
-                continue
-            values = toks.tolist()
-            keep = self._keep
-            if keep is not None:
-                values = [values[i] for i in keep]
-            groups = self._groups
-            if groups is None:
-                trs[0].sink.add_tokens(trs, None, values)
-                continue
-            for sink, rows, g_trs in groups:
-                sink.add_tokens(g_trs, None, [values[i] for i in rows])
-
-    def _lookup(self, a: Any, slots: Any, key: bytes) -> None:
-        self._a, self._slots = a, key
-        trs = [r.tag for r in map(a.__getitem__, slots.tolist())]
-        keep = None
-        if None in trs:  # requests the daemon does not track (no tag)
-            keep = [i for i, tr in enumerate(trs) if tr is not None]
-            trs = [trs[i] for i in keep]
-        self._trs, self._keep = trs, keep
-        sinks = [tr.sink for tr in trs]
-        if not sinks or sinks.count(sinks[0]) == len(sinks):
-            self._groups = None
-            return
-        by_sink: dict[Any, tuple[list[int], list[Any]]] = {}
-        for i, (sink, tr) in enumerate(zip(sinks, trs, strict=True)):
-            g = by_sink.get(sink)
-            if g is None:
-                by_sink[sink] = ([i], [tr])
-            else:
-                g[0].append(i)
-                g[1].append(tr)
-        self._groups = [(sink, rows, g_trs) for sink, (rows, g_trs) in by_sink.items()]

@@ -8,14 +8,11 @@ and a Session's memory is bounded by its open requests.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import numpy as np
 
 from kvsched import codec
 from kvsched.core import KvschedError, RequestNotFound
@@ -23,101 +20,17 @@ from kvsched.server.auth import current_principal
 from kvsched.server.durable import Durability, OwnedElsewhere
 from kvsched.server.errors import status_for
 from kvsched.server.request_table import Tracked
+from kvsched.server.sinks import (
+    SessionSink,
+    StreamSink,
+    _token_columns,
+    raise_limit,
+    sink_close_reason,
+)
 from kvsched.v1 import request_service_pb2 as pb
 from kvsched.v1 import request_service_pb2_grpc
 
 log = logging.getLogger("kvsched.frontend")
-
-
-class StreamSink:
-    """One Generate stream. `pending_since` is when it last had news its client has not
-    been sent; the daemon's watchdog cuts streams that stall past stall_timeout_s. It keeps
-    no tokens: the stream sends its request's `output_token_ids` past `Tracked.sent`."""
-
-    __slots__ = ("event", "pending_since", "stalled", "task")
-
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-        self.pending_since: float | None = None
-        self.stalled = False
-        self.task = asyncio.current_task()
-
-    def notify(self, tr: Tracked) -> None:
-        if self.pending_since is None:
-            self.pending_since = time.monotonic()
-        self.event.set()
-
-    def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /) -> None:
-        """News only: the tokens are in the request already (see the `Sink` contract)."""
-        self.notify(trs[0])
-
-
-class SessionSink:
-    """One Session stream: what to put in its next batched response. Tokens arrive as the
-    engine's deltas (`chunks`, in order); `dirty` holds requests that finished."""
-
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-        self.pending_since: float | None = None
-        self.stalled = False
-        self.task = asyncio.current_task()
-        self.dirty: dict[str, Tracked] = {}
-        self.chunks: list[tuple[list[Tracked], list[int] | None, list[int]]] = []
-        # The request ids of the last columnar delta's `trs` list (the engine hands the same
-        # list step after step while its batch is steady): (that list, its ids).
-        self.ids_of: tuple[list[Tracked], list[str]] | None = None
-        self.accepted: list[Tracked] = []
-        self.errors: list[pb.SessionResponse.Error] = []
-        self.open: dict[str, Tracked] = {}
-        self.client_done = False
-        self.closed = False  # the stream ended
-        # Journal on: accepted requests whose record the journal has not stored yet (their
-        # outputs are held: nothing about them is sent before `accepted`), and the tasks
-        # waiting for those records.
-        self.held: dict[str, Tracked] = {}
-        self.held_set: set[Tracked] = set()  # the same requests (a C-speed overlap test)
-        self.inflight: set[asyncio.Task[None]] = set()
-
-    def notify(self, tr: Tracked) -> None:
-        if self.pending_since is None:
-            self.pending_since = time.monotonic()
-        self.dirty[tr.req.req_id] = tr
-        self.event.set()
-
-    def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /) -> None:
-        if self.held and not self.held_set.isdisjoint(trs):
-            # Held requests' tokens stay in their requests; `announce` sends them all.
-            if counts is None:
-                keep = [i for i, tr in enumerate(trs) if not tr.held]
-                trs, toks = [trs[i] for i in keep], [toks[i] for i in keep]
-            else:
-                starts = list(itertools.accumulate(counts, initial=0))
-                rows = [i for i, tr in enumerate(trs) if not tr.held]
-                toks = [t for i in rows for t in toks[starts[i] : starts[i + 1]]]
-                trs, counts = [trs[i] for i in rows], [counts[i] for i in rows]
-            if not trs:
-                return
-        if self.pending_since is None:
-            self.pending_since = time.monotonic()
-        self.chunks.append((trs, counts, toks))
-        self.event.set()
-
-    def announce(self, tr: Tracked) -> None:
-        """`tr` is accepted (stored): tell it, with the tokens it made while held."""
-        self.open[tr.req.req_id] = tr
-        self.accepted.append(tr)
-        out = tr.req.output_token_ids
-        if tr.held:
-            tr.held = False
-            self.held.pop(tr.req.req_id, None)
-            self.held_set.discard(tr)
-            if out:
-                self.chunks.append(([tr], [len(out)], list(out)))
-            if tr.finished:
-                self.dirty[tr.req.req_id] = tr
-        if self.pending_since is None:
-            self.pending_since = time.monotonic()
-        self.event.set()
 
 
 def metadata(context: Any) -> dict[str, str]:
@@ -142,13 +55,18 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         sink = StreamSink()
-        tr = await self.durable.submit(
-            request,
-            sink,
-            owner=principal(context),
-            carrier=metadata(context),
-            deadline_s=context.time_remaining(),
-        )
+        carrier = metadata(context)
+        try:
+            tr = await self.durable.submit(
+                request,
+                sink,
+                owner=principal(context),
+                carrier=carrier,
+                deadline_s=context.time_remaining(),
+            )
+        except KvschedError as exc:
+            self._refused(request, exc, carrier)
+            raise
         async for msg in self._follow(tr, sink, pb.GenerateResponse):
             yield msg
 
@@ -219,6 +137,21 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             self.requests.streams.discard(sink)
             if not done and not tr.detachable and tr.sink is sink:
                 self.requests.abort_tracked(tr, sink_close_reason(sink))
+
+    def _refused(self, request: pb.GenerateRequest, exc: KvschedError, carrier: Any) -> None:
+        """Count, log and trace a refused submission (server/refusals.py)."""
+        code, message = status_for(exc)
+        reason = "draining" if self.requests.draining else code.name.lower()
+        self.requests.telemetry.request_refused(request.request_id, reason, message, carrier)
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        """The models this daemon's instances serve (and, in a cluster, its peers')."""
+        out = pb.ListModelsResponse()
+        for name, (mml, vocab, ready) in sorted(self.requests.registry.model_table().items()):
+            out.models.add(name=name, max_model_len=mml, vocab_size=vocab, ready_instances=ready)
+        return out
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -342,6 +275,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     sink.held_set.discard(tr)
                     raise
         except KvschedError as exc:
+            self._refused(submit.request, exc, carrier)
             code, message = status_for(exc)
             sink.errors.append(
                 pb.SessionResponse.Error(
@@ -389,65 +323,3 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         if errors:
             msg.errors.extend(errors)
         return msg
-
-
-def _token_columns(
-    chunks: list[tuple[list[Tracked], list[int] | None, list[int]]],
-    sink: SessionSink | None = None,
-) -> tuple[list[str], list[int], list[int]]:
-    """A session's token deltas as TokenDeltas columns, each request once, its tokens in
-    order. One columnar delta (a steady step) is passed through as it is. With `sink`, the
-    ids of a columnar delta's requests are kept there for the next message."""
-    trs = chunks[0][0]
-    if all(c[0] is trs and c[1] is None for c in chunks):
-        # One columnar delta, or the rounds of a merged report over the same requests: each
-        # request's tokens are one column of the (rounds x requests) table.
-        known = sink.ids_of if sink is not None else None
-        if known is not None and known[0] is trs:
-            ids = known[1]
-        else:
-            ids = [tr.req.req_id for tr in trs]
-            if sink is not None:
-                sink.ids_of = (trs, ids)
-        if len(chunks) == 1:
-            return ids, [1] * len(trs), chunks[0][2]
-        table = np.array([c[2] for c in chunks], dtype=np.int64)
-        return ids, [len(chunks)] * len(trs), table.T.ravel().tolist()
-    acc: dict[Tracked, list[int]] = {}
-    for trs, counts, toks in chunks:
-        if counts is None:
-            for tr, t in zip(trs, toks, strict=True):
-                have = acc.get(tr)
-                if have is None:
-                    acc[tr] = [t]
-                else:
-                    have.append(t)
-            continue
-        i = 0
-        for tr, c in zip(trs, counts, strict=True):
-            have = acc.get(tr)
-            if have is None:
-                acc[tr] = toks[i : i + c]
-            else:
-                have.extend(toks[i : i + c])
-            i += c
-    return (
-        [tr.req.req_id for tr in acc],
-        [len(v) for v in acc.values()],
-        [t for v in acc.values() for t in v],
-    )
-
-
-def sink_close_reason(sink: StreamSink | SessionSink) -> str:
-    if sink.stalled:
-        return "client stopped reading its stream for stall_timeout_s: disconnected"
-    return "client stream closed"
-
-
-def raise_limit(limit: int) -> None:
-    from kvsched.core import CapacityExceeded
-
-    raise CapacityExceeded(
-        f"this Session already has {limit} open requests (max_session_requests); "
-        "wait for some to finish or open another stream"
-    )

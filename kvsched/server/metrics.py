@@ -52,6 +52,7 @@ from kvsched.core.scheduler import SNAPSHOT_COUNTERS
 from kvsched.server.cluster_metrics import cluster_families
 from kvsched.server.config import split_host_port
 from kvsched.server.host_metrics import host_tier_families
+from kvsched.server.refusals import Refusals
 from kvsched.server.tenant_metrics import TenantMetrics
 
 log = logging.getLogger("kvsched.metrics")
@@ -172,6 +173,7 @@ class Metrics:
         self.model = model
         self.instances: dict[str, InstanceMetrics] = {}
         self.tenants = TenantMetrics(lambda: Hist(TTFT_BUCKETS))
+        self.refusals = Refusals()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
         ProcessCollector(registry=self.registry)
@@ -375,6 +377,7 @@ class _Collector:
         yield from mx.tenants.families(mx.daemon.engines, model)
         yield from host_tier_families(mx.daemon, model, labels)
         yield from cluster_families(mx.daemon, mx.model)
+        yield from mx.refusals.families(model)
 
 
 def _step_cost_families(mx: Metrics, labels: list[str]) -> Iterator[Metric]:

@@ -15,8 +15,17 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kvsched import codec
-from kvsched.core import ProtocolError, Request, RequestNotFound, Role, Router, Unavailable
+from kvsched.core import (
+    KvschedError,
+    ProtocolError,
+    Request,
+    RequestNotFound,
+    Role,
+    Router,
+    Unavailable,
+)
 from kvsched.server.engine import EngineListener, InstanceEngine, RankConn
+from kvsched.server.models import Limits, fitting, limits_of, resolve_model
 from kvsched.v1 import worker_service_pb2
 
 if TYPE_CHECKING:
@@ -41,6 +50,10 @@ class InstanceRegistry:
         # awaited before a worker attaches; returns None (attach here) or the serialized
         # ConnectResponse that redirects the worker to its instance's owner.
         self.worker_gate: Callable[[Any], Awaitable[bytes | None]] | None = None
+        # A cluster's peers' models, and the limits of their live instances
+        # (kvsched.cluster.routing.ClusterRouter; None: alone).
+        self.peer_models: Callable[[], set[str]] | None = None
+        self.peer_limits: Callable[[], list[Limits]] | None = None
 
     def open(self, listener: EngineListener) -> None:
         """Create the configured instances' engines, reporting to `listener`. Called once, by
@@ -99,8 +112,18 @@ class InstanceRegistry:
             num_slots=hello.num_slots,
             address=hello.worker_address,
             model=hello.model,
+            max_model_len=hello.max_model_len,
+            vocab_size=hello.vocab_size,
         )
         was_ready = eng.ready
+        if not eng.ranks:  # the first rank names the model and its limits (the others agree)
+            eng.limits = limits_of(
+                hello.model,
+                hello.max_model_len,
+                hello.vocab_size,
+                self.config.model,
+                eng.engine_config.scheduler.max_model_len,
+            )
         try:
             eng.attach(conn, max(1, hello.world_size))
         except Exception:
@@ -119,7 +142,9 @@ class InstanceRegistry:
                 instance_id=eng.instance_id,
                 block_size=conn.block_size,
                 num_speculative_tokens=cfg.speculative.num_speculative_tokens,
-                max_model_len=cfg.scheduler.max_model_len,
+                max_model_len=(
+                    eng.limits.max_model_len if eng.limits else cfg.scheduler.max_model_len
+                ),
                 role=codec.role_to_proto(eng.role),
                 heartbeat_interval_ns=int(self.config.heartbeat_interval_s * 1e9),
                 answers_reports=True,
@@ -185,16 +210,59 @@ class InstanceRegistry:
                     conn.hb_since = now
 
     # ---- routing ----------------------------------------------------------------------------
-    def route(self, req: Request) -> InstanceEngine:
+    def model_for(self, requested: str) -> str:
+        """The model a request naming `requested` runs on (see server/models.py): NOT_FOUND
+        naming the known models for an unknown one."""
+        return resolve_model(requested, self.config.model, self.models())
+
+    def models(self) -> set[str]:
+        """Every model an instance of this daemon (or of a peer, in a cluster) serves or
+        served, ready or not."""
+        got = {e.limits.model for e in self.engines.values() if e.limits is not None}
+        if self.peer_models is not None:
+            got |= self.peer_models()
+        return got
+
+    def model_table(self) -> dict[str, tuple[int, int, int]]:
+        """Per model served: (the largest max_model_len of its ready instances, its vocab
+        size, its ready instances), over this daemon's instances and its peers' (cluster)."""
+        rows: list[tuple[Limits, bool]] = [
+            (e.limits, e.queueing) for e in self.engines.values() if e.limits is not None
+        ]
+        if self.peer_limits is not None:
+            rows += [(lim, True) for lim in self.peer_limits()]
+        out: dict[str, tuple[int, int, int]] = {}
+        for lim, ready in rows:
+            mml, vocab, n = out.get(lim.model, (0, 0, 0))
+            if ready:
+                mml, n = max(mml, lim.max_model_len), n + 1
+            out[lim.model] = (mml, vocab or lim.vocab_size, n)
+        return out
+
+    def largest_max_model_len(self) -> int:
+        """The largest prompt + output any instance here could hold (the daemon's limit when no
+        worker announced one yet)."""
+        got = [e.limits.max_model_len for e in self.engines.values() if e.limits is not None]
+        return max(got, default=self.config.engine.scheduler.max_model_len)
+
+    def candidates(self, req: Request, model: str, engines: list[InstanceEngine]) -> list[Any]:
+        """`engines` (ready ones) that serve `model` and whose limits `req` fits; raises
+        InvalidRequest naming the limit when the model's instances can never run it."""
+        return fitting(req, model, [(e, _limits(e, self.config.model)) for e in engines])
+
+    def route(self, req: Request, model: str = "") -> InstanceEngine:
         """The instance a new request goes to; Unavailable when none takes new requests. A
         paused instance queues it (the router prefers one that is not paused)."""
         ready = [e for e in self.engines.values() if e.queueing and not e.is_decode]
         if not ready:
-            raise Unavailable(
-                "no instance is ready: no worker connected (start one with `kvsched worker`), "
-                "or all are draining"
-            )
-        return _route(self.router, ready, req)
+            raise Unavailable(self.no_instance_reason())
+        return _route(self.router, self.candidates(req, model or self.model_for(""), ready), req)
+
+    def no_instance_reason(self) -> str:
+        """Why no instance here takes a request (what the caller can do about it)."""
+        if any(e.ranks for e in self.engines.values()):
+            return "no instance is ready: its workers are still starting, or all are draining"
+        return "no instance is ready: no worker connected (start one with `kvsched worker`)"
 
     def route_decode(self) -> InstanceEngine:
         """The decode instance a prefill instance's request will be handed off to."""
@@ -203,9 +271,17 @@ class InstanceRegistry:
             raise Unavailable("prefill instance has no ready decode instance to hand off to")
         return _route_decode(self.router, decodes)
 
-    def route_moved(self, req: Request) -> InstanceEngine | None:
-        """The mixed instance a lost instance's request is recomputed on (None: none now)."""
+    def route_moved(self, req: Request, model: str = "") -> InstanceEngine | None:
+        """The mixed instance of `model` a lost instance's request is recomputed on (None:
+        none now)."""
         ready = [e for e in self.engines.values() if e.queueing and e.role == Role.MIXED]
+        want = model
+        if not want:
+            try:
+                want = self.model_for("")
+            except KvschedError:
+                want = self.config.model
+        ready = [e for e in ready if _limits(e, self.config.model).model == want]
         return _route(self.router, ready, req) if ready else None
 
     # ---- admin ------------------------------------------------------------------------------
@@ -216,6 +292,13 @@ class InstanceRegistry:
         if eng is None:
             raise RequestNotFound(f"no instance {instance_id!r}; known: {sorted(self.engines)}")
         return [eng]
+
+
+def _limits(eng: InstanceEngine, configured_model: str) -> Limits:
+    lim: Limits | None = eng.limits
+    if lim is None:  # an instance started without a Hello's limits (never: attach sets them)
+        lim = Limits(configured_model, eng.engine_config.scheduler.max_model_len)
+    return lim
 
 
 def _route(router: Router, engines: list[InstanceEngine], req: Request) -> InstanceEngine:

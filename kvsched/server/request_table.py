@@ -33,6 +33,7 @@ from kvsched.core import (
 )
 from kvsched.core.request import FINISHED_STATUS
 from kvsched.server.engine import InstanceEngine
+from kvsched.server.poison import PoisonGuard
 from kvsched.v1 import request_service_pb2
 
 if TYPE_CHECKING:
@@ -76,6 +77,9 @@ class Tracked:
     durable: int = 0  # journal: 0 not journaled, 1 accepted record in flight, 2 stored, 3 closed
     journaled: int = 0  # output tokens the journal has recorded
     held: bool = False  # a Session holds its outputs until the journal stored it
+    model: str = ""  # the model it runs on (a lost instance's request moves within it)
+    losses: int = 0  # instance losses it is a suspect of (server/poison.py)
+    out_at_place: int = 0  # output tokens it had when last placed
 
 
 class RequestTable:
@@ -94,6 +98,7 @@ class RequestTable:
         self._timer_seq = 0
         self.streams: set[Any] = set()  # open Generate / Session sinks (stall watchdog)
         self.num_requeued = 0
+        self.poison = PoisonGuard(config.poison_max_losses)
         # A cluster's routing and forwarding (kvsched.cluster.node.ClusterNode; None: alone):
         # `route_new(req, carrier, owner)` -> (an engine here or a peer's instance, the owner
         # to track it under), `forward(tr, pb, remote, carrier, deadline_s)`, and
@@ -117,9 +122,12 @@ class RequestTable:
         returns its Tracked state; from then on the sink gets exactly one Finished."""
         if self.draining:
             raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
-        if pb.model and pb.model != self.config.model:
+        model = self.registry.model_for(pb.model)
+        n, limit = len(pb.prompt_token_ids), self.registry.largest_max_model_len()
+        if n > limit:  # before the prompt becomes a Python list (a refusal costs nothing)
             raise InvalidRequest(
-                f"unknown model {pb.model!r}; this daemon serves {self.config.model!r}"
+                f"prompt of {n} tokens exceeds max_model_len {limit} (the longest any instance "
+                "here holds)"
             )
         req_id = pb.request_id or uuid.uuid4().hex
         if req_id in self.tracked:
@@ -127,12 +135,12 @@ class RequestTable:
         req = codec.request_from_proto(pb, req_id, time.monotonic(), self.config.default_max_tokens)
         cluster = self.cluster
         if cluster is None:
-            eng = self.registry.route(req)
+            eng = self.registry.route(req, model)
         else:
-            eng, owner = cluster.route_new(req, carrier or {}, owner)
+            eng, owner = cluster.route_new(req, carrier or {}, owner, model)
             if not isinstance(eng, InstanceEngine):  # a peer's instance: forward it there
                 return self._forward(req, eng, pb, sink, owner, client_tag, carrier, deadline_s)
-        tr = Tracked(req, eng, sink, pb.detachable, owner, client_tag)
+        tr = Tracked(req, eng, sink, pb.detachable, owner, client_tag, model=model)
         if eng.role == Role.PREFILL:
             tr.decode_engine = self._reserve_decode(req)
         try:
@@ -285,6 +293,11 @@ class RequestTable:
         if tr.decode_engine is not None or tr.engine.role != Role.MIXED:
             self._fail(tr, f"{reason}; disaggregated requests are not moved")
             return
+        quarantined = self.poison.lost(tr, reason)
+        if quarantined is not None:
+            self.telemetry.request_quarantined(tr)
+            self._fail(tr, quarantined)
+            return
         new = Request(
             old.req_id,
             old.prompt_token_ids,
@@ -322,7 +335,9 @@ class RequestTable:
         for tr, deadline, reason in self.orphans:
             if self.tracked.get(tr.req.req_id) is not tr:
                 continue  # aborted meanwhile
-            eng = self.registry.route_moved(tr.req)
+            eng = self.registry.route_moved(tr.req, tr.model)
+            if eng is not None and not self.poison.may_place(tr, self._live):
+                eng = None  # a suspect waits for the one on trial (server/poison.py)
             if eng is not None:
                 try:
                     eng.add_request(tr.req)
@@ -330,6 +345,7 @@ class RequestTable:
                     self._fail(tr, f"{reason}; cannot move to {eng.instance_id}: {exc}")
                     continue
                 tr.engine = eng
+                tr.out_at_place = len(tr.req.output_token_ids)
                 eng.wake()
             elif now >= deadline:
                 self._fail(
@@ -340,6 +356,9 @@ class RequestTable:
             else:
                 keep.append((tr, deadline, reason))
         self.orphans = keep
+
+    def _live(self, tr: Tracked) -> bool:
+        return self.tracked.get(tr.req.req_id) is tr and tr.engine.holds(tr.req)
 
     def _fail(self, tr: Tracked, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
         """End a request no scheduler holds (orphaned, hand-off failed)."""

@@ -191,7 +191,16 @@ def format_status(resp: admin_service_pb2.GetStatusResponse) -> str:
         + (_ENC_HEADERS if enc else ())
         + (_COST_HEADERS if cost else ())
     )
-    lines = _table([headers, *(_row(inst, host, enc, cost) for inst in resp.instances)])
+    # Grouped by model (a column, its rows together) when the instances serve more than one.
+    models = {i.model for i in resp.instances if i.model}
+    insts = list(resp.instances)
+    if len(models) > 1:
+        insts.sort(key=lambda i: i.model)
+        headers = ("model", *headers)
+    rows = [_row(inst, host, enc, cost) for inst in insts]
+    if len(models) > 1:
+        rows = [(inst.model or "-", *row) for inst, row in zip(insts, rows, strict=True)]
+    lines = _table([headers, *rows])
     if not resp.instances:
         lines.append("(no instances: no worker has connected)")
     lines.append(_daemon_line(resp))

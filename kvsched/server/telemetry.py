@@ -10,12 +10,15 @@ counters and scrape-time reads, cheap), request spans when an exporter is chosen
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from kvsched.server.metrics import Metrics
 from kvsched.server.tracing import Tracing
 from kvsched.server.tracing_setup import make_tracing
+
+log = logging.getLogger("kvsched.daemon")
 
 
 class Telemetry:
@@ -33,6 +36,15 @@ class Telemetry:
     def request_moved(self, tr: Any, reason: str) -> None:
         """The instance holding the request was lost (`reason`); it was re-queued to be
         recomputed elsewhere. Called after `tr.req` was replaced, before it is placed again."""
+
+    def request_refused(
+        self, request_id: str, reason: str, message: str, carrier: Mapping[str, str]
+    ) -> None:
+        """A request was refused at submission (never accepted): `reason` is a short label."""
+        log.info("request %s refused (%s): %s", request_id or "-", reason, message)
+
+    def request_quarantined(self, tr: Any) -> None:
+        """A request was ended as poison (server/poison.py); its finish follows."""
 
     def request_finished(self, tr: Any) -> None:
         """A request reached its one finished state (tr.req carries status, usage, timings)."""
@@ -74,6 +86,16 @@ class Observability(Telemetry):
     def request_moved(self, tr: Any, reason: str) -> None:
         if self.tracing is not None:
             self.tracing.request_moved(tr, reason)
+
+    def request_refused(
+        self, request_id: str, reason: str, message: str, carrier: Mapping[str, str]
+    ) -> None:
+        self.metrics.refusals.count(request_id, reason, message)
+        if self.tracing is not None:
+            self.tracing.request_refused(request_id, reason, message, carrier)
+
+    def request_quarantined(self, tr: Any) -> None:
+        self.metrics.refusals.quarantined += 1
 
     def request_finished(self, tr: Any) -> None:
         self.metrics.request_finished(tr)

@@ -36,7 +36,7 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, DEFAULT_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, get_current_span
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 import kvsched
@@ -93,6 +93,26 @@ class Tracing:
         # their next placement is a "resumed" event
         self._awaiting: set[str] = set()
         self._where: dict[str, Mapping[str, Any]] = {}  # instance -> its events' attributes
+
+    def request_refused(
+        self, request_id: str, reason: str, message: str, carrier: Mapping[str, str]
+    ) -> None:
+        """A refused request's span: ended at once, status ERROR with the refusal's message
+        (refusals are rare: the SDK's own span API is fine here)."""
+        tracer = self.provider.get_tracer("kvsched", kvsched.__version__)
+        span = tracer.start_span(
+            self.span_name,
+            context=_W3C.extract(carrier),
+            kind=SpanKind.SERVER,
+            attributes={
+                "gen_ai.operation.name": OPERATION,
+                "gen_ai.request.model": self.model,
+                "kvsched.request_id": request_id,
+                "kvsched.refused": reason,
+            },
+        )
+        span.set_status(Status(StatusCode.ERROR, message))
+        span.end()
 
     def add_processor(self, processor: SpanProcessor) -> None:
         self.provider.add_span_processor(processor)  # so provider.shutdown() flushes it

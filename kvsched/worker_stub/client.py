@@ -21,11 +21,13 @@ import signal
 
 from kvsched.tls import channel_credentials, worker_server_credentials
 from kvsched.worker_stub.factories import (
+    SIM_VOCAB_SIZE,
     EngineFactory,
     EngineSettings,
     model_engine_factory,
     sim_engine_factory,
 )
+from kvsched.worker_stub.faults import Faults
 from kvsched.worker_stub.session import Worker, WorkerError
 from kvsched.worker_stub.stats import WorkerStats
 
@@ -49,7 +51,11 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
     host_blocks = getattr(args, "host_blocks", 0)
     if host_blocks < 0:
         raise ValueError(f"--host-blocks must be >= 0, got {host_blocks}")
+    max_model_len = getattr(args, "max_model_len", 0)
+    if max_model_len < 0:
+        raise ValueError(f"--max-model-len must be >= 0, got {max_model_len}")
     if args.executor == "sim":
+        vocab_size = SIM_VOCAB_SIZE
         factory = sim_engine_factory(
             args.num_slots,
             gpu=args.gpu,
@@ -57,8 +63,17 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
             zero_cost=args.zero_cost,
             seed=args.seed,
             pcie_gbps=getattr(args, "pcie_gbps", 50.0),
+            faults=Faults(
+                getattr(args, "crash_on_token", -1), getattr(args, "crash_on_prompt_len", 0)
+            ),
         )
     elif args.executor == "model":
+        from kvsched.worker_stub.model import ModelConfig
+
+        model_config = ModelConfig(seed=args.seed)  # what the factory builds: its real limits
+        vocab_size = model_config.vocab_size
+        own = model_config.max_model_len
+        max_model_len = min(max_model_len, own) if max_model_len else own
         factory = model_engine_factory(
             args.num_slots,
             args.num_blocks,
@@ -82,6 +97,9 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         block_size=args.block_size,
         num_slots=args.num_slots,
         executor_name=args.executor,
+        model=getattr(args, "served_model_name", ""),
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
         channel_credentials=credentials,
         metadata=(("authorization", f"Bearer {args.token}"),) if args.token else (),
         kv_listen=args.listen_kv or None,

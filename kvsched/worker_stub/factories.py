@@ -8,9 +8,11 @@ from dataclasses import dataclass
 
 from kvsched.worker_stub.costmodel import KV_BYTES_PER_TOKEN
 from kvsched.worker_stub.engine import KvSender, WorkerEngine
+from kvsched.worker_stub.faults import Faults, FaultyEngine
 from kvsched.worker_stub.sim import SimExecutor
 
 _SIM_MAX_MODEL_LEN = 1 << 20  # the sim has no length limit of its own
+SIM_VOCAB_SIZE = 32000  # SimExecutor's default vocabulary: the ids its outputs come from
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,10 +36,11 @@ def sim_engine_factory(
     seed: int = 0,
     eos_every: int | None = None,
     pcie_gbps: float = 50.0,
+    faults: Faults | None = None,
 ) -> EngineFactory:
     """Engines over a `SimExecutor`; the arguments are checked now, not after the Welcome.
     Host tier copies cost a block's bytes (the fitted model's, KV_BYTES_PER_TOKEN a token)
-    over pcie_gbps GB/s."""
+    over pcie_gbps GB/s. `faults`: crash on the requests it names (worker_stub/faults.py)."""
     SimExecutor(
         gpu=gpu,
         speed=speed,
@@ -57,7 +60,7 @@ def sim_engine_factory(
             block_bytes=KV_BYTES_PER_TOKEN * settings.block_size,
             pcie_gbps=pcie_gbps,
         )
-        return WorkerEngine(
+        engine = (FaultyEngine if faults else WorkerEngine)(
             sim,
             settings.block_size,
             num_slots,
@@ -67,6 +70,9 @@ def sim_engine_factory(
             kv_sender=kv_sender,
             columnar=True,
         )
+        if faults and isinstance(engine, FaultyEngine):
+            engine.faults = faults
+        return engine
 
     return build
 

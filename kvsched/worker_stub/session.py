@@ -80,7 +80,9 @@ class Worker(StepLoop):
         block_size: int,
         num_slots: int,
         num_host_blocks: int = 0,
-        model: str = "default",
+        model: str = "",
+        max_model_len: int = 0,
+        vocab_size: int = 0,
         executor_name: str = "sim",
         channel_credentials: grpc.ChannelCredentials | None = None,
         metadata: Sequence[tuple[str, str]] = (),
@@ -124,7 +126,9 @@ class Worker(StepLoop):
         self.num_gpu_blocks = num_gpu_blocks
         self.num_host_blocks = num_host_blocks  # the host KV tier the engine's executor holds
         self.num_slots = num_slots
-        self.model = model
+        self.model = model  # "": the daemon's configured model
+        self.max_model_len = max_model_len  # announced limits (0: not announced)
+        self.vocab_size = vocab_size
         self.executor_name = executor_name
         self._credentials = channel_credentials
         self._metadata = tuple(metadata)
@@ -248,6 +252,8 @@ class Worker(StepLoop):
             block_size=self.block_size,
             num_slots=self.num_slots,
             model=self.model,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
             protocol_version=codec.PROTOCOL_VERSION,
             worker_address=self.kv.address or "",
             executor=self.executor_name,

@@ -45,7 +45,9 @@ def test_defaults_without_any_source() -> None:
     config = load_config(None, {}, {})
     assert config == ServerConfig().validate()
     assert config.listen == "127.0.0.1:50051"
-    assert config.max_message_bytes == 64 * 1024 * 1024
+    assert config.max_message_bytes == 0  # derived from max_model_len:
+    assert config.receive_message_bytes() == 6 * 131072 + (1 << 20)
+    assert config.send_message_bytes() == 64 << 20
     assert config.engine == EngineConfig()
     assert config.instances == {}
 
@@ -229,7 +231,7 @@ def test_unknown_engine_env_path() -> None:
     [
         ('listen = "nope"', "listen = 'nope' must be HOST:PORT"),
         ('metrics_listen = "1.2.3.4"', "metrics_listen = '1.2.3.4' must be HOST:PORT"),
-        ("max_message_bytes = 0", "max_message_bytes = 0 is out of range [1024, 2147483647]"),
+        ("max_message_bytes = 5", "max_message_bytes = 5 is below 1024 (0: derived"),
         ("max_concurrent_streams = -1", "max_concurrent_streams = -1 is out of range"),
         ("keepalive_time_s = 0", "keepalive_time_s = 0.0 is out of range [0.01, 86400]"),
         ("grace_period_s = -1", "grace_period_s = -1.0 is out of range [0, 86400]"),

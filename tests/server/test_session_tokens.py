@@ -8,9 +8,9 @@ import asyncio
 import numpy as np
 
 from kvsched.core import Request
-from kvsched.server.engine import TokenDelivery
-from kvsched.server.frontend import SessionSink, _token_columns
+from kvsched.server.delivery import TokenDelivery
 from kvsched.server.request_table import Tracked
+from kvsched.server.sinks import SessionSink, _token_columns
 
 
 def tracked(req_id: str, sink: object) -> Tracked:
