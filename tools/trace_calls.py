@@ -3,14 +3,16 @@ pass through (issue 22's measure of how tangled the house is, read at run time r
 from the import graph).
 
 A daemon runs in this process with its gRPC server on loopback and one reference sim worker
-(zero-cost executor) connected to it over a real gRPC stream. Two windows are traced with
+(with its simulated step times, so each report is one worker step and the windows are the same
+run after run) connected to it over a real gRPC stream. Two windows are traced with
 `sys.setprofile`:
 
 - generate: one Generate (a 64-token prompt, 4 tokens, after one warm-up Generate), from the
   client's call until its Finished message;
-- decode report: one steady decode report cycle of a long Generate, from the daemon decoding
-  one StepReport (`codec.report_from_proto`, the 20th) until it decodes the next: applying it,
-  scheduling, sending Tasks, delivering the tokens to the client stream.
+- decode report: one steady decode report of a long Generate: the daemon decoding the 20th
+  StepReport (`codec.report_from_proto`), then the engine step that applies it (apply_report,
+  the token delivery to the request's sink, schedule(), the Tasks encoded and queued to the
+  worker's stream). Nothing else that runs between the two is counted.
 
 Counted: Python function calls (and coroutine/generator resumes, which the profiler reports as
 calls) of functions defined in `kvsched.*` modules, the daemon's side only: the worker
@@ -128,7 +130,7 @@ async def trace() -> dict[str, Any]:
     worker = Worker(
         f"127.0.0.1:{port}",
         "i0",
-        sim_engine_factory(16, zero_cost=True),
+        sim_engine_factory(16, zero_cost=False),
         num_gpu_blocks=512,
         block_size=16,
         num_slots=16,
@@ -161,20 +163,38 @@ async def trace() -> dict[str, Any]:
         rec = Recorder()
         done = asyncio.Event()
         seen = 0
+        tracing = False
         real = codec.report_from_proto
+        eng = daemon.engines["i0"]
+        real_step = eng.step
 
         def counting(msg: Any) -> Any:
-            nonlocal seen
+            nonlocal seen, tracing
             seen += 1
-            if seen == 21:
+            if seen != 20:
+                return real(msg)
+            rec.start()
+            try:
+                return real(msg)
+            finally:
                 rec.stop()
+                tracing = True
+
+        def step() -> None:
+            nonlocal tracing
+            if not (tracing and eng.reports):
+                real_step()
+                return
+            rec.start()
+            try:
+                real_step()
+            finally:
+                rec.stop()
+                tracing = False
                 done.set()
-            report = real(msg)
-            if seen == 20:
-                rec.start()
-            return report
 
         codec.report_from_proto = counting  # type: ignore[assignment]
+        eng.step = step  # type: ignore[method-assign]
         try:
             long = asyncio.get_running_loop().create_task(
                 _generate(stub, _request("steady", 64, 400))
@@ -184,6 +204,7 @@ async def trace() -> dict[str, Any]:
         finally:
             rec.stop()
             codec.report_from_proto = real
+            del eng.step
         out["decode_report"] = rec.result()
     finally:
         worker.stop()
