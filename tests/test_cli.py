@@ -128,7 +128,7 @@ def test_worker_passes_the_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
     (args,) = seen
     assert (args.server, args.instance, args.rank, args.world_size) == ("h:1", "p0", 1, 2)
     assert (args.executor, args.gpu, args.speed, args.zero_cost) == ("sim", "h100", 1.0, True)
-    assert (args.num_blocks, args.block_size, args.num_slots, args.seed) == (64, 16, 256, 0)
+    assert (args.num_blocks, args.block_size, args.num_slots, args.seed) == (64, 0, 256, 0)
     assert (args.backend, args.listen_kv, args.token, args.tls_ca) == ("numpy", "", "", "")
     assert (args.tls_cert, args.tls_key, args.log_level) == ("", "", "info")
 

@@ -118,6 +118,54 @@ def test_the_package_stands_on_its_own(needle: str) -> None:
     assert not hits, f"{needle!r} in {hits}"
 
 
+DAEMON_PACKAGES = ("kvsched.server", "kvsched.core", "kvsched.cluster", "kvsched.durability")
+
+
+def _imports_of(p: Path) -> set[str]:
+    """Every module name `p` imports, anywhere in its text (absolute imports)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(p.read_text(), str(p))):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return names
+
+
+def _reach(edges: dict[str, set[str]], start: set[str]) -> set[str]:
+    seen, todo = set(start), list(start)
+    while todo:
+        for w in edges[todo.pop()] - seen:
+            seen.add(w)
+            todo.append(w)
+    return seen
+
+
+def test_the_daemon_never_imports_vllm() -> None:
+    """vLLM is the `vllm` extra's, for the worker only: no daemon module reaches the vLLM worker
+    package or vLLM itself, through any chain of kvsched imports (lazy ones included)."""
+    mods = _modules()
+    daemon = {m for m in mods if m.startswith(DAEMON_PACKAGES)}
+    assert daemon, "no daemon modules found"
+    reached = _reach(import_graph(mods), daemon)
+    assert not [m for m in reached if m.startswith("kvsched.worker_vllm")], sorted(reached)
+    bad = {m for m in reached if any(n.split(".")[0] == "vllm" for n in _imports_of(mods[m]))}
+    assert not bad, f"daemon modules reaching an `import vllm`: {sorted(bad)}"
+
+
+def test_the_vllm_worker_imports_vllm_lazily() -> None:
+    """kvsched.worker_vllm imports vLLM only inside functions: the package and `kvsched worker
+    --help` load without the extra."""
+    for m, p in _modules().items():
+        if not m.startswith("kvsched.worker_vllm"):
+            continue
+        tree = ast.parse(p.read_text(), str(p))
+        top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module or "" for n in top if isinstance(n, ast.ImportFrom)}
+        assert not [n for n in names if n.split(".")[0] in ("vllm", "torch")], (m, names)
+
+
 # ---- issue 22: one owner for each scheduler field ------------------------------------------
 
 ROOT = PKG.parent

@@ -222,14 +222,21 @@ class AsyncClient:
         )
         return AsyncSession(call)
 
-    async def abort(self, request_id: str, *, timeout: float | None = None) -> None:
+    async def abort(
+        self,
+        request_id: str,
+        *,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
         """Abort a request by id, wherever it is. NotFound for an unknown id; nothing happens
-        for one already finished."""
+        for one already finished. `metadata` is sent with the call (e.g. the submitter's
+        bearer token, for a front end that passes each user's token through)."""
         try:
             await self._requests.Abort(
                 rpb.AbortRequest(request_id=request_id),
                 timeout=self._conn.deadline(timeout),
-                metadata=self._conn.metadata(),
+                metadata=self._conn.metadata(metadata),
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, request_id) from None
@@ -248,13 +255,16 @@ class AsyncClient:
             raise from_rpc_error(exc) from None
         return resp
 
-    async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
-        """The models the daemon serves (RequestService.ListModels), by name."""
+    async def list_models(
+        self, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()
+    ) -> list[ModelInfo]:
+        """The models the daemon serves (RequestService.ListModels), by name. `metadata` is
+        sent with the call (e.g. a bearer token per caller)."""
         try:
             resp = await self._requests.ListModels(
                 rpb.ListModelsRequest(),
                 timeout=self._conn.deadline(timeout),
-                metadata=self._conn.metadata(),
+                metadata=self._conn.metadata(metadata),
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None

@@ -52,6 +52,7 @@ class ResumableStream:
         options: RequestOptions,
         retry_for_s: float,
         backoff_s: float,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.clients = [client] if isinstance(client, AsyncClient) else list(client)
         if not self.clients:
@@ -64,6 +65,7 @@ class ResumableStream:
         self.options["request_id"] = self.request_id
         self.retry_for_s = retry_for_s
         self.backoff_s = backoff_s
+        self.metadata = tuple(metadata)  # sent with every Generate and Resume call
         self.tokens: list[int] = []
         self.finished: Finished | None = None
         self.accepted = False  # a stream was opened: the daemon accepted the request
@@ -75,13 +77,15 @@ class ResumableStream:
         """The stream to read next, and whether the request is known to be accepted."""
         if self.broken_at or queued:
             try:
-                stream = await self.client.resume(self.request_id, self.tokens)
+                stream = await self.client.resume(
+                    self.request_id, self.tokens, metadata=self.metadata
+                )
                 self.resumes += 1
                 return stream, True
             except NotFound:
                 if queued:
                     raise  # accepted, and now unknown: lost (the journal is off or expired)
-        stream = await self.client.generate(self.prompt, **self.options)
+        stream = await self.client.generate(self.prompt, metadata=self.metadata, **self.options)
         self.instance = self.instance or stream.instance
         return stream, True
 
@@ -126,7 +130,9 @@ def resumable(
     *,
     retry_for_s: float = 60.0,
     backoff_s: float = 0.1,
+    metadata: Sequence[tuple[str, str]] = (),
     **options: Unpack[RequestOptions],
 ) -> ResumableStream:
-    """A Generate that resumes by itself when its stream breaks (see the module docstring)."""
-    return ResumableStream(client, prompt, options, retry_for_s, backoff_s)
+    """A Generate that resumes by itself when its stream breaks (see the module docstring).
+    `metadata` goes with every call (e.g. a bearer token per request)."""
+    return ResumableStream(client, prompt, options, retry_for_s, backoff_s, metadata)

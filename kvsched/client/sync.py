@@ -220,14 +220,20 @@ class Client:
         """Open a Session stream (see Session)."""
         return Session(self._requests, self._conn, timeout, metadata)
 
-    def abort(self, request_id: str, *, timeout: float | None = None) -> None:
+    def abort(
+        self,
+        request_id: str,
+        *,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
         """Abort a request by id, wherever it is. NotFound for an unknown id; nothing happens
-        for one already finished."""
+        for one already finished. `metadata` is sent with the call (e.g. a caller's token)."""
         try:
             self._requests.Abort(
                 rpb.AbortRequest(request_id=request_id),
                 timeout=self._conn.deadline(timeout),
-                metadata=self._conn.metadata(),
+                metadata=self._conn.metadata(metadata),
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, request_id) from None
@@ -245,13 +251,16 @@ class Client:
             raise from_rpc_error(exc) from None
         return resp
 
-    def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
-        """The models the daemon serves (RequestService.ListModels), by name."""
+    def list_models(
+        self, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()
+    ) -> list[ModelInfo]:
+        """The models the daemon serves (RequestService.ListModels), by name. `metadata` is
+        sent with the call (e.g. a caller's token)."""
         try:
             resp = self._requests.ListModels(
                 rpb.ListModelsRequest(),
                 timeout=self._conn.deadline(timeout),
-                metadata=self._conn.metadata(),
+                metadata=self._conn.metadata(metadata),
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None

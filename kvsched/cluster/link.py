@@ -30,6 +30,7 @@ class ClusterLink:
     daemon_id: str
     nc: Any  # nats.aio.client.Client
     js: JetStreamContext
+    last_error: str = ""  # the NATS client's last error (why the link is down, when it is)
 
     async def bucket(self, name: str, ttl_s: float = 0.0, history: int = 1) -> KeyValue:
         """A JetStream KV bucket, created on first use (`ttl_s` 0: entries never expire)."""
@@ -61,8 +62,20 @@ async def connect_cluster(
 ) -> ClusterLink:
     """Connect to NATS at `url` and check that JetStream answers; `Unavailable` otherwise."""
 
+    link: ClusterLink | None = None
+
     async def quiet(exc: Exception) -> None:  # nats-py logs every failed attempt; one line is ours
         log.debug("nats: %s", exc)
+        if link is not None:
+            link.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+    async def disconnected() -> None:
+        if link is not None and not link.last_error:
+            link.last_error = "disconnected from the NATS server"
+
+    async def reconnected() -> None:
+        if link is not None:
+            link.last_error = ""
 
     try:
         nc = await nats.connect(
@@ -73,6 +86,8 @@ async def connect_cluster(
             reconnect_time_wait=0.2,
             allow_reconnect=True,
             error_cb=quiet,
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise Unavailable(
@@ -90,4 +105,5 @@ async def connect_cluster(
         ) from None
     # Once up, keep reconnecting for as long as the daemon lives: a NATS restart must heal.
     nc.options["max_reconnect_attempts"] = -1
-    return ClusterLink(url=url, daemon_id=daemon_id, nc=nc, js=js)
+    link = ClusterLink(url=url, daemon_id=daemon_id, nc=nc, js=js)
+    return link

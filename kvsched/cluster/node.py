@@ -244,9 +244,30 @@ class ClusterNode:
             else:
                 self.registry.candidates(req, model or self.registry.model_for(""), [eng])
             return eng, owner if relayed is None else relayed
-        if not self.connected:
-            return self.registry.route(req, model), owner  # degraded: local instances only
+        if not self.connected:  # degraded: local instances only
+            try:
+                return self.registry.route(req, model), owner
+            except Unavailable as exc:
+                raise Unavailable(self.unreachable_reason(str(exc))) from None
         return self.router.route(req, model), owner
+
+    def unreachable_reason(self, local: str) -> str:
+        """Why a request cannot be placed while NATS is down: the cause first (the cluster is
+        unreachable), then what this daemon has itself (`local`: the registry's reason)."""
+        peers = sorted(
+            {v.daemon for v in self.stream.index.instances.values() if v.daemon != self.daemon_id}
+        )
+        cause = self.link.last_error or "connection lost"
+        reach = (
+            f"its peers ({', '.join(peers)}) and their instances cannot be reached without it"
+            if peers
+            else "no peer can be reached without it"
+        )
+        return (
+            f"the cluster is unreachable: NATS at {self.link.url} is down ({cause}); {reach}, "
+            f"and this daemon has no instance of its own to run the request ({local}); retry "
+            "later, or send it to another daemon"
+        )
 
     def _info_of(self, iid: str) -> dict[str, Any] | None:
         """An instance's model and limits, published with its load (server/models.py)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -107,6 +108,7 @@ class Journal:
         req_id = tr.req.req_id
         data = R.accepted_record(pb, req_id, self.daemon_id, instance, tr.owner, tr.client_tag)
         subject = R.req_subject(self.daemon_id, req_id)
+        t0 = time.monotonic()
         try:
             if not self.nc.is_connected:  # refuse at once: a buffered record could land later
                 raise ConnectionError("not connected")
@@ -119,15 +121,31 @@ class Journal:
                 self._emit(subject, b"", PURGE)
             tr.durable = 0
             self.num_refused += 1
-            raise Unavailable(
-                f"the request journal (NATS JetStream at {self.link.url}) did not store the "
-                f"request within {self.timeout_s:g} s ({type(exc).__name__}); nothing was "
-                "accepted: retry, or check NATS"
-            ) from None
+            raise Unavailable(self._refusal(exc, time.monotonic() - t0)) from None
         tr.durable = 2
         self.num_accepted += 1
         if tr.finished:  # it finished while its record was in flight
             self.finished(tr)
+
+    def _refusal(self, exc: Exception, elapsed: float) -> str:
+        """Why a record was not stored, as it happened: the link was down (refused at once),
+        no acknowledgement within journal_timeout_s, or another failure after `elapsed`."""
+        where = f"the request journal (NATS JetStream at {self.link.url})"
+        if isinstance(exc, ConnectionError):
+            cause = getattr(self.link, "last_error", "") or "connection lost"
+            return (
+                f"{where} is unreachable: this daemon's NATS connection is down ({cause}); "
+                "nothing was accepted: retry (on another daemon of the cluster), or check NATS"
+            )
+        if isinstance(exc, TimeoutError) or "timeout" in type(exc).__name__.lower():
+            return (
+                f"{where} did not acknowledge the request within {self.timeout_s:g} s "
+                "(journal_timeout_s); nothing was accepted: retry, or check NATS"
+            )
+        return (
+            f"{where} failed to store the request after {elapsed:.2f} s "
+            f"({type(exc).__name__}: {exc}); nothing was accepted: retry, or check NATS"
+        )
 
     def _emit(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
         self._outbox.put_nowait((subject, data, headers))

@@ -26,8 +26,10 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT[,HOST:PORT...]",
         help="the daemon, or a cluster's daemons (requests spread round-robin)",
     )
-    p.add_argument("--duration", type=float, default=None, help="seconds of the trace")
-    p.add_argument("--requests", type=int, default=None, help="first N requests")
+    p.add_argument(
+        "--duration", type=float, default=None, help="seconds of the trace (default: all)"
+    )
+    p.add_argument("--requests", type=int, default=None, help="first N requests (default: all)")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     p.add_argument(
         "--time-scale",
@@ -35,13 +37,21 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="run this much faster than real time (pair with the workers' --speed)",
     )
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="summary JSON path")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="OUT",
+        help="summary JSON path (default: none written)",
+    )
     p.add_argument("--slo-ttft", type=float, default=5.0, help="goodput TTFT SLO, seconds")
     p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput TPOT SLO, seconds")
     p.add_argument(
         "--embedded", action="store_true", help="start a daemon and simulated workers for this run"
     )
-    p.add_argument("--gpu", choices=("h100", "a100"), default="h100")
+    p.add_argument(
+        "--gpu", choices=("h100", "a100"), default="h100", help="embedded: sim cost model"
+    )
     p.add_argument("--workers", type=int, default=1, help="embedded: simulated instances")
     p.add_argument(
         "--daemons",
@@ -73,7 +83,9 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
         "(default: the daemon's, 100; 0: off)",
     )
     p.add_argument(
-        "--token", default=os.environ.get("KVSCHED_TOKEN", ""), help="bearer token (client role)"
+        "--token",
+        default=os.environ.get("KVSCHED_TOKEN", ""),
+        help="bearer token (client role; default: $KVSCHED_TOKEN)",
     )
     p.add_argument(
         "--admin-token",
@@ -83,4 +95,4 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default="", metavar="FILE", help="CA that signed the server")
     p.add_argument("--tls-cert", default="", metavar="FILE", help="client certificate (mTLS)")
     p.add_argument("--tls-key", default="", metavar="FILE", help="client key (mTLS)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")

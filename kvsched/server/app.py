@@ -11,8 +11,10 @@ Nothing below imports this module: each servicer is given the parts it uses.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -175,6 +177,7 @@ class Daemon:
             requests.cut_stalled(now)
             registry.take_out_silent(now)
             registry.send_heartbeats(now)
+            registry.forget_lost(now)
             if requests.orphans:
                 requests.place_orphans()
 
@@ -237,9 +240,32 @@ def _hostport(listen: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _check_free(listen: str) -> None:
+    """Unavailable, in one line, when a TCP address is taken: said before gRPC's own log noise
+    (it prints its bind failure first). A free port is closed again at once; gRPC binds it."""
+    if listen.startswith("unix:"):
+        return
+    host, port = split_host_port(listen)
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise Unavailable(
+                    f"cannot listen on {listen}: address already in use (another kvsched "
+                    "serve, or another program, holds it; choose another with --listen)"
+                ) from None
+            # Anything else (a name that does not resolve, ...): gRPC's own error says it.
+
+
 def bind(server: grpc.aio.Server, config: ServerConfig) -> int:
     """Listen on config.listen, with TLS (and client certificates) when configured. Raises
     ConfigError for unusable TLS files, Unavailable when the address cannot be bound."""
+    _check_free(config.listen)
     try:
         if not config.tls_cert:
             return int(server.add_insecure_port(config.listen))

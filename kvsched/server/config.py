@@ -14,7 +14,8 @@ Sources, later wins:
   `KVSCHED_ENGINE__<SECTION>__<FIELD>` for the default engine
   (`KVSCHED_ENGINE__SCHEDULER__MAX_NUM_SEQS=64`, `KVSCHED_ENGINE__ROLE=prefill`). Values are parsed
   by the field's type; booleans accept 1/0/true/false/yes/no/on/off. Other `KVSCHED_*` names are
-  ignored: workers and tools share the prefix (e.g. `KVSCHED_TRACE_DIR`).
+  ignored with a warning (a misspelled setting), except those of workers and tools that share
+  the prefix (`config_load.OTHER_ENV`: KVSCHED_TOKEN, KVSCHED_TRACE_DIR, ...).
 - Flags: `overrides` maps a field name (or `engine.<section>.<field>`) to its value; None means
   the flag was not given.
 
@@ -100,6 +101,7 @@ class ServerConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     requeue_timeout_s: float = 30.0  # a lost instance's request waits this long for another
+    forget_lost_instance_s: float = 300.0  # an auto-created instance without workers is dropped
     poison_max_losses: int = 2  # a request on this many lost instances ends (server/poison.py)
     max_session_requests: int = 100000  # open requests per Session stream
     default_max_tokens: int = 16  # a request that does not set max_tokens gets this many
@@ -239,6 +241,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "heartbeat_timeout_s": (0.01, 86400.0),
     "requeue_timeout_s": (0.0, 86400.0),
     "poison_max_losses": (1, 1000),
+    "forget_lost_instance_s": (0.0, 1e9),
     "member_ttl_s": (0.5, 3600.0),
     "max_session_requests": (1, _INT32_MAX),
     "default_max_tokens": (1, _INT32_MAX),

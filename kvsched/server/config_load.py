@@ -5,6 +5,8 @@ source may set and how values are parsed)."""
 from __future__ import annotations
 
 import copy
+import difflib
+import logging
 import math
 import tomllib
 from collections.abc import Mapping
@@ -26,6 +28,11 @@ from kvsched.server.config import (
 )
 
 __all__ = ["load_config"]
+
+log = logging.getLogger("kvsched.config")
+
+# KVSCHED_* names that are not daemon settings (workers, clients and tools share the prefix).
+OTHER_ENV = frozenset({"CONFIG", "TOKEN", "TRACE_DIR", "BENCH_PROFILE_DAEMON", "TAKEOVER_JSON"})
 
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -90,6 +97,44 @@ def _set_path(table: dict[str, Any], path: list[str], value: Any, label: str) ->
     table[path[-1]] = value
 
 
+def _unknown_in_engine(table: Any, where: str) -> list[str]:
+    """The unknown keys of an engine table (`[engine]` or an instance's sections)."""
+    out: list[str] = []
+    if not isinstance(table, dict):
+        return out
+    for key, value in table.items():
+        if key in ("role", "world_size"):
+            continue
+        if key not in _ENGINE_SECTIONS:
+            close = difflib.get_close_matches(key, ["role", *_ENGINE_SECTIONS], n=1)
+            out.append(f"{where}{key}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            continue
+        if not isinstance(value, dict):
+            continue  # a type error, reported when the section is read
+        for name in value:
+            if _engine_kind([key, name]) is None:
+                known = [f.name for f in fields(getattr(EngineConfig(), key))]
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                out.append(f"{where}{key}.{name}{hint}")
+    return out
+
+
+def _unknown_toml_keys(data: dict[str, Any]) -> list[str]:
+    """Every unknown key of a config file, with a close known name where there is one."""
+    out: list[str] = []
+    for key in data:
+        if key not in _SCALARS and key not in ("engine", "instances"):
+            close = difflib.get_close_matches(key, list(_SCALARS), n=1)
+            out.append(repr(key) + (f" (did you mean {close[0]!r}?)" if close else ""))
+    out += _unknown_in_engine(data.get("engine"), "engine.")
+    instances = data.get("instances")
+    if isinstance(instances, dict):
+        for iid, table in instances.items():
+            out += _unknown_in_engine(table, f"instances.{iid}.")
+    return out
+
+
 def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for key, value in over.items():
@@ -123,6 +168,11 @@ class _Layers:
             raise ConfigError(f"config file {path!r}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path!r}: invalid TOML: {exc}") from None
+        unknown = _unknown_toml_keys(data)
+        if unknown:
+            raise ConfigError(
+                f"config file {path!r}: {len(unknown)} unknown key(s): " + "; ".join(unknown)
+            )
         for key, value in data.items():
             if key in ("engine", "instances"):
                 if not isinstance(value, dict):
@@ -142,6 +192,12 @@ class _Layers:
                 self.set_engine(rest.split("__")[1:], text, name)
             elif rest in _SCALARS:
                 self.set_scalar(rest, _parse_text(name, text, _SCALARS[rest]), name)
+            elif rest.upper() not in OTHER_ENV:
+                close = difflib.get_close_matches(rest, list(_SCALARS), n=1)
+                hint = f" (did you mean {ENV_PREFIX}{close[0].upper()}?)" if close else ""
+                log.warning(
+                    "ignoring unknown environment variable %s: no such setting%s", name, hint
+                )
 
     def set_engine(self, path: list[str], value: Any, label: str) -> None:
         kind = _engine_kind(path)

@@ -234,6 +234,10 @@ class InstanceEngine:
         for req in list(sched.requests.values()):
             self.listener.requeue_lost(req, f"instance {self.instance_id} lost: {reason}")
 
+    def close(self) -> None:
+        """Stop the engine loop of an instance the registry forgot (no worker, no request)."""
+        self._task.cancel()
+
     def detach(self, conn: RankConn, reason: str) -> None:
         if self.ranks.get(conn.rank) is conn:
             self.take_out(reason)
@@ -367,6 +371,11 @@ class InstanceEngine:
     def published_load(self) -> dict[str, float]:
         """What a cluster publishes of this instance's load ({} while it is not up)."""
         return {} if self.sched is None else self.sched.published_load()
+
+    def validate(self, req: Request) -> None:
+        """InvalidRequest naming the first field of `req` out of range here (nothing changes)."""
+        if self.sched is not None:
+            self.sched.validate(req)
 
     def prefix_hit_tokens(self, req: Request) -> int:
         return 0 if self.sched is None else self.sched.prefix_hit_tokens(req)

@@ -141,7 +141,11 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     def _refused(self, request: pb.GenerateRequest, exc: KvschedError, carrier: Any) -> None:
         """Count, log and trace a refused submission (server/refusals.py)."""
         code, message = status_for(exc)
-        reason = "draining" if self.requests.draining else code.name.lower()
+        reason = code.name.lower()
+        if self.requests.draining:
+            reason = "draining"
+        elif code.name == "UNAVAILABLE" and "journal" in message:
+            reason = "journal_unavailable"
         self.requests.telemetry.request_refused(request.request_id, reason, message, carrier)
 
     async def ListModels(

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,28 +44,25 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.utils import floatToGoString
 
 from kvsched.core import FinishReason, Unavailable
 from kvsched.core.scheduler import SNAPSHOT_COUNTERS
 from kvsched.server.cluster_metrics import cluster_families
 from kvsched.server.config import split_host_port
+from kvsched.server.histograms import (
+    BATCH_BUCKETS,
+    ITL_BUCKETS,
+    LATENCY_BUCKETS,
+    STEP_BUCKETS,
+    TTFT_BUCKETS,
+    Hist,
+)
 from kvsched.server.host_metrics import host_tier_families
 from kvsched.server.refusals import Refusals
+from kvsched.server.step_cost_metrics import step_cost_families
 from kvsched.server.tenant_metrics import TenantMetrics
 
 log = logging.getLogger("kvsched.metrics")
-
-# vLLM's buckets, extended downwards: a control plane over fast workers steps in microseconds.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-               0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                   40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
-                0.1, 0.25, 1.0)  # fmt: skip
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 # Scheduler counters read at scrape time, in this order (see _Totals).
 _COUNTERS = (
@@ -81,30 +77,6 @@ _COUNTERS = (
     ("encoder_cache_hits", "Multimodal items whose encoder output the worker already held."),
     ("encoder_cache_misses", "Multimodal items the worker had to encode."),
 )
-
-
-class Hist:
-    """A histogram as plain numbers: bucket i counts values in (bounds[i-1], bounds[i]]; the
-    last bucket is +Inf. `observe` takes a weight, so one call can stand for many tokens."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float, weight: int = 1) -> None:
-        self.counts[bisect_left(self.bounds, value)] += weight
-        self.sum += value * weight
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        out: list[tuple[str, float]] = []
-        total = 0
-        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            total += n
-            out.append((floatToGoString(bound), total))  # type: ignore[no-untyped-call]
-        return out
 
 
 # attribute of InstanceMetrics -> (metric name without the kvsched_ prefix, help text)
@@ -373,38 +345,8 @@ class _Collector:
         yield from counters
         yield success
         yield from hists.values()
-        yield from _step_cost_families(mx, labels)
+        yield from step_cost_families(mx.daemon, mx.model, labels)
         yield from mx.tenants.families(mx.daemon.engines, model)
         yield from host_tier_families(mx.daemon, model, labels)
         yield from cluster_families(mx.daemon, mx.model)
         yield from mx.refusals.families(model)
-
-
-def _step_cost_families(mx: Metrics, labels: list[str]) -> Iterator[Metric]:
-    """Each instance's step-cost model: a worker step's time as predicted and as measured
-    (moving averages), and the time target in force."""
-    families = [
-        GaugeMetricFamily(
-            "kvsched_step_time_predicted_seconds",
-            "Worker step time the step-cost model predicted (moving average).",
-            labels=labels,
-        ),
-        GaugeMetricFamily(
-            "kvsched_step_time_measured_seconds",
-            "Worker step time the workers measured (moving average).",
-            labels=labels,
-        ),
-        GaugeMetricFamily(
-            "kvsched_itl_target_seconds",
-            "Time budget of a worker step while requests decode (0: off).",
-            labels=labels,
-        ),
-    ]
-    for iid, eng in list(mx.daemon.engines.items()):
-        snap = eng.snapshot()
-        if snap is None:
-            continue
-        values = (snap.step_predicted_ewma_ms, snap.step_measured_ewma_ms, snap.itl_target_ms)
-        for family, ms in zip(families, values, strict=True):
-            family.add_metric([iid, mx.model], ms / 1e3)
-    yield from families

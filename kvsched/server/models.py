@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvsched.core import InvalidRequest, Request, RequestNotFound, Unavailable
 
@@ -73,10 +73,13 @@ def misfit(req: Request, lim: Limits) -> str | None:
     return None
 
 
-def resolve_model(requested: str, configured: str, served: Iterable[str]) -> str:
-    """The model a request runs on: `requested`, or for an empty one the configured model
-    when served, else the only model served. NOT_FOUND naming the known models for an unknown
-    one; INVALID_ARGUMENT when the request must choose among several."""
+def resolve_model(
+    requested: str, configured: str, served: Iterable[str], ready: Iterable[str] = ()
+) -> str:
+    """The model a request runs on: `requested`, or for an empty one the configured model when
+    an instance of it is ready, else the only model ready (else the only one served). NOT_FOUND
+    naming the known models for an unknown one; INVALID_ARGUMENT when the request must choose
+    among several."""
     known = sorted(set(served))
     if requested:
         if requested not in known:
@@ -84,13 +87,16 @@ def resolve_model(requested: str, configured: str, served: Iterable[str]) -> str
                 f"unknown model {requested!r}; served: {', '.join(map(repr, known)) or 'none yet'}"
             )
         return requested
-    if configured in known or not known:
+    live = sorted(set(ready))
+    if configured in live:
         return configured
-    if len(known) == 1:
-        return known[0]
+    if len(live) == 1:
+        return live[0]
+    if not live:
+        return known[0] if len(known) == 1 and configured not in known else configured
     raise InvalidRequest(
         f"GenerateRequest.model is empty and this daemon's model {configured!r} is not served; "
-        f"name one of: {', '.join(map(repr, known))}"
+        f"name one of: {', '.join(map(repr, live))}"
     )
 
 
@@ -109,3 +115,21 @@ def fitting(req: Request, model: str, candidates: list[tuple[object, Limits]]) -
         )
         raise InvalidRequest(f"request {req.req_id!r}: {misfit(req, best)}")
     return fits
+
+
+def too_long(pb: Any, req_id: str, limit: int, default_max_tokens: int) -> InvalidRequest:
+    """The refusal of a GenerateRequest `pb` whose prompt is longer than `limit` (the longest
+    any instance holds), read off the message without making its prompt a Python list. The
+    sampling fields the core checks before the length are named first, as it would."""
+    sp = pb.sampling
+    max_tokens = sp.max_tokens if sp.HasField("max_tokens") else default_max_tokens
+    if max_tokens < 1:
+        return InvalidRequest(f"request {req_id!r}: max_tokens = {max_tokens} must be >= 1")
+    if not 0 <= sp.min_tokens <= max_tokens:
+        return InvalidRequest(
+            f"request {req_id!r}: min_tokens = {sp.min_tokens} must be in [0, max_tokens]"
+        )
+    return InvalidRequest(
+        f"request {req_id!r}: prompt of {len(pb.prompt_token_ids)} tokens exceeds "
+        f"max_model_len {limit} (the longest any instance here holds)"
+    )

@@ -4,7 +4,8 @@ line per refusal with the request id and the reason, and (with tracing on) a spa
 status (`tracing.Tracing.request_refused`).
 
 `reason` is a short label: the gRPC status the refusal got, in lower case (invalid_argument,
-not_found, resource_exhausted, unavailable, ...), or `draining` while the daemon shuts down.
+not_found, resource_exhausted, unavailable, ...), `journal_unavailable` when the request journal
+could not store it, or `draining` while the daemon shuts down.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvsched import codec
 from kvsched.core import (
+    InvalidRequest,
     KvschedError,
     ProtocolError,
     Request,
@@ -44,6 +45,7 @@ class InstanceRegistry:
         self.telemetry = telemetry
         self.engines: dict[str, InstanceEngine] = {}
         self.router = Router()
+        self._empty_since: dict[str, float] = {}  # instance -> since when it has no worker
         self.paused = False  # AdminService Pause without an instance id (shown by GetStatus)
         self._listener: EngineListener | None = None
         # A cluster's Hello gate (kvsched.cluster.node.ClusterNode.admit_worker; None: alone):
@@ -188,6 +190,21 @@ class InstanceRegistry:
                     Unavailable("heartbeat timeout: no message within heartbeat_timeout_s"),
                 )
 
+    def forget_lost(self, now: float) -> None:
+        """Drop auto-created instances that have had no worker for forget_lost_instance_s
+        (0: never): `kvsched status` shows them as lost until then. Configured ones stay."""
+        after = self.config.forget_lost_instance_s
+        for iid, eng in list(self.engines.items()):
+            if eng.ranks or eng.ready or iid in self.config.instances:
+                self._empty_since.pop(iid, None)
+                continue
+            since = self._empty_since.setdefault(iid, now)
+            if after > 0 and now - since >= after:
+                del self.engines[iid]
+                del self._empty_since[iid]
+                eng.close()
+                log.info("instance %s forgotten: no worker for %g s", iid, after)
+
     def send_heartbeats(self, now: float) -> None:
         """A Heartbeat to every worker rank the daemon has sent nothing for the welcome's
         heartbeat interval. Called by the watchdog, never per step: what a rank was sent is
@@ -213,7 +230,14 @@ class InstanceRegistry:
     def model_for(self, requested: str) -> str:
         """The model a request naming `requested` runs on (see server/models.py): NOT_FOUND
         naming the known models for an unknown one."""
-        return resolve_model(requested, self.config.model, self.models())
+        ready = {
+            _limits(e, self.config.model).model
+            for e in self.engines.values()
+            if e.queueing and not e.is_decode
+        }
+        if self.peer_limits is not None:
+            ready |= {lim.model for lim in self.peer_limits()}
+        return resolve_model(requested, self.config.model, self.models(), ready)
 
     def models(self) -> set[str]:
         """Every model an instance of this daemon (or of a peer, in a cluster) serves or
@@ -248,7 +272,18 @@ class InstanceRegistry:
     def candidates(self, req: Request, model: str, engines: list[InstanceEngine]) -> list[Any]:
         """`engines` (ready ones) that serve `model` and whose limits `req` fits; raises
         InvalidRequest naming the limit when the model's instances can never run it."""
-        return fitting(req, model, [(e, _limits(e, self.config.model)) for e in engines])
+        pairs = [(e, _limits(e, self.config.model)) for e in engines]
+        try:
+            return fitting(req, model, pairs)
+        except InvalidRequest:
+            # Fields out of range are named first, in the core's order, as an instance that
+            # fits would name them; the limit only when the request is otherwise valid.
+            best = max(
+                (p for p in pairs if p[1].model == model),
+                key=lambda p: (p[1].max_model_len, p[1].vocab_size),
+            )[0]
+            best.validate(req)
+            raise
 
     def route(self, req: Request, model: str = "") -> InstanceEngine:
         """The instance a new request goes to; Unavailable when none takes new requests. A

@@ -33,6 +33,7 @@ from kvsched.core import (
 )
 from kvsched.core.request import FINISHED_STATUS
 from kvsched.server.engine import InstanceEngine
+from kvsched.server.models import too_long
 from kvsched.server.poison import PoisonGuard
 from kvsched.v1 import request_service_pb2
 
@@ -123,15 +124,12 @@ class RequestTable:
         if self.draining:
             raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
         model = self.registry.model_for(pb.model)
-        n, limit = len(pb.prompt_token_ids), self.registry.largest_max_model_len()
-        if n > limit:  # before the prompt becomes a Python list (a refusal costs nothing)
-            raise InvalidRequest(
-                f"prompt of {n} tokens exceeds max_model_len {limit} (the longest any instance "
-                "here holds)"
-            )
         req_id = pb.request_id or uuid.uuid4().hex
         if req_id in self.tracked:
             raise InvalidRequest(f"request_id {req_id!r} is already in use by a live request")
+        limit = self.registry.largest_max_model_len()
+        if len(pb.prompt_token_ids) > limit:  # before the prompt becomes a Python list
+            raise too_long(pb, req_id, limit, self.config.default_max_tokens)
         req = codec.request_from_proto(pb, req_id, time.monotonic(), self.config.default_max_tokens)
         cluster = self.cluster
         if cluster is None:

@@ -4,6 +4,10 @@ instance  role   state  ranks  slots    KV use  free blocks  waiting  running  s
 i0        mixed  ready  1/1    12/256   37.5%   2560         3        12       41.2     62.0%       0        24.1/23.8          100 ms
 daemon: serving; waiting 3, running 12; 1 instance (1 ready)
 
+"state": ready, paused, draining; starting (some of its ranks connected); lost (its workers
+disconnected: the daemon forgets an auto-created instance after forget_lost_instance_s); no
+worker (configured, never connected).
+
 "step ms pred/meas": moving averages of the worker steps' time as the step-cost model predicted
 it and as the worker measured it. Those two columns are left out when no instance reports a
 step-cost model (a daemon from before it).
@@ -72,7 +76,11 @@ def _role(value: int) -> str:
 
 def _state(inst: admin_service_pb2.InstanceStatus) -> str:
     if not inst.ready:
-        return "starting"
+        if inst.num_ranks_connected:
+            return "starting"  # some ranks connected, not all yet
+        # Its workers are gone (the daemon forgets it after forget_lost_instance_s), or it is
+        # configured and no worker ever connected.
+        return "lost" if inst.model else "no worker"
     if inst.paused:
         return "paused"
     if inst.draining:

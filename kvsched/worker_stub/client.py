@@ -33,6 +33,9 @@ from kvsched.worker_stub.stats import WorkerStats
 
 log = logging.getLogger(__name__)
 
+_DEFAULT_NUM_BLOCKS = 4096  # sim and model executors (vllm: its own memory sizing)
+_DEFAULT_BLOCK_SIZE = 16
+
 __all__ = [
     "EngineFactory",
     "EngineSettings",
@@ -55,7 +58,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
     if max_model_len < 0:
         raise ValueError(f"--max-model-len must be >= 0, got {max_model_len}")
     if args.executor == "sim":
-        vocab_size = SIM_VOCAB_SIZE
+        vocab_size = getattr(args, "vocab_size", SIM_VOCAB_SIZE)  # announced in Hello too
         factory = sim_engine_factory(
             args.num_slots,
             gpu=args.gpu,
@@ -63,10 +66,19 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
             zero_cost=args.zero_cost,
             seed=args.seed,
             pcie_gbps=getattr(args, "pcie_gbps", 50.0),
+            vocab_size=vocab_size,
             faults=Faults(
                 getattr(args, "crash_on_token", -1), getattr(args, "crash_on_prompt_len", 0)
             ),
         )
+    elif args.executor == "vllm":
+        from kvsched.worker_vllm.cli import vllm_factory_from_args
+
+        factory, facts = vllm_factory_from_args(args)
+        vocab_size = facts.vocab_size
+        max_model_len = facts.max_model_len
+        args.num_blocks, args.block_size = facts.num_blocks, facts.block_size
+        args.served_model_name = getattr(args, "served_model_name", "") or facts.model_name
     elif args.executor == "model":
         from kvsched.worker_stub.model import ModelConfig
 
@@ -76,13 +88,13 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         max_model_len = min(max_model_len, own) if max_model_len else own
         factory = model_engine_factory(
             args.num_slots,
-            args.num_blocks,
+            args.num_blocks or _DEFAULT_NUM_BLOCKS,
             seed=args.seed,
             backend=args.backend,
             num_host_blocks=host_blocks,
         )
     else:
-        raise ValueError(f"executor must be 'sim' or 'model', got {args.executor!r}")
+        raise ValueError(f"executor must be 'sim', 'model' or 'vllm', got {args.executor!r}")
     ca, cert, key = args.tls_ca or "", args.tls_cert or "", args.tls_key or ""
     credentials = channel_credentials(ca, cert, key)
     kv_server_credentials = worker_server_credentials(cert, key)
@@ -92,9 +104,9 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         factory,
         rank=args.rank,
         world_size=args.world_size,
-        num_gpu_blocks=args.num_blocks,
+        num_gpu_blocks=args.num_blocks or _DEFAULT_NUM_BLOCKS,
         num_host_blocks=host_blocks,
-        block_size=args.block_size,
+        block_size=args.block_size or _DEFAULT_BLOCK_SIZE,
         num_slots=args.num_slots,
         executor_name=args.executor,
         model=getattr(args, "served_model_name", ""),
@@ -106,6 +118,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         kv_server_credentials=kv_server_credentials,
         kv_token=args.token or None,
         reconnect_backoff_s=_backoff(args),
+        give_up_after_s=getattr(args, "give_up_after", 0.0),
     )
 
 

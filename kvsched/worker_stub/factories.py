@@ -36,6 +36,7 @@ def sim_engine_factory(
     seed: int = 0,
     eos_every: int | None = None,
     pcie_gbps: float = 50.0,
+    vocab_size: int = SIM_VOCAB_SIZE,
     faults: Faults | None = None,
 ) -> EngineFactory:
     """Engines over a `SimExecutor`; the arguments are checked now, not after the Welcome.
@@ -48,6 +49,7 @@ def sim_engine_factory(
         seed=seed,
         eos_every=eos_every,
         pcie_gbps=pcie_gbps,
+        vocab_size=vocab_size,
     )
 
     def build(settings: EngineSettings, kv_sender: KvSender) -> WorkerEngine:
@@ -59,6 +61,7 @@ def sim_engine_factory(
             eos_every=eos_every,
             block_bytes=KV_BYTES_PER_TOKEN * settings.block_size,
             pcie_gbps=pcie_gbps,
+            vocab_size=vocab_size,
         )
         engine = (FaultyEngine if faults else WorkerEngine)(
             sim,

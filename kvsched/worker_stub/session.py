@@ -93,6 +93,7 @@ class Worker(StepLoop):
         push_timeout_s: float = 30.0,
         push_wait_s: float = 5.0,
         reconnect_backoff_s: tuple[float, float] = (0.1, 5.0),
+        give_up_after_s: float = 0.0,
         on_step: Callable[[StepReport], None] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
@@ -139,6 +140,10 @@ class Worker(StepLoop):
         self._heartbeat_s = heartbeat_interval_s
         self._last_sent = 0.0
         self._welcomed = asyncio.Event()  # set once the current session is welcomed
+        # No daemon reached since then (None: the last session was welcomed); with
+        # give_up_after_s > 0, run() raises WorkerError once it has lasted that long.
+        self._unreachable_since: float | None = None
+        self.give_up_after_s = give_up_after_s
 
     @property
     def kv_address(self) -> str | None:
@@ -167,9 +172,12 @@ class Worker(StepLoop):
                     if e.code() in _FATAL_CODES:
                         msg = f"daemon refused worker: {e.code().name}: {e.details()}"
                         raise WorkerError(msg) from e
-                    log.warning(
-                        "stream to %s broke: %s: %s", self.server, e.code().name, e.details()
-                    )
+                    if self._welcomed.is_set():
+                        log.warning(
+                            "stream to %s broke: %s: %s", self.server, e.code().name, e.details()
+                        )
+                    else:
+                        self._unreachable(e)
                 except Redirected as r:
                     self.num_redirects += 1
                     log.info("redirected from %s to %s: %s", self.server, r.address, r)
@@ -185,13 +193,47 @@ class Worker(StepLoop):
                     backoff = self._backoff_s[0]  # it ran a while: not a crash loop
                 delay = backoff * random.uniform(0.5, 1.0)
                 backoff = min(2 * backoff, self._backoff_s[1])
-                log.info("reconnecting to %s in %.2f s", self.server, delay)
+                quiet = self._unreachable_since is not None  # said once; not every try
+                log.log(
+                    logging.DEBUG if quiet else logging.INFO,
+                    "reconnecting to %s in %.2f s",
+                    self.server,
+                    delay,
+                )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), delay)
         finally:
             await self.kv.close()
             if kv_server is not None:
                 await kv_server.stop(grace=0.5)
+
+    def _unreachable(self, e: grpc.aio.AioRpcError) -> None:
+        """A session that never reached a daemon: say so once per outage (then quietly retry
+        with backoff); raise WorkerError past give_up_after_s."""
+        now = time.monotonic()
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+            give_up = (
+                f"; giving up after {self.give_up_after_s:g} s"
+                if self.give_up_after_s > 0
+                else " (--give-up-after S to stop trying)"
+            )
+            log.error(
+                "cannot reach any daemon at %s (%s: %s): is `kvsched serve` running there "
+                "and the address right? retrying with backoff up to %g s between tries%s",
+                ",".join(self.servers),
+                e.code().name,
+                e.details(),
+                self._backoff_s[1],
+                give_up,
+            )
+        else:
+            log.debug("still no daemon at %s: %s", self.server, e.details())
+        if self.give_up_after_s > 0 and now - self._unreachable_since >= self.give_up_after_s:
+            raise WorkerError(
+                f"no daemon reachable at {','.join(self.servers)} for "
+                f"{self.give_up_after_s:g} s: giving up"
+            ) from e
 
     # ---- KV pushes this rank receives (the Push servicer calls these) ---------------------------
 
@@ -221,7 +263,6 @@ class Worker(StepLoop):
             )
             self._send(outbox, pb.ConnectRequest(hello=self._hello()))
             call = connect(_drain(outbox), metadata=self._metadata)
-            self.stats.num_connects += 1
             jobs = [
                 asyncio.create_task(self._read_stream(call, inbox)),
                 asyncio.create_task(self._serve_steps(inbox, outbox)),
@@ -269,6 +310,10 @@ class Worker(StepLoop):
             )
         engine = self._start_engine(welcome)
         self._welcomed.set()
+        self.stats.num_connects += 1  # connects that reached a daemon (welcomed), only
+        if self._unreachable_since is not None:
+            log.info("reached the daemon at %s", self.server)
+            self._unreachable_since = None
         if welcome.heartbeat_interval_ns:
             self._heartbeat_s = welcome.heartbeat_interval_ns / 1e9
         log.info(

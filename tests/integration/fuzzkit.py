@@ -26,6 +26,7 @@ T = TypeVar("T")
 MAX_MODEL_LEN = 131072
 DEFAULT_MAX_TOKENS = 16
 MODEL = "default"
+VOCAB_SIZE = 32000  # the sim worker's, announced in its Hello
 STOP, LENGTH, ABORT = (
     common_pb2.FINISH_REASON_STOP,
     common_pb2.FINISH_REASON_LENGTH,
@@ -97,6 +98,7 @@ class Verdict:
 
     needle: str | None
     maybe: bool = False
+    code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
 
 
 def verdict(msg: rpb.GenerateRequest, live_ids: set[str]) -> Verdict:
@@ -108,7 +110,7 @@ def verdict(msg: rpb.GenerateRequest, live_ids: set[str]) -> Verdict:
     max_tokens = effective_max_tokens(sp)
     top_p = sp.top_p if sp.HasField("top_p") else 1.0
     if msg.model and msg.model != MODEL:
-        return Verdict("unknown model")
+        return Verdict("unknown model", code=grpc.StatusCode.NOT_FOUND)
     if msg.request_id in live_ids:
         return Verdict("already in use")
     if n == 0:
@@ -131,6 +133,9 @@ def verdict(msg: rpb.GenerateRequest, live_ids: set[str]) -> Verdict:
     ranges = [(r.offset, r.offset + r.length) for r in msg.mm_ranges]
     if any(a[1] > b[0] for a, b in itertools.pairwise(ranges)):
         return Verdict(None, maybe=True)  # "sorted, not overlapping" is not enforced
+    # Then the limits the sim worker announced (server/models.py): its vocabulary.
+    if max(prompt) >= VOCAB_SIZE or any(t >= VOCAB_SIZE for t in sp.stop_token_ids):
+        return Verdict("outside the vocabulary")
     return Verdict(None)
 
 

@@ -242,7 +242,7 @@ def test_two_instances_route_by_cached_prefix() -> None:
         ),
         (
             rpb.GenerateRequest(prompt_token_ids=[1, 2], model="other-model"),
-            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.NOT_FOUND,  # naming the served models (issue 21)
             "unknown model",
         ),
     ],

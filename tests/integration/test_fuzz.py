@@ -315,7 +315,7 @@ async def check_generate(env: Env, msg: rpb.GenerateRequest, stop_at: int | None
         first = await within(call.read(), 20, "Generate's first answer")
     except grpc.aio.AioRpcError as exc:
         assert want.needle is not None or want.maybe, f"rejected a valid request: {exc}"
-        assert exc.code() == INVALID_ARGUMENT, exc
+        assert exc.code() == want.code, exc
         assert want.maybe or want.needle in exc.details(), (want.needle, exc.details())
         return f"rejected: {want.needle}"
     assert want.needle is None, f"accepted; wanted INVALID_ARGUMENT ({want.needle})"
@@ -483,7 +483,7 @@ async def check_session(env: Env, actions: list[tuple]) -> set[str]:
         want = verdict(s.msg, set())
         if s.error is not None:
             assert want.needle is not None or want.maybe, f"rejected a valid submit: {s.error}"
-            assert s.error.code == INVALID_ARGUMENT.value[0], s.error
+            assert s.error.code == want.code.value[0], s.error
             assert want.maybe or want.needle in s.error.message, (want.needle, s.error.message)
             continue
         assert want.needle is None, f"accepted; wanted INVALID_ARGUMENT ({want.needle})"

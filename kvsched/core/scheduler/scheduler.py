@@ -174,6 +174,11 @@ class Scheduler:
         ev.finished, ev.handed_off, ev.out_of_blocks, ev.host_hits = [], [], [], []
         return out
 
+    def validate(self, req: Request) -> None:
+        """Raise InvalidRequest naming the first field of `req` this instance refuses, as
+        add_request would (ids in use aside); nothing changes."""
+        validate(req, self.config, (), self.kv.pool.num_blocks)
+
     def add_request(self, req: Request) -> None:
         """Queue a new request. Raises InvalidRequest (bad fields, duplicate id) or
         CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises."""

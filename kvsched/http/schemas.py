@@ -1,0 +1,166 @@
+"""OpenAI request bodies as pydantic models (FastAPI validates them), and the checks that turn
+fields kvsched does not serve into a 400 naming the field instead of silently ignoring them.
+
+Supported: model, prompt (one: a string, a list of one string, token ids, or a list of one
+list of ids), messages (text content), max_tokens / max_completion_tokens, temperature, top_p,
+seed, n=1, stop, stream, stream_options.include_usage, user (ignored); vLLM's extensions
+ignore_eos, stop_token_ids, top_k, min_tokens, skip_special_tokens, add_generation_prompt,
+request_id (kvsched's request id: the same id and sampling give the same tokens on the sim).
+Refused with 400: n > 1, best_of > 1, echo, suffix, logprobs, logit_bias, presence/frequency
+penalties != 0, tools/functions, response_format other than text, several prompts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvsched.http.errors import invalid
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields both endpoints share. Unknown fields are ignored (as vLLM does)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=1 << 64)
+    n: int | None = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    # vLLM's extensions
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(default=None, ge=-1)
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+
+    def check_common(self) -> None:
+        if self.n not in (None, 1):
+            raise invalid("n must be 1: kvsched http serves one choice per request", "n")
+        if self.logit_bias:
+            raise invalid("logit_bias is not supported", "logit_bias")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0.0):
+                raise invalid(f"{name} is not supported (kvsched workers do not apply it)", name)
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
+        if any(s == "" for s in self.stop_strings()):
+            raise invalid("stop strings must not be empty", "stop")
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def options(self, max_tokens: int | None) -> dict[str, Any]:
+        """kvsched.client request options (absent keys: the daemon's defaults)."""
+        out: dict[str, Any] = {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+        }
+        if max_tokens is not None:
+            out["max_tokens"] = max_tokens
+        if self.top_p is not None:
+            out["top_p"] = self.top_p
+        if self.top_k is not None and self.top_k > 0:
+            out["top_k"] = self.top_k
+        if self.seed is not None:
+            out["seed"] = self.seed
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.request_id:
+            out["request_id"] = self.request_id
+        return out
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo:
+            raise invalid("echo is not supported", "echo")
+        if self.suffix:
+            raise invalid("suffix is not supported", "suffix")
+        if self.logprobs is not None:
+            raise invalid("logprobs is not supported", "logprobs")
+        if self.best_of not in (None, 1):
+            raise invalid("best_of must be 1", "best_of")
+        p = self.prompt
+        if isinstance(p, list) and len(p) != 1 and p and not isinstance(p[0], int):
+            raise invalid("one prompt per request: send several requests instead", "prompt")
+        if p == "" or p == []:
+            raise invalid("prompt must not be empty", "prompt")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extensions
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        self.check_common()
+        if self.logprobs or self.top_logprobs:
+            raise invalid("logprobs is not supported", "logprobs")
+        if self.tools or self.functions:
+            raise invalid("tools are not supported", "tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise invalid("only response_format type 'text' is supported", "response_format")
+
+    def wanted_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens

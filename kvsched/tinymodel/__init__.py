@@ -1,0 +1,1 @@
+"""A tiny model made offline for tests and demos (nothing is downloaded)."""

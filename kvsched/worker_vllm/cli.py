@@ -1,0 +1,53 @@
+"""`kvsched worker --executor vllm`: the engine built from the command line's arguments."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from kvsched.worker_stub.factories import EngineFactory
+
+
+@dataclass(frozen=True, slots=True)
+class AnnouncedFacts:
+    """What the worker's Hello says of the engine."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    model_name: str
+
+
+def vllm_factory_from_args(args: argparse.Namespace) -> tuple[EngineFactory, AnnouncedFacts]:
+    """Load the model into vLLM's executor now (tens of seconds on CPU): its facts go into the
+    Hello. ValueError naming the flag on bad arguments."""
+    model = getattr(args, "model", "")
+    if not model:
+        raise ValueError("--executor vllm needs --model DIR (a model directory)")
+    if not os.path.isdir(model):
+        raise ValueError(f"--model {model!r} is not a directory")
+    for flag, value in [("--num-blocks", args.num_blocks), ("--block-size", args.block_size)]:
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    try:
+        from kvsched.worker_vllm.engine import vllm_engine_factory
+        from kvsched.worker_vllm.runner import VllmModel
+    except ImportError as e:  # the extra is not installed
+        raise ValueError(f"--executor vllm needs vLLM: pip install 'kvsched[vllm]' ({e})") from None
+    engine = VllmModel(
+        model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_model_len=getattr(args, "max_model_len", 0),
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.num_slots,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+        num_host_blocks=getattr(args, "host_blocks", 0),
+    )
+    f = engine.facts
+    name = os.path.basename(os.path.normpath(model))
+    facts = AnnouncedFacts(f.num_blocks, f.block_size, f.max_model_len, f.vocab_size, name)
+    return vllm_engine_factory(engine, args.num_slots), facts

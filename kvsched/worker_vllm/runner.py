@@ -1,0 +1,384 @@
+"""vLLM v1's own executor driven step by step: kvsched is its only scheduler.
+
+`VllmModel` builds the executor as vLLM's EngineCore does (config, executor, KV cache sizing by
+vLLM's own profiling or a fixed block count, warm-up) and records the engine's facts for the
+worker's Hello. `VllmExecutor` implements the worker engine's `Executor` protocol: each step's
+SeqWorks become one `SchedulerOutput`; the runner's sampled tokens come back.
+
+How kvsched's decisions map onto vLLM's per-step structures:
+
+    SeqWork, a chunk that does not end   -> NewRequestData under the request's alias id (see
+      the prompt                             _ALIAS), unseeded: prompt_token_ids = the prompt
+                                             as known so far, zeros past it (the runner reads
+                                             only positions it computes), block_ids = kvsched's
+                                             table (+1: vLLM's block 0 is its null block),
+                                             num_computed_tokens = the chunk's start
+    SeqWork, the prompt's last chunk (or -> NewRequestData under the request's id; a request
+      the first decode of a full hit)        the runner still holds (preempted, now re-placed)
+                                             is updated in place (its streaming-input path),
+                                             keeping its seeded generator, as vLLM does
+    SeqWork, a decode                    -> CachedRequestData: new blocks, computed tokens,
+                                             output count
+    finished / aborted handle            -> finished_req_ids (once; its alias too)
+    preempted handle                     -> nothing: vLLM drops an unscheduled request from its
+                                             batch and keeps its state for the re-placement
+
+A non-final chunk leaves the runner a prompt longer than what it computed, so it discards that
+step's sample as for its own chunked prefill. Nothing here checks stops: the worker
+engine does (EOS, stop ids, max tokens), as for every executor.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvsched.worker_stub.executor import SeqWork, StepResult
+
+log = logging.getLogger(__name__)
+
+# Requests preempted here (their state kept for a re-placement) beyond this many: the oldest is
+# finished in the runner (a preempted request the daemon later aborted is never re-placed).
+_MAX_PARKED = 1024
+# A chunk that does not end the prompt runs under the request's id + this, without a seed: the
+# runner samples every request and discards a partial prefill's token, and on CPU it then fails
+# to rewind a seeded request's generator ("CPU Generator does not use offset"). The KV lands in
+# kvsched's blocks either way; the real id (and its generator) first runs the prompt's last chunk.
+_ALIAS = "\x00chunk"
+
+
+def _unseeded(params: Any) -> Any:
+    if params.seed is None:
+        return params
+    copy = params.clone()
+    copy.seed = None
+    return copy
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the worker announces in its Hello."""
+
+    num_blocks: int  # usable by kvsched (vLLM's null block excluded)
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    eos_token_id: int | None  # the tokenizer's (None without tokenizer files)
+    generation_config: dict[str, Any]
+
+
+@dataclass(slots=True)
+class _Req:
+    prompt: list[int]  # num_prefill tokens as known so far (zeros where not yet received)
+    num_prefill: int
+    params: Any  # vllm.SamplingParams
+    num_blocks_known: int = 0  # blocks of its table the runner has
+    num_out: int = 0  # tokens the runner sampled for it since it last (re)sent it
+    synced: bool = False  # the runner holds its current prompt and table
+    alias_live: bool = False  # the runner holds its prompt's first chunks under the alias id
+
+
+class VllmModel:
+    """vLLM's executor for one model in this process (its worker runs in a spawned child)."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        block_size: int = 0,
+        max_model_len: int = 0,
+        num_blocks: int = 0,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        seed: int = 0,
+        num_host_blocks: int = 0,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        from vllm import envs
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # vLLM CPU otherwise reserves 92 % of the machine's memory for KV and refuses to
+            # start when less is free; 1 GiB holds ~4k blocks of a small model.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if not block_size:
+            block_size = 32 if current_platform.is_cpu() else 16
+        args = EngineArgs(
+            model=model,
+            dtype=dtype,
+            block_size=block_size,
+            max_model_len=max_model_len or None,
+            enforce_eager=True,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_gpu_blocks_override=num_blocks + 1 if num_blocks else None,
+            seed=seed,
+            skip_tokenizer_init=True,  # the worker sees token ids only
+            async_scheduling=False,  # one step at a time: kvsched's step loop
+            **(extra or {}),
+        )
+        self.num_host_blocks = num_host_blocks  # the host KV tier (host.py), in block copies
+        started = time.monotonic()
+        self.config = config = args.create_engine_config()
+        if getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False):
+            raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER is set: this worker drives runner V1")
+        self.executor = _build_executor(config)
+        mc, sc = config.model_config, config.scheduler_config
+        self.facts = EngineFacts(
+            num_blocks=int(config.cache_config.num_gpu_blocks or 0) - 1,
+            block_size=int(config.cache_config.block_size),
+            max_model_len=int(mc.max_model_len),
+            vocab_size=int(mc.get_vocab_size()),
+            max_num_seqs=int(sc.max_num_seqs),
+            max_num_batched_tokens=int(sc.max_num_batched_tokens),
+            eos_token_id=_tokenizer_eos(model),
+            generation_config=dict(mc.try_get_generation_config() or {}),
+        )
+        log.info("vLLM engine ready in %.1f s: %s", time.monotonic() - started, self.facts)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _build_executor(config: Any) -> Any:
+    """The executor and its KV cache, as EngineCore's __init__ / _initialize_kv_caches do."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        get_kv_cache_configs,
+        resolve_cache_hit_alignment_tokens,
+        resolve_kv_cache_block_sizes,
+        update_kv_cache_capacity,
+    )
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.executor import Executor
+
+    executor = Executor.get_class(config)(config)
+    try:
+        register_all_kvcache_specs(config)
+        specs = executor.get_kv_cache_specs()
+        layout = resolve_kv_cache_layout(
+            config,
+            executor.get_supported_kv_cache_layouts(),
+            [s for worker_specs in specs for s in worker_specs.values()],
+        )
+        executor.set_kv_cache_layout(layout.name)
+        available = executor.determine_available_memory()
+        before = config.model_config.max_model_len
+        kv_configs = get_kv_cache_configs(config, specs, available)
+        for kv_config in kv_configs:
+            kv_config.kv_cache_layout = config.cache_config.kv_cache_layout
+        if config.model_config.max_model_len != before:
+            executor.collective_rpc(
+                "update_max_model_len", args=(config.model_config.max_model_len,)
+            )
+        sched_config = generate_scheduler_kv_cache_config(kv_configs)
+        config.cache_config.num_gpu_blocks = sched_config.num_blocks
+        groups = sched_config.kv_cache_groups
+        if len(groups) != 1:
+            raise RuntimeError(
+                f"the model has {len(groups)} KV cache groups: this worker drives models with "
+                "one full-attention group (no sliding window / hybrid / mamba layers)"
+            )
+        config.cache_config.block_size = groups[0].kv_cache_spec.block_size
+        update_kv_cache_capacity(config, sched_config)
+        config.validate_block_size()
+        block, hash_block = resolve_kv_cache_block_sizes(sched_config, config)
+        align = resolve_cache_hit_alignment_tokens(sched_config, config, block, hash_block)
+        for kv_config in (*kv_configs, sched_config):
+            kv_config.hash_block_size = hash_block
+            kv_config.cache_hit_alignment_tokens = align
+        executor.initialize_from_config(kv_configs)
+        executor.compile_or_warm_up_model()
+    except BaseException:
+        executor.shutdown()
+        raise
+    return executor
+
+
+def _tokenizer_eos(model: str) -> int | None:
+    """The EOS id vLLM's input processor would take from the model's tokenizer (None when the
+    directory has no tokenizer files: then only generation_config.json names EOS ids)."""
+    if not any(
+        os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        eos = AutoTokenizer.from_pretrained(model).eos_token_id
+    except Exception:  # a tokenizer vLLM could not load either: it would fail to serve text
+        log.warning("could not load the tokenizer of %s for its EOS id", model, exc_info=True)
+        return None
+    return int(eos) if eos is not None else None
+
+
+class VllmExecutor:
+    """The worker engine's Executor over a `VllmModel`. Not thread-safe (one step loop)."""
+
+    name = "vllm"
+
+    def __init__(self, model: VllmModel) -> None:
+        self.model = model
+        self._reqs: dict[str, _Req] = {}  # placed here now
+        self._parked: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._finished: set[str] = set()  # to tell the runner in the next step
+        self.num_steps = 0
+
+    # ---- what the engine tells it between steps ---------------------------------------------
+
+    def place(self, req_id: str, num_prefill: int, params: Any) -> None:
+        """A placement: the request runs here from its next SeqWork. A request parked by a
+        preemption is re-sent (its runner state, and generator, are kept)."""
+        self._parked.pop(req_id, None)
+        self._reqs[req_id] = _Req([0] * num_prefill, num_prefill, params)
+
+    def release(self, req_id: str, *, preempted: bool) -> None:
+        """The engine dropped the request: finished, aborted or failed (the runner forgets
+        it), or preempted (kept for its re-placement)."""
+        r = self._reqs.pop(req_id, None)
+        if r is None:
+            return
+        if r.alias_live:
+            self._finished.add(req_id + _ALIAS)
+        if preempted:
+            self._parked[req_id] = None
+            while len(self._parked) > _MAX_PARKED:
+                self._finished.add(self._parked.popitem(last=False)[0])
+        else:
+            self._finished.add(req_id)
+
+    # ---- Executor ---------------------------------------------------------------------------
+
+    def execute(self, work: list[SeqWork]) -> StepResult:
+        from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+        started = time.perf_counter()
+        new: list[Any] = []
+        cached = CachedRequestData.make_empty()
+        num_scheduled: dict[str, int] = {}
+        for w in work:
+            r = self._reqs[w.req_id]
+            n = len(w.token_ids)
+            end = w.start + n
+            if end > len(r.prompt):  # a decode past the prompt: the runner samples positions
+                r.prompt.extend([0] * (end - len(r.prompt)))  # (only a full-hit placement)
+            blocks = ([b + 1 for b in w.block_ids],)
+            if not w.sample:  # a chunk that ends before the prompt does: under the alias
+                r.prompt[w.start : end] = w.token_ids
+                alias = w.req_id + _ALIAS
+                new.append(self._new_data(alias, r, _unseeded(r.params), blocks, w.start))
+                r.alias_live = True
+                num_scheduled[alias] = n
+                continue
+            if not r.synced or w.start < r.num_prefill:
+                r.prompt[w.start : end] = w.token_ids
+                if r.alias_live:
+                    self._finished.add(w.req_id + _ALIAS)
+                    r.alias_live = False
+                new.append(self._new_data(w.req_id, r, r.params, blocks, w.start))
+                r.num_out = 0
+                r.synced = True
+            else:
+                cached.req_ids.append(w.req_id)
+                extra = w.block_ids[r.num_blocks_known :]
+                cached.new_block_ids.append(([b + 1 for b in extra],) if extra else None)
+                cached.num_computed_tokens.append(w.start)
+                cached.num_output_tokens.append(r.num_out)
+                cached.new_token_ids.append([])
+            r.num_blocks_known = len(w.block_ids)
+            num_scheduled[w.req_id] = n
+        total = sum(num_scheduled.values())
+        facts = self.model.facts
+        if total > facts.max_num_batched_tokens or len(work) > facts.max_num_seqs:
+            raise RuntimeError(
+                f"a step of {total} tokens over {len(work)} requests exceeds the engine's "
+                f"max_num_batched_tokens={facts.max_num_batched_tokens} / max_num_seqs="
+                f"{facts.max_num_seqs}: start the worker with larger limits or the daemon "
+                "with smaller ones"
+            )
+        output = SchedulerOutput(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            finished_req_ids=self._finished,
+            free_encoder_mm_hashes=[],
+        )
+        self._finished = set()
+        executor = self.model.executor
+        executor.execute_model(output)
+        result = executor.sample_tokens(None) if total else None
+        tokens: list[list[int]] = []
+        for w in work:
+            if not w.sample or result is None:
+                tokens.append([])
+                continue
+            sampled = result.sampled_token_ids[result.req_id_to_index[w.req_id]]
+            self._reqs[w.req_id].num_out += 1
+            tokens.append([int(sampled[0])])
+        self.num_steps += 1
+        return StepResult(tokens, time.perf_counter() - started)
+
+    @staticmethod
+    def _new_data(req_id: str, r: _Req, params: Any, blocks: Any, start: int) -> Any:
+        from vllm.v1.core.sched.output import NewRequestData
+
+        return NewRequestData(
+            req_id=req_id,
+            prompt_token_ids=list(r.prompt),
+            mm_features=[],
+            sampling_params=params,
+            pooling_params=None,
+            block_ids=blocks,
+            num_computed_tokens=start,
+            lora_request=None,
+        )
+
+    # ---- the host KV tier: copies run inside vLLM's worker process (host.py) ------------------
+
+    def swap_out(self, gpu_ids: list[int], host_ids: list[int]) -> None:
+        from kvsched.worker_vllm import host
+
+        self.model.executor.collective_rpc(host.swap_out, args=([g + 1 for g in gpu_ids], host_ids))
+
+    def swap_in(self, host_ids: list[int], gpu_ids: list[int]) -> None:
+        from kvsched.worker_vllm import host
+
+        self.model.executor.collective_rpc(host.swap_in, args=(host_ids, [g + 1 for g in gpu_ids]))
+
+    def drop_host(self) -> None:
+        from kvsched.worker_vllm import host
+
+        self.model.executor.collective_rpc(host.drop)
+
+    def export_kv(self, block_ids: list[int]) -> bytes:
+        raise NotImplementedError(
+            "the vllm executor does not export KV (prefill/decode hand-off is not supported)"
+        )
+
+    def import_kv(self, block_ids: list[int], data: bytes) -> None:
+        raise NotImplementedError(
+            "the vllm executor does not import KV (prefill/decode hand-off is not supported)"
+        )
+
+    def reset(self) -> None:
+        """Forget every request (a new session starts from an empty cache): the runner is told
+        with the next step."""
+        self._finished.update(self._reqs)
+        self._finished.update(r + _ALIAS for r, s in self._reqs.items() if s.alias_live)
+        self._finished.update(self._parked)
+        self._reqs.clear()
+        self._parked.clear()
+        if self.model.num_host_blocks:
+            self.drop_host()

@@ -1,0 +1,65 @@
+"""vLLM's own `LLM.generate` on the same requests, in a process of its own (the proof test's
+reference): `python -m tests.vllm.reference IN.json OUT.json`.
+
+IN: {"model": DIR, "requests": [{"prompt": [...], "params": {...}}], "gaps": [...]}. OUT: each
+request's output token ids; for each entry of "gaps" ({"prompt": prompt + the common output
+prefix, "tokens": [a, b]}) the two tokens' logprobs at the next position (raw logits:
+the logprob gap equals the logit gap) and the top token's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(path_in: str, path_out: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    with open(path_in) as f:
+        job = json.load(f)
+    vocab = int(job.get("vocab_size", 512))
+    llm = LLM(
+        job["model"],
+        dtype="float32",
+        max_model_len=1024,
+        block_size=32,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_logprobs=vocab,
+        # Whole prompts in one step: vLLM CPU's own chunked prefill fails on a seeded request
+        # ("CPU Generator does not use offset" when it rewinds the generator of a partial one).
+        max_num_batched_tokens=16384,
+        seed=0,
+    )
+    out: dict[str, object] = {}
+    if job.get("requests"):
+        params = [SamplingParams(detokenize=False, **r["params"]) for r in job["requests"]]
+        prompts = [{"prompt_token_ids": r["prompt"]} for r in job["requests"]]
+        results = llm.generate(prompts, params, use_tqdm=False)
+        out["outputs"] = [list(r.outputs[0].token_ids) for r in results]
+    if job.get("gaps"):
+        one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=vocab, detokenize=False)
+        results = llm.generate(
+            [{"prompt_token_ids": g["prompt"]} for g in job["gaps"]], one, use_tqdm=False
+        )
+        gaps = []
+        for g, r in zip(job["gaps"], results, strict=True):
+            lps = r.outputs[0].logprobs[0]
+            a, b = g["tokens"]
+            top = max(lps.values(), key=lambda lp: lp.logprob).logprob
+            gaps.append(
+                {
+                    "a": lps[a].logprob,
+                    "b": lps[b].logprob,
+                    "top": top,
+                    "gap": abs(lps[a].logprob - lps[b].logprob),
+                }
+            )
+        out["gaps"] = gaps
+    with open(path_out, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
