@@ -358,3 +358,18 @@ def test_no_bench_or_tool_over_the_size_limit() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_TOOL_LINES
     }
     assert not big, f"bench/tools files over {MAX_TOOL_LINES} lines (split along a seam): {big}"
+
+
+def test_server_imports_neither_cluster_nor_durability() -> None:
+    """`server/` defines the seams (the engine listener, the journal port, the request table's
+    and registry's hooks); the composition root `kvsched/daemon/` imports `server/`, `cluster/`
+    and `durability/` and plugs the latter two in. No server module imports either of them,
+    lazily or for type checking."""
+    graph = import_graph(_modules())
+    bad = {
+        m: sorted(t for t in targets if t.startswith(("kvsched.cluster", "kvsched.durability")))
+        for m, targets in graph.items()
+        if m.startswith("kvsched.server")
+    }
+    bad = {m: t for m, t in bad.items() if t}
+    assert not bad, f"server modules importing cluster/ or durability/: {bad}"
