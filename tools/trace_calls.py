@@ -42,11 +42,15 @@ from typing import Any
 import grpc
 
 from kvsched import codec
-from kvsched.daemon import app as daemon_mod
 from kvsched.server.config_load import load_config
 from kvsched.v1 import common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
 from kvsched.worker_stub.client import Worker, sim_engine_factory
+
+try:  # a tree from before the composition root moved (the harness compares commits)
+    from kvsched.server import app as daemon_mod  # type: ignore[attr-defined]
+except ImportError:
+    from kvsched.daemon import app as daemon_mod
 
 DEFAULT_JSON = Path(__file__).resolve().parents[1] / "bench" / "results" / "trace_calls.json"
 _EXCLUDED = ("kvsched.worker_stub", "kvsched.client")
