@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.transport import cpu_s, machine_busy_s, spawn
+from bench.transport_stack import cpu_s, machine_busy_s, spawn
 from kvsched.client import AsyncClient, AsyncSession
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "fleet.json"

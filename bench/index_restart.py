@@ -31,7 +31,7 @@ if str(_REPO) not in sys.path:
 
 from bench.policies import write_json  # noqa: E402
 from kvsched.cluster.kv_index import ClusterIndex  # noqa: E402
-from kvsched.cluster.kv_stream import KvStream, host_block_hashes  # noqa: E402
+from kvsched.cluster.kv_stream import KvStream  # noqa: E402
 from kvsched.cluster.link import connect_cluster  # noqa: E402
 from kvsched.cluster.natsd import NatsServer  # noqa: E402
 from kvsched.core import (  # noqa: E402
@@ -107,7 +107,7 @@ async def measure(args: argparse.Namespace, url: str, scheds: dict[str, Schedule
     try:
         deadline = time.monotonic() + 30
         total = sum(
-            len(s.cached_block_hashes()) + len(host_block_hashes(s)) for s in scheds.values()
+            len(s.cached_block_hashes()) + len(s.host_block_hashes()) for s in scheds.values()
         )
         while len(entries(ref.index)) < total:
             assert time.monotonic() < deadline, "the warm index never caught up"

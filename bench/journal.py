@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.transport import machine, run_case, start_stack
+from bench.transport_stack import machine, run_case, start_stack
 from kvsched.client import AsyncClient
 from kvsched.cluster.natsd import NatsServer
 

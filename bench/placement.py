@@ -38,7 +38,7 @@ from bench.peer_modes import kvsched_factory  # noqa: E402
 from bench.policies import CONFIGS, write_json  # noqa: E402
 from bench.simulate import offered_work_s, simulate  # noqa: E402
 from kvsched.core import Request, Scheduler  # noqa: E402
-from kvsched.core.router import Router, backlog_load, best_by_score  # noqa: E402
+from kvsched.core.router import Router, best_by_score, instance_load  # noqa: E402
 from kvsched.replay.summary import DEFAULT_SLO_TPOT_S, DEFAULT_SLO_TTFT_S  # noqa: E402
 from kvsched.traces import TraceRequest, load_trace  # noqa: E402
 
@@ -61,10 +61,7 @@ class ScoreRouter(Router):
         if self.count:
             loads = [self.count_load(s) for s in schedulers]
         else:
-            loads = [
-                backlog_load(s.predicted_backlog_ms(), s.kv.usage, self.load_seconds)
-                for s in schedulers
-            ]
+            loads = [instance_load(s.load_facts(), self.load_seconds) for s in schedulers]
         return best_by_score(hits, loads, self.load_weight)
 
 

@@ -282,7 +282,7 @@ def _serve(args: argparse.Namespace) -> int:
     overrides["engine.cache.encoder_cache_size"] = args.encoder_cache_size
     config = load_config(args.config, os.environ, overrides)
     setup_logging(config.log_level, config.log_json)
-    from kvsched.server.app import run_server
+    from kvsched.daemon.app import run_server
 
     return run_server(config)
 

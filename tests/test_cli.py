@@ -97,7 +97,7 @@ def test_serve_builds_config_and_runs_the_daemon(
         seen.append(config)
         return 0
 
-    fake_module(monkeypatch, "kvsched.server.app", run_server=run_server)
+    fake_module(monkeypatch, "kvsched.daemon.app", run_server=run_server)
     path = tmp_path / "k.toml"
     path.write_text(
         'listen = "127.0.0.1:1"\nmodel = "toml"\n[engine.scheduler]\nmax_num_seqs = 8\n'
@@ -116,7 +116,7 @@ def test_serve_builds_config_and_runs_the_daemon(
 
 
 def test_serve_returns_the_daemon_status(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_module(monkeypatch, "kvsched.server.app", run_server=lambda config: 3)
+    fake_module(monkeypatch, "kvsched.daemon.app", run_server=lambda config: 3)
     assert cli.main(["serve", "--metrics-listen", "off"]) == 3
 
 
@@ -263,7 +263,7 @@ def test_serve_itl_target_flag_sets_every_instance_engine(
         seen.append(config)
         return 0
 
-    fake_module(monkeypatch, "kvsched.server.app", run_server=run_server)
+    fake_module(monkeypatch, "kvsched.daemon.app", run_server=run_server)
     monkeypatch.setenv("KVSCHED_ENGINE__STEP_COST__FORGETTING", "0.9")
     assert cli.main(["serve", "--listen", "127.0.0.1:0", "--itl-target-ms", "40"]) == 0
     (config,) = seen
@@ -281,7 +281,7 @@ def test_serve_encoder_cache_flag_sets_every_instance_engine(
         seen.append(config)
         return 0
 
-    fake_module(monkeypatch, "kvsched.server.app", run_server=run_server)
+    fake_module(monkeypatch, "kvsched.daemon.app", run_server=run_server)
     assert cli.main(["serve", "--listen", "127.0.0.1:0", "--encoder-cache-size", "8192"]) == 0
     (config,) = seen
     assert config.engine.cache.encoder_cache_size == 8192

@@ -164,3 +164,212 @@ def test_the_vllm_worker_imports_vllm_lazily() -> None:
         names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module or "" for n in top if isinstance(n, ast.ImportFrom)}
         assert not [n for n in names if n.split(".")[0] in ("vllm", "torch")], (m, names)
+
+
+# ---- issue 22: one owner for each scheduler field ------------------------------------------
+
+ROOT = PKG.parent
+SCHED = PKG / "core" / "scheduler"
+MAX_TOOL_LINES = 450  # bench/ and tools/: scripts, but read like the package
+_MUTATORS = {
+    "add",
+    "append",
+    "appendleft",
+    "clear",
+    "discard",
+    "extend",
+    "insert",
+    "pop",
+    "popitem",
+    "popleft",
+    "push",
+    "push_front",
+    "remove",
+    "reverse",
+    "setdefault",
+    "sort",
+    "update",
+}
+
+
+def _self_attr(node: ast.AST, depth: int = 1) -> tuple[str, ...] | None:
+    """(Y, X) for `self.Y.X` (depth 2), (X,) for `self.X` (depth 1); None otherwise."""
+    path: list[str] = []
+    for _ in range(depth):
+        if not isinstance(node, ast.Attribute):
+            return None
+        path.append(node.attr)
+        node = node.value
+    return tuple(reversed(path)) if isinstance(node, ast.Name) and node.id == "self" else None
+
+
+def _writes(cls: ast.ClassDef, depth: int) -> set[tuple[str, ...]]:
+    """What a class's methods write through `self` (depth 1: its own fields) or through a
+    reference it holds (depth 2: `self.other.X`): assigned, augmented, item-set or deleted, or
+    changed by a mutating call."""
+    out: set[tuple[str, ...]] = set()
+
+    def target(t: ast.AST) -> None:
+        if isinstance(t, (ast.Tuple, ast.List)):
+            for e in t.elts:
+                target(e)
+            return
+        if isinstance(t, ast.Subscript):
+            t = t.value
+        if (path := _self_attr(t, depth)) is not None:
+            out.add(path)
+
+    for n in ast.walk(cls):
+        if isinstance(n, ast.Assign):
+            for t in n.targets:
+                target(t)
+        elif isinstance(n, (ast.AugAssign, ast.AnnAssign)):
+            target(n.target)
+        elif isinstance(n, ast.Delete):
+            for t in n.targets:
+                target(t)
+        elif (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in _MUTATORS
+            and (path := _self_attr(n.func.value, depth))
+        ):
+            out.add(path)
+    return out
+
+
+def _held(cls: ast.ClassDef, classes: set[str]) -> dict[str, str]:
+    """The class's references to other classes of the package: field -> class, from
+    `self.f = param` (param annotated with the class) or `self.f = Class(...)`."""
+    ann: dict[str, str] = {}
+    for fn in cls.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+            for a in fn.args.args:
+                if isinstance(a.annotation, ast.Name) and a.annotation.id in classes:
+                    ann[a.arg] = a.annotation.id
+    out: dict[str, str] = {}
+    for n in ast.walk(cls):
+        if not isinstance(n, ast.Assign):
+            continue
+        for t in n.targets:
+            if isinstance(t, ast.Tuple) and isinstance(n.value, ast.Tuple):
+                pairs = list(zip(t.elts, n.value.elts, strict=False))
+            else:
+                pairs = [(t, n.value)]
+            for tt, v in pairs:
+                if (path := _self_attr(tt)) is None:
+                    continue
+                if isinstance(v, ast.Name) and v.id in ann:
+                    out[path[0]] = ann[v.id]
+                elif (
+                    isinstance(v, ast.Call)
+                    and isinstance(v.func, ast.Name)
+                    and v.func.id in classes
+                ):
+                    out[path[0]] = v.func.id
+    return out
+
+
+def scheduler_field_writers(root: Path = SCHED) -> dict[str, set[str]]:
+    """ "Class.field" -> the modules of the package that write it: the module of the class (its
+    methods writing `self.field`), and any module whose class writes it through a reference
+    to an object of that class (`self.other.field = ...`, `self.other.field.append(...)`)."""
+    found = [
+        (p.name, n)
+        for p in sorted(root.glob("*.py"))
+        for n in ast.walk(ast.parse(p.read_text(), str(p)))
+        if isinstance(n, ast.ClassDef)
+    ]
+    classes = {cls.name for _, cls in found}
+    writers: dict[str, set[str]] = {}
+    for mod, cls in found:
+        for (f,) in _writes(cls, 1):
+            writers.setdefault(f"{cls.name}.{f}", set()).add(mod)
+    for mod, cls in found:
+        held = _held(cls, classes)
+        for ref, f in _writes(cls, 2):
+            if ref in held:
+                writers.setdefault(f"{held[ref]}.{f}", set()).add(mod)
+    return writers
+
+
+def test_the_field_checker_sees_a_second_writer(tmp_path: Path) -> None:
+    """The checker itself: a field written through another owner's reference is found; a class
+    writing only its own fields (or calling the owner) is not."""
+    (tmp_path / "a.py").write_text(
+        "class A:\n    def __init__(self):\n        self.n = 0\n        self.xs = []\n"
+    )
+    (tmp_path / "b.py").write_text(
+        "class B:\n    def __init__(self, a: A):\n        self.a, self.n = a, 0\n"
+        "    def go(self):\n        self.a.xs.append(1)\n        self.a.n += 1\n"
+    )
+    w = scheduler_field_writers(tmp_path)
+    assert w["A.xs"] == w["A.n"] == {"a.py", "b.py"} and w["B.n"] == {"b.py"}
+    (tmp_path / "b.py").write_text(
+        "class B:\n    def __init__(self, a: A):\n        self.a = a\n"
+        "    def go(self):\n        self.a.grow()\n"
+    )
+    assert all(len(m) == 1 for m in scheduler_field_writers(tmp_path).values())
+
+
+def test_no_scheduler_field_written_from_two_modules() -> None:
+    """Each field of the scheduler's parts is written by one module (the mixins wrote 14 fields
+    from 2-3 modules each). This covers the records the owners share too: each list of the
+    `Events` record and each counter of `SchedulerStats` has one writing module."""
+    shared = {f: sorted(m) for f, m in scheduler_field_writers().items() if len(m) > 1}
+    assert not shared, f"scheduler fields written from more than one module: {shared}"
+
+
+def test_scheduler_parts_compose_not_inherit() -> None:
+    """No class of core/scheduler inherits another class of that package: owners are handed
+    to each other, never stacked as mixins over one object."""
+    trees = [ast.parse(p.read_text(), str(p)) for p in sorted(SCHED.glob("*.py"))]
+    classes = {n.name for t in trees for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    bad = [
+        f"{n.name}({b.id})"
+        for t in trees
+        for n in ast.walk(t)
+        if isinstance(n, ast.ClassDef)
+        for b in n.bases
+        if isinstance(b, ast.Name) and b.id in classes
+    ]
+    assert not bad, f"classes inheriting a class of the scheduler package: {bad}"
+
+
+def test_only_the_engine_reads_a_scheduler() -> None:
+    """Nothing but server/engine.py reads `.sched`: the layers above read the facts an engine
+    publishes (snapshot, load facts, epoch, counters, KV events)."""
+    engine = PKG / "server" / "engine.py"
+    readers = sorted(
+        str(p.relative_to(ROOT))
+        for p in _modules().values()
+        if p != engine
+        for n in ast.walk(ast.parse(p.read_text(), str(p)))
+        if isinstance(n, ast.Attribute) and n.attr == "sched"
+    )
+    assert not readers, f"modules reading .sched besides server/engine.py: {readers}"
+
+
+def test_no_bench_or_tool_over_the_size_limit() -> None:
+    files = sorted((ROOT / "bench").rglob("*.py")) + sorted((ROOT / "tools").rglob("*.py"))
+    big = {
+        str(p.relative_to(ROOT)): n
+        for p in files
+        if (n := len(p.read_text().splitlines())) > MAX_TOOL_LINES
+    }
+    assert not big, f"bench/tools files over {MAX_TOOL_LINES} lines (split along a seam): {big}"
+
+
+def test_server_imports_neither_cluster_nor_durability() -> None:
+    """`server/` defines the seams (the engine listener, the journal port, the request table's
+    and registry's hooks); the composition root `kvsched/daemon/` imports `server/`, `cluster/`
+    and `durability/` and plugs the latter two in. No server module imports either of them,
+    lazily or for type checking."""
+    graph = import_graph(_modules())
+    bad = {
+        m: sorted(t for t in targets if t.startswith(("kvsched.cluster", "kvsched.durability")))
+        for m, targets in graph.items()
+        if m.startswith("kvsched.server")
+    }
+    bad = {m: t for m, t in bad.items() if t}
+    assert not bad, f"server modules importing cluster/ or durability/: {bad}"

@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsched.cluster.hit_index import HitIndex
-from kvsched.core.kv_events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from kvsched.core.kv_events import CPU, GPU, BlockRemoved, BlockStored, KvEvent
 
 EVENTS_SUBJECT = "kvsched.kv.events"  # + ".<instance>"
 MAX_PENDING = 512  # batches kept per instance while a snapshot is awaited (older: dropped)
@@ -367,23 +367,3 @@ def decode(data: bytes) -> dict[str, Any]:
     if not isinstance(out, dict) or "instance" not in out:
         raise ValueError("not a kvsched KV-event batch or snapshot")
     return out
-
-
-def event_from_json(d: dict[str, Any]) -> KvEvent:
-    """A wire event back into the core's dataclass (for external tools and tests)."""
-    kind = d.get("type")
-    if kind == "BlockStored":
-        parent = d.get("parent_block_hash")
-        return BlockStored(
-            [bytes.fromhex(h) for h in d["block_hashes"]],
-            bytes.fromhex(parent) if parent else None,
-            list(d.get("token_ids", [])),
-            int(d.get("block_size", 0)),
-            d.get("lora_name"),
-            str(d.get("medium", "gpu")),
-        )
-    if kind == "BlockRemoved":
-        return BlockRemoved(
-            [bytes.fromhex(h) for h in d["block_hashes"]], str(d.get("medium", "gpu"))
-        )
-    return AllBlocksCleared(str(d.get("medium", "gpu")))

@@ -1,9 +1,9 @@
 """KV events and load over NATS: publish this daemon's instances, index everyone's.
 
-    engines' schedulers --take_kv_events (every flush_s)--> KvStream.flush --> NATS subject
+    this daemon's engines --take_kv_events (every flush_s)--> KvStream.flush --> NATS subject
     kvsched.kv.events.<instance>  --every daemon's subscription--> ClusterIndex.apply_batch
                                                         gap / unknown epoch --> snapshot request
-    kvsched.kv.snapshot.<instance> <-- the owner answers from its scheduler (after a flush)
+    kvsched.kv.snapshot.<instance> <-- the owner answers from its engine (after a flush)
 
 The wire format is in `kv_index.py` and docs/CLUSTER.md. A batch is published for an instance
 when it has events, or at least every `load_every_s` with its load alone. Publishing while NATS
@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvsched.cluster.kv_index import (
     EVENTS_SUBJECT,
@@ -30,43 +30,38 @@ from kvsched.cluster.kv_index import (
     encode_snapshot,
 )
 from kvsched.cluster.link import ClusterLink
-from kvsched.core import Scheduler
 
 log = logging.getLogger("kvsched.cluster")
 
 
-def load_of(sched: Scheduler) -> dict[str, float]:
-    """An instance's load summary: what the router and the membership entry carry."""
-    # The waiting queue, not every request of the instance: this runs at each publish.
-    queued = sum(req.num_tokens - req.num_computed_tokens for req in sched.waiting)
-    a_tok, a_attn = sched.cost.prefill_costs
-    return {
-        "running": float(sched.num_running),
-        "waiting": float(sched.num_waiting),
-        "max_num_seqs": float(sched.config.scheduler.max_num_seqs),
-        "kv_usage": round(sched.kv.usage, 4),
-        "queued_prefill_tokens": float(queued),
-        "predicted_backlog_ms": round(sched.predicted_backlog_ms(), 3),
-        # The step-cost model peers price this instance's hits with (recompute vs swap-in).
-        "prefill_token_ms": a_tok,
-        "attention_ms": a_attn,
-        "swap_block_ms": sched.cost.swap_block_ms,
-    }
+class KvSource(Protocol):
+    """An instance whose KV events and load a daemon publishes: its engine (the engine's facts;
+    a Scheduler has the same members, for tests without a daemon)."""
 
+    @property
+    def epoch(self) -> int: ...
 
-def host_block_hashes(sched: Scheduler) -> list[bytes]:
-    """Every hash the instance's host-memory tier holds now ([] without one)."""
-    host = sched.kv.host
-    return list(host.pool.cached) if host is not None else []
+    @property
+    def block_size(self) -> int: ...
+
+    def enable_kv_events(self) -> None: ...
+
+    def take_kv_events(self) -> list[Any]: ...
+
+    def cached_block_hashes(self) -> list[bytes]: ...
+
+    def published_load(self) -> dict[str, float]: ...
+
+    def host_block_hashes(self) -> list[bytes]: ...
 
 
 class _Pub:
-    """One instance's publishing state: the scheduler it reads, its epoch and seq."""
+    """One instance's publishing state: the source epoch it follows, its stream epoch, seq."""
 
-    __slots__ = ("epoch", "last_sent", "sched", "seq")
+    __slots__ = ("epoch", "last_sent", "seq", "source_epoch")
 
-    def __init__(self, sched: Scheduler) -> None:
-        self.sched = sched
+    def __init__(self, source_epoch: int) -> None:
+        self.source_epoch = source_epoch
         self.epoch = uuid.uuid4().hex[:12]
         self.seq = 0
         self.last_sent = 0.0
@@ -76,13 +71,13 @@ class KvStream:
     def __init__(
         self,
         link: ClusterLink,
-        schedulers: Callable[[], dict[str, Scheduler]],
+        sources: Callable[[], dict[str, KvSource]],
         flush_s: float = 0.02,
         load_every_s: float = 0.25,
     ) -> None:
         self.link = link
         self.daemon_id = link.daemon_id
-        self._schedulers = schedulers  # this daemon's ready instances and their schedulers
+        self._sources = sources  # this daemon's ready instances
         self.flush_s = flush_s
         self.load_every_s = load_every_s
         self.index = ClusterIndex()
@@ -136,22 +131,22 @@ class KvStream:
 
     async def flush(self, only: str | None = None) -> None:
         now = time.monotonic()
-        scheds = self._schedulers()
-        for iid in [i for i in self._pubs if i not in scheds]:
+        sources = self._sources()
+        for iid in [i for i in self._pubs if i not in sources]:
             del self._pubs[iid]
-        for iid, sched in scheds.items():
+        for iid, src in sources.items():
             if only is not None and iid != only:
                 continue
             pub = self._pubs.get(iid)
-            if pub is None or pub.sched is not sched:
-                pub = self._pubs[iid] = _Pub(sched)
-                sched.enable_kv_events()
-            events = sched.take_kv_events()
+            if pub is None or pub.source_epoch != src.epoch:  # a new scheduler: a new stream
+                pub = self._pubs[iid] = _Pub(src.epoch)
+                src.enable_kv_events()
+            events = src.take_kv_events()
             # Load rides with every event batch, alone at least every load_every_s: it is not
             # computed (a scan of the queue and the cost model) on the flushes that send nothing.
             if not events and now - pub.last_sent < self.load_every_s:
                 continue
-            load = load_of(sched)
+            load = src.published_load()
             pub.seq += 1
             data = encode_batch(
                 iid,
@@ -159,7 +154,7 @@ class KvStream:
                 pub.epoch,
                 pub.seq,
                 time.time(),
-                sched.block_size,
+                src.block_size,
                 load,
                 events,
                 self._info(iid),
@@ -176,8 +171,8 @@ class KvStream:
 
     async def _on_snapshot_request(self, msg: Any) -> None:
         iid = msg.subject[len(SNAPSHOT_SUBJECT) + 1 :]
-        sched = self._schedulers().get(iid)
-        if sched is None or not msg.reply:
+        src = self._sources().get(iid)
+        if src is None or not msg.reply:
             return  # not ours: the owner answers
         await self.flush(only=iid)  # what is recorded goes out first: the snapshot follows it
         pub = self._pubs[iid]
@@ -186,11 +181,11 @@ class KvStream:
             self.daemon_id,
             pub.epoch,
             pub.seq,
-            sched.block_size,
-            load_of(sched),
-            sched.cached_block_hashes(),
+            src.block_size,
+            src.published_load(),
+            src.cached_block_hashes(),
             self._info(iid),
-            host_block_hashes(sched),
+            src.host_block_hashes(),
         )
         with contextlib.suppress(Exception):
             await msg.respond(data)

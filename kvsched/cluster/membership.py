@@ -36,7 +36,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
@@ -215,8 +214,3 @@ class Membership:
             me.leaving = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._kv.put(self.daemon_id, me.to_json()), 2.0)
-
-
-def member_load(value: Any) -> dict[str, float]:
-    """A load summary as plain floats (what `Member.load` holds per instance)."""
-    return {str(k): float(v) for k, v in dict(value).items()}

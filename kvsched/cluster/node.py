@@ -36,11 +36,11 @@ from kvsched.cluster.forward import (
     Forwarder,
     relay_owner,
 )
-from kvsched.cluster.kv_stream import KvStream, load_of
+from kvsched.cluster.kv_stream import KvStream
 from kvsched.cluster.leases import Leases
 from kvsched.cluster.membership import Member, Membership
 from kvsched.cluster.routing import ClusterRouter, RemoteInstance
-from kvsched.core import Request, Scheduler, Unavailable
+from kvsched.core import Request, Unavailable
 from kvsched.server.auth import principal_of
 from kvsched.server.engine import InstanceEngine
 from kvsched.v1 import admin_service_pb2 as apb
@@ -82,7 +82,7 @@ class ClusterNode:
         self.requests = requests
         self.membership = Membership(link, address, config.member_ttl_s, self._summary)
         self.leases = Leases(link)
-        self.stream = KvStream(link, self._schedulers)
+        self.stream = KvStream(link, self._ready)
         self._addresses: dict[str, str] = {}
         self._owners: dict[str, str] = {}
         self.router = ClusterRouter(
@@ -141,12 +141,13 @@ class ClusterNode:
     def connected(self) -> bool:
         return bool(self.link.nc.is_connected)
 
-    def _schedulers(self) -> dict[str, Scheduler]:
-        return {iid: e.sched for iid, e in self.registry.engines.items() if e.sched is not None}
+    def _ready(self) -> dict[str, InstanceEngine]:
+        """This daemon's instances whose workers are all connected (their engines' facts)."""
+        return {iid: e for iid, e in self.registry.engines.items() if e.ready}
 
     def _summary(self) -> tuple[list[str], dict[str, dict[str, float]]]:
-        scheds = self._schedulers()
-        return sorted(scheds), {iid: load_of(s) for iid, s in scheds.items()}
+        ready = self._ready()
+        return sorted(ready), {iid: e.published_load() for iid, e in ready.items()}
 
     def _peer_addresses(self) -> list[str]:
         return [a for d, a in sorted(self._addresses.items()) if d != self.daemon_id]
@@ -177,7 +178,7 @@ class ClusterNode:
         """Instances attached here while NATS was away have no lease: take it now (a
         conflict, another daemon holding it meanwhile, is logged: both drive it until one
         worker reconnects)."""
-        for iid in list(self._schedulers()):
+        for iid in list(self._ready()):
             if self.leases.cached_owner(iid) == self.daemon_id:
                 continue
             lease = await asyncio.wait_for(self.leases.acquire(iid), NATS_TIMEOUT_S)

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsched.core import InvalidRequest, KVCacheManager, KvschedError, Request, Role, Unavailable
-from kvsched.core.router import predicted_wait_ms, priced_hit, priced_hit_tokens
+from kvsched.core.step_cost import priced_hit_tokens
 from kvsched.server.engine import InstanceEngine
 from kvsched.server.models import Limits, misfit
 
@@ -230,11 +230,7 @@ class ClusterRouter:
                 raise
             self.num_local += 1
             return eng
-        engines = [
-            e
-            for e in self.registry.engines.values()
-            if e.accepting and not e.is_decode and e.sched is not None
-        ]
+        engines = [e for e in self.registry.engines.values() if e.accepting and not e.is_decode]
         try:
             engines = self.registry.candidates(req, model, engines)
         except KvschedError:
@@ -245,13 +241,11 @@ class ClusterRouter:
         local_loads: list[float] = []
         local_waits: list[float] = []
         for e in engines:
-            sched = e.sched
-            assert sched is not None
-            req.block_hashes = self._hashes(req, sched.block_size, by_size)
-            worth, hit = priced_hit(sched, req)
+            req.block_hashes = self._hashes(req, e.block_size, by_size)
+            worth, hit = e.priced_hit(req)
             local_hits.append(worth / n)
-            local_loads.append(router.load(sched))
-            local_waits.append(router.calibration.factor * predicted_wait_ms(sched, req, hit))
+            local_loads.append(router.load(e))
+            local_waits.append(router.calibration.factor * e.predicted_wait_ms(req, hit))
         hits, waits, loads = self._remote_scores(req, elig.size, by_size, n)
         req.block_hashes = []  # the instance chosen hashes with its own block size
         all_hits = np.concatenate([np.asarray(local_hits), hits])
@@ -272,9 +266,7 @@ class ClusterRouter:
         if i < len(engines):
             self.num_local += 1
             # The chosen instance's hashes: its scheduler extends them instead of rehashing.
-            sched = engines[i].sched
-            assert sched is not None
-            req.block_hashes = by_size.get(sched.block_size, [])
+            req.block_hashes = by_size.get(engines[i].block_size, [])
             return engines[i]
         slot = i - len(engines)
         t = self.index.table

@@ -1,8 +1,9 @@
 """Conversion between the core's protocol dataclasses and the kvsched.v1 protobuf messages, one
 implementation shared by the daemon and the worker.
 
-The only package that imports both `kvsched.core` and `kvsched.v1`, and it imports nothing else
-of kvsched: the server and the worker stub sit above it. One module per proto file:
+It imports `kvsched.core` and `kvsched.v1` and nothing else of kvsched: the server and the
+worker stub sit above it (they, cluster/ and durability/ import both too, for their own
+messages). One module per proto file:
 
     common    common.proto: finish reasons, roles, sampling parameters, multimodal ranges
     worker    worker_service.proto: Tasks, StepReport, placements (the hot path, both sides)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from typing import NamedTuple
 
 from kvsched.core.block_pool import BlockPool
 from kvsched.core.config import WritePolicy
@@ -26,6 +27,14 @@ from kvsched.core.tiers import HostTier
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class KvHit(NamedTuple):
+    """What the cache holds of a request's prompt (`KVCacheManager.lookup`): the GPU blocks of
+    its longest cached prefix, then the host blocks continuing that run (swap-in candidates)."""
+
+    gpu: list[int]
+    host: list[int]
 
 
 class KVCacheManager:
@@ -111,30 +120,55 @@ class KVCacheManager:
             hashes.append(self.hash_block(parent, tokens, self.block_extra_keys(req, i)))
 
     # ---- lookup and allocation ------------------------------------------------------------
-    def find_cached_prefix(self, req: Request) -> list[int]:
-        """Blocks of the longest cached prefix of req's tokens. A full hit is capped so at least
-        the last token is computed (the worker needs its logits). Counts queries and hits."""
+    def lookup(self, req: Request) -> KvHit:
+        """The longest cached prefix of req's tokens: GPU blocks, then the host blocks that
+        continue the run. A full hit is capped so at least the last token is computed (the
+        worker needs its logits). Changes nothing but req's hashes."""
         if not self.enable_caching:
-            return []
+            return KvHit([], [])
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
         self.ensure_hashes(req, max_blocks)
         hits: list[int] = []
         lookup = self.pool.cached.get
-        for h in req.block_hashes[:max_blocks]:
+        hashes = req.block_hashes[:max_blocks]
+        for h in hashes:
             b = lookup(h)
             if b is None:
                 break
             hits.append(b)
-        return hits
+        host = self.host.run_from(hashes[len(hits) :]) if self.host is not None else []
+        return KvHit(hits, host)
 
-    def find_host_run(self, req: Request, start: int) -> list[int]:
-        """Host blocks continuing req's cached prefix after its first `start` blocks (the GPU
-        hits), capped like find_cached_prefix. [] without a host tier."""
-        if self.host is None:
-            return []
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        return self.host.run_from(req.block_hashes[start:max_blocks])
+    def hit_tokens(self, req: Request) -> int:
+        """Tokens of req's prompt this cache holds now in either tier (for routing and
+        predictions); no side effects but req's hashes."""
+        if not self.enable_caching:
+            return 0
+        self.ensure_hashes(req, (req.num_tokens - 1) // self.block_size)
+        lookup = self.pool.cached.get
+        n = 0
+        for h in req.block_hashes:
+            if lookup(h) is None:
+                break
+            n += 1
+        if self.host is not None:  # the run continues in host memory (swapped in)
+            n += len(self.host.run_from(req.block_hashes[n:]))
+        return n * self.block_size
+
+    def tier_hit_tokens(self, req: Request) -> tuple[int, int]:
+        """(GPU, host) prompt tokens of req's longest cached run (`hit_tokens` split by tier:
+        the GPU prefix, then its continuation in host memory); no side effects but hashes."""
+        if not self.enable_caching:
+            return 0, 0
+        self.ensure_hashes(req, (req.num_tokens - 1) // self.block_size)
+        lookup, n = self.pool.cached.get, 0
+        for h in req.block_hashes:
+            if lookup(h) is None:
+                break
+            n += 1
+        host = len(self.host.run_from(req.block_hashes[n:])) if self.host is not None else 0
+        return n * self.block_size, host * self.block_size
 
     def where(self, block_hash: bytes) -> tuple[int | None, int | None]:
         """The prefix index over both tiers: (GPU block, host block) holding this content."""
@@ -243,3 +277,49 @@ class KVCacheManager:
         if self.host is not None:
             n += self.host.reset()
         return n
+
+    # ---- the host-copy sequence (swap-outs and swap-ins carried by Tasks messages) ----------
+    def swap_in(self, handle: int, host_blocks: list[int], gpu_blocks: list[int]) -> None:
+        """Queue swap-ins of pinned host blocks into a placed handle's fresh GPU blocks."""
+        assert self.host is not None
+        self.host.copy_in(handle, host_blocks, gpu_blocks)
+
+    def pin_host(self, host_blocks: list[int]) -> None:
+        """Hold host hits before an allocation can evict them (then `swap_in`)."""
+        assert self.host is not None
+        self.host.pin(host_blocks)
+
+    def decline_swap_ins(self, n: int) -> None:
+        """n host hits were recomputed instead (cheaper than copying, by the cost model)."""
+        if self.host is not None:
+            self.host.stats.swap_ins_declined += n
+
+    @property
+    def num_queued_copies(self) -> int:
+        """Copies the next Tasks message is expected to carry (0 without a host tier)."""
+        return self.host.num_queued if self.host is not None else 0
+
+    def take_copies(
+        self, dropped: list[int], aborted: list[int]
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]] | None:
+        """The copies for the Tasks message being sealed (None: none queued), without swap-ins
+        of the handles it drops (`dropped` preempts, `aborted` aborts)."""
+        host = self.host
+        if host is None or not host.has_queued():
+            return None
+        return host.take({*dropped, *aborted})
+
+    def copies_sent(self, seq: int) -> None:
+        """The copies `take_copies` returned went out in Tasks message `seq`."""
+        if self.host is not None:
+            self.host.sent(seq)
+
+    def acknowledge_copies(
+        self, applied_seq: int, failed_outs: list[int], failed_in_handles: list[int]
+    ) -> int:
+        """A report says Tasks up to applied_seq were applied: their copies are done (but the
+        failed ones). Returns the copies done at that step's boundary (the cost model's term)."""
+        host = self.host
+        assert host is not None
+        host.acknowledge(applied_seq, failed_outs, failed_in_handles)
+        return host.swapped_last_ack

@@ -25,26 +25,21 @@ it goes to the instance with the least predicted work.
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
-from kvsched.core.config import Role
 from kvsched.core.errors import CapacityExceeded, Unavailable
 from kvsched.core.request import Request
-from kvsched.core.scheduler import Scheduler
 
 OVERLOAD_POLICIES = ("demote", "refuse", "off")
 
 
-def predicted_wait_ms(s: Scheduler, req: Request, hit_tokens: int) -> float:
+def predicted_wait_ms(s: Candidate, req: Request, hit_tokens: int) -> float:
     """Predicted ms from now to req's first token if `s` queued it now with hit_tokens cached:
     the prefill queued ahead of it in its class (and admitted prompts not yet sent) plus its
     own, at the share of each step the decodes leave to prefill (the instance's own rule,
-    `predicted_wait_ms`)."""
-    own, req.queued_ms = req.queued_ms, s.predicted_prefill_ms(req, hit_tokens)
-    try:
-        return s.predicted_wait_ms(req)
-    finally:
-        req.queued_ms = own
+    `Scheduler.predicted_wait_ms`)."""
+    return s.predicted_wait_ms(req, hit_tokens)
 
 
 class WaitCalibration:
@@ -78,63 +73,44 @@ class WaitCalibration:
                 q.append((req, predicted))
 
 
-def priced_hit_tokens(
-    gpu_tokens: float,
-    runs: Sequence[tuple[float, float]],
-    prefill_token_ms: float,
-    attention_ms: float,
-) -> float:
-    """Prompt tokens a hit is worth: GPU hits whole; each further run (tokens, ms to bring them
-    to the GPU) in tier order (host memory: swap-in, then storage: fetch by size / bandwidth)
-    by the share of its recompute time the transfer saves (none when moving costs more than
-    recomputing: the step-cost model's prefill terms over its positions)."""
-    worth, start = float(gpu_tokens), float(gpu_tokens)
-    for tokens, transfer_ms in runs:
-        if tokens <= 0:
-            continue
-        end = start + tokens
-        recompute = prefill_token_ms * tokens + attention_ms * (end * end - start * start) / 2
-        if recompute > 0:
-            worth += tokens * max(0.0, 1.0 - transfer_ms / recompute)
-        start = end
-    return worth
+def priced_hit(s: Candidate, req: Request) -> tuple[float, int]:
+    """(tokens the hit is worth on `s`, tokens cached in either tier): GPU hits whole, host
+    hits by the share of their recompute time a swap-in saves (`priced_hit_tokens`)."""
+    return s.priced_hit(req)
 
 
-def tier_hit_tokens(s: Scheduler, req: Request) -> tuple[int, int]:
-    """(GPU, host) prompt tokens of req's longest cached run on `s` (prefix_hit_tokens split by
-    tier: the GPU prefix, then its continuation in host memory)."""
-    kv = s.kv
-    if not kv.enable_caching:
-        return 0, 0
-    kv.ensure_hashes(req, (req.num_tokens - 1) // s.block_size)
-    lookup, n = kv.pool.cached.get, 0
-    for h in req.block_hashes:
-        if lookup(h) is None:
-            break
-        n += 1
-    host = len(kv.host.run_from(req.block_hashes[n:])) if kv.host is not None else 0
-    return n * s.block_size, host * s.block_size
+class Candidate(Protocol):
+    """What the router reads of an instance: a Scheduler, or the daemon's engine of one (which
+    publishes these facts and nothing else of its scheduler)."""
+
+    @property
+    def paused(self) -> bool: ...
+
+    @property
+    def is_decode(self) -> bool: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    def prefix_hit_tokens(self, req: Request) -> int: ...
+
+    def load_facts(self) -> dict[str, float]: ...
+
+    def priced_hit(self, req: Request) -> tuple[float, int]: ...
+
+    def predicted_wait_ms(self, req: Request, hit_tokens: int) -> float: ...
 
 
-def priced_hit(s: Scheduler, req: Request) -> tuple[float, int]:
-    """(tokens the hit is worth on `s`, tokens cached in either tier)."""
-    gpu, host = tier_hit_tokens(s, req)
-    if not host:
-        return float(gpu), gpu
-    a_tok, a_attn = s.cost.prefill_costs
-    swap_ms = s.cost.swap_block_ms * host / s.block_size
-    return priced_hit_tokens(gpu, [(host, swap_ms)], a_tok, a_attn), gpu + host
-
-
-def load_value(running: float, waiting: float, max_num_seqs: float, kv_usage: float) -> float:
-    """An instance's load from its numbers (as `Router.load` reads them off a scheduler)."""
-    return (running + waiting) / max(1.0, max_num_seqs) + kv_usage
-
-
-def backlog_load(backlog_ms: float, kv_usage: float, load_seconds: float) -> float:
-    """An instance's load from its predicted queued prefill and KV usage (`Router.load`'s
-    rule over numbers, for a peer's instance known from what it published)."""
-    return backlog_ms / (1e3 * load_seconds) + kv_usage
+def instance_load(facts: Mapping[str, float], load_seconds: float, by_count: bool = False) -> float:
+    """An instance's load, from its facts (`Scheduler.load_facts`, or what a peer published):
+    predicted queued prefill seconds / load_seconds + KV usage; or, by requests placed or
+    queued per slot + KV usage when `by_count` (a decode instance queues no prefill) or when the
+    facts carry no prediction (a peer that publishes only counts). The only load formula."""
+    kv_usage = facts.get("kv_usage", 0.0)
+    if not by_count and "predicted_backlog_ms" in facts:
+        return facts["predicted_backlog_ms"] / (1e3 * load_seconds) + kv_usage
+    n = facts.get("running", 0.0) + facts.get("waiting", 0.0)
+    return n / max(1.0, facts.get("max_num_seqs", 1.0)) + kv_usage
 
 
 def best_by_score(hits: Sequence[float], loads: Sequence[float], load_weight: float) -> int:
@@ -172,21 +148,21 @@ class Router:
         self.calibration = WaitCalibration()
         self.num_overflowed = 0  # requests no instance was predicted to serve in time
 
-    def load(self, s: Scheduler) -> float:
-        return backlog_load(s.predicted_backlog_ms(), s.kv.usage, self.load_seconds)
+    def load(self, s: Candidate) -> float:
+        return instance_load(s.load_facts(), self.load_seconds)
 
     @staticmethod
-    def count_load(s: Scheduler) -> float:
+    def count_load(s: Candidate) -> float:
         """Requests placed or queued per slot, plus KV usage (decode instances)."""
-        return load_value(s.num_running, s.num_waiting, s.config.scheduler.max_num_seqs, s.kv.usage)
+        return instance_load(s.load_facts(), 1.0, by_count=True)
 
-    def pick(self, schedulers: Sequence[Scheduler], req: Request) -> int:
+    def pick(self, schedulers: Sequence[Candidate], req: Request) -> int:
         """Index of the instance that should take `req` (a new request: never a decode-role
         instance). A paused instance queues what it is given, so it is chosen only when every
         candidate is paused (the request waits for Resume there). Raises Unavailable when no
         instance can take new requests, CapacityExceeded when the overload policy is
         "refuse" and no instance is predicted to meet the request's deadline."""
-        cands = [i for i, s in enumerate(schedulers) if s.config.role != Role.DECODE]
+        cands = [i for i, s in enumerate(schedulers) if not s.is_decode]
         cands = [i for i in cands if not schedulers[i].paused] or cands
         if not cands:
             raise Unavailable("no instance is ready to take new requests")
@@ -228,10 +204,8 @@ class Router:
         self.calibration.placed(req, waits[best])
         return best
 
-    def pick_decode(self, schedulers: Sequence[Scheduler]) -> int | None:
+    def pick_decode(self, schedulers: Sequence[Candidate]) -> int | None:
         """Least-loaded decode-role instance (by requests per slot and KV usage: a decode
         instance queues no prefill), or None when there is none."""
-        cands = [
-            i for i, s in enumerate(schedulers) if s.config.role == Role.DECODE and not s.paused
-        ]
+        cands = [i for i, s in enumerate(schedulers) if s.is_decode and not s.paused]
         return min(cands, key=lambda i: self.count_load(schedulers[i])) if cands else None

@@ -157,3 +157,25 @@ class StepCostModel:
         )
         self._coef = coef_scaled / _SCALE
         self._plan = tuple(max(0.0, float(c)) for c in self._coef)
+
+
+def priced_hit_tokens(
+    gpu_tokens: float,
+    runs: Sequence[tuple[float, float]],
+    prefill_token_ms: float,
+    attention_ms: float,
+) -> float:
+    """Prompt tokens a hit is worth: GPU hits whole; each further run (tokens, ms to bring them
+    to the GPU) in tier order (host memory: swap-in, then storage: fetch by size / bandwidth)
+    by the share of its recompute time the transfer saves (none when moving costs more than
+    recomputing: the model's prefill terms over its positions). For routing (`core.router`)."""
+    worth, start = float(gpu_tokens), float(gpu_tokens)
+    for tokens, transfer_ms in runs:
+        if tokens <= 0:
+            continue
+        end = start + tokens
+        recompute = prefill_token_ms * tokens + attention_ms * (end * end - start * start) / 2
+        if recompute > 0:
+            worth += tokens * max(0.0, 1.0 - transfer_ms / recompute)
+        start = end
+    return worth

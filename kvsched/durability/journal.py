@@ -56,6 +56,9 @@ class Journaled(Protocol):
 
 
 class Journal:
+    # A finished record's output tokens (what the server's `Journal` port reads of a record).
+    output_tokens = staticmethod(R.finished_tokens)
+
     def __init__(
         self,
         link: Any,  # kvsched.cluster.link.ClusterLink

@@ -18,11 +18,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from kvsched import codec
 from kvsched.core import FinishReason, InvalidRequest, RequestNotFound, Role, Unavailable
-from kvsched.durability.records import finished_tokens
 from kvsched.server.engine import InstanceEngine
 from kvsched.server.errors import PermissionDenied
 from kvsched.server.request_table import RequestTable, Sink, Tracked
@@ -31,9 +30,26 @@ from kvsched.v1 import journal_pb2, request_service_pb2
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from kvsched.durability.journal import Journal
-
 log = logging.getLogger("kvsched.daemon")
+
+
+class Journal(Protocol):
+    """What the server asks of the request journal: `kvsched.durability.journal.Journal`, which
+    the composition root (`kvsched.daemon`) opens and hands in (`Durability.use`); the server
+    imports nothing of kvsched.durability."""
+
+    async def accept(
+        self, tr: Any, pb: request_service_pb2.GenerateRequest, instance: str
+    ) -> None: ...
+
+    async def recover(self) -> list[Any]: ...
+
+    async def adopt(self, dead_id: str) -> list[Any]: ...
+
+    async def lookup(self, req_id: str) -> journal_pb2.JournalRecord | None: ...
+
+    @staticmethod
+    def output_tokens(rec: journal_pb2.JournalRecord) -> list[int]: ...
 
 
 @dataclass
@@ -233,7 +249,8 @@ class Durability:
                 f"request {rid!r} belongs to daemon {rec.daemon_id!r}; resume it there",
                 rec.daemon_id,
             )
-        out = finished_tokens(rec)
+        assert self.journal is not None  # (a record came from it)
+        out = self.journal.output_tokens(rec)
         if have > len(out):
             raise InvalidRequest(
                 f"request {rid!r} finished with {len(out)} output tokens; the client claims {have}"

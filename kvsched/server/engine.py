@@ -1,8 +1,9 @@
 """One instance's engine loop: owns its Scheduler, talks to its worker ranks.
 
-The engine is the only module above `kvsched.core` that touches a Scheduler: the layers above
-call the methods below (add_request, preallocate, abort, add_prefilled, pause / resume, ...) and
-hear back through an `EngineListener` (the request table). It imports nothing above it.
+The only module above `kvsched.core` that touches a Scheduler (tests/test_layout.py): the layers
+above call its methods (add_request, abort, pause, ...), hear back through an `EngineListener`
+(the request table), and read the facts it publishes (snapshot, load facts, epoch, counters,
+KV events). It imports nothing above it.
 
     worker rank 0 --StepReport--> reports ─┐
     front ends --add/abort (direct calls)--├─> wake ─> loop: apply_report* ─> schedule() ─> Tasks
@@ -38,6 +39,7 @@ from kvsched.core import (
     Unavailable,
 )
 from kvsched.core.protocol import StepReport
+from kvsched.core.scheduler import SNAPSHOT_COUNTERS
 from kvsched.server.delivery import TokenDelivery
 
 if TYPE_CHECKING:
@@ -107,6 +109,10 @@ class InstanceEngine:
         self.limits: Any = None  # server.models.Limits from the first rank's Hello (registry)
         self.reports: list[StepReport] = []
         self._next_handle = 0  # handles continue across schedulers of this instance
+        # Final counters of the schedulers taken out (SNAPSHOT_COUNTERS; tenants' served / shed).
+        self._retired = dict.fromkeys(SNAPSHOT_COUNTERS, 0)
+        self._retired_served: dict[str, int] = {}
+        self._retired_shed: dict[str, int] = {}
         self._wake = asyncio.Event()
         self._report_times: collections.deque[float] = collections.deque(maxlen=256)
         self._deliver = TokenDelivery()
@@ -207,6 +213,11 @@ class InstanceEngine:
         sched, self.sched = self.sched, None
         if sched is not None:
             self._next_handle = sched.next_handle
+            snap = sched.snapshot()
+            for name in SNAPSHOT_COUNTERS:
+                self._retired[name] += getattr(snap, name)
+            _add_counts(self._retired_served, sched.tenants.served)
+            _add_counts(self._retired_shed, sched.tenants.shed)
         for conn in self.ranks.values():
             if not conn.closed:
                 conn.closed = True
@@ -343,6 +354,86 @@ class InstanceEngine:
         """The scheduler's numbers for status and metrics; None while the instance is not up."""
         return None if self.sched is None else self.sched.snapshot()
 
+    # ---- facts (all the layers above read of the scheduler) ---------------------------------
+    @property
+    def epoch(self) -> int:
+        """Changes whenever the scheduler is replaced (0: none now)."""
+        return 0 if self.sched is None else self.sched.epoch
+
+    @property
+    def paused(self) -> bool:
+        return self.sched is not None and self.sched.paused
+
+    def load_facts(self) -> dict[str, float]:
+        """What this instance's load is computed from (`kvsched.core.router.instance_load`)."""
+        return {} if self.sched is None else self.sched.load_facts()
+
+    def published_load(self) -> dict[str, float]:
+        """What a cluster publishes of this instance's load ({} while it is not up)."""
+        return {} if self.sched is None else self.sched.published_load()
+
+    def validate(self, req: Request) -> None:
+        """InvalidRequest naming the first field of `req` out of range here (nothing changes)."""
+        if self.sched is not None:
+            self.sched.validate(req)
+
+    def prefix_hit_tokens(self, req: Request) -> int:
+        return 0 if self.sched is None else self.sched.prefix_hit_tokens(req)
+
+    def priced_hit(self, req: Request) -> tuple[float, int]:
+        """(tokens req's hit is worth here, tokens cached in either tier) for routing."""
+        return (0.0, 0) if self.sched is None else self.sched.priced_hit(req)
+
+    def predicted_wait_ms(self, req: Request, hit_tokens: int) -> float:
+        """Predicted ms to req's first token if queued here now (inf while not up)."""
+        sched = self.sched
+        return float("inf") if sched is None else sched.predicted_wait_ms(req, hit_tokens)
+
+    def host_block_hashes(self) -> list[bytes]:
+        """Every hash this instance's host-memory tier holds now ([] without one)."""
+        return [] if self.sched is None else self.sched.host_block_hashes()
+
+    @property
+    def block_size(self) -> int:
+        return 0 if self.sched is None else self.sched.block_size
+
+    @property
+    def last_tasks_seq(self) -> int:
+        return -1 if self.sched is None else self.sched.last_tasks_seq
+
+    @property
+    def generation_tokens(self) -> int:
+        return 0 if self.sched is None else self.sched.stats.num_generation_tokens
+
+    @property
+    def tenant_weights(self) -> dict[str, float]:
+        return {} if self.sched is None else self.sched.config.fairness.tenant_weights
+
+    def counters(self) -> dict[str, int]:
+        """SNAPSHOT_COUNTERS totalled over every scheduler this instance has had."""
+        out, snap = dict(self._retired), self.snapshot()
+        for name in SNAPSHOT_COUNTERS if snap is not None else ():
+            out[name] += getattr(snap, name)
+        return out
+
+    def tenant_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Tokens served and requests shed per tenant, over every scheduler it has had."""
+        served, shed = dict(self._retired_served), dict(self._retired_shed)
+        if self.sched is not None:
+            _add_counts(served, self.sched.tenants.served)
+            _add_counts(shed, self.sched.tenants.shed)
+        return served, shed
+
+    def enable_kv_events(self) -> None:
+        if self.sched is not None:
+            self.sched.enable_kv_events()
+
+    def take_kv_events(self) -> list[Any]:
+        return [] if self.sched is None else self.sched.take_kv_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return [] if self.sched is None else self.sched.cached_block_hashes()
+
     def steps_per_s(self) -> float:
         times = self._report_times
         if len(times) < 2:
@@ -356,3 +447,8 @@ class InstanceEngine:
     @property
     def is_decode(self) -> bool:
         return self.role == Role.DECODE
+
+
+def _add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
+    for k, n in counts.items():
+        into[k] = into.get(k, 0) + n

@@ -22,10 +22,9 @@ def host_tier_families(daemon: Any, model: str, labels: list[str]) -> Iterator[M
         "kvsched_num_free_host_blocks", "Host-tier KV blocks free (cached or empty).", labels=labels
     )
     for iid, eng in list(daemon.engines.items()):
-        sched = eng.sched
-        if sched is None or sched.kv.host is None:
+        snap = eng.snapshot()
+        if snap is None or not snap.num_host_blocks:
             continue
-        snap = sched.snapshot()
         usage.add_metric([iid, model], snap.host_cache_usage)
         free.add_metric([iid, model], snap.num_free_host_blocks)
     yield usage

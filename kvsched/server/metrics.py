@@ -46,6 +46,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 
 from kvsched.core import FinishReason, Unavailable
+from kvsched.core.scheduler import SNAPSHOT_COUNTERS
 from kvsched.server.cluster_metrics import cluster_families
 from kvsched.server.config import split_host_port
 from kvsched.server.histograms import (
@@ -78,22 +79,6 @@ _COUNTERS = (
 )
 
 
-def _sched_counts(sched: Any) -> tuple[int, ...]:
-    snap = sched.snapshot()
-    return (
-        snap.prefix_cache_query_tokens,
-        snap.prefix_cache_hit_tokens,
-        snap.num_preemptions,
-        snap.num_prompt_tokens,
-        snap.num_generation_tokens,
-        snap.prefix_cache_host_hit_tokens,
-        snap.num_swap_outs,
-        snap.num_swap_ins,
-        snap.encoder_cache_hits,
-        snap.encoder_cache_misses,
-    )
-
-
 # attribute of InstanceMetrics -> (metric name without the kvsched_ prefix, help text)
 _HISTS = {
     "ttft": ("time_to_first_token_seconds", "Time from arrival to the first output token."),
@@ -113,19 +98,18 @@ _HISTS = {
 
 
 class InstanceMetrics:
-    """One instance's hook-fed numbers and the scheduler its counters are read from."""
+    """One instance's hook-fed numbers, and the engine epoch they follow."""
 
     __slots__ = (
-        "base",
         "batch",
         "e2e",
+        "epoch",
         "finished",
         "itl",
         "last_gen",
         "last_report",
         "pending_first",
         "queue",
-        "sched",
         "step",
         "tpot",
         "ttft",
@@ -140,27 +124,17 @@ class InstanceMetrics:
         self.step = Hist(STEP_BUCKETS)
         self.batch = Hist(BATCH_BUCKETS)
         self.finished: dict[str, int] = {}  # finish reason -> requests
-        self.sched: Any = None  # the scheduler whose counters are live
-        self.base = [0] * len(_COUNTERS)  # totals of this instance's previous schedulers
-        self.last_gen = 0  # sched.stats.num_generation_tokens at the last report
+        self.epoch = 0  # the engine's epoch (its scheduler) the fields below follow
+        self.last_gen = 0  # the engine's generation_tokens at the last report
         self.last_report = 0.0  # monotonic time of the last report (0: none yet)
         self.pending_first = 0  # first tokens among the tokens of the report being applied
 
-    def follow(self, sched: Any) -> None:
-        """Track `sched` from now on; fold the previous scheduler's final totals into base."""
-        if sched is None or sched is self.sched:
-            return
-        if self.sched is not None:
-            self.base = [a + b for a, b in zip(self.base, _sched_counts(self.sched), strict=True)]
-        self.sched = sched
-        self.last_gen = sched.stats.num_generation_tokens
+    def follow(self, engine: Any) -> None:
+        """The engine's scheduler was replaced (a new epoch): its counters restart."""
+        self.epoch = engine.epoch
+        self.last_gen = engine.generation_tokens
         self.last_report = 0.0
         self.pending_first = 0
-
-    def totals(self) -> list[int]:
-        if self.sched is None:
-            return list(self.base)
-        return [a + b for a, b in zip(self.base, _sched_counts(self.sched), strict=True)]
 
 
 class Metrics:
@@ -197,13 +171,13 @@ class Metrics:
 
     def report_applied(self, engine: Any, report: Any) -> None:
         m = self.instance(engine.instance_id)
-        sched = engine.sched
-        if sched is None:
+        epoch = engine.epoch
+        if not epoch:
             return
-        if sched is not m.sched:
-            m.follow(sched)
+        if epoch != m.epoch:
+            m.follow(engine)
         now = time.monotonic()
-        gen = sched.stats.num_generation_tokens  # (not snapshot(): this runs every report)
+        gen = engine.generation_tokens  # (not snapshot(): this runs every report)
         decode = gen - m.last_gen - m.pending_first
         m.last_gen, m.pending_first = gen, 0
         if decode > 0 and m.last_report > 0.0:
@@ -231,8 +205,8 @@ class Metrics:
         m = self.instance(instance_id)
         m.step.observe(seconds)
         eng = self.daemon.engines.get(instance_id)
-        if eng is not None and eng.sched is not m.sched:
-            m.follow(eng.sched)  # catches every scheduler before it counts anything
+        if eng is not None and eng.epoch and eng.epoch != m.epoch:
+            m.follow(eng)  # catches every scheduler before it counts anything
 
     # ---- HTTP -------------------------------------------------------------------------------
     async def start_server(self, listen: str) -> int:
@@ -334,12 +308,13 @@ class _Collector:
             # Every known instance, connected or not: an alert on a lost worker needs the 0.
             ready.add_metric([iid, model], 1 if eng.ready else 0)
             accepting.add_metric([iid, model], 1 if eng.accepting else 0)
-            sched = eng.sched
-            if sched is None:
+            snap = eng.snapshot()
+            if snap is None:
                 continue
-            mx.instance(iid).follow(sched)
+            m = mx.instance(iid)
+            if eng.epoch != m.epoch:
+                m.follow(eng)
             lv = [iid, model]
-            snap = sched.snapshot()
             gauges["running"].add_metric(lv, snap.num_running)
             gauges["waiting"].add_metric(lv, snap.num_waiting)
             gauges["usage"].add_metric(lv, snap.kv_cache_usage)
@@ -355,8 +330,10 @@ class _Collector:
         }
         for iid, m in list(mx.instances.items()):
             lv = [iid, model]
-            for family, value in zip(counters, m.totals(), strict=True):
-                family.add_metric(lv, value)
+            eng = mx.daemon.engines.get(iid)
+            totals = eng.counters() if eng is not None else {}
+            for family, name in zip(counters, SNAPSHOT_COUNTERS, strict=True):
+                family.add_metric(lv, totals.get(name, 0))
             for reason, n in list(m.finished.items()):
                 success.add_metric([*lv, reason], n)
             for attr, hist_family in hists.items():

@@ -25,7 +25,6 @@ from kvsched.core import (
     Router,
     Unavailable,
 )
-from kvsched.core.scheduler.validation import validate
 from kvsched.server.engine import EngineListener, InstanceEngine, RankConn
 from kvsched.server.models import Limits, fitting, limits_of, resolve_model
 from kvsched.v1 import worker_service_pb2
@@ -217,8 +216,7 @@ class InstanceRegistry:
         interval = self.config.heartbeat_interval_s
         beat: bytes | None = None
         for eng in self.engines.values():
-            sched = eng.sched
-            mark = -1 if sched is None else sched.last_tasks_seq
+            mark = eng.last_tasks_seq
             for conn in eng.ranks.values():
                 if conn.hb_mark != mark:
                     conn.hb_mark, conn.hb_since = mark, now
@@ -286,9 +284,7 @@ class InstanceRegistry:
                 (p for p in pairs if p[1].model == model),
                 key=lambda p: (p[1].max_model_len, p[1].vocab_size),
             )[0]
-            sched = best.sched
-            if sched is not None:
-                validate(req, sched.config, (), sched.kv.pool.num_blocks)
+            best.validate(req)
             raise
 
     def route(self, req: Request, model: str = "") -> InstanceEngine:
@@ -346,10 +342,10 @@ def _route(router: Router, engines: list[InstanceEngine], req: Request) -> Insta
     """The engine `router` places a new request on, among `engines` (ready, taking requests)."""
     if len(engines) == 1:
         return engines[0]
-    return engines[router.pick([e.sched for e in engines], req)]  # type: ignore[misc]
+    return engines[router.pick(engines, req)]
 
 
 def _route_decode(router: Router, engines: list[InstanceEngine]) -> InstanceEngine:
     """The decode engine `router` reserves a hand-off on, among ready, accepting `engines`."""
-    idx = router.pick_decode([e.sched for e in engines])  # type: ignore[misc]
+    idx = router.pick_decode(engines)
     return engines[idx or 0]

@@ -31,9 +31,9 @@ def step_cost_families(daemon: Any, model: str, labels: list[str]) -> Iterator[M
         ),
     ]
     for iid, eng in list(daemon.engines.items()):
-        if eng.sched is None:
+        snap = eng.snapshot()
+        if snap is None:
             continue
-        snap = eng.sched.snapshot()
         values = (snap.step_predicted_ewma_ms, snap.step_measured_ewma_ms, snap.itl_target_ms)
         for family, ms in zip(families, values, strict=True):
             family.add_metric([iid, model], ms / 1e3)

@@ -4,9 +4,9 @@ shed or demoted, and time to first token, labelled by `tenant`.
 Label values are bounded: a tenant listed in an instance's `fairness.tenant_weights` is
 labelled by its name, every other one (the empty tenant included) as "other", so a client
 inventing tenant names cannot grow the series. Served tokens and sheds are the core's own
-counters (`Scheduler.tenants`), read at scrape time; like the scheduler's other counters they
-restart with a new scheduler when an instance's workers reconnect (kept per scheduler object
-here, folded into a base when it is replaced, so the exported totals never go backwards).
+counters, read at scrape time from the engine (`InstanceEngine.tenant_counts`: totalled over
+every scheduler the instance has had, so the exported totals never go backwards when a new
+scheduler starts from 0 after its workers reconnect).
 TTFT is observed from the lifecycle hook at the first token, as the per-instance histogram.
 
 Imported by `metrics` only; imports nothing of kvsched (histograms come from its caller).
@@ -24,17 +24,13 @@ OTHER = "other"
 
 def tenant_label(engine: Any, tenant: str) -> str:
     """The label value for `tenant` on `engine`'s instance: its name if configured."""
-    sched = engine.sched
-    weights = sched.config.fairness.tenant_weights if sched is not None else {}
-    return tenant if tenant in weights else OTHER
+    return tenant if tenant in engine.tenant_weights else OTHER
 
 
 class TenantMetrics:
     def __init__(self, make_hist: Callable[[], Any]) -> None:
         self.make_hist = make_hist
         self.ttft: dict[tuple[str, str], Any] = {}  # (instance, tenant label) -> Hist
-        # (instance) -> (scheduler object, its served/shed totals folded from earlier ones)
-        self._base: dict[str, tuple[Any, dict[str, int], dict[str, int]]] = {}
 
     def first_tokens(self, engine: Any, reqs: list[Any]) -> None:
         iid = engine.instance_id
@@ -45,18 +41,14 @@ class TenantMetrics:
                 h = self.ttft[key] = self.make_hist()
             h.observe(max(0.0, req.first_token_time - req.arrival_time))
 
-    def _totals(self, iid: str, engine: Any) -> tuple[dict[str, int], dict[str, int]]:
+    @staticmethod
+    def _totals(engine: Any) -> tuple[dict[str, int], dict[str, int]]:
         """served and shed per label for one instance, earlier schedulers included."""
-        sched = engine.sched
-        old_sched, served_base, shed_base = self._base.get(iid, (None, {}, {}))
-        if old_sched is not None and old_sched is not sched:
-            _add(served_base, old_sched.tenants.served, engine)
-            _add(shed_base, old_sched.tenants.shed, engine)
-        self._base[iid] = (sched, served_base, shed_base)
-        served, shed = dict(served_base), dict(shed_base)
-        if sched is not None:
-            _add(served, sched.tenants.served, engine)
-            _add(shed, sched.tenants.shed, engine)
+        served_raw, shed_raw = engine.tenant_counts()
+        served: dict[str, int] = {}
+        shed: dict[str, int] = {}
+        _add(served, served_raw, engine)
+        _add(shed, shed_raw, engine)
         return served, shed
 
     def families(self, engines: dict[str, Any], model: str) -> Iterator[Metric]:
@@ -72,7 +64,7 @@ class TenantMetrics:
             labels=labels,
         )
         for iid, eng in list(engines.items()):
-            s_tot, d_tot = self._totals(iid, eng)
+            s_tot, d_tot = self._totals(eng)
             for tenant, n in sorted(s_tot.items()):
                 served.add_metric([iid, model, tenant], n)
             for tenant, n in sorted(d_tot.items()):

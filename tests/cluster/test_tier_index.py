@@ -10,13 +10,12 @@ import time
 
 from kvsched.cluster.hit_index import HitIndex
 from kvsched.cluster.kv_index import ClusterIndex, decode, encode_batch, encode_snapshot
-from kvsched.cluster.kv_stream import KvStream, host_block_hashes, load_of
+from kvsched.cluster.kv_stream import KvStream
 from kvsched.cluster.link import connect_cluster
 from kvsched.cluster.natsd import NatsServer
 from kvsched.cluster.routing import ClusterRouter, RemoteInstance
 from kvsched.core import Scheduler
 from kvsched.core.kv_events import CPU, GPU, BlockRemoved
-from kvsched.core.router import tier_hit_tokens
 from kvsched.server.config import ServerConfig
 from kvsched.server.registry import InstanceRegistry
 from kvsched.server.telemetry import Telemetry
@@ -76,13 +75,13 @@ def test_host_tier_publishes_cpu_stored_and_removed_and_the_index_matches_both_t
         serve(s, p)
         events = s.take_kv_events()
         kinds |= {(type(e).__name__, e.medium) for e in events}
-        batch = encode_batch("i0", "d", "e", seq, 0.0, BS, load_of(s), events)
+        batch = encode_batch("i0", "d", "e", seq, 0.0, BS, s.published_load(), events)
         assert idx.apply_batch(decode(batch))
     assert ("BlockStored", CPU) in kinds and ("BlockRemoved", CPU) in kinds
     assert ("BlockStored", GPU) in kinds and ("BlockRemoved", GPU) in kinds
     v = idx.instances["i0"]
     assert v.hashes == set(s.cached_block_hashes())
-    assert v.host == set(host_block_hashes(s)) and len(v.host) == 24
+    assert v.host == set(s.host_block_hashes()) and len(v.host) == 24
 
 
 def test_failed_swap_in_source_is_a_cpu_block_removed() -> None:
@@ -175,7 +174,7 @@ def test_peer_sees_host_hits_over_nats_and_after_a_snapshot(nats_server: NatsSer
                     v is not None
                     and v.synced
                     and v.hashes == set(sched.cached_block_hashes())
-                    and v.host == set(host_block_hashes(sched))
+                    and v.host == set(sched.host_block_hashes())
                 )
 
             async def until(st: KvStream) -> None:
@@ -196,7 +195,7 @@ def test_peer_sees_host_hits_over_nats_and_after_a_snapshot(nats_server: NatsSer
             splits = []
             for p in ps:
                 req = make_request(p, max_tokens=2)
-                gpu, host = tier_hit_tokens(sched, req)
+                gpu, host = sched.kv.tier_hit_tokens(req)
                 assert v.tier_blocks(req.block_hashes) == (gpu // BS, (gpu + host) // BS)
                 splits.append((gpu, host))
             assert (0, 3 * BS) in splits, splits

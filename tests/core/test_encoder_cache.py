@@ -97,9 +97,9 @@ def test_a_preempted_request_no_longer_holds_its_items() -> None:
     a = make_request(100, max_tokens=5, mm_ranges=[mm(10, 60, "a")])
     s.add_request(a)
     s.schedule()  # sent, never run
-    assert s.enc is not None and s._enc_needed(a, a.handle, "a")
+    assert s.enc is not None and s.table.enc_needed(a, a.handle, "a")
     s.pause()  # preempts every placed request
-    assert not s._enc_needed(a, a.handle, "a")
+    assert not s.table.enc_needed(a, a.handle, "a")
     s.check_integrity()
 
 

@@ -756,7 +756,7 @@ def test_the_first_token_is_seen_when_the_pool_is_dry_at_a_chunk_visit(role: str
         long_prefill_token_threshold=16,
         role=role,
     )
-    s._threshold = 12  # as after a measured round trip of 12 worker steps
+    s.outbox.threshold = 12  # as after a measured round trip of 12 worker steps
     r, d = make_request(40, max_tokens=20), make_request(8, max_tokens=20)
     if role == "prefill":
         r.kv_target = d.kv_target = ("d0", 99, [0, 1, 2, 3])

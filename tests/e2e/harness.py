@@ -21,7 +21,7 @@ import numpy as np
 
 from kvsched.core import Role
 from kvsched.core.protocol import MultimodalRange, StepReport, Tasks
-from kvsched.server import app as daemon_mod
+from kvsched.daemon import app as daemon_mod
 from kvsched.server.config import InstanceConfig
 from kvsched.server.config_load import load_config
 from kvsched.v1 import admin_service_pb2 as apb

@@ -6,6 +6,7 @@ Importers outside the package use these names; the parts themselves import nothi
 
 from kvsched.core.scheduler.admission import StepBudget
 from kvsched.core.scheduler.events import (
+    SNAPSHOT_COUNTERS,
     DecodeColumn,
     Events,
     RowTokens,
@@ -13,11 +14,12 @@ from kvsched.core.scheduler.events import (
     SchedulerStats,
     TokenDelta,
 )
-from kvsched.core.scheduler.placement import MAX_ADAPTIVE_HEADROOM
+from kvsched.core.scheduler.outbox import MAX_ADAPTIVE_HEADROOM
 from kvsched.core.scheduler.scheduler import Scheduler
 
 __all__ = [
     "MAX_ADAPTIVE_HEADROOM",
+    "SNAPSHOT_COUNTERS",
     "DecodeColumn",
     "Events",
     "RowTokens",

@@ -1,7 +1,7 @@
-"""Admission and the step's budget: new requests into the queue (`add_request`), and the three
-pieces of a step that spend the budget, in order: block extensions for decoders
-(`_extend_decoders`), the next chunks of prompts already admitted (`_continue_prefills`), new
-admissions from the queue (`_admit`).
+"""The admitter: one per `schedule()` call, built with the step's collaborators and its budget
+(the shape of mini-sglang's PrefillAdder: it owns the step's budget and decides). Three pieces
+spend the budget, in order: block extensions for decoders (`extend_decoders`), the next chunks
+of prompts already admitted (`continue_prefills`), new admissions from the queue (`admit`).
 
 A worker step's token budget (`StepBudget`):
 
@@ -12,22 +12,28 @@ where the prefill chunks count those sent earlier and not yet executed (`step_pl
 bounds what one worker step runs, not what one schedule() call sends. While requests decode, a
 second limit: the step-cost model's predicted step time stays under `itl_target_ms`.
 
-Imported by the scheduler facade only; imports `preemption` (and through it `placement`),
-`step_plan` and `validation`.
+Every change it makes goes through an owner: slots and sets through the placement table,
+the queue and its backlog through `Backlog`, preemptions and ends through `Exits`, chunk
+records through `StepPlan`; it writes only its own budget and the Tasks it fills. Imported by
+the scheduler facade only; imports `table`, `step_plan`, `backlog`, `exits`, `outbox`, `events`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvsched.core.config import Role
-from kvsched.core.errors import CapacityExceeded
-from kvsched.core.protocol import Chunk, Extension, FinishReason, Tasks
+from kvsched.core.config import EngineConfig, Role
+from kvsched.core.encoder_cache import EncoderCache
+from kvsched.core.kv_cache_manager import KVCacheManager
+from kvsched.core.protocol import Chunk, Extension, FinishReason, KvSend, Placement, Tasks
 from kvsched.core.request import Request, RequestStatus
-from kvsched.core.scheduler.deadlines import Deadlines
-from kvsched.core.scheduler.preemption import Preemption
-from kvsched.core.scheduler.step_plan import PIPELINE_DEPTH
-from kvsched.core.scheduler.validation import validate
+from kvsched.core.scheduler.backlog import Backlog
+from kvsched.core.scheduler.events import Events, SchedulerStats
+from kvsched.core.scheduler.exits import Exits
+from kvsched.core.scheduler.outbox import Outbox
+from kvsched.core.scheduler.step_plan import PIPELINE_DEPTH, StepPlan
+from kvsched.core.scheduler.table import PlacementTable
 
 
 @dataclass(slots=True)
@@ -51,59 +57,73 @@ def _prefill_left(req: Request) -> int:
     return req.num_prefill_tokens - req.num_computed_tokens
 
 
-class Admission(Preemption, Deadlines):
-    """New requests in, and the step's pieces that spend a `StepBudget`."""
+class Admitter:
+    """One schedule() call's admissions: owns the step's `StepBudget` and the Tasks it fills."""
 
-    def add_request(self, req: Request) -> None:
-        """Queue a new request. Raises InvalidRequest (bad fields, duplicate id) or
-        CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises."""
-        validate(req, self.config, self.requests, self.kv.pool.num_blocks)
-        if len(self.waiting) >= self.config.scheduler.max_waiting:
-            raise CapacityExceeded(
-                f"waiting queue is full ({self.config.scheduler.max_waiting} requests); "
-                "retry later or raise scheduler.max_waiting"
-            )
-        req.status = RequestStatus.WAITING
-        if req.arrival_time == 0.0:
-            req.arrival_time = self.clock()
-        self._check_deadline(req)  # may shed it (CapacityExceeded) or demote it
-        self.requests[req.req_id] = req
-        self.waiting.push(req)
+    __slots__ = (
+        "backlog",
+        "block_size",
+        "budget",
+        "clock",
+        "config",
+        "enc",
+        "events",
+        "exits",
+        "kv",
+        "outbox",
+        "plan",
+        "stats",
+        "table",
+        "tasks",
+    )
 
-    def _step_budget(self) -> StepBudget:
-        sc = self.config.scheduler
-        if self._out:
-            self._prune_outstanding()
-        tokens = sc.max_num_batched_tokens - self.num_decoding * (1 + self._spec_k)
-        tokens -= self._out_tokens
-        return StepBudget(tokens, sc.max_num_encoder_tokens or -1, floor=sc.min_prefill_chunk)
+    def __init__(
+        self,
+        config: EngineConfig,
+        tasks: Tasks,
+        table: PlacementTable,
+        kv: KVCacheManager,
+        enc: EncoderCache | None,
+        plan: StepPlan,
+        backlog: Backlog,
+        exits: Exits,
+        outbox: Outbox,
+        events: Events,
+        stats: SchedulerStats,
+        clock: Callable[[], float],
+    ) -> None:
+        self.clock = clock
+        self.config, self.tasks, self.table, self.kv, self.enc = config, tasks, table, kv, enc
+        self.plan, self.backlog, self.exits, self.outbox = plan, backlog, exits, outbox
+        self.events, self.stats = events, stats
+        self.block_size = table.block_size
+        sc = config.scheduler
+        spec_k = config.speculative.num_speculative_tokens
+        tokens = sc.max_num_batched_tokens - table.num_decoding * (1 + spec_k)
+        tokens -= plan.outstanding_tokens()
+        self.budget = StepBudget(
+            tokens, sc.max_num_encoder_tokens or -1, floor=sc.min_prefill_chunk
+        )
 
     # ==== the pieces of a step ================================================================
-    def _extend_decoders(self, tasks: Tasks, budget: StepBudget) -> None:
+    def extend_decoders(self) -> None:
         """Give decoding requests whose room is low `prealloc_blocks` more blocks (one more
         with speculative decoding); preempt LIFO when the pool runs dry. Extensions made by
         report visits since the last step go out first."""
-        if self._extended:
-            # Made at report time (`_after_report`); drop those whose request left its handle
-            # since (finished, aborted, preempted): their blocks went back with it.
-            live = self.live
-            tasks.extensions = [
-                e
-                for e in self._extended
-                if (r := live.get(e.handle)) is not None and r.status == RequestStatus.RUNNING
-            ]
-            self._extended = []
-        needs = self.needs_blocks
+        tasks, budget, table, outbox = self.tasks, self.budget, self.table, self.outbox
+        if outbox.extended:
+            tasks.extensions = outbox.take_extended(table.live)  # (made at report time)
+        needs = table.needs_blocks
         while needs:
             req = next(iter(needs.values()))
-            while (new := self._grow(req)) is None:
-                if len(self.running) == 1:
+            while (new := table.grow(req, outbox.threshold)) is None:
+                if len(table.running) == 1:
                     # Alone and the pool is full: it can never grow here, and preempting it
                     # would only recompute into the same wall. End it as the model's length
                     # (the worker drops it with the abort in this same Tasks message).
                     pool = self.kv.pool
-                    self._pending_aborts.append(req.handle)
-                    self._finish(
+                    outbox.abort(req.handle)
+                    self.exits.finish(
                         req,
                         FinishReason.LENGTH,
                         f"KV cache full: the instance holds {pool.num_blocks} blocks "
@@ -111,17 +131,18 @@ class Admission(Preemption, Deadlines):
                     )
                     break
                 budget.preempted = True
-                if self._preempt_victim(for_req=req) is req:
+                if self.exits.preempt_victim(for_req=req) is req:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue  # it was the victim (and left needs_blocks)
-            del needs[req.req_id]
+            table.blocks_met(req)
             if new:
                 tasks.extensions.append(Extension(req.handle, new))
-            self._set_check_at(req)
+            table.set_check_at(req, outbox.threshold)
 
-    def _continue_prefills(self, tasks: Tasks, budget: StepBudget) -> None:
-        continuing = list(self.prefilling.values())
+    def continue_prefills(self) -> None:
+        budget, table = self.budget, self.table
+        continuing = list(table.prefilling.values())
         if continuing and self._slack_bound(budget):
             # The time target limits the step: the prompt with the least prefill left goes
             # first (a queue head too, admitted ahead when it has less left than every prompt
@@ -130,43 +151,44 @@ class Admission(Preemption, Deadlines):
             budget.floor_for = oldest = continuing[0]
             self._reserve_floor(oldest, budget)
             # Ordered by class, then overdue prompts by deadline, then least left (deadlines).
-            continuing = self.prefill_order(continuing)
-            if self.waiting and not budget.preempted:
+            continuing = self.backlog.prefill_order(continuing)
+            if self.backlog.waiting and not budget.preempted:
                 shortest = min(map(_prefill_left, continuing))
-                self._admit(tasks, budget, max_prompt=shortest - 1)
+                self.admit(max_prompt=shortest - 1)
         for req in continuing:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            if self._outstanding_of(req)[0] >= PIPELINE_DEPTH:
+            if self.plan.outstanding_of(req)[0] >= PIPELINE_DEPTH:
                 if req is budget.floor_for or budget.floor_for is None:
                     budget.floor = 0  # it runs a chunk in each of the next steps: progress
                 continue
-            n = self._chunk_size(req, req.num_computed_tokens, budget)
+            n = self._chunk_size(req, req.num_computed_tokens)
             if n <= 0:
                 continue
             end = req.num_computed_tokens + n
-            while (new := self.kv.allocate_slots(req, self._alloc_target(req, end))) is None:
+            while (new := self.kv.allocate_slots(req, table.alloc_target(req, end))) is None:
                 budget.preempted = True
-                if self._preempt_victim(for_req=req) is req:
+                if self.exits.preempt_victim(for_req=req) is req:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
             assert new is not None
             if new:
-                tasks.extensions.append(Extension(req.handle, new))
-                self._prefill_debt -= len(new)
-            self._emit_chunk(tasks, req, n, budget)
+                self.tasks.extensions.append(Extension(req.handle, new))
+                table.paid_debt(len(new))
+            self._emit_chunk(req, n)
 
-    def _admit(self, tasks: Tasks, budget: StepBudget, max_prompt: int = -1) -> None:
+    def admit(self, max_prompt: int = -1) -> None:
         """Admit from the queue's head while the budget lasts (max_prompt: only heads with at
         most this many tokens left to prefill)."""
-        while budget.tokens > 0 and self.free_slots and (req := self.waiting.peek()) is not None:
+        budget, table, kv, backlog = self.budget, self.table, self.kv, self.backlog
+        waiting, free_slots = backlog.waiting, table.free_slots
+        while budget.tokens > 0 and free_slots and (req := waiting.peek()) is not None:
             if self.config.role == Role.DECODE and not req.output_token_ids:
                 break  # a decode instance takes new prompts only through add_prefilled
-            hits = self.kv.find_cached_prefix(req)
             # The host tier continues the GPU hits (swap-ins into fresh blocks, if cheaper than
             # recomputing those tokens: `_host_hits`).
-            host_hits = self.kv.find_host_run(req, len(hits)) if self.kv.host else []
+            hits, host_hits = kv.lookup(req)
             num_hit = self._trim_hits_for_mm(req, (len(hits) + len(host_hits)) * self.block_size)
             hits = hits[: num_hit // self.block_size]
             declined = 0
@@ -175,37 +197,76 @@ class Admission(Preemption, Deadlines):
                 num_hit = (len(hits) + len(host_hits)) * self.block_size
             if max_prompt >= 0 and req.num_tokens - num_hit > max_prompt:
                 break
-            n = self._chunk_size(req, num_hit, budget, num_prefill=req.num_tokens)
+            n = self._chunk_size(req, num_hit, num_prefill=req.num_tokens)
             if n <= 0:
                 break
-            target = self._alloc_target(req, num_hit + n, num_prefill=req.num_tokens)
-            need = self.kv.num_blocks_to_allocate(req, target, hits)
+            target = table.alloc_target(req, num_hit + n, num_prefill=req.num_tokens)
+            need = kv.num_blocks_to_allocate(req, target, hits)
             if self.config.scheduler.admit_full_prompt or max_prompt >= 0:
                 # Admit only what can finish its prefill: the whole prompt must fit beside the
                 # rest of the prompts already admitted, or its later chunks preempt decoders.
                 # (Always so ahead of the continuing prompts: their chunks then find their
                 # blocks, and never preempt the request placed just now.)
-                full = self._alloc_target(req, req.num_tokens, num_prefill=req.num_tokens)
-                need = self.kv.num_blocks_to_allocate(req, full, hits) + self._prefill_debt
-            reserve = self.reserve_blocks_per_running * len(self.running)
-            if need + reserve > self.kv.num_free_blocks:
-                if not self._priority_preempt_for(req):
+                full = table.alloc_target(req, req.num_tokens, num_prefill=req.num_tokens)
+                need = kv.num_blocks_to_allocate(req, full, hits) + table.prefill_debt
+            reserve = self.exits.reserve_blocks_per_running * len(table.running)
+            if need + reserve > kv.num_free_blocks:
+                if not self.exits.priority_preempt_for(req):
                     break
                 continue
-            self.waiting.pop()
-            self._on_admitted(req, num_hit)
-            host = self.kv.host
-            if host is not None and host_hits:  # pinned before this allocation evicts
-                host.pin(host_hits)
-            new = self.kv.allocate_slots(req, target, hits)
+            backlog.pop_head()
+            backlog.on_admitted(req, num_hit)
+            if host_hits:  # pinned before this allocation evicts
+                kv.pin_host(host_hits)
+            new = kv.allocate_slots(req, target, hits)
             assert new is not None
-            self._prefill_debt += self._full_blocks(req, req.num_tokens) - len(req.block_ids)
-            self._place(tasks, req, num_hit, len(host_hits) * self.block_size)
-            if host is not None and host_hits:  # into the fresh blocks after the GPU hits
-                host.copy_in(req.handle, host_hits, new[: len(host_hits)])
-            elif host is not None and declined:
-                host.stats.swap_ins_declined += declined
-            self._emit_chunk(tasks, req, n, budget)
+            table.admitted_debt(req)
+            self._place(req, num_hit, len(host_hits) * self.block_size)
+            if host_hits:  # into the fresh blocks after the GPU hits
+                kv.swap_in(req.handle, host_hits, new[: len(host_hits)])
+            elif declined:
+                kv.decline_swap_ins(declined)
+            self._emit_chunk(req, n)
+
+    def _place(self, req: Request, num_hit: int, num_swapped: int) -> None:
+        """Give req a slot and a fresh handle (the table's); the worker learns it from a
+        Placement. num_swapped: tokens of num_hit that swap-ins bring from the host tier."""
+        now = self.clock()
+        if req.num_cached_tokens < 0:  # its first placement on this instance
+            req.num_cached_tokens = num_hit
+            if req.first_scheduled_time < 0:  # (a request moved off a lost instance keeps it)
+                req.first_scheduled_time = now
+            self.kv.record_lookup(req.num_tokens, num_hit, num_swapped)
+            self.stats.num_prompt_tokens += len(req.prompt_token_ids)
+            if num_swapped:
+                req.num_host_cached_tokens = num_swapped
+                self.events.host_hits.append(req)
+        self.table.place(req, num_hit, num_swapped)
+        # The worker decodes from last_token_id only once no prefill is left; while positions
+        # remain to be computed (a recomputed preemption, a moved request) it must prefill them
+        # first, so it gets -1, never a token it could mistake for a start-decoding signal.
+        last = -1
+        if num_hit >= req.num_prefill_tokens and req.output_token_ids:
+            last = req.output_token_ids[-1]
+        tasks = self.tasks
+        tasks.placements.append(
+            Placement(
+                handle=req.handle,
+                slot=req.slot,
+                req_id=req.req_id,
+                block_ids=list(req.block_ids),
+                num_cached_tokens=num_hit,
+                num_prefill_tokens=req.num_prefill_tokens,
+                num_output_tokens=req.num_output_tokens,
+                last_token_id=last,
+                sampling=req.sampling,
+                lora_name=req.lora_name,
+                mm_ranges=list(req.mm_ranges),
+            )
+        )
+        if req.kv_target is not None:
+            dst, dst_handle, dst_blocks = req.kv_target
+            tasks.kv_sends.append(KvSend(req.handle, dst, dst_handle, dst_blocks))
 
     def _host_hits(
         self, num_gpu_hits: int, host_hits: list[int], num_hit: int
@@ -216,39 +277,38 @@ class Admission(Preemption, Deadlines):
         bs = self.block_size
         host_hits = host_hits[: max(0, num_hit // bs - num_gpu_hits)]
         n, prefix = len(host_hits) * bs, num_gpu_hits * bs
-        a_tok, a_attn = self.cost.prefill_costs
-        if self.cost.swap_block_ms * len(host_hits) >= a_tok * n + a_attn * n * (n + prefix):
+        cost = self.plan.cost
+        a_tok, a_attn = cost.prefill_costs
+        if cost.swap_block_ms * len(host_hits) >= a_tok * n + a_attn * n * (n + prefix):
             return [], len(host_hits)
         return host_hits, 0
 
     def _reserve_floor(self, req: Request, budget: StepBudget) -> None:
         """Hold back the time of req's floor chunk before shorter prompts take the slack, so
         the floor exceeds the target only when the decodes leave less than it."""
-        count, own_tokens, own_attn = self._outstanding_of(req)
+        count, own_tokens, own_attn = self.plan.outstanding_of(req)
         if count >= PIPELINE_DEPTH or budget.slack_ms is None:
             return
         start = req.num_computed_tokens
         n = min(budget.floor, _prefill_left(req))
-        cost = self._chunk_extra_ms(start, n, own_tokens, own_attn)
+        cost = self.plan.chunk_extra_ms(start, n, own_tokens, own_attn)
         budget.floor_ms = max(0.0, min(cost, budget.slack_ms))
         budget.slack_ms -= budget.floor_ms
 
     def _slack_bound(self, budget: StepBudget) -> bool:
         """The time target limits this step's prefill (computed once per step)."""
         if budget.slack_ms is None:
-            budget.slack_ms = self._time_slack_ms()
+            budget.slack_ms = self.plan.time_slack_ms()
         return budget.slack_ms != float("inf")
 
     # ==== chunks ==============================================================================
-    def _chunk_size(
-        self, req: Request, start: int, budget: StepBudget, num_prefill: int | None = None
-    ) -> int:
+    def _chunk_size(self, req: Request, start: int, num_prefill: int | None = None) -> int:
         """Tokens of req's prefill to run this step starting at `start`, or 0 if none fit."""
-        sc = self.config.scheduler
+        sc, budget, plan = self.config.scheduler, self.budget, self.plan
         total = req.num_prefill_tokens if num_prefill is None else num_prefill
         remaining = total - start
         # A chunk no larger than req's own outstanding ones adds nothing to any worker step.
-        _, own_tokens, own_attn = self._outstanding_of(req)
+        _, own_tokens, own_attn = plan.outstanding_of(req)
         n = min(remaining, budget.tokens + own_tokens)
         if sc.long_prefill_token_threshold:
             n = min(n, sc.long_prefill_token_threshold)
@@ -256,11 +316,11 @@ class Admission(Preemption, Deadlines):
             return 0
         if n > 0:
             if budget.slack_ms is None:
-                budget.slack_ms = self._time_slack_ms()
+                budget.slack_ms = plan.time_slack_ms()
             if req is budget.floor_for:
                 budget.slack_ms += budget.floor_ms  # its floor was held back for it
                 budget.floor_ms = 0.0
-            n_time = self._fit_time(start, n, own_tokens, own_attn, budget.slack_ms)
+            n_time = plan.fit_time(start, n, own_tokens, own_attn, budget.slack_ms)
             if budget.floor and (budget.floor_for is None or budget.floor_for is req):
                 n_time = max(n_time, min(n, budget.floor))  # never starve: the oldest progresses
                 budget.floor = 0
@@ -296,7 +356,7 @@ class Admission(Preemption, Deadlines):
                 if enc_left >= 0 and r.length > enc_left and not (enc_left == full and not missed):
                     end = max(r.offset, start)
                     break
-                if not enc.can_fit(sum(missed.values()) + r.length, self._enc_needed, touched):
+                if not enc.can_fit(sum(missed.values()) + r.length, self.table.enc_needed, touched):
                     end = max(r.offset, start)
                     break
                 missed[h] = r.length
@@ -317,7 +377,7 @@ class Admission(Preemption, Deadlines):
             # Hits first: once this request uses them, no miss below evicts them (as sized).
             ranges.sort(key=lambda r: r.content_hash not in enc)
             for r in ranges:
-                miss = enc.use(req, r.content_hash, r.length, self._enc_needed)
+                miss = enc.use(req, r.content_hash, r.length, self.table.enc_needed)
                 if miss and budget.encoder >= 0:  # (a lone larger item leaves 0)
                     budget.encoder = max(0, budget.encoder - r.length)
             return
@@ -338,19 +398,18 @@ class Admission(Preemption, Deadlines):
                 num_hit = (r.offset // bs) * bs
         return num_hit
 
-    def _emit_chunk(self, tasks: Tasks, req: Request, n: int, budget: StepBudget) -> None:
+    def _emit_chunk(self, req: Request, n: int) -> None:
+        budget, plan = self.budget, self.plan
         start = req.num_computed_tokens
-        _, own_tokens, own_attn = self._outstanding_of(req)
+        _, own_tokens, own_attn = plan.outstanding_of(req)
         budget.tokens -= max(0, n - own_tokens)
         if budget.slack_ms is not None:
-            budget.slack_ms -= self._chunk_extra_ms(start, n, own_tokens, own_attn)
-        self._record_chunk(req, start, n)
-        tasks.chunks.append(Chunk(req.handle, start, req.token_ids(start, start + n)))
+            budget.slack_ms -= plan.chunk_extra_ms(start, n, own_tokens, own_attn)
+        plan.record_chunk(req, start, n)
+        self.tasks.chunks.append(Chunk(req.handle, start, req.token_ids(start, start + n)))
         req.num_computed_tokens = start + n
         if req.mm_ranges:
             self._use_encoder_budget(req, start, start + n, budget)
         if req.num_computed_tokens >= req.num_prefill_tokens:
-            del self.prefilling[req.req_id]
-            self.num_decoding += 1
-            self._set_check_at(req)
-        self._on_chunk(req, start, n)
+            self.table.prefill_sent(req, self.outbox.threshold)
+        self.backlog.on_chunk(req, start, n)

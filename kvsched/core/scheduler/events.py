@@ -79,6 +79,22 @@ class SchedulerStats:
     num_finished: dict[FinishReason, int] = field(default_factory=dict)
 
 
+# The snapshot's monotonic counters: what restarts at 0 with a new scheduler, and what the daemon
+# totals over the schedulers an instance has had (server/engine.py `counters`).
+SNAPSHOT_COUNTERS = (
+    "prefix_cache_query_tokens",
+    "prefix_cache_hit_tokens",
+    "num_preemptions",
+    "num_prompt_tokens",
+    "num_generation_tokens",
+    "prefix_cache_host_hit_tokens",
+    "num_swap_outs",
+    "num_swap_ins",
+    "encoder_cache_hits",
+    "encoder_cache_misses",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerSnapshot:
     """Everything the daemon's status, admin and metrics read from a scheduler, taken at once

@@ -3,18 +3,23 @@ debugging, never on a hot path. Every block owned as often as tables name it, ev
 request on its own slot under a live handle, every live request in exactly one state, and the
 counters (`num_decoding`, the prefill debt) equal to what they count.
 
-Reads the state `placement.Placements` owns and changes nothing; imported by the scheduler
-facade only.
+Reads the state the placement table, the backlog and the caches own and changes nothing;
+imported by the scheduler facade only.
 """
 
 from __future__ import annotations
 
+from kvsched.core.encoder_cache import EncoderCache
+from kvsched.core.kv_cache_manager import KVCacheManager
 from kvsched.core.request import RequestStatus
-from kvsched.core.scheduler.placement import Placements
+from kvsched.core.scheduler.backlog import Backlog
+from kvsched.core.scheduler.table import PlacementTable
 from kvsched.core.slots import RING
 
 
-def check_integrity(sched: Placements) -> None:
+def check_integrity(
+    sched: PlacementTable, backlog: Backlog, kv: KVCacheManager, enc: EncoderCache | None
+) -> None:
     """Assert every invariant of the scheduler's state (see the module docstring)."""
     owners: dict[int, int] = {}
     placed = list(sched.running.values()) + [
@@ -27,14 +32,14 @@ def check_integrity(sched: Placements) -> None:
             owners[b] = owners.get(b, 0) + 1
         assert sched.live.get(req.handle) is req, f"{req.req_id}: handle not live"
         assert req.slot >= 0
-    sched.kv.pool.check_integrity(owners)
-    if sched.kv.host is not None:  # the host pool: every pin is a copy queued or in flight
-        sched.kv.host.check_integrity()
-    if sched.enc is not None:  # within capacity; needed items only by requests that hold them
-        sched.enc.check_integrity(sched._enc_needed)
+    kv.pool.check_integrity(owners)
+    if kv.host is not None:  # the host pool: every pin is a copy queued or in flight
+        kv.host.check_integrity()
+    if enc is not None:  # within capacity; needed items only by requests that hold them
+        enc.check_integrity(sched.enc_needed)
     for req in placed:  # a cached block under a request holds that request's tokens
         for b, h in zip(req.block_ids, req.block_hashes, strict=False):
-            got = sched.kv.pool.block_hash[b]
+            got = kv.pool.block_hash[b]
             assert got is None or got == h, f"{req.req_id}: block {b} holds other tokens"
     # A block in two tables must hold the same tokens in both: the same chained hash at
     # the same index (it may have lost its cache entry to reset_prefix_cache since).
@@ -58,10 +63,10 @@ def check_integrity(sched: Placements) -> None:
     bound = {i for i, r in enumerate(table.reqs) if r is not None}
     assert bound == set(slots), "slot table rows != placed requests"
     assert all(int(table.handle[i]) == -1 for i in range(table.size) if i not in bound)
-    assert len(slots) + len(sched.free_slots) == sched.config.scheduler.max_num_seqs
+    assert len(slots) + len(sched.free_slots) == sched.num_slots
     assert set(slots).isdisjoint(sched.free_slots), "a slot both used and free"
-    waiting = list(sched.waiting)
-    assert len(waiting) == len(sched.waiting), "queue count drifted"
+    waiting = list(backlog.waiting)
+    assert len(waiting) == len(backlog.waiting), "queue count drifted"
     awaiting = [r for r in sched.live.values() if r.status == RequestStatus.PREEMPTED]
     for r in awaiting:
         assert not r.block_ids and r.slot < 0, f"{r.req_id}: preempted but holds resources"
@@ -74,8 +79,8 @@ def check_integrity(sched: Placements) -> None:
     live_ids = set().union(*groups) | set(sched.reserved)
     assert live_ids == set(sched.requests), "live set != waiting + running + awaiting-ack"
     assert sched.num_decoding == sum(1 for r in sched.running.values() if r.is_prefill_done)
-    debt = sum(sched._full_blocks(r) - len(r.block_ids) for r in sched.prefilling.values())
-    assert sched._prefill_debt == debt, f"prefill debt {sched._prefill_debt} != {debt}"
+    debt = sum(sched.full_blocks(r) - len(r.block_ids) for r in sched.prefilling.values())
+    assert sched.prefill_debt == debt, f"prefill debt {sched.prefill_debt} != {debt}"
     assert set(sched.prefilling) == {
         r.req_id for r in sched.running.values() if not r.is_prefill_done
     }

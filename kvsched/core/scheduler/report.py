@@ -5,11 +5,14 @@ plain decode rows (one token, handle still on its slot) as a few vectorized oper
 slot table (`_apply_round`), every other row one by one (`_apply_rows`); then a visit to each
 request that needs the scheduler (`_after_report`: caching, finish, hand-off, block extension).
 These loops are tuned (see docs/BENCHMARKS.md, `python -m bench.core_step --breakdown`): keep
-their locals bound and add no attribute hop per row.
+their locals bound and add no attribute hop per row; `ReportApplier` binds its collaborators
+at construction.
 
-Imported by the scheduler facade only; imports `roles` (the hand-off) and through it
-`placement`, `preemption` (a request whose swap-in failed is preempted: it recomputes),
-`step_plan` (the step-cost model learns from every report) and `events`.
+The applier owns the last report's step and applied seq. It writes the reported tokens into the
+slot table's rings (the table binds and unbinds rows; the tokens are the report's); every
+other change goes through an owner: `Exits` (finish, preempt, hand-off, requeue), the placement
+table (room, blocks needed), the outbox (extensions, the round trip), `StepPlan` (what the step
+ran and cost), `Backlog` (the tenants' output). Imported by the scheduler facade only.
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ from typing import Any
 
 import numpy as np
 
-from kvsched.core.config import EngineConfig
+from kvsched.core.config import EngineConfig, Role
 from kvsched.core.errors import ProtocolError
+from kvsched.core.kv_cache_manager import KVCacheManager
 from kvsched.core.protocol import Extension, FinishReason, StepReport
 from kvsched.core.request import Request, RequestStatus
-from kvsched.core.scheduler.deadlines import Deadlines
-from kvsched.core.scheduler.events import DecodeColumn, Events, RowTokens
-from kvsched.core.scheduler.preemption import Preemption
-from kvsched.core.scheduler.roles import Roles
+from kvsched.core.scheduler.backlog import Backlog
+from kvsched.core.scheduler.events import DecodeColumn, Events, RowTokens, SchedulerStats
+from kvsched.core.scheduler.exits import Exits
+from kvsched.core.scheduler.outbox import Outbox
+from kvsched.core.scheduler.step_plan import StepPlan
+from kvsched.core.scheduler.table import PlacementTable
 from kvsched.core.slots import RING, RING_SHIFT
 
 
@@ -47,17 +53,32 @@ class _Columns:
     fins: np.ndarray | None = None  # finish reasons; None: no row finished
 
 
-class Reports(Roles, Preemption, Deadlines):
+class ReportApplier:
     """apply_report and its parts (owns the last report's step and applied seq)."""
 
     def __init__(
         self,
-        config: EngineConfig | None = None,
-        clock: Callable[[], float] = lambda: 0.0,
-        instance_id: str = "",
-        first_handle: int = 0,
+        config: EngineConfig,
+        table: PlacementTable,
+        kv: KVCacheManager,
+        plan: StepPlan,
+        backlog: Backlog,
+        exits: Exits,
+        outbox: Outbox,
+        events: Events,
+        stats: SchedulerStats,
+        clock: Callable[[], float],
     ) -> None:
-        super().__init__(config, clock, instance_id, first_handle)
+        self._table, self._kv, self._plan, self._backlog = table, kv, plan, backlog
+        self._exits, self._outbox, self._events, self._stats = exits, outbox, events, stats
+        self._clock = clock
+        # Bound once: the hot path's references (none of these objects is ever replaced).
+        self._slots = table.slots
+        self._live = table.live
+        self._block_size = table.block_size
+        self._spec_k = config.speculative.num_speculative_tokens
+        self._prefill_role = config.role == Role.PREFILL
+        self._learn_step = plan.learn_step
         self._last_step = -1  # the last report's step
         self._last_applied_seq = -1  # the last Tasks seq a report said the worker applied
         self._ones_bytes = b""  # int64 ones, as bytes (_check_report)
@@ -67,30 +88,31 @@ class Reports(Roles, Preemption, Deadlines):
     def last_report_step(self) -> int:
         return self._last_step
 
-    def apply_report(self, report: StepReport) -> Events:
+    def apply(self, report: StepReport) -> None:
         """Fold a worker's step report in: append tokens, register written blocks in the prefix
         cache, finish what the worker stopped, re-queue acknowledged preemptions. Raises
-        ProtocolError (state unchanged) for reports that break the protocol. Returns the events
-        since the last call (including those of schedule() and abort())."""
+        ProtocolError (state unchanged) for reports that break the protocol."""
         cols = self._check_report(report)
-        host, self._step_swaps = self.kv.host, 0
-        if host is not None and report.applied_seq > self._last_applied_seq:
+        swaps = 0
+        live, events, exits = self._live, self._events, self._exits
+        if self._kv.host is not None and report.applied_seq > self._last_applied_seq:
             # The copies of every message up to applied_seq are done (or named as failed).
-            host.acknowledge(report.applied_seq, report.failed_swap_outs, report.failed_swap_ins)
-            self._step_swaps = host.swapped_last_ack
+            swaps = self._kv.acknowledge_copies(
+                report.applied_seq, report.failed_swap_outs, report.failed_swap_ins
+            )
             for h in report.failed_swap_ins:  # its swapped-in KV is not there: recompute
-                req = self.live.get(int(h))
+                req = live.get(int(h))
                 if req is not None and req.status == RequestStatus.RUNNING:
-                    self._preempt(req)
+                    exits.preempt(req)
             cols.match, cols.all_match = None, False  # slots may have been freed
         # The step's terms and measured time into the cost model, and the chunks it ran off
         # the outstanding ones (step_plan), before any row changes the slots.
         single = report.step == self._last_step + 1 or self._last_step < 0
-        self._learn_step(report, cols.h, cols.s, single)
-        if report.applied_seq > self._last_applied_seq and self._sent:
-            self._observe_lag(report)
+        self._learn_step(report, cols.h, cols.s, single, swaps)
+        outbox = self._outbox
+        if report.applied_seq > self._last_applied_seq and outbox.sent:
+            outbox.observe_lag(report)
         self._last_step, self._last_applied_seq = report.step, report.applied_seq
-        live, events = self.live, self.events
         get = live.get
         # Failures first: a prefill worker reports the prompt's first token in the same report
         # as its failed KV push, and that row must not hand the request off.
@@ -98,7 +120,7 @@ class Reports(Roles, Preemption, Deadlines):
             for h in list(report.failed):
                 req = live.get(int(h))
                 if req is not None:
-                    self._finish(req, FinishReason.ERROR, "worker failed the request (KV transfer)")
+                    exits.finish(req, FinishReason.ERROR, "worker failed the request (KV transfer)")
             cols.match, cols.all_match = None, False  # slots were freed: compare again
         # The hot path: plain decode rows (one token, handle still on its slot) are a handful
         # of vectorized operations over the slot table; each row's request is looked at only
@@ -110,7 +132,7 @@ class Reports(Roles, Preemption, Deadlines):
         if len(cols.h):
             # A merged report (the worker stepped faster than the stream drained) names a
             # handle once per step: apply it in rounds, each handle at most once per round.
-            rounds = self.slots.rounds(cols.s, cols.h)
+            rounds = self._slots.rounds(cols.s, cols.h)
             last = rounds[-1]
             for idx in rounds:
                 n_gen -= self._apply_round(report, cols, idx, slow, idx is last)
@@ -123,20 +145,19 @@ class Reports(Roles, Preemption, Deadlines):
         for req in dict.fromkeys(slow):  # a request once, however many rows named it
             if not req.is_finished and live.get(req.handle) is req:
                 self._after_report(req, 0)
-        self.stats.num_generation_tokens += n_gen
+        self._stats.num_generation_tokens += n_gen
         for h in list(report.paused):
             req = live.get(int(h))
             if req is not None and req.status == RequestStatus.RUNNING and req.is_prefill_done:
                 events.out_of_blocks.append(req)
                 # Its table already reaches past what the worker wrote: an extension is on its
                 # way (queued or in flight) and resumes the slot; another would be waste.
-                if len(req.block_ids) * self.block_size <= req.num_reported_tokens:
-                    self.needs_blocks[req.req_id] = req
+                if len(req.block_ids) * self._block_size <= req.num_reported_tokens:
+                    self._table.need_blocks(req)
         for h in list(report.acked):
             req = live.get(int(h))
             if req is not None and req.status == RequestStatus.PREEMPTED:
-                self._requeue(req)
-        return self.take_events()
+                exits.requeue(req)
 
     def _apply_round(
         self,
@@ -149,7 +170,7 @@ class Reports(Roles, Preemption, Deadlines):
         """Apply report rows `idx` (None: all), no handle twice. Plain decode rows whose handle
         is still on its slot are vectorized; the rest go one by one. `last`: no round of this
         report follows. Returns the reported tokens not kept."""
-        slots = self.slots
+        slots = self._slots
         s, rt, match, one = cols.s, cols.row_tok, cols.match, cols.one
         assert rt is not None
         py_rows: list[int] = []
@@ -174,11 +195,12 @@ class Reports(Roles, Preemption, Deadlines):
             slots.n_out[vs] = pos
             slots.written()
             reqs = slots.snapshot()
-            self.events.tokens.append(DecodeColumn(reqs, vs, vt))
+            events = self._events
+            events.tokens.append(DecodeColumn(reqs, vs, vt))
             due = np.flatnonzero(pos >= slots.check[vs])
             if len(due):
                 due_slots = vs[due]
-                first = self.events.first_token
+                first = events.first_token
                 now = -1.0
                 for i in due_slots.tolist():
                     req = reqs[i]
@@ -188,7 +210,7 @@ class Reports(Roles, Preemption, Deadlines):
                     slow.append(req)
                     if req.first_token_time < 0:
                         if now < 0:
-                            now = self.clock()
+                            now = self._clock()
                         req.first_token_time = now
                         first.append(req)
                 if not last:
@@ -200,7 +222,8 @@ class Reports(Roles, Preemption, Deadlines):
     def _apply_rows(self, report: StepReport, rows: list[int], slow: list[Request]) -> int:
         """Report rows taken one by one, in order. Returns the reported tokens not kept (rows
         about requests gone, tokens past max_tokens)."""
-        get, first, deltas = self.live.get, self.events.first_token, self.events.tokens
+        events = self._events
+        get, first, deltas = self._live.get, events.first_token, events.tokens
         toks, nums, comps, handles = (
             report.token_ids,
             report.num_new_tokens,
@@ -219,7 +242,7 @@ class Reports(Roles, Preemption, Deadlines):
             out = req._out
             if n_new:
                 if not out:
-                    req.first_token_time = self.clock()
+                    req.first_token_time = self._clock()
                     first.append(req)
                 room = req.sampling.max_tokens - len(out)
                 kept = min(n_new, max(room, 0))
@@ -238,50 +261,52 @@ class Reports(Roles, Preemption, Deadlines):
 
     def _after_report(self, req: Request, finish_reason: int) -> None:
         """The slow path of a report row: caching, hand-off, finish, block extension."""
+        exits = self._exits
         if req.status == RequestStatus.PREEMPTED:
             # It finished before the worker saw the preempt: keep that; the ack is ignored.
             if finish_reason:
-                self._finish(req, FinishReason(finish_reason))
+                exits.finish(req, FinishReason(finish_reason))
             elif req.num_output_tokens >= req.sampling.max_tokens:
-                self._finish(req, FinishReason.LENGTH)
+                exits.finish(req, FinishReason.LENGTH)
             return
         if req._rows is not None:
             req._rows.sync(req)  # below, req._out and req._reported are current
-        capacity = len(req.block_ids) * self.block_size
+        capacity = len(req.block_ids) * self._block_size
         if req._reported > capacity:
             raise ProtocolError(
                 f"handle {req.handle}: reported {req._reported} KV positions but its "
                 f"table holds {capacity}"
             )
-        self.kv.cache_reported(req)
-        self._charge_output(req)
+        self._kv.cache_reported(req)
+        self._backlog.charge_output(req)
         if finish_reason:
-            self._finish(req, FinishReason(finish_reason))
+            exits.finish(req, FinishReason(finish_reason))
             return
         n_out = len(req._out)
         if n_out >= req.sampling.max_tokens:
-            self._finish(req, FinishReason.LENGTH)
+            exits.finish(req, FinishReason.LENGTH)
             return
+        table, threshold = self._table, self._outbox.threshold
         if n_out and self._prefill_role:
-            self._hand_off(req)
+            exits.hand_off(req)
             return
         if self._prefill_role:
-            self._set_check_at(req)  # its first token is a hand-off: it never decodes here
+            table.set_check_at(req, threshold)  # its first token is a hand-off: it never decodes
             return
         if req.num_computed_tokens >= req.num_prefill_tokens:  # prefill done: decoding
-            if capacity - len(req.prompt_token_ids) - n_out <= self._threshold + self._spec_k:
+            if capacity - len(req.prompt_token_ids) - n_out <= threshold + self._spec_k:
                 # Room is low: extend it now (sent with the next Tasks) if the pool has the
                 # blocks; else the next schedule() makes room (or preempts), and until then it
                 # needs a visit only for its first token, at max_tokens, or when its ring fills.
-                new = None if self.paused else self._grow(req)
+                new = None if exits.paused else table.grow(req, threshold)
                 if new is None:
-                    self.needs_blocks[req.req_id] = req
-                    self.slots.set_check(req, req.sampling.max_tokens if n_out else 1)
+                    table.need_blocks(req)
+                    table.set_check(req, req.sampling.max_tokens if n_out else 1)
                     return
-                self.needs_blocks.pop(req.req_id, None)  # (an earlier visit found it dry)
+                table.blocks_met(req)  # (an earlier visit found it dry)
                 if new:
-                    self._extended.append(Extension(req.handle, new))
-            self._set_check_at(req)
+                    self._outbox.extend(Extension(req.handle, new))
+            table.set_check_at(req, threshold)
 
     def _check_report(self, report: StepReport) -> _Columns:
         """Validate a report before anything changes; returns its columns as arrays."""
@@ -289,10 +314,11 @@ class Reports(Roles, Preemption, Deadlines):
             raise ProtocolError(
                 f"report for step {report.step} after step {self._last_step}: steps must increase"
             )
-        if not self._last_applied_seq <= report.applied_seq <= self._seq:
+        seq = self._outbox.seq
+        if not self._last_applied_seq <= report.applied_seq <= seq:
             raise ProtocolError(
                 f"report says it applied tasks {report.applied_seq}, but tasks "
-                f"{self._last_applied_seq + 1}..{self._seq} are the only ones it could have"
+                f"{self._last_applied_seq + 1}..{seq} are the only ones it could have"
             )
         n = len(report.handles)
         if not (len(report.num_computed) == len(report.num_new_tokens) == n):
@@ -317,7 +343,7 @@ class Reports(Roles, Preemption, Deadlines):
             nums = np.asarray(report.num_new_tokens, dtype=np.int64)
         except (OverflowError, TypeError, ValueError) as exc:
             raise ProtocolError(f"report columns must be 64-bit integers: {exc}") from None
-        cols = _Columns(h, h & self.slots.mask, toks)
+        cols = _Columns(h, h & self._slots.mask, toks)
         if n:
             # The common report (every row one token, every handle on its slot) is recognised
             # by comparing bytes: after the worker's conversion numpy's ufunc machinery is cold
@@ -335,11 +361,11 @@ class Reports(Roles, Preemption, Deadlines):
                 cols.one = nums == 1
                 cols.row_tok = toks.take(np.cumsum(nums) - 1, mode="clip") if len(toks) else nums
             # A handle on its slot was issued; only the others need the range check.
-            on_slot = self.slots.handle[cols.s]
+            on_slot = self._slots.handle[cols.s]
             if on_slot.tobytes() == h.tobytes():
                 # An empty slot holds -1: a row naming -1 (or any handle below the first one
                 # issued) would match it.
-                if int(h.min()) < self.first_handle:
+                if int(h.min()) < self._table.first_handle:
                     self._check_handles(h)  # raises
                 cols.all_match = True
             else:
@@ -358,10 +384,8 @@ class Reports(Roles, Preemption, Deadlines):
             handles = np.asarray(handles, dtype=np.int64)
         except (OverflowError, TypeError, ValueError):
             raise ProtocolError("report names a handle that is not a 64-bit integer") from None
-        if len(handles) and (
-            int(handles.min()) < self.first_handle or int(handles.max()) >= self.next_handle
-        ):
+        first, next_handle = self._table.first_handle, self._table.next_handle
+        if len(handles) and (int(handles.min()) < first or int(handles.max()) >= next_handle):
             raise ProtocolError(
-                "report names handle(s) never issued "
-                f"(issued so far: {self.first_handle}..{self.next_handle - 1})"
+                f"report names handle(s) never issued (issued so far: {first}..{next_handle - 1})"
             )

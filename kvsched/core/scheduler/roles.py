@@ -1,26 +1,44 @@
 """Prefill/decode disaggregation: the decode role's side (`preallocate` room for a request
-another instance prefills, then `add_prefilled` when its KV has arrived) and the prefill role's
-hand-off (`_hand_off`: the prompt is done and its KV sent, the request leaves this instance).
+another instance prefills, then `add_prefilled` when its KV has arrived). (The prefill role's
+hand-off, the prompt done and its KV sent, is one of the ways out: `exits.Exits.hand_off`.)
 
-Imported by the report path (hand-off) and the scheduler facade; imports only `placement`.
+Imports `table` and `outbox`; the scheduler facade holds one `Roles`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvsched.core.errors import RequestNotFound
+from kvsched.core.kv_cache_manager import KVCacheManager
 from kvsched.core.protocol import Placement
-from kvsched.core.request import Request, RequestStatus
-from kvsched.core.scheduler.placement import Placements
+from kvsched.core.request import Request
+from kvsched.core.scheduler.outbox import Outbox
+from kvsched.core.scheduler.table import PlacementTable
 
 
-class Roles(Placements):
-    """The prefill/decode roles' ways in and out (owns nothing beyond `Placements`)."""
+class Roles:
+    """The decode role's ways in (owns nothing: the table places, the outbox carries)."""
+
+    def __init__(
+        self,
+        table: PlacementTable,
+        kv: KVCacheManager,
+        outbox: Outbox,
+        clock: Callable[[], float],
+        instance_id: str,
+        spec_k: int,
+    ) -> None:
+        self._table, self._kv, self._outbox = table, kv, outbox
+        self._spec_k = spec_k
+        self._clock, self._instance_id = clock, instance_id
 
     def preallocate(self, src: Request) -> tuple[int, list[int]] | None:
         """Decode role: hold a slot and blocks for a request another instance will prefill and
         push here. Returns (handle, block ids) for the prefill worker's KvSend, or None when
         there is no room now (nothing changes). The request is tracked here as `src.req_id`."""
-        if not self.free_slots or src.req_id in self.requests:
+        table = self._table
+        if not table.free_slots or src.req_id in table.requests:
             return None
         req = Request(
             src.req_id,
@@ -35,16 +53,11 @@ class Roles(Placements):
             src.tenant,
         )
         req.num_prefill_tokens = req.num_tokens
-        target = self._alloc_target(req, req.num_tokens)
-        if self.kv.allocate_slots(req, target) is None:
+        target = table.alloc_target(req, req.num_tokens)
+        if self._kv.allocate_slots(req, target) is None:
             return None
-        req.status = RequestStatus.RUNNING
-        req.slot = self.free_slots.pop()
-        self._issue_handle(req)
-        self.live[req.handle] = req
-        self.requests[req.req_id] = req
-        self.reserved[req.req_id] = req
-        self._pending_placements.append(
+        table.hold(req)
+        self._outbox.place(
             Placement(
                 req.handle,
                 req.slot,
@@ -65,26 +78,23 @@ class Roles(Placements):
     ) -> Request:
         """Decode role: the KV of a preallocated request has arrived with its first token(s).
         Re-place it under a new handle on the same blocks; the worker decodes at once."""
-        req = self.reserved.pop(req_id, None)
+        table, outbox = self._table, self._outbox
+        req = table.take_reserved(req_id)
         if req is None:
             raise RequestNotFound(
-                f"no preallocated request {req_id!r} on instance {self.instance_id!r}"
+                f"no preallocated request {req_id!r} on instance {self._instance_id!r}"
             )
-        self._pending_aborts.append(req.handle)
-        self.live.pop(req.handle, None)
+        outbox.abort(req.handle)
         req.output_token_ids = list(output_token_ids)
         req.num_cached_tokens = num_cached_tokens
-        req.first_scheduled_time = self.clock()
+        req.first_scheduled_time = self._clock()
         # The pushed KV covers the prompt; decoding starts from the last output token, whose
         # KV is not written yet: prefill is done at num_tokens - 1.
         req.num_prefill_tokens = req.num_tokens - 1
         req.num_computed_tokens = req.num_reported_tokens = req.num_prefill_tokens
-        self._issue_handle(req)
-        self.live[req.handle] = req
-        self.running[req.req_id] = req
-        self.num_decoding += 1
-        self.kv.cache_reported(req)
-        self._pending_placements.append(
+        table.start_decoding(req)
+        self._kv.cache_reported(req)
+        outbox.place(
             Placement(
                 req.handle,
                 req.slot,
@@ -98,16 +108,8 @@ class Roles(Placements):
                 req.lora_name,
             )
         )
-        self._set_check_at(req)
-        if len(req.block_ids) * self.block_size - req.num_tokens <= self._threshold + self._spec_k:
-            self.needs_blocks[req.req_id] = req
-        self.events.scheduled.append(req)
+        table.set_check_at(req, outbox.threshold)
+        room = len(req.block_ids) * table.block_size - req.num_tokens
+        if room <= outbox.threshold + self._spec_k:
+            table.need_blocks(req)
         return req
-
-    def _hand_off(self, req: Request) -> None:
-        """Prefill role: req's first token is reported, so its KV has been pushed to the decode
-        instance; it leaves here without finishing."""
-        self.live.pop(req.handle, None)
-        self._release(req)
-        self.requests.pop(req.req_id, None)
-        self.events.handed_off.append(req)

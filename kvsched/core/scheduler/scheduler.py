@@ -6,15 +6,21 @@ one call to `apply_report()` folds a worker's `StepReport` back in and returns w
 scheduler almost nothing: it only appends reported tokens, and extends a request's blocks when
 its free room falls to the prealloc threshold.
 
-`Scheduler` is the facade over the package's parts, each a class in its own module that adds
-methods to the state `placement.Placements` owns:
+`Scheduler` composes owners, each a class in its own module, handed to each other at
+construction (none inherits another; each field has one writer):
 
-    placement   placed requests, slots, handles, decode room; the one exit path (`_release`)
-    preemption  victims, the admission reserve, pause/resume
-    admission   add_request, the step's pieces and their `StepBudget`
-    step_plan   the step-cost model and the chunks in flight: per-worker-step token/time limits
-    roles       prefill/decode disaggregation: preallocate, add_prefilled, hand-off
-    report      apply_report and its tuned hot path
+    table       PlacementTable: live requests, slots, handles, running/prefilling/decoding
+                sets, blocks needed, prefill debt; `release` returns what it freed
+    outbox      Outbox: what the next Tasks carries (preempts, aborts, placements, extensions,
+                reset), message numbering, the round trip and the decode headroom
+    step_plan   StepPlan: the step-cost model and the chunks in flight
+    backlog     Backlog: the waiting queue, deadlines, shedding, tenants' counters
+    exits       Exits: finish, preempt, requeue, hand-off, pause; the admission reserve
+    preemption  choose_victim and the reserve's arithmetic (plain functions)
+    admission   Admitter: built for each schedule() with the owners passed in; owns the
+                step's StepBudget and decides extensions, chunks, admissions
+    roles       Roles: the decode role's preallocate / add_prefilled
+    report      ReportApplier: apply_report and its tuned hot path
     integrity   check_integrity (tests)
     events      Events and their typed token deltas, SchedulerStats, SchedulerSnapshot
 
@@ -23,20 +29,37 @@ Imported by `kvsched.core.scheduler` (the package) only; imports the parts.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from typing import Any
 
-from kvsched.core.errors import RequestNotFound
+from kvsched.core.config import EngineConfig, Role
+from kvsched.core.encoder_cache import EncoderCache
+from kvsched.core.errors import CapacityExceeded, RequestNotFound
+from kvsched.core.kv_cache_manager import KVCacheManager
 from kvsched.core.kv_events import AllBlocksCleared, KvEvent
-from kvsched.core.protocol import FinishReason, Tasks
+from kvsched.core.protocol import FinishReason, StepReport, Tasks
 from kvsched.core.request import Request, RequestStatus
-from kvsched.core.scheduler.admission import Admission
-from kvsched.core.scheduler.events import SchedulerSnapshot
+from kvsched.core.scheduler.admission import Admitter
+from kvsched.core.scheduler.backlog import Backlog
+from kvsched.core.scheduler.events import Events, SchedulerSnapshot, SchedulerStats
+from kvsched.core.scheduler.exits import Exits
 from kvsched.core.scheduler.integrity import check_integrity
-from kvsched.core.scheduler.report import Reports
+from kvsched.core.scheduler.outbox import Outbox
+from kvsched.core.scheduler.report import ReportApplier
+from kvsched.core.scheduler.roles import Roles
+from kvsched.core.scheduler.step_plan import StepPlan
+from kvsched.core.scheduler.table import PlacementTable
+from kvsched.core.scheduler.validation import validate
+from kvsched.core.step_cost import priced_hit_tokens
+
+# Every scheduler made in this process gets the next epoch: an engine whose scheduler is
+# replaced (its workers reconnected) shows a new one, and readers know their numbers restarted.
+_epochs = itertools.count(1)
 
 
-class Scheduler(Reports, Admission):
-    """Owns one instance's waiting queue, running set, slots and KV blocks.
+class Scheduler:
+    """Owns one instance's waiting queue, running set, slots and KV blocks (through its parts).
 
     Public calls are synchronous and deterministic; `clock` gives timestamps only.
     `first_handle`: where handle numbers start. A scheduler that replaces another for the same
@@ -44,71 +67,135 @@ class Scheduler(Reports, Admission):
     addressed to an old handle can never name a new request.
     """
 
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = lambda: 0.0,
+        instance_id: str = "",
+        first_handle: int = 0,
+    ) -> None:
+        self.config = config = (config or EngineConfig()).validate()
+        self.epoch = next(_epochs)
+        self.clock = clock
+        self.instance_id = instance_id
+        cc = config.cache
+        self.block_size = cc.block_size
+        self.kv = kv = KVCacheManager(
+            cc.block_size,
+            cc.num_gpu_blocks,
+            cc.enable_prefix_caching,
+            cc.num_host_blocks,
+            cc.host_write_policy,
+            cc.host_write_hits,
+        )
+        # The worker's multimodal encoder outputs (None: cache off).
+        self.enc = EncoderCache(cc.encoder_cache_size) if cc.encoder_cache_size else None
+        self.stats = stats = SchedulerStats()
+        self.events = events = Events()  # appended to by the parts; emptied by take_events
+        self.table = table = PlacementTable(config, kv, events, first_handle)
+        self.outbox = outbox = Outbox(config, stats)
+        self.plan = plan = StepPlan(config, table, outbox, kv)
+        self.backlog = backlog = Backlog(config, table, plan, kv, clock, instance_id)
+        self.exits = exits = Exits(config, table, backlog, outbox, events, stats, clock)
+        spec_k = config.speculative.num_speculative_tokens
+        self.roles = Roles(table, kv, outbox, clock, instance_id, spec_k)
+        self.reports = ReportApplier(
+            config, table, kv, plan, backlog, exits, outbox, events, stats, clock
+        )
+
+    # ==== the two verbs =======================================================================
     def schedule(self) -> Tasks:
         """Plan the next step: block extensions, continuing prefill chunks, new admissions.
         Cost O(requests touched), independent of the number waiting. A message with neither
         a task nor a report to answer has seq 0 and is not meant to be sent; the others are
         numbered 1, 2, 3, ... (the worker's applied_seq names them)."""
-        tasks = Tasks(seq=0)  # numbered by _seal if it is to be sent
-        if not self.paused:
-            budget = self._step_budget()
-            self._extend_decoders(tasks, budget)
-            self._continue_prefills(tasks, budget)
-            if not budget.preempted:
-                self._admit(tasks, budget)
-                if self.running:
-                    self._decay_reserve()
-        self._seal(tasks)
+        tasks = Tasks(seq=0)  # numbered by the outbox if it is to be sent
+        exits = self.exits
+        if not exits.paused:
+            table = self.table
+            # No decoder out of room, no prompt in, no chunk in flight and nothing admissible
+            # (a steady decode step): no admitter, only the report visits' extensions go out.
+            if (
+                table.needs_blocks
+                or table.prefilling
+                or self.plan.has_outstanding
+                or (table.free_slots and self.backlog.waiting)
+            ):
+                adm = Admitter(
+                    self.config,
+                    tasks,
+                    table,
+                    self.kv,
+                    self.enc,
+                    self.plan,
+                    self.backlog,
+                    exits,
+                    self.outbox,
+                    self.events,
+                    self.stats,
+                    self.clock,
+                )
+                adm.extend_decoders()
+                adm.continue_prefills()
+                preempted = adm.budget.preempted
+                if not preempted:
+                    adm.admit()
+            else:
+                preempted = False
+                if self.outbox.extended:
+                    tasks.extensions = self.outbox.take_extended(table.live)
+            if not preempted and table.running:
+                exits.decay_reserve()
+        self.outbox.seal(tasks, self.kv, self.enc, self.reports.last_report_step)
         return tasks
 
-    def _seal(self, tasks: Tasks) -> None:
-        """Complete the step's Tasks: what was decided outside the step's pieces (preempts and
-        aborts go first in the message: their blocks may be reused by the tasks below them),
-        the report it answers, and a note for measuring the round trip (`_observe_lag`)."""
-        if (self._pending_preempts or self._pending_aborts) and (tasks.extensions or tasks.chunks):
-            # A request extended or given a chunk earlier in this step may have been preempted
-            # (priority preemption) or ended (a lone request out of room) later in it: drop its
-            # tasks, their blocks may be reused.
-            gone = {*self._pending_preempts, *self._pending_aborts}
-            tasks.extensions = [e for e in tasks.extensions if e.handle not in gone]
-            tasks.chunks = [c for c in tasks.chunks if c.handle not in gone]
-        host = self.kv.host
-        if host is not None and host.has_queued():
-            gone_h = {*self._pending_preempts, *self._pending_aborts}
-            outs, ins = host.take(gone_h)
-            if outs:
-                tasks.swap_out_gpu, tasks.swap_out_host = map(list, zip(*outs, strict=True))
-            if ins:
-                h_, hb_, gb_ = zip(*ins, strict=True)
-                tasks.swap_in_handles, tasks.swap_in_host, tasks.swap_in_gpu = (
-                    list(h_),
-                    list(hb_),
-                    list(gb_),
-                )
-        if self.enc is not None:
-            tasks.encoder_drops = self.enc.take_drops()
-        tasks.preempts, self._pending_preempts = self._pending_preempts, []
-        tasks.aborts, self._pending_aborts = self._pending_aborts, []
-        tasks.placements, self._pending_placements = (
-            self._pending_placements + tasks.placements,
-            [],
+    def apply_report(self, report: StepReport) -> Events:
+        """Fold a worker's step report in: append tokens, register written blocks in the prefix
+        cache, finish what the worker stopped, re-queue acknowledged preemptions. Raises
+        ProtocolError (state unchanged) for reports that break the protocol. Returns the events
+        since the last call (including those of schedule() and abort())."""
+        self.reports.apply(report)
+        return self.take_events()
+
+    def take_events(self) -> Events:
+        """The events since the last call (the parts keep appending to `events`)."""
+        ev = self.events
+        out = Events(
+            ev.scheduled,
+            ev.first_token,
+            ev.tokens,
+            ev.preempted,
+            ev.requeued,
+            ev.finished,
+            ev.handed_off,
+            ev.out_of_blocks,
+            ev.host_hits,
         )
-        tasks.reset_prefix_cache, self._pending_reset = self._pending_reset, False
-        tasks.report_step = max(self._last_step, 0)
-        self.stats.num_steps += 1
-        empty = tasks.is_empty()
-        if empty and self._answered == self._last_step:
-            return  # no task and no report to answer: nothing to send (seq 0)
-        # Only messages sent are numbered, so a worker sees seq 1, 2, 3, ... without gaps.
-        self._seq += 1
-        tasks.seq = self._seq
-        if host is not None and (tasks.swap_out_gpu or tasks.swap_in_gpu):
-            host.sent(self._seq)
-        self._answered = self._last_step
-        if not empty:  # the report saying it was applied measures the round trip
-            self._sent.append((self._seq, self._last_step))
-            if len(self._sent) > 4096:  # a worker that never reports applying anything
-                self._sent.popleft()
+        ev.scheduled, ev.first_token, ev.tokens, ev.preempted, ev.requeued = [], [], [], [], []
+        ev.finished, ev.handed_off, ev.out_of_blocks, ev.host_hits = [], [], [], []
+        return out
+
+    def validate(self, req: Request) -> None:
+        """Raise InvalidRequest naming the first field of `req` this instance refuses, as
+        add_request would (ids in use aside); nothing changes."""
+        validate(req, self.config, (), self.kv.pool.num_blocks)
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request. Raises InvalidRequest (bad fields, duplicate id) or
+        CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises."""
+        table, backlog = self.table, self.backlog
+        validate(req, self.config, table.requests, self.kv.pool.num_blocks)
+        if len(backlog.waiting) >= self.config.scheduler.max_waiting:
+            raise CapacityExceeded(
+                f"waiting queue is full ({self.config.scheduler.max_waiting} requests); "
+                "retry later or raise scheduler.max_waiting"
+            )
+        req.status = RequestStatus.WAITING
+        if req.arrival_time == 0.0:
+            req.arrival_time = self.clock()
+        backlog.check_deadline(req)  # may shed it (CapacityExceeded) or demote it
+        table.track(req)
+        backlog.push(req)
 
     def abort(
         self, req_id: str, reason: FinishReason = FinishReason.ABORT, message: str = ""
@@ -116,25 +203,25 @@ class Scheduler(Reports, Admission):
         """End a live request now. A waiting one just finishes; a placed one's blocks are freed
         and the worker is told in the next Tasks (before any task that reuses them). Raises
         RequestNotFound for an id that is not live."""
-        req = self.requests.get(req_id)
+        req = self.table.requests.get(req_id)
         if req is None:
             raise RequestNotFound(f"no live request with id {req_id!r} (finished or never seen)")
         if req.status == RequestStatus.WAITING:
-            self.waiting.discard(req)
+            self.backlog.discard(req)
         elif req.handle >= 0:
-            self._pending_aborts.append(req.handle)
-        self._finish(req, reason, message or "aborted")
+            self.outbox.abort(req.handle)
+        self.exits.finish(req, reason, message or "aborted")
         return req
 
     def reset_prefix_cache(self) -> int:
         """Forget all cached prefixes; the worker is told in the next Tasks. Returns the
         number of hashes dropped."""
         n = self.kv.reset_cache()  # both tiers
-        for req in self.running.values():
+        for req in self.table.running.values():
             req.num_cached_blocks = len(req.block_ids)  # do not re-register old content
         if self.enc is not None:  # the worker drops every encoder output with it
-            self.enc.reset(self._enc_needed)
-        self._pending_reset = True
+            self.enc.reset(self.table.enc_needed)
+        self.outbox.reset_cache()
         return n
 
     # ==== KV events (docs/CLUSTER.md) ===========================================================
@@ -157,31 +244,168 @@ class Scheduler(Reports, Admission):
         """Every hash the prefix cache holds now (a snapshot for KV-event consumers)."""
         return list(self.kv.pool.cached)
 
-    # ==== introspection =======================================================================
+    # ==== the decode role, pausing ============================================================
+    def preallocate(self, src: Request) -> tuple[int, list[int]] | None:
+        """Decode role: hold a slot and blocks for a request another instance will prefill
+        (see roles.Roles.preallocate)."""
+        return self.roles.preallocate(src)
+
+    def add_prefilled(
+        self, req_id: str, output_token_ids: list[int], num_cached_tokens: int
+    ) -> Request:
+        """Decode role: the KV of a preallocated request has arrived (roles.Roles)."""
+        return self.roles.add_prefilled(req_id, output_token_ids, num_cached_tokens)
+
+    def pause(self) -> list[Request]:
+        """Preempt everything running and hold admissions (around weight updates)."""
+        return self.exits.pause()
+
+    def resume(self) -> None:
+        self.exits.resume()
+
+    # ==== introspection (read-only views of the parts) ========================================
     @property
     def last_tasks_seq(self) -> int:
-        return self._seq
+        return self.outbox.seq
+
+    @property
+    def last_report_step(self) -> int:
+        return self.reports.last_report_step
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.backlog.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.table.running)
+
+    @property
+    def paused(self) -> bool:
+        return self.exits.paused
+
+    @property
+    def is_decode(self) -> bool:
+        return self.config.role == Role.DECODE
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.table.requests
+
+    @property
+    def running(self) -> dict[str, Request]:
+        return self.table.running
+
+    @property
+    def live(self) -> dict[int, Request]:
+        return self.table.live
+
+    @property
+    def prefilling(self) -> dict[str, Request]:
+        return self.table.prefilling
+
+    @property
+    def needs_blocks(self) -> dict[str, Request]:
+        return self.table.needs_blocks
+
+    @property
+    def reserved(self) -> dict[str, Request]:
+        return self.table.reserved
+
+    @property
+    def free_slots(self) -> list[int]:
+        return self.table.free_slots
+
+    @property
+    def slots(self) -> Any:
+        """The slot table (kvsched.core.slots.SlotTable), the placement table's."""
+        return self.table.slots
+
+    @property
+    def num_decoding(self) -> int:
+        return self.table.num_decoding
+
+    @property
+    def next_handle(self) -> int:
+        return self.table.next_handle
+
+    @property
+    def waiting(self) -> Any:
+        """The waiting queue (kvsched.core.queue / fairness: read it, queue through
+        add_request)."""
+        return self.backlog.waiting
+
+    @property
+    def tenants(self) -> Any:
+        return self.backlog.tenants
+
+    @property
+    def num_shed(self) -> int:
+        return self.backlog.num_shed
+
+    @property
+    def num_demoted(self) -> int:
+        return self.backlog.num_demoted
+
+    @property
+    def queued_prefill_ms(self) -> float:
+        return self.backlog.queued_prefill_ms
+
+    def predicted_backlog_ms(self) -> float:
+        return self.backlog.predicted_backlog_ms()
+
+    def predicted_wait_ms(self, req: Request, hit_tokens: int | None = None) -> float:
+        """With hit_tokens: as if req were queued here now with that many cached (routing)."""
+        return self.backlog.predicted_wait_ms(req, hit_tokens)
+
+    def priced_hit(self, req: Request) -> tuple[float, int]:
+        """(tokens req's hit is worth here, tokens cached in either tier): GPU hits whole, host
+        hits by the share of their recompute time a swap-in saves (`priced_hit_tokens`)."""
+        gpu, host = self.kv.tier_hit_tokens(req)
+        if not host:
+            return float(gpu), gpu
+        cost = self.plan.cost
+        a_tok, a_attn = cost.prefill_costs
+        swap_ms = cost.swap_block_ms * host / self.block_size
+        return priced_hit_tokens(gpu, [(host, swap_ms)], a_tok, a_attn), gpu + host
+
+    def host_block_hashes(self) -> list[bytes]:
+        """Every hash the host-memory tier holds now ([] without one)."""
+        host = self.kv.host
+        return list(host.pool.cached) if host is not None else []
+
+    @property
+    def cost(self) -> Any:
+        """The step-cost model (kvsched.core.step_cost.StepCostModel)."""
+        return self.plan.cost
+
+    @property
+    def itl_target_ms(self) -> float:
+        return self.plan.itl_target_ms
+
+    @property
+    def decode_headroom(self) -> int:
+        """Room (tokens) at which a decoding request gets more blocks now (Outbox.lag)."""
+        return self.outbox.threshold
+
+    @property
+    def reserve_blocks_per_running(self) -> int:
+        """The admission reserve in force now (0 once relaxed)."""
+        return self.exits.reserve_blocks_per_running
 
     def snapshot(self) -> SchedulerSnapshot:
         """The numbers the daemon's status, admin and metrics show, read at once."""
         kv, st = self.kv, self.stats
+        table = self.table
         num_slots = self.config.scheduler.max_num_seqs
         # A preempted request counts as running until its worker acknowledges the preempt:
         # tokens it reports before that are still streamed (O(live): status reads only).
-        preempting = sum(1 for r in self.live.values() if r.status == RequestStatus.PREEMPTED)
+        preempting = sum(1 for r in table.live.values() if r.status == RequestStatus.PREEMPTED)
         return SchedulerSnapshot(
-            num_waiting=len(self.waiting),
-            num_running=len(self.running) + preempting,
+            num_waiting=len(self.backlog.waiting),
+            num_running=len(table.running) + preempting,
             num_slots=num_slots,
-            num_slots_used=num_slots - len(self.free_slots),
+            num_slots_used=num_slots - len(table.free_slots),
             num_gpu_blocks=kv.pool.num_blocks,
             num_free_blocks=kv.num_free_blocks,
             kv_cache_usage=kv.usage,
@@ -192,12 +416,12 @@ class Scheduler(Reports, Admission):
             num_generation_tokens=st.num_generation_tokens,
             prefix_cache_query_tokens=kv.num_queries,
             prefix_cache_hit_tokens=kv.num_hits,
-            paused=self.paused,
-            decode_headroom=self._threshold,
-            reserve_blocks_per_running=self.reserve_blocks_per_running,
-            last_report_step=self._last_step,
-            last_tasks_seq=self._seq,
-            **self._step_cost_view(),
+            paused=self.exits.paused,
+            decode_headroom=self.outbox.threshold,
+            reserve_blocks_per_running=self.exits.reserve_blocks_per_running,
+            last_report_step=self.reports.last_report_step,
+            last_tasks_seq=self.outbox.seq,
+            **self.plan.view(),
             **self._host_view(),
             **self._encoder_view(),
         )
@@ -231,21 +455,38 @@ class Scheduler(Reports, Admission):
             "num_swap_ins_declined": st.swap_ins_declined,
         }
 
+    def load_facts(self, queued: bool = False) -> dict[str, float]:
+        """The numbers an instance's load is computed from (`kvsched.core.router.instance_load`)
+        and a cluster publishes; `queued`: with the prompt tokens waiting (O(waiting))."""
+        facts = {
+            "running": float(self.num_running),
+            "waiting": float(self.num_waiting),
+            "max_num_seqs": float(self.config.scheduler.max_num_seqs),
+            "kv_usage": self.kv.usage,
+        }
+        if queued:
+            waiting = self.backlog.waiting
+            facts["queued_prefill_tokens"] = float(
+                sum(req.num_tokens - req.num_computed_tokens for req in waiting)
+            )
+        facts["predicted_backlog_ms"] = self.backlog.predicted_backlog_ms()
+        return facts
+
+    def published_load(self) -> dict[str, float]:
+        """The load facts a cluster publishes (with the queued prompt tokens; rounded)."""
+        facts = self.load_facts(queued=True)
+        facts["kv_usage"] = round(facts["kv_usage"], 4)
+        facts["predicted_backlog_ms"] = round(facts["predicted_backlog_ms"], 3)
+        # The step-cost model peers price this instance's hits with (recompute vs swap-in).
+        cost = self.plan.cost
+        facts["prefill_token_ms"], facts["attention_ms"] = cost.prefill_costs
+        facts["swap_block_ms"] = cost.swap_block_ms
+        return facts
+
     def prefix_hit_tokens(self, req: Request) -> int:
         """Tokens of req's prompt this instance holds cached now (for routing); no side effects."""
-        if not self.kv.enable_caching:
-            return 0
-        self.kv.ensure_hashes(req, (req.num_tokens - 1) // self.block_size)
-        lookup = self.kv.pool.cached.get
-        n = 0
-        for h in req.block_hashes:
-            if lookup(h) is None:
-                break
-            n += 1
-        if self.kv.host is not None:  # the run continues in host memory (swapped in)
-            n += len(self.kv.host.run_from(req.block_hashes[n:]))
-        return n * self.block_size
+        return self.kv.hit_tokens(req)
 
     def check_integrity(self) -> None:
         """Assert every invariant of the scheduler's state (O(everything): tests only)."""
-        check_integrity(self)
+        check_integrity(self.table, self.backlog, self.kv, self.enc)

@@ -20,27 +20,29 @@ the chunk's end) frees its share, and its terms are the features of that measure
 A request's oldest outstanding chunk runs in the worker's current step, before anything
 planned now can land, once the worker has applied it: then it no longer counts. Applied is
 known for sure from a report's applied_seq, a step late, which would leave every other step
-without prefill; so while the measured round trip (`Placements._lag`) is the protocol's two
+without prefill; so while the measured round trip (`Outbox.lag`) is the protocol's two
 steps, every chunk sent before the latest report is taken as applied at the step boundary that
 report's step was followed by (it was sent while the worker ran the step before), and only
 when the control plane falls behind does the report's applied_seq decide.
 
-`StepPlan` is a part of the scheduler like the others (see scheduler.py); admission spends the
-limits, the report path feeds the model (`_learn_step`). Imports `placement` and `step_cost`.
+`StepPlan` owns the model and the outstanding chunks; it reads the placement table (who is
+live, how many decode) and the outbox (the message seq, the round trip). The admitter spends
+its limits, the report applier feeds it (`learn_step`). Imports `table`, `outbox`, `step_cost`.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kvsched.core.config import EngineConfig
+from kvsched.core.kv_cache_manager import KVCacheManager
 from kvsched.core.protocol import StepReport
 from kvsched.core.request import Request, RequestStatus
-from kvsched.core.scheduler.placement import Placements
+from kvsched.core.scheduler.outbox import Outbox
+from kvsched.core.scheduler.table import PlacementTable
 from kvsched.core.step_cost import StepCostModel
 
 # Chunks of one request in flight at once: the one the worker runs now and the next, queued.
@@ -66,23 +68,20 @@ class Outstanding:
         self.final_end = 0  # the prompt's last chunk is among them: its end (else 0)
 
 
-class StepPlan(Placements):
+class StepPlan:
     """Owns the step-cost model (`cost`) and the outstanding chunks of each placement."""
 
     def __init__(
-        self,
-        config: EngineConfig | None = None,
-        clock: Callable[[], float] = lambda: 0.0,
-        instance_id: str = "",
-        first_handle: int = 0,
+        self, config: EngineConfig, table: PlacementTable, outbox: Outbox, kv: KVCacheManager
     ) -> None:
-        super().__init__(config, clock, instance_id, first_handle)
-        sc, scc = self.config.scheduler, self.config.step_cost
+        self._table, self._outbox, self._kv = table, outbox, kv
+        self._spec_k = config.speculative.num_speculative_tokens
+        sc, scc = config.scheduler, config.step_cost
         self.cost = StepCostModel(scc.seed(), scc.forgetting)
         # Whole prompts (disable_chunked_prefill) cannot be cut to a time: tokens only.
         self.itl_target_ms = 0.0 if sc.disable_chunked_prefill else sc.itl_target_ms
         self._out: dict[int, Outstanding] = {}  # handle -> its outstanding chunks
-        self._out_slot = np.full(self.slots.size, -1, dtype=np.int64)  # slot -> handle in _out
+        self._out_slot = np.full(table.slots.size, -1, dtype=np.int64)  # slot -> handle in _out
         self._out_tokens = 0  # sum of Outstanding.tokens
         self._out_attn = 0  # sum of Outstanding.attn
         self._out_final_ctx = 0  # sum of Outstanding.final_end: they decode soon
@@ -90,11 +89,8 @@ class StepPlan(Placements):
         # the prompts it completed), what the next steps start from.
         self._decode_ctx = 0
         self.last_step_terms: tuple[int, int, int, int] = (0, 0, 0, 0)
-        # Host tier copies done at the boundary of the step being reported (the report path
-        # sets it from the copies it acknowledges): the model's swapped-blocks term.
-        self._step_swaps = 0
 
-    def _step_cost_view(self) -> dict[str, Any]:
+    def view(self) -> dict[str, Any]:
         """The model's figures for `SchedulerSnapshot` (read only: learning does not depend on
         who looks)."""
         cost = self.cost
@@ -108,27 +104,41 @@ class StepPlan(Placements):
         }
 
     # ==== admission's side ====================================================================
-    def _outstanding_of(self, req: Request) -> tuple[int, int, int]:
+    @property
+    def has_outstanding(self) -> bool:
+        return bool(self._out)
+
+    @property
+    def decode_ctx(self) -> int:
+        return self._decode_ctx
+
+    def outstanding_tokens(self) -> int:
+        """Prefill tokens the chunks in flight take from every coming worker step (placements
+        that ended are forgotten first)."""
+        if self._out:
+            self._prune()
+        return self._out_tokens
+
+    def outstanding_of(self, req: Request) -> tuple[int, int, int]:
         """(chunks, largest length, largest attention term) req has outstanding."""
         rec = self._out.get(req.handle)
         if rec is None or rec.req is not req:
             return 0, 0, 0
         return len(rec.chunks), rec.tokens, rec.attn
 
-    def _time_slack_ms(self) -> float:
+    def time_slack_ms(self) -> float:
         """Milliseconds the time target leaves for new prefill in the steps being planned;
         inf when the target is off or nothing decodes (then only the token budget applies)."""
-        if self.itl_target_ms <= 0 or self.num_decoding <= 0:
+        d = self._table.num_decoding
+        if self.itl_target_ms <= 0 or d <= 0:
             return float("inf")
-        d = self.num_decoding
         ctx = self._decode_ctx + self._out_final_ctx + LOOKAHEAD_STEPS * d
-        host = self.kv.host  # copies queued for this message run at the step's boundary
-        copies = host.num_queued if host is not None else 0
+        copies = self._kv.num_queued_copies  # they run at the step's boundary
         return self.itl_target_ms - self.cost.predict_ms(
             self._out_tokens + d * self._spec_k, d, ctx, self._out_attn, copies
         )
 
-    def _fit_time(self, start: int, n: int, own_tokens: int, own_attn: int, slack: float) -> int:
+    def fit_time(self, start: int, n: int, own_tokens: int, own_attn: int, slack: float) -> int:
         """The largest chunk m <= n starting at `start` whose extra predicted cost fits `slack`
         (ms), given the request's own outstanding largest chunk (a chunk no larger costs none)."""
         if slack == float("inf"):
@@ -151,11 +161,11 @@ class StepPlan(Placements):
                 hi = mid
         return lo
 
-    def _chunk_extra_ms(self, start: int, n: int, own_tokens: int, own_attn: int) -> float:
+    def chunk_extra_ms(self, start: int, n: int, own_tokens: int, own_attn: int) -> float:
         a_tok, a_attn = self.cost.prefill_costs
         return a_tok * max(0, n - own_tokens) + a_attn * max(0, n * (n + start) - own_attn)
 
-    def _record_chunk(self, req: Request, start: int, n: int) -> None:
+    def record_chunk(self, req: Request, start: int, n: int) -> None:
         """req was sent prefill positions [start, start + n): outstanding until reported."""
         h = req.handle
         rec = self._out.get(h)
@@ -164,7 +174,7 @@ class StepPlan(Placements):
             self._out_slot[req.slot] = h
         attn = n * (n + start)
         end = start + n
-        rec.chunks.append((end, n, attn, self._seq))
+        rec.chunks.append((end, n, attn, self._outbox.seq))
         if n > rec.tokens:
             self._out_tokens += n - rec.tokens
             rec.tokens = n
@@ -175,10 +185,10 @@ class StepPlan(Placements):
             rec.final_end = end
             self._out_final_ctx += end
 
-    def _prune_outstanding(self) -> None:
+    def _prune(self) -> None:
         """Forget the chunks of placements that ended (finished, aborted, preempted, handed
         off): the worker drops them no later than any task planned now can land."""
-        live = self.live
+        live = self._table.live
         for h, rec in list(self._out.items()):
             if live.get(h) is not rec.req or rec.req.status != RequestStatus.RUNNING:
                 self._drop(h, rec)
@@ -195,10 +205,13 @@ class StepPlan(Placements):
             self._out_slot[self._out_slot == h] = -1
 
     # ==== the report's side ===================================================================
-    def _learn_step(self, report: StepReport, h: np.ndarray, s: np.ndarray, single: bool) -> None:
+    def learn_step(
+        self, report: StepReport, h: np.ndarray, s: np.ndarray, single: bool, swaps: int
+    ) -> None:
         """Before the report's rows are applied: mark the chunks it shows executed, and learn
         the step's measured time from its terms (h, s: the rows' handles and slots; single:
-        the report is of one step, not a merge of several)."""
+        the report is of one step, not a merge of several; swaps: host tier copies done at
+        the step's boundary, the model's swapped-blocks term)."""
         prefill = attn = n_prefill_rows = prefill_comp = completed_ctx = 0
         comps = report.num_computed
         if self._out:
@@ -221,7 +234,8 @@ class StepPlan(Placements):
                         rec.final_end = 0
             # Two steps in flight (a Tasks message is applied two reports after the one it
             # answers): everything sent so far is applied at the boundary of the current step.
-            applied = self._seq if self._lag <= 2 else report.applied_seq
+            outbox = self._outbox
+            applied = outbox.seq if outbox.lag <= 2 else report.applied_seq
             for hk, rec in list(out.items()):
                 self._shrink(hk, rec, applied)
         if not single:
@@ -233,7 +247,6 @@ class StepPlan(Placements):
         self._decode_ctx = ctx + completed_ctx
         self.last_step_terms = (prefill, decodes, ctx, attn)
         if report.step_time_ns > 0:
-            swaps = self._step_swaps
             self.cost.observe(prefill, decodes, ctx, attn, swaps, report.step_time_ns / 1e6)
 
     def _shrink(self, h: int, rec: Outstanding, applied_seq: int) -> None:

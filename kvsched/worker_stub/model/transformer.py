@@ -236,11 +236,6 @@ class PagedModelExecutor:
         self.encoder = EncoderOutputs(config.hidden, config.seed, _EMBED_STD)
         self.reset()
 
-    @property
-    def kv_cache_shape(self) -> tuple[int, int, int, int]:
-        """Logical shape of each layer's K (and V) cache; stored flattened over the first two."""
-        return (self.num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
-
     def reset(self) -> None:
         """Refill the cache with large seeded noise, so reading a slot nobody wrote changes
         tokens instead of quietly reading zeros."""

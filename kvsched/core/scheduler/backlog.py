@@ -1,5 +1,5 @@
-"""TTFT deadlines, tenants' served tokens and shedding (scheduling rule 12 in
-docs/ARCHITECTURE.md).
+"""The backlog of one instance: its waiting queue, TTFT deadlines, tenants' served tokens and
+shedding (scheduling rule 12 in docs/ARCHITECTURE.md).
 
 - A request's deadline is absolute on the scheduler's clock: arrival + its `ttft_deadline_ms`,
   or + `fairness.default_ttft_deadline_ms` when it names none (an implicit deadline: such
@@ -18,7 +18,9 @@ docs/ARCHITECTURE.md).
 - Served tokens per tenant (`kvsched.core.fairness.TenantCounters`): prompt tokens when their
   chunk is sent, output tokens on the report visits of a request and when it leaves its slot.
 
-A part of the scheduler like the others (see scheduler.py); imports `step_plan`.
+`Backlog` owns the queue (built once, over the tenants' counters), the counters, the prefill
+backlog and the shed/demote counts; it reads the placement table and the step plan. Imports
+`table` and `step_plan`.
 """
 
 from __future__ import annotations
@@ -28,30 +30,50 @@ from collections.abc import Callable
 from kvsched.core.config import EngineConfig, QueuePolicy, ShedPolicy
 from kvsched.core.errors import CapacityExceeded
 from kvsched.core.fairness import TenantCounters, make_queue
+from kvsched.core.kv_cache_manager import KVCacheManager
 from kvsched.core.request import Request
 from kvsched.core.scheduler.step_plan import StepPlan
+from kvsched.core.scheduler.table import Freed, PlacementTable
 
 # Below this share of a step left to prefill by the decodes, the wait is predicted at it
 # (the min_prefill_chunk floor keeps prompts moving however full the decodes are).
 _MIN_PREFILL_SHARE = 0.1
 
 
-class Deadlines(StepPlan):
-    """Owns the tenants' counters, the prefill backlog and the shedding decision."""
+class Backlog:
+    """Owns the waiting queue, the tenants' counters, the prefill backlog and shedding."""
 
     def __init__(
         self,
-        config: EngineConfig | None = None,
-        clock: Callable[[], float] = lambda: 0.0,
+        config: EngineConfig,
+        table: PlacementTable,
+        plan: StepPlan,
+        kv: KVCacheManager,
+        clock: Callable[[], float],
         instance_id: str = "",
-        first_handle: int = 0,
     ) -> None:
-        super().__init__(config, clock, instance_id, first_handle)
-        self.tenants = TenantCounters(self.config.fairness)
-        self.waiting = make_queue(self.config.scheduler.policy, self.tenants)
+        self._table, self._plan, self._kv = table, plan, kv
+        self._config, self._clock, self._instance_id = config, clock, instance_id
+        self._spec_k = config.speculative.num_speculative_tokens
+        self.tenants = TenantCounters(config.fairness)
+        self.waiting = make_queue(config.scheduler.policy, self.tenants)
         self._prefill_backlog_ms = 0.0  # predicted prefill ms of admitted prompts not yet sent
         self.num_shed = 0
         self.num_demoted = 0
+
+    # ==== the queue ===========================================================================
+    def push(self, req: Request) -> None:
+        self.waiting.push(req)
+
+    def push_front(self, req: Request) -> None:
+        """A preempted request the worker acknowledged: waiting again, at the queue's front."""
+        self.waiting.push_front(req)
+
+    def pop_head(self) -> None:
+        self.waiting.pop()
+
+    def discard(self, req: Request) -> None:
+        self.waiting.discard(req)
 
     # ==== predictions =========================================================================
     def _prefill_ms(self, start: int, end: int) -> float:
@@ -59,7 +81,7 @@ class Deadlines(StepPlan):
         term plus the attention term summed over the chunks, ~ (end^2 - start^2) / 2."""
         if end <= start:
             return 0.0
-        a_tok, a_attn = self.cost.prefill_costs
+        a_tok, a_attn = self._plan.cost.prefill_costs
         return a_tok * (end - start) + a_attn * (end * end - start * start) / 2
 
     @property
@@ -72,41 +94,40 @@ class Deadlines(StepPlan):
         the queued prefill at the share of each step the decodes leave it (for routing)."""
         return self.queued_prefill_ms / self._prefill_share()
 
+    def _prefill_share(self) -> float:
+        """The share of a worker step the decodes leave to prefill under the time target."""
+        plan = self._plan
+        target = plan.itl_target_ms
+        d = self._table.num_decoding
+        if target <= 0 or d <= 0:
+            return 1.0
+        decode_ms = plan.cost.predict_ms(d * self._spec_k, d, plan.decode_ctx, 0)
+        return max(_MIN_PREFILL_SHARE, 1.0 - decode_ms / target)
+
     def predicted_prefill_ms(self, req: Request, num_hit: int) -> float:
         """Predicted prefill milliseconds of req's prompt here with num_hit tokens cached."""
         return self._prefill_ms(min(num_hit, req.num_tokens - 1), req.num_tokens)
 
-    def _prefill_share(self) -> float:
-        """The share of a worker step the decodes leave to prefill under the time target."""
-        target = self.itl_target_ms
-        d = self.num_decoding
-        if target <= 0 or d <= 0:
-            return 1.0
-        decode_ms = self.cost.predict_ms(d * self._spec_k, d, self._decode_ctx, 0)
-        return max(_MIN_PREFILL_SHARE, 1.0 - decode_ms / target)
-
-    def predicted_wait_ms(self, req: Request) -> float:
-        """Predicted milliseconds from now to req's first token if it were queued now."""
+    def predicted_wait_ms(self, req: Request, hit_tokens: int | None = None) -> float:
+        """Predicted milliseconds from now to req's first token if it were queued now: with
+        its own `queued_ms`, or (routing: req not queued here) with hit_tokens cached here."""
+        own = req.queued_ms if hit_tokens is None else self.predicted_prefill_ms(req, hit_tokens)
         ahead = self.waiting.ms_ahead(req) + self._prefill_backlog_ms
-        return (ahead + req.queued_ms) / self._prefill_share()
-
-    def prefix_hit_tokens(self, req: Request) -> int:
-        """Tokens of req's prompt this instance holds cached now (the facade's, scheduler.py)."""
-        raise NotImplementedError
+        return (ahead + own) / self._prefill_share()
 
     # ==== admission's side ====================================================================
-    def _check_deadline(self, req: Request) -> None:
+    def check_deadline(self, req: Request) -> None:
         """A new request (validated, arrival set): its deadline, its queued work, and the shed
         policy. Raises CapacityExceeded (state unchanged) when it is shed."""
-        fc = self.config.fairness
+        fc = self._config.fairness
         own = req.ttft_deadline_ms
         req.deadline = req.arrival_time + (own or fc.default_ttft_deadline_ms) / 1e3
-        hit = self.prefix_hit_tokens(req) if self.kv.enable_caching else 0
-        req.queued_ms = self._prefill_ms(min(hit, req.num_tokens - 1), req.num_tokens)
+        hit = self._kv.hit_tokens(req)
+        req.queued_ms = self.predicted_prefill_ms(req, hit)
         if not own or fc.shed == ShedPolicy.OFF:
             return
         wait_ms = self.predicted_wait_ms(req)
-        left_ms = (req.deadline - self.clock()) * 1e3
+        left_ms = (req.deadline - self._clock()) * 1e3
         if wait_ms <= left_ms:
             return
         shed = self.tenants.shed
@@ -115,19 +136,19 @@ class Deadlines(StepPlan):
             self.num_shed += 1
             raise CapacityExceeded(
                 f"request {req.req_id!r}: predicted time to first token {wait_ms:,.0f} ms "
-                f"(prefill queued ahead on instance {self.instance_id or '-'}) exceeds its "
+                f"(prefill queued ahead on instance {self._instance_id or '-'}) exceeds its "
                 f"ttft_deadline_ms {own:,.0f}; retry later, elsewhere, or with a later deadline"
             )
         req.demoted = True
         self.num_demoted += 1
 
-    def _on_admitted(self, req: Request, num_hit: int) -> None:
+    def on_admitted(self, req: Request, num_hit: int) -> None:
         """req left the queue for a slot, num_hit prompt tokens cached: its prefill is now
         the instance's backlog."""
         req.queued_ms = self._prefill_ms(num_hit, req.num_tokens)
         self._prefill_backlog_ms += req.queued_ms
 
-    def _on_chunk(self, req: Request, start: int, n: int) -> None:
+    def on_chunk(self, req: Request, start: int, n: int) -> None:
         """A chunk of n prompt tokens from `start` was sent: charge its tenant, shrink the
         backlog."""
         self.tenants.charge(req.tenant, n)
@@ -135,21 +156,22 @@ class Deadlines(StepPlan):
         ms = req.queued_ms if done else min(req.queued_ms, self._prefill_ms(start, start + n))
         req.queued_ms -= ms
         left = self._prefill_backlog_ms - ms
-        self._prefill_backlog_ms = max(0.0, left) if self.prefilling else 0.0
+        self._prefill_backlog_ms = max(0.0, left) if self._table.prefilling else 0.0
 
-    def _charge_output(self, req: Request) -> None:
+    def charge_output(self, req: Request) -> None:
         """Charge req's tenant for the output tokens reported since the last charge."""
         n = len(req.output_token_ids) - req.charged_output
         if n > 0:
             req.charged_output += n
             self.tenants.charge(req.tenant, 0, n)
 
-    def _release(self, req: Request) -> None:
-        if req.req_id in self.prefilling:
+    def released(self, req: Request, freed: Freed) -> None:
+        """req left its slot (`PlacementTable.release` freed `freed`): its prefill is no longer
+        queued here, and its tenant is charged for the output it made."""
+        if freed.was_prefilling:
             self._prefill_backlog_ms = max(0.0, self._prefill_backlog_ms - req.queued_ms)
         req.queued_ms = 0.0  # requeued after a preempt: counted as no queued work
-        self._charge_output(req)
-        super()._release(req)
+        self.charge_output(req)
 
     def prefill_order(self, continuing: list[Request]) -> list[Request]:
         """The admitted prompts in the order their next chunks are sized while the time
@@ -159,8 +181,8 @@ class Deadlines(StepPlan):
         (aging: a long prompt is not overtaken by shorter ones for ever); then the least
         prefill left. A prompt past a deadline of its own has missed it: it goes by prefill
         left, behind those that can still make theirs."""
-        now = self.clock()
-        policy = self.config.scheduler.policy
+        now = self._clock()
+        policy = self._config.scheduler.policy
         fcfs, slo = policy == QueuePolicy.FCFS, policy == QueuePolicy.SLO
         counter = self.tenants.counter
 
