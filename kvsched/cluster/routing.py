@@ -1,6 +1,6 @@
 """Cluster-wide routing: the instance a new request goes to, on this daemon or a peer.
 
-Candidates are this daemon's instances that accept requests (read live off their schedulers,
+Candidates are this daemon's instances that accept requests (read live off their engines' facts,
 as the single-daemon router does) and the peers' instances known from KV events
 (`ClusterIndex`): synced, heard from within `stale_s`, owned (lease) by a live member. Each is
 scored by the single-daemon rule (`core.router`): the prompt fraction its cache is worth (GPU
