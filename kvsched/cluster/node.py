@@ -99,6 +99,7 @@ class ClusterNode:
         if config.auth_file and not token:
             self._cluster_principal = "\0no cluster token"  # nobody may act as a peer
         self._subs: list[Any] = []
+        self.num_fenced = 0  # attached instances handed to a daemon that took their lease
         self._task: asyncio.Task[None] | None = None
         # takeover.Takeover, set by the daemon (it knows the journal); stopped with the node
         self.takeover: _Stoppable | None = None
@@ -117,10 +118,12 @@ class ClusterNode:
         self._task = asyncio.get_running_loop().create_task(self._views(), name="cluster-views")
         self.requests.cluster = self
         self.registry.worker_gate = self.admit_worker
+        self.registry.fencing_epoch = self.leases.epoch
 
     async def stop(self) -> None:
         self.requests.cluster = None
         self.registry.worker_gate = None
+        self.registry.fencing_epoch = None
         if self.takeover is not None:
             await self.takeover.stop()
         if self._task is not None:
@@ -171,6 +174,47 @@ class ClusterNode:
                 except Exception as exc:
                     log.debug("leases reload: %r", exc)
             self._refresh_views()
+            self._hand_over_fenced()
+
+    def _hand_over_fenced(self) -> None:
+        """Attached instances whose lease a live daemon holds under a larger epoch (it took the
+        lease by CAS): redirect their workers to that daemon and take the instance out here
+        (its requests move to this daemon's other instances). Never driven again under the old
+        epoch: the worker, once welcomed by the new owner, refuses it anyway (step 12)."""
+        for iid, eng in list(self.registry.engines.items()):
+            if not eng.ranks:
+                continue
+            lease = self.leases.cached(iid)
+            if lease is None or lease.owner == self.daemon_id:
+                continue
+            if lease.revision <= eng.fencing_epoch:
+                continue
+            address = self._addresses.get(lease.owner)
+            if address is None:  # the holder is not live: _claim_unleased deals with it
+                continue
+            redirect = wpb.ConnectResponse(
+                redirect=wpb.Redirect(
+                    address=address,
+                    owner_daemon_id=lease.owner,
+                    reason=(
+                        f"instance {iid} was taken by daemon {lease.owner} (epoch "
+                        f"{lease.revision} > {eng.fencing_epoch})"
+                    ),
+                )
+            ).SerializeToString()
+            for conn in eng.ranks.values():
+                if not conn.closed:
+                    conn.queue.put_nowait(redirect)
+            self.num_fenced += 1
+            log.warning(
+                "lease of instance %s taken by daemon %s (epoch %d > %d): its workers are "
+                "sent there",
+                iid,
+                lease.owner,
+                lease.revision,
+                eng.fencing_epoch,
+            )
+            eng.take_out(f"lease taken by daemon {lease.owner}")
 
     async def _claim_unleased(self) -> None:
         """Instances attached here while NATS was away have no lease: take it now (a
@@ -180,7 +224,10 @@ class ClusterNode:
             if self.leases.cached_owner(iid) == self.daemon_id:
                 continue
             lease = await asyncio.wait_for(self.leases.acquire(iid), NATS_TIMEOUT_S)
-            if lease.owner != self.daemon_id:
+            eng = self.registry.engines.get(iid)
+            if lease.owner == self.daemon_id and eng is not None:
+                eng.fencing_epoch = lease.revision  # fenced from now on (Tasks carry it)
+            elif lease.owner != self.daemon_id:
                 log.warning(
                     "instance %s is attached here but leased to daemon %s", iid, lease.owner
                 )

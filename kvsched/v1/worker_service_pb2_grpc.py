@@ -112,6 +112,12 @@ class WorkerServiceStub:
     backoff), without counting it as a failure. A hello for an instance nobody owns (or
     whose owner's membership entry expired) makes the daemon it reached the owner. A worker
     given several daemon addresses tries the next one when a stream cannot be opened.
+    12. Fencing (clusters): Welcome and every Tasks carry the daemon's fencing_epoch for the
+    instance (its lease's revision; larger at every acquisition). A worker obeys only the
+    highest epoch it has seen: a lower one means the daemon lost the lease, so the worker
+    applies nothing of that message, drops the stream and reconnects. A daemon that sees its
+    lease on an attached instance taken by another daemon sends `redirect` to the new owner
+    and ends those streams with OK; it never drives the instance again under that epoch.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
@@ -218,6 +224,12 @@ class WorkerServiceServicer:
     backoff), without counting it as a failure. A hello for an instance nobody owns (or
     whose owner's membership entry expired) makes the daemon it reached the owner. A worker
     given several daemon addresses tries the next one when a stream cannot be opened.
+    12. Fencing (clusters): Welcome and every Tasks carry the daemon's fencing_epoch for the
+    instance (its lease's revision; larger at every acquisition). A worker obeys only the
+    highest epoch it has seen: a lower one means the daemon lost the lease, so the worker
+    applies nothing of that message, drops the stream and reconnects. A daemon that sees its
+    lease on an attached instance taken by another daemon sends `redirect` to the new owner
+    and ends those streams with OK; it never drives the instance again under that epoch.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
@@ -334,6 +346,12 @@ class WorkerService:
     backoff), without counting it as a failure. A hello for an instance nobody owns (or
     whose owner's membership entry expired) makes the daemon it reached the owner. A worker
     given several daemon addresses tries the next one when a stream cannot be opened.
+    12. Fencing (clusters): Welcome and every Tasks carry the daemon's fencing_epoch for the
+    instance (its lease's revision; larger at every acquisition). A worker obeys only the
+    highest epoch it has seen: a lower one means the daemon lost the lease, so the worker
+    applies nothing of that message, drops the stream and reconnects. A daemon that sees its
+    lease on an attached instance taken by another daemon sends `redirect` to the new owner
+    and ends those streams with OK; it never drives the instance again under that epoch.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode

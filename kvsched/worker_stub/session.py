@@ -61,6 +61,11 @@ class Redirected(Exception):
         self.address = address
 
 
+class Fenced(Exception):
+    """The daemon sent a fencing epoch below the highest this worker has seen for its instance:
+    it lost the instance's lease (protocol step 12). Drop the stream; try the next daemon."""
+
+
 class Worker(StepLoop):
     """A worker process's connection to the daemon. Create it, then `await run()`; call
     `stop()` (from the loop's thread) to leave. Usable in-process by tests.
@@ -144,6 +149,10 @@ class Worker(StepLoop):
         # give_up_after_s > 0, run() raises WorkerError once it has lasted that long.
         self._unreachable_since: float | None = None
         self.give_up_after_s = give_up_after_s
+        # Fencing (protocol step 12): the highest epoch any daemon stamped for this instance;
+        # a Welcome or Tasks below it is refused. num_fenced: streams dropped for that.
+        self.fencing_epoch = 0
+        self.num_fenced = 0
 
     @property
     def kv_address(self) -> str | None:
@@ -184,6 +193,9 @@ class Worker(StepLoop):
                     self.server = r.address
                     if self.num_redirects % 8:  # a redirect loop still backs off, rarely
                         continue
+                except Fenced as e:
+                    self.num_fenced += 1
+                    log.warning("refusing daemon %s: %s", self.server, e)
                 except (ProtocolError, ValueError) as e:  # the daemon sent something unusable
                     log.error("dropping the stream to %s: %s", self.server, e)
                 if len(self.servers) > 1:  # try the next daemon of the cluster
@@ -339,10 +351,12 @@ class Worker(StepLoop):
             msg = pb.ConnectResponse.FromString(raw)
             kind = msg.WhichOneof("kind")
             if kind == "tasks":
+                self._check_epoch(msg.tasks.fencing_epoch, "Tasks")
                 self.stats.num_tasks += 1
                 self.stats.tasks_digest = zlib.crc32(raw, self.stats.tasks_digest)
                 inbox.put_nowait(codec.tasks_from_proto(msg.tasks))
             elif kind == "welcome":
+                self._check_epoch(msg.welcome.fencing_epoch, "Welcome")
                 inbox.put_nowait(msg.welcome)
             elif kind == "redirect":
                 r = msg.redirect
@@ -351,6 +365,19 @@ class Worker(StepLoop):
                 self.kv.peers = {(p.instance_id, p.rank): p.address for p in msg.peers.peers}
                 log.info("KV peers: %s", self.kv.peers)
             # heartbeat: the message itself is the news
+
+    def _check_epoch(self, epoch: int, what: str) -> None:
+        """Obey only the highest fencing epoch seen for this instance (raise Fenced below it)."""
+        if epoch < self.fencing_epoch:
+            raise Fenced(
+                f"its {what} carries fencing epoch {epoch}, below {self.fencing_epoch} already "
+                f"seen for instance {self.instance_id}: it lost the lease; dropping the stream"
+            )
+        if epoch > self.fencing_epoch:
+            if self.fencing_epoch:
+                old = self.fencing_epoch
+                log.info("instance %s: fencing epoch %d -> %d", self.instance_id, old, epoch)
+            self.fencing_epoch = epoch
 
     async def _heartbeats(self, outbox: Outbox) -> None:
         """A heartbeat whenever nothing else was sent for the interval (the welcome's)."""
