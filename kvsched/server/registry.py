@@ -156,6 +156,9 @@ class InstanceRegistry:
                 heartbeat_interval_ns=int(self.config.heartbeat_interval_s * 1e9),
                 answers_reports=True,
                 fencing_epoch=eng.fencing_epoch,
+                silence_timeout_ns=int(
+                    self.config.silence_timeout_intervals * self.config.heartbeat_interval_s * 1e9
+                ),
             )
         )
         return msg.SerializeToString()

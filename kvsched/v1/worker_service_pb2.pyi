@@ -190,6 +190,7 @@ class Welcome(_message.Message):
     HEARTBEAT_INTERVAL_NS_FIELD_NUMBER: _builtins.int
     ANSWERS_REPORTS_FIELD_NUMBER: _builtins.int
     FENCING_EPOCH_FIELD_NUMBER: _builtins.int
+    SILENCE_TIMEOUT_NS_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """1: the version the daemon speaks (equal to the worker's, or the hello was refused)."""
     instance_id: _builtins.str
@@ -215,6 +216,13 @@ class Welcome(_message.Message):
     Tasks below it: it drops that stream and reconnects (to the next daemon, which redirects
     it to the lease's owner).
     """
+    silence_timeout_ns: _builtins.int
+    """A worker that receives nothing from the daemon (no Tasks, no heartbeat, nothing) for this
+    long treats it as gone (paused, hung, cut off): it drops the stream and connects to the next
+    daemon of its list, as when a stream breaks (see step 8). The same bound applies to a later
+    connect that gets no Welcome. The daemon's silence_timeout_intervals times
+    heartbeat_interval_ns; 0 = no bound.
+    """
     def __init__(
         self,
         *,
@@ -227,10 +235,11 @@ class Welcome(_message.Message):
         heartbeat_interval_ns: _builtins.int = ...,
         answers_reports: _builtins.bool = ...,
         fencing_epoch: _builtins.int = ...,
+        silence_timeout_ns: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers_reports", b"answers_reports", "block_size", b"block_size", "fencing_epoch", b"fencing_epoch", "heartbeat_interval_ns", b"heartbeat_interval_ns", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "num_speculative_tokens", b"num_speculative_tokens", "protocol_version", b"protocol_version", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers_reports", b"answers_reports", "block_size", b"block_size", "fencing_epoch", b"fencing_epoch", "heartbeat_interval_ns", b"heartbeat_interval_ns", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "num_speculative_tokens", b"num_speculative_tokens", "protocol_version", b"protocol_version", "role", b"role", "silence_timeout_ns", b"silence_timeout_ns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -91,8 +91,9 @@ class WorkerServiceStub:
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
     heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
     heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
-    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat
-    a daemon silent for several intervals as gone and reconnect.
+    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker treats a daemon
+    that sent it nothing for the welcome's silence_timeout_ns as gone and reconnects to the
+    next daemon it knows.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
     its instance is taken out and its requests re-queued on other instances. Nothing else is
@@ -203,8 +204,9 @@ class WorkerServiceServicer:
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
     heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
     heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
-    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat
-    a daemon silent for several intervals as gone and reconnect.
+    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker treats a daemon
+    that sent it nothing for the welcome's silence_timeout_ns as gone and reconnects to the
+    next daemon it knows.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
     its instance is taken out and its requests re-queued on other instances. Nothing else is
@@ -325,8 +327,9 @@ class WorkerService:
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
     heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
     heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
-    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat
-    a daemon silent for several intervals as gone and reconnect.
+    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker treats a daemon
+    that sent it nothing for the welcome's silence_timeout_ns as gone and reconnects to the
+    next daemon it knows.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
     its instance is taken out and its requests re-queued on other instances. Nothing else is

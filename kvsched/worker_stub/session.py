@@ -66,6 +66,11 @@ class Fenced(Exception):
     it lost the instance's lease (protocol step 12). Drop the stream; try the next daemon."""
 
 
+class DaemonSilent(Exception):
+    """The daemon sent nothing for longer than its Welcome.silence_timeout_ns (paused, hung,
+    cut off): drop the stream and try the next daemon."""
+
+
 class Worker(StepLoop):
     """A worker process's connection to the daemon. Create it, then `await run()`; call
     `stop()` (from the loop's thread) to leave. Usable in-process by tests.
@@ -153,6 +158,11 @@ class Worker(StepLoop):
         # a Welcome or Tasks below it is refused. num_fenced: streams dropped for that.
         self.fencing_epoch = 0
         self.num_fenced = 0
+        # Leave a daemon silent this long (the last Welcome's silence_timeout_ns; 0: no bound);
+        # also bounds a later connect that gets no Welcome. num_silent: streams left for that.
+        self.silence_timeout_s = 0.0
+        self.num_silent = 0
+        self._last_heard = 0.0
 
     @property
     def kv_address(self) -> str | None:
@@ -193,6 +203,9 @@ class Worker(StepLoop):
                     self.server = r.address
                     if self.num_redirects % 8:  # a redirect loop still backs off, rarely
                         continue
+                except DaemonSilent as e:
+                    self.num_silent += 1
+                    log.warning("leaving daemon %s: %s", self.server, e)
                 except Fenced as e:
                     self.num_fenced += 1
                     log.warning("refusing daemon %s: %s", self.server, e)
@@ -268,6 +281,7 @@ class Worker(StepLoop):
         self._inbox, self._heartbeat_s = inbox, self._default_heartbeat_s
         self._new_session()
         self._welcomed = asyncio.Event()
+        self._last_heard = time.monotonic()
         async with open_channel(self.server, self._credentials) as channel:
             # Raw response bytes (no deserializer): the digest covers exactly what was sent.
             connect = channel.stream_stream(
@@ -279,6 +293,7 @@ class Worker(StepLoop):
                 asyncio.create_task(self._read_stream(call, inbox)),
                 asyncio.create_task(self._serve_steps(inbox, outbox)),
                 asyncio.create_task(self._heartbeats(outbox)),
+                asyncio.create_task(self._silence_watch()),
                 asyncio.create_task(self._stopping.wait()),
             ]
             try:
@@ -328,6 +343,7 @@ class Worker(StepLoop):
             self._unreachable_since = None
         if welcome.heartbeat_interval_ns:
             self._heartbeat_s = welcome.heartbeat_interval_ns / 1e9
+        self.silence_timeout_s = welcome.silence_timeout_ns / 1e9
         log.info(
             "welcomed by %s as %s rank %d/%d: %s",
             self.server,
@@ -348,6 +364,7 @@ class Worker(StepLoop):
         """Route the daemon's messages until it ends the stream with OK (return) or it breaks
         (AioRpcError)."""
         while (raw := await call.read()) is not grpc.aio.EOF:
+            self._last_heard = time.monotonic()
             msg = pb.ConnectResponse.FromString(raw)
             kind = msg.WhichOneof("kind")
             if kind == "tasks":
@@ -365,6 +382,22 @@ class Worker(StepLoop):
                 self.kv.peers = {(p.instance_id, p.rank): p.address for p in msg.peers.peers}
                 log.info("KV peers: %s", self.kv.peers)
             # heartbeat: the message itself is the news
+
+    async def _silence_watch(self) -> None:
+        """Raise DaemonSilent once the daemon has sent nothing for silence_timeout_s."""
+        while True:
+            bound = self.silence_timeout_s
+            if bound <= 0:
+                await asyncio.sleep(0.5)  # no bound (yet): look again after a welcome
+                continue
+            quiet = time.monotonic() - self._last_heard
+            if quiet >= bound:
+                what = "a Welcome" if not self._welcomed.is_set() else "anything"
+                raise DaemonSilent(
+                    f"no {what} from it for {quiet:.2f} s (bound {bound:g} s, the Welcome's "
+                    "silence_timeout_ns): trying the next daemon"
+                )
+            await asyncio.sleep(bound - quiet)
 
     def _check_epoch(self, epoch: int, what: str) -> None:
         """Obey only the highest fencing epoch seen for this instance (raise Fenced below it)."""
