@@ -29,6 +29,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvsched.cluster.fencing import hand_over_fenced
 from kvsched.cluster.forward import (
     FORWARD_INSTANCE,
     FORWARDED_BY,
@@ -174,47 +175,7 @@ class ClusterNode:
                 except Exception as exc:
                     log.debug("leases reload: %r", exc)
             self._refresh_views()
-            self._hand_over_fenced()
-
-    def _hand_over_fenced(self) -> None:
-        """Attached instances whose lease a live daemon holds under a larger epoch (it took the
-        lease by CAS): redirect their workers to that daemon and take the instance out here
-        (its requests move to this daemon's other instances). Never driven again under the old
-        epoch: the worker, once welcomed by the new owner, refuses it anyway (step 12)."""
-        for iid, eng in list(self.registry.engines.items()):
-            if not eng.ranks:
-                continue
-            lease = self.leases.cached(iid)
-            if lease is None or lease.owner == self.daemon_id:
-                continue
-            if lease.revision <= eng.fencing_epoch:
-                continue
-            address = self._addresses.get(lease.owner)
-            if address is None:  # the holder is not live: _claim_unleased deals with it
-                continue
-            redirect = wpb.ConnectResponse(
-                redirect=wpb.Redirect(
-                    address=address,
-                    owner_daemon_id=lease.owner,
-                    reason=(
-                        f"instance {iid} was taken by daemon {lease.owner} (epoch "
-                        f"{lease.revision} > {eng.fencing_epoch})"
-                    ),
-                )
-            ).SerializeToString()
-            for conn in eng.ranks.values():
-                if not conn.closed:
-                    conn.queue.put_nowait(redirect)
-            self.num_fenced += 1
-            log.warning(
-                "lease of instance %s taken by daemon %s (epoch %d > %d): its workers are "
-                "sent there",
-                iid,
-                lease.owner,
-                lease.revision,
-                eng.fencing_epoch,
-            )
-            eng.take_out(f"lease taken by daemon {lease.owner}")
+            hand_over_fenced(self)
 
     async def _claim_unleased(self) -> None:
         """Instances attached here while NATS was away have no lease: take it now (a

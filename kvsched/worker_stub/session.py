@@ -30,6 +30,7 @@ from kvsched.v1 import kv_transfer_service_pb2 as kv_pb2
 from kvsched.v1 import worker_service_pb2 as pb
 from kvsched.worker_stub.channels import open_channel
 from kvsched.worker_stub.factories import EngineFactory
+from kvsched.worker_stub.guard import DaemonGuard, DaemonSilent, Fenced
 from kvsched.worker_stub.kv_push import KvPush
 from kvsched.worker_stub.stats import WorkerStats
 from kvsched.worker_stub.steps import InboxItem, Outbox, StepLoop
@@ -59,16 +60,6 @@ class Redirected(Exception):
     def __init__(self, address: str, reason: str) -> None:
         super().__init__(reason)
         self.address = address
-
-
-class Fenced(Exception):
-    """The daemon sent a fencing epoch below the highest this worker has seen for its instance:
-    it lost the instance's lease (protocol step 12). Drop the stream; try the next daemon."""
-
-
-class DaemonSilent(Exception):
-    """The daemon sent nothing for longer than its Welcome.silence_timeout_ns (paused, hung,
-    cut off): drop the stream and try the next daemon."""
 
 
 class Worker(StepLoop):
@@ -154,15 +145,8 @@ class Worker(StepLoop):
         # give_up_after_s > 0, run() raises WorkerError once it has lasted that long.
         self._unreachable_since: float | None = None
         self.give_up_after_s = give_up_after_s
-        # Fencing (protocol step 12): the highest epoch any daemon stamped for this instance;
-        # a Welcome or Tasks below it is refused. num_fenced: streams dropped for that.
-        self.fencing_epoch = 0
-        self.num_fenced = 0
-        # Leave a daemon silent this long (the last Welcome's silence_timeout_ns; 0: no bound);
-        # also bounds a later connect that gets no Welcome. num_silent: streams left for that.
-        self.silence_timeout_s = 0.0
-        self.num_silent = 0
-        self._last_heard = 0.0
+        # Fencing epoch and the silence bound (protocol steps 12 and 8): guard.py.
+        self.guard = DaemonGuard(instance_id)
 
     @property
     def kv_address(self) -> str | None:
@@ -204,10 +188,10 @@ class Worker(StepLoop):
                     if self.num_redirects % 8:  # a redirect loop still backs off, rarely
                         continue
                 except DaemonSilent as e:
-                    self.num_silent += 1
+                    self.guard.num_silent += 1
                     log.warning("leaving daemon %s: %s", self.server, e)
                 except Fenced as e:
-                    self.num_fenced += 1
+                    self.guard.num_fenced += 1
                     log.warning("refusing daemon %s: %s", self.server, e)
                 except (ProtocolError, ValueError) as e:  # the daemon sent something unusable
                     log.error("dropping the stream to %s: %s", self.server, e)
@@ -281,7 +265,7 @@ class Worker(StepLoop):
         self._inbox, self._heartbeat_s = inbox, self._default_heartbeat_s
         self._new_session()
         self._welcomed = asyncio.Event()
-        self._last_heard = time.monotonic()
+        self.guard.heard()
         async with open_channel(self.server, self._credentials) as channel:
             # Raw response bytes (no deserializer): the digest covers exactly what was sent.
             connect = channel.stream_stream(
@@ -293,7 +277,7 @@ class Worker(StepLoop):
                 asyncio.create_task(self._read_stream(call, inbox)),
                 asyncio.create_task(self._serve_steps(inbox, outbox)),
                 asyncio.create_task(self._heartbeats(outbox)),
-                asyncio.create_task(self._silence_watch()),
+                asyncio.create_task(self.guard.watch_silence(self._welcomed)),
                 asyncio.create_task(self._stopping.wait()),
             ]
             try:
@@ -343,7 +327,7 @@ class Worker(StepLoop):
             self._unreachable_since = None
         if welcome.heartbeat_interval_ns:
             self._heartbeat_s = welcome.heartbeat_interval_ns / 1e9
-        self.silence_timeout_s = welcome.silence_timeout_ns / 1e9
+        self.guard.silence_timeout_s = welcome.silence_timeout_ns / 1e9
         log.info(
             "welcomed by %s as %s rank %d/%d: %s",
             self.server,
@@ -364,16 +348,16 @@ class Worker(StepLoop):
         """Route the daemon's messages until it ends the stream with OK (return) or it breaks
         (AioRpcError)."""
         while (raw := await call.read()) is not grpc.aio.EOF:
-            self._last_heard = time.monotonic()
+            self.guard.heard()
             msg = pb.ConnectResponse.FromString(raw)
             kind = msg.WhichOneof("kind")
             if kind == "tasks":
-                self._check_epoch(msg.tasks.fencing_epoch, "Tasks")
+                self.guard.check_epoch(msg.tasks.fencing_epoch, "Tasks")
                 self.stats.num_tasks += 1
                 self.stats.tasks_digest = zlib.crc32(raw, self.stats.tasks_digest)
                 inbox.put_nowait(codec.tasks_from_proto(msg.tasks))
             elif kind == "welcome":
-                self._check_epoch(msg.welcome.fencing_epoch, "Welcome")
+                self.guard.check_epoch(msg.welcome.fencing_epoch, "Welcome")
                 inbox.put_nowait(msg.welcome)
             elif kind == "redirect":
                 r = msg.redirect
@@ -382,35 +366,6 @@ class Worker(StepLoop):
                 self.kv.peers = {(p.instance_id, p.rank): p.address for p in msg.peers.peers}
                 log.info("KV peers: %s", self.kv.peers)
             # heartbeat: the message itself is the news
-
-    async def _silence_watch(self) -> None:
-        """Raise DaemonSilent once the daemon has sent nothing for silence_timeout_s."""
-        while True:
-            bound = self.silence_timeout_s
-            if bound <= 0:
-                await asyncio.sleep(0.5)  # no bound (yet): look again after a welcome
-                continue
-            quiet = time.monotonic() - self._last_heard
-            if quiet >= bound:
-                what = "a Welcome" if not self._welcomed.is_set() else "anything"
-                raise DaemonSilent(
-                    f"no {what} from it for {quiet:.2f} s (bound {bound:g} s, the Welcome's "
-                    "silence_timeout_ns): trying the next daemon"
-                )
-            await asyncio.sleep(bound - quiet)
-
-    def _check_epoch(self, epoch: int, what: str) -> None:
-        """Obey only the highest fencing epoch seen for this instance (raise Fenced below it)."""
-        if epoch < self.fencing_epoch:
-            raise Fenced(
-                f"its {what} carries fencing epoch {epoch}, below {self.fencing_epoch} already "
-                f"seen for instance {self.instance_id}: it lost the lease; dropping the stream"
-            )
-        if epoch > self.fencing_epoch:
-            if self.fencing_epoch:
-                old = self.fencing_epoch
-                log.info("instance %s: fencing epoch %d -> %d", self.instance_id, old, epoch)
-            self.fencing_epoch = epoch
 
     async def _heartbeats(self, outbox: Outbox) -> None:
         """A heartbeat whenever nothing else was sent for the interval (the welcome's)."""
