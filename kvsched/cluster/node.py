@@ -65,6 +65,25 @@ NATS_TIMEOUT_S = 2.0
 class _Stoppable(Protocol):
     async def stop(self) -> None: ...
 
+    async def confirmed_dead(self, dead_id: str, address: str, instances: list[str]) -> None: ...
+
+
+async def refuses_connections(address: str, timeout_s: float = 0.5) -> bool:
+    """True when nothing listens at `address` (the connection is refused): proof that the
+    daemon that advertised it is dead. A timeout or any other error proves nothing (a paused
+    or partitioned daemon): False."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), timeout_s
+        )
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError, TimeoutError):
+        return False
+    writer.close()
+    return False
+
 
 class ClusterNode:
     def __init__(
@@ -220,6 +239,13 @@ class ClusterNode:
                 lease, owner = lease2, await self._live_member(lease2.owner)
                 if owner is None:
                     raise Unavailable(f"instance {iid}: its lease is moving; retry")
+            if self.takeover is not None and await refuses_connections(owner.address):
+                # Its worker came here and its address refuses connections: it is dead. Take
+                # its leases and requests now (by CAS), not after its membership TTL.
+                await self.takeover.confirmed_dead(lease.owner, owner.address, owner.instances)
+                again = await asyncio.wait_for(self.leases.owner(iid), NATS_TIMEOUT_S)
+                if again is not None and again.owner == self.daemon_id:
+                    return None
         except (TimeoutError, Unavailable) as exc:
             raise Unavailable(f"instance {iid}: cluster lease unavailable: {exc}") from None
         log.info("worker of instance %s redirected to daemon %s", iid, lease.owner)
