@@ -15,7 +15,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvsched.core import KVCacheManager, KvschedError, Request, Role
+from kvsched.core import (
+    InvalidRequest,
+    KVCacheManager,
+    KvschedError,
+    Request,
+    Role,
+    Unavailable,
+)
 from kvsched.core.router import backlog_load, best_by_score, load_value
 from kvsched.server.engine import InstanceEngine
 from kvsched.server.models import Limits, misfit
@@ -114,6 +121,20 @@ class ClusterRouter:
             for v in self.remote_candidates(time.monotonic())
         ]
 
+    def _refuse_by_peers(self, req: Request, model: str, known: list[InstanceView]) -> None:
+        """InvalidRequest naming the limit when peers serve `model` but `req` fits none."""
+        cfg = self.registry.config
+        lims = [
+            Limits(model, v.max_model_len, v.vocab_size)
+            for v in known
+            if (v.model or cfg.model) == model and v.max_model_len
+        ]
+        if lims:
+            best = max(lims, key=lambda lim: (lim.max_model_len, lim.vocab_size))
+            why = misfit(req, best)
+            if why is not None:
+                raise InvalidRequest(f"request {req.req_id!r}: {why}")
+
     def _remote_fits(self, req: Request, model: str, v: InstanceView) -> bool:
         """Whether a peer's instance serves `model` and `req` fits its published limits (an
         instance that published none is taken to serve the configured model, unchecked)."""
@@ -140,11 +161,15 @@ class ClusterRouter:
         return 1e6 * xs[len(xs) // 2], 1e6 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
     def _route(self, req: Request, model: str) -> InstanceEngine | RemoteInstance:
-        remotes = [
-            v for v in self.remote_candidates(time.monotonic()) if self._remote_fits(req, model, v)
-        ]
+        known = self.remote_candidates(time.monotonic())
+        remotes = [v for v in known if self._remote_fits(req, model, v)]
         if not remotes:
-            eng = self.registry.route(req, model)
+            try:
+                eng = self.registry.route(req, model)
+            except Unavailable:
+                # None of the model here: the peers' instances of it, if any, say why not.
+                self._refuse_by_peers(req, model, known)
+                raise
             self.num_local += 1
             return eng
         engines = [
