@@ -73,10 +73,11 @@ async def refuses_connections(address: str, timeout_s: float = 0.5) -> bool:
     daemon that advertised it is dead. A timeout or any other error proves nothing (a paused
     or partitioned daemon): False."""
     host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if host in ("", "0.0.0.0", "::") or address.startswith("unix:"):
+        return False  # a wildcard (no --advertise) names no one host: it proves nothing
     try:
-        _, writer = await asyncio.wait_for(
-            asyncio.open_connection(host.strip("[]"), int(port)), timeout_s
-        )
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
     except ConnectionRefusedError:
         return True
     except (OSError, ValueError, TimeoutError):
