@@ -195,7 +195,9 @@ class ClusterNode:
                 except Exception as exc:
                     log.debug("leases reload: %r", exc)
             self._refresh_views()
-            hand_over_fenced(self)
+            self.num_fenced += hand_over_fenced(
+                self.registry.engines, self.leases, self.membership.members
+            )
 
     async def _claim_unleased(self) -> None:
         """Instances attached here while NATS was away have no lease: take it now (a
