@@ -46,9 +46,9 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvsched demo
 
-# The same trace under two daemons joined through a local NATS (docs/CLUSTER.md).
+# The same trace under three daemons joined through a local NATS, six workers (docs/CLUSTER.md).
 demo-cluster: $(STAMP)
-	$(BIN)/kvsched demo --cluster --daemons 2 --json bench/results/demo_cluster.json
+	$(BIN)/kvsched demo --cluster --daemons 3 --workers 6
 
 # The benchmark suite; figures and how to read them: docs/BENCHMARKS.md.
 bench: $(STAMP)
@@ -74,7 +74,7 @@ install-vllm: $(VLLM_STAMP)
 
 # The tests marked `vllm` (tests/vllm: the proof against vLLM's own LLM.generate).
 test-vllm: $(VLLM_STAMP)
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/vllm
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -s -p no:cacheprovider -m vllm tests/vllm
 
 # A real model over HTTP (README "Serve a model", docs/HTTP.md): the vllm extra in its own
 # virtualenv (torch + vLLM, never in .venv), a tiny model made offline, daemon + vLLM worker +

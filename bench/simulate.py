@@ -41,6 +41,7 @@ from kvsched.core import (
     StepReport,
     Tasks,
 )
+from kvsched.core.errors import CapacityExceeded
 from kvsched.replay.summary import (
     DEFAULT_SLO_TPOT_S,
     DEFAULT_SLO_TTFT_S,
@@ -306,8 +307,13 @@ class KvschedCluster:
         )
         req.tag = rec
         t0 = time.perf_counter_ns()
-        index = self.router.pick(self._scheds, req) if len(self._scheds) > 1 else 0
-        self.router_ns.append(time.perf_counter_ns() - t0)
+        try:
+            index = self.router.pick(self._scheds, req) if len(self._scheds) > 1 else 0
+        except CapacityExceeded:  # refused by the router (overload "refuse"): told at once
+            rec.finish_reason = "rejected"
+            return
+        finally:
+            self.router_ns.append(time.perf_counter_ns() - t0)
         rec.instance = index
         if not self.instances[index].add(req):
             rec.finish_reason = "rejected"

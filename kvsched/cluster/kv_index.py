@@ -6,18 +6,25 @@ Every daemon publishes, per instance it owns, batches of KV events on the NATS s
     {"instance": "i0", "daemon": "a", "epoch": "3f2a...", "seq": 17, "ts": 1733.2,
      "block_size": 16,
      "load": {"running": 3, "waiting": 0, "max_num_seqs": 64, "kv_usage": 0.41,
-              "queued_prefill_tokens": 512, "predicted_backlog_ms": 230.5},
+              "queued_prefill_tokens": 512, "predicted_backlog_ms": 230.5,
+              "prefill_token_ms": 0.05, "attention_ms": 2e-7, "swap_block_ms": 0.17},
      "events": [{"type": "BlockStored", "block_hashes": ["<hex>", ...],
                  "parent_block_hash": "<hex>" | null, "token_ids": [...], "block_size": 16,
                  "lora_name": null, "medium": "gpu"},
                 {"type": "BlockRemoved", "block_hashes": ["<hex>"], "medium": "gpu"},
                 {"type": "AllBlocksCleared", "medium": "gpu"}]}
 
+`medium` is the tier (`kvsched.core.kv_events.MEDIA`): "gpu", "cpu" (the instance's host
+memory: a block moved there is a cpu BlockStored, a host eviction a cpu BlockRemoved) or
+"storage" (reserved for a store every instance shares; ignored by this index for now). The
+load's cost fields are the instance's step-cost model (ms per prefill token, per unit of the
+attention term, per block swapped in from host memory): peers price its hits with them.
+
 `seq` counts the batches of one `epoch` (a publisher's run for one instance) from 1 without
 gaps. A consumer that sees an unknown epoch or a seq other than last + 1 asks the owner for a
 snapshot (request/reply on `kvsched.kv.snapshot.<instance>`), answered with
-`{"instance", "daemon", "epoch", "seq", "block_size", "block_hashes": [...], "load"}`: the
-instance's cache after batch `seq`. Batches with seq <= the snapshot's are dropped, later ones
+`{"instance", "daemon", "epoch", "seq", "block_size", "block_hashes": [...],
+"host_block_hashes": [...], "load"}`: the instance's cache (GPU, host memory) after batch `seq`. Batches with seq <= the snapshot's are dropped, later ones
 applied. Replaying a batch twice is harmless (events set or clear membership).
 """
 
@@ -27,7 +34,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsched.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+import numpy as np
+import numpy.typing as npt
+
+from kvsched.cluster.hit_index import HitIndex
+from kvsched.core.kv_events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 EVENTS_SUBJECT = "kvsched.kv.events"  # + ".<instance>"
 MAX_PENDING = 512  # batches kept per instance while a snapshot is awaited (older: dropped)
@@ -90,6 +101,7 @@ def encode_snapshot(
     load: dict[str, float],
     hashes: list[bytes],
     info: dict[str, Any] | None = None,
+    host_hashes: list[bytes] | None = None,
 ) -> bytes:
     return json.dumps(
         {
@@ -101,6 +113,7 @@ def encode_snapshot(
             "block_size": block_size,
             "load": load,
             "block_hashes": [h.hex() for h in hashes],
+            "host_block_hashes": [h.hex() for h in host_hashes or ()],
         },
         separators=(",", ":"),
     ).encode()
@@ -115,7 +128,9 @@ class InstanceView:
     epoch: str = ""
     seq: int = 0
     block_size: int = 0
-    hashes: set[bytes] = field(default_factory=set)
+    hashes: set[bytes] = field(default_factory=set)  # in its GPU pool
+    host: set[bytes] = field(default_factory=set)  # in its host-memory tier
+    slot: int = -1  # its index in the ClusterIndex's HitIndex and arrays
     load: dict[str, float] = field(default_factory=dict)
     synced: bool = False  # a snapshot (or an epoch's first batch) was applied: hashes are whole
     pending: list[dict[str, Any]] = field(default_factory=list)  # batches while resyncing
@@ -141,6 +156,78 @@ class InstanceView:
             n += 1
         return n
 
+    def tier_blocks(self, block_hashes: list[bytes]) -> tuple[int, int]:
+        """(GPU blocks, GPU + host blocks) of the request's longest cached run here: the GPU
+        prefix, then its continuation in host memory (Scheduler.prefix_hit_tokens' rule)."""
+        g = self.prefix_blocks(block_hashes)
+        n, hs = g, self.host
+        for h in block_hashes[g:]:
+            if h not in hs:
+                break
+            n += 1
+        return g, n
+
+    def medium(self, name: str) -> set[bytes] | None:
+        return self.hashes if name == GPU else self.host if name == CPU else None
+
+
+class LoadTable:
+    """Per slot, what routing reads of an instance, kept as numpy columns so that a decision
+    over a thousand instances is a few vector operations (set from each published load)."""
+
+    COLUMNS = (
+        "heard",
+        "block_size",
+        "backlog_ms",
+        "kv_usage",
+        "max_num_seqs",
+        "sent",
+        "prefill_token_ms",
+        "attention_ms",
+        "swap_block_ms",
+    )
+
+    def __init__(self) -> None:
+        self.size = 0
+        for c in self.COLUMNS:
+            setattr(self, c, np.zeros(0))
+        self.heard: npt.NDArray[np.float64]
+        self.block_size: npt.NDArray[np.float64]
+        self.backlog_ms: npt.NDArray[np.float64]
+        self.kv_usage: npt.NDArray[np.float64]
+        self.max_num_seqs: npt.NDArray[np.float64]
+        self.sent: npt.NDArray[np.float64]  # requests forwarded since its last load was heard
+        self.prefill_token_ms: npt.NDArray[np.float64]
+        self.attention_ms: npt.NDArray[np.float64]
+        self.swap_block_ms: npt.NDArray[np.float64]
+
+    def grow(self, n: int) -> None:
+        if n <= self.size:
+            return
+        cap = max(n, 2 * self.size, 16)
+        for c in self.COLUMNS:
+            col = np.zeros(cap)
+            col[: self.size] = getattr(self, c)[: self.size]
+            setattr(self, c, col)
+        self.size = cap
+
+    def reset(self, slot: int) -> None:
+        for c in self.COLUMNS:
+            getattr(self, c)[slot] = 0.0
+
+    def set(self, v: InstanceView) -> None:
+        i, ld = v.slot, v.load
+        self.block_size[i] = v.block_size or 16
+        # A peer publishing counts only (no cost model): its queued requests at ~1 s each.
+        waiting = ld.get("waiting", 0.0)
+        self.backlog_ms[i] = ld.get("predicted_backlog_ms", 1e3 * waiting)
+        self.kv_usage[i] = ld.get("kv_usage", 0.0)
+        self.max_num_seqs[i] = max(1.0, ld.get("max_num_seqs", 1.0))
+        self.sent[i] = 0.0
+        self.prefill_token_ms[i] = ld.get("prefill_token_ms", 0.0)
+        self.attention_ms[i] = ld.get("attention_ms", 0.0)
+        self.swap_block_ms[i] = ld.get("swap_block_ms", 0.0)
+
 
 class ClusterIndex:
     """Per instance: its cached block hashes and load, kept from event batches and snapshots.
@@ -153,16 +240,40 @@ class ClusterIndex:
         self.instances: dict[str, InstanceView] = {}
         self.num_gaps = 0
         self.num_snapshots = 0
+        self.hits = HitIndex()
+        self.slots: list[InstanceView | None] = []  # slot -> view (None: free)
+        self._free_slots: list[int] = []
+        self.version = 0  # bumped when an instance is added, forgotten or (re)synced
+        self.table = LoadTable()  # per slot: the numbers routing reads, as arrays
 
     def view(self, instance_id: str) -> InstanceView:
         v = self.instances.get(instance_id)
         if v is None:
             v = self.instances[instance_id] = InstanceView(instance_id)
+            if self._free_slots:
+                v.slot = self._free_slots.pop()
+                self.slots[v.slot] = v
+            else:
+                v.slot = len(self.slots)
+                self.slots.append(v)
+                self.table.grow(len(self.slots))
+            self.table.reset(v.slot)
+            self.hits.bind(v.slot, v.hashes, v.host)
+            self.version += 1
         return v
+
+    def _clear(self, v: InstanceView, medium: str | None = None) -> None:
+        """Drop an instance's hashes of one medium (None: every medium)."""
+        for m in (GPU, CPU) if medium is None else (medium,):
+            hs = v.medium(m)
+            if hs:
+                self.hits.remove(m, v.slot, hs)
+                hs.clear()
 
     def apply_batch(self, batch: dict[str, Any], now: float = 0.0) -> bool:
         v = self.view(str(batch["instance"]))
         v.heard = max(v.heard, now)
+        self.table.heard[v.slot] = v.heard
         epoch, seq = str(batch["epoch"]), int(batch["seq"])
         if not v.synced:
             v.pending.append(batch)
@@ -174,7 +285,8 @@ class ClusterIndex:
             if epoch != v.epoch and seq == 1:
                 # A new publisher's first batch starts from an empty cache (AllBlocksCleared
                 # comes first): nothing is missing.
-                v.hashes.clear()
+                self._clear(v)
+                self.version += 1
             else:
                 self.num_gaps += 1
                 v.synced = False
@@ -191,38 +303,63 @@ class ClusterIndex:
         if load:
             v.load = dict(load)
             v.sent_since_load = 0
-        hs = v.hashes
+            self.table.set(v)
+        slot, hits, fromhex = v.slot, self.hits, bytes.fromhex
         for ev in batch.get("events", ()):
-            kind = ev.get("type")
+            kind, medium = ev.get("type"), ev.get("medium", GPU)
+            hs = v.medium(medium)
+            if hs is None:
+                continue  # storage: reserved (a shared tier is not one instance's)
             if kind == "BlockStored":
-                hs.update(bytes.fromhex(h) for h in ev["block_hashes"])
+                got = list(map(fromhex, ev["block_hashes"]))
+                hs.update(got)
+                hits.add(medium, slot, got)
             elif kind == "BlockRemoved":
-                hs.difference_update(bytes.fromhex(h) for h in ev["block_hashes"])
+                got = list(map(fromhex, ev["block_hashes"]))
+                hs.difference_update(got)
+                hits.remove(medium, slot, got)
             elif kind == "AllBlocksCleared":
-                hs.clear()
+                self._clear(v, medium)
 
     def apply_snapshot(self, snap: dict[str, Any], now: float = 0.0) -> None:
         v = self.view(str(snap["instance"]))
         v.heard = max(v.heard, now)
+        self.table.heard[v.slot] = v.heard
         self.num_snapshots += 1
         v.daemon, v.epoch, v.seq = str(snap["daemon"]), str(snap["epoch"]), int(snap["seq"])
         v.block_size = int(snap["block_size"])
         v.take_info(snap.get("info"))
-        v.hashes = {bytes.fromhex(h) for h in snap["block_hashes"]}
+        self._clear(v)
+        v.hashes.update(bytes.fromhex(h) for h in snap["block_hashes"])
+        v.host.update(bytes.fromhex(h) for h in snap.get("host_block_hashes", ()))
+        self.hits.add(GPU, v.slot, v.hashes)
+        self.hits.add(CPU, v.slot, v.host)
         if snap.get("load"):
             v.load = dict(snap["load"])
+        self.table.set(v)
         v.synced = True
+        self.version += 1
         pending, v.pending = v.pending, []
         for batch in sorted(pending, key=lambda b: int(b["seq"])):
             if str(batch["epoch"]) == v.epoch and int(batch["seq"]) > v.seq:
                 self.apply_batch(batch)
 
     def forget(self, instance_id: str) -> None:
-        self.instances.pop(instance_id, None)
+        v = self.instances.pop(instance_id, None)
+        if v is not None:
+            self._clear(v)
+            self.slots[v.slot] = None
+            self.hits.own.pop(v.slot, None)
+            self._free_slots.append(v.slot)
+            self.version += 1
 
     def digest(self) -> dict[str, frozenset[bytes]]:
-        """Every instance's hashes (for comparing two daemons' indexes)."""
+        """Every instance's GPU hashes (for comparing two daemons' indexes)."""
         return {i: frozenset(v.hashes) for i, v in self.instances.items() if v.synced}
+
+    def host_digest(self) -> dict[str, frozenset[bytes]]:
+        """Every instance's host-memory hashes."""
+        return {i: frozenset(v.host) for i, v in self.instances.items() if v.synced}
 
 
 def decode(data: bytes) -> dict[str, Any]:

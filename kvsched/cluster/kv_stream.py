@@ -39,6 +39,7 @@ def load_of(sched: Scheduler) -> dict[str, float]:
     """An instance's load summary: what the router and the membership entry carry."""
     # The waiting queue, not every request of the instance: this runs at each publish.
     queued = sum(req.num_tokens - req.num_computed_tokens for req in sched.waiting)
+    a_tok, a_attn = sched.cost.prefill_costs
     return {
         "running": float(sched.num_running),
         "waiting": float(sched.num_waiting),
@@ -46,7 +47,17 @@ def load_of(sched: Scheduler) -> dict[str, float]:
         "kv_usage": round(sched.kv.usage, 4),
         "queued_prefill_tokens": float(queued),
         "predicted_backlog_ms": round(sched.predicted_backlog_ms(), 3),
+        # The step-cost model peers price this instance's hits with (recompute vs swap-in).
+        "prefill_token_ms": a_tok,
+        "attention_ms": a_attn,
+        "swap_block_ms": sched.cost.swap_block_ms,
     }
+
+
+def host_block_hashes(sched: Scheduler) -> list[bytes]:
+    """Every hash the instance's host-memory tier holds now ([] without one)."""
+    host = sched.kv.host
+    return list(host.pool.cached) if host is not None else []
 
 
 class _Pub:
@@ -179,6 +190,7 @@ class KvStream:
             load_of(sched),
             sched.cached_block_hashes(),
             self._info(iid),
+            host_block_hashes(sched),
         )
         with contextlib.suppress(Exception):
             await msg.respond(data)

@@ -182,6 +182,7 @@ class ClusterNode:
         self._addresses.update({d: m.address for d, m in members.items()})
         self._owners.clear()
         self._owners.update({i: lease.owner for i, lease in self.leases.owners().items()})
+        self.router.refresh()  # which peers' instances may take requests (off the route path)
 
     async def _views(self) -> None:
         ticks = 0

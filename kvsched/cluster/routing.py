@@ -3,9 +3,14 @@
 Candidates are this daemon's instances that accept requests (read live off their schedulers,
 as the single-daemon router does) and the peers' instances known from KV events
 (`ClusterIndex`): synced, heard from within `stale_s`, owned (lease) by a live member. Each is
-scored by the single-daemon rule (`core.router.best_by_score`): the fraction of the prompt its
-cache holds, minus `load_weight` times its load above the least loaded one. A peer's load is
-what it last published plus the requests this daemon forwarded to it since.
+scored by the single-daemon rule (`core.router`): the prompt fraction its cache is worth (GPU
+hits whole; its host-memory run, found by the index's `HitIndex` like a local instance's
+`prefix_hit_tokens`, priced by the peer's published step-cost model: swap-in vs recompute),
+minus `load_weight` times its load above the least loaded one, among the candidates whose
+predicted wait meets the request's deadline (all of them when none does). A peer's load and
+wait are what it last published (predicted backlog) plus the requests this daemon forwarded
+to it since. Peers are read as numpy columns (`LoadTable`) and the prompt's runs on every
+peer at once (`HitIndex.runs`): a decision's cost follows the prompt, not the fleet's size.
 """
 
 from __future__ import annotations
@@ -15,15 +20,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvsched.core import (
-    InvalidRequest,
-    KVCacheManager,
-    KvschedError,
-    Request,
-    Role,
-    Unavailable,
-)
-from kvsched.core.router import backlog_load, best_by_score, load_value
+import numpy as np
+import numpy.typing as npt
+
+from kvsched.core import InvalidRequest, KVCacheManager, KvschedError, Request, Role, Unavailable
+from kvsched.core.router import predicted_wait_ms, priced_hit, priced_hit_tokens
 from kvsched.server.engine import InstanceEngine
 from kvsched.server.models import Limits, misfit
 
@@ -76,6 +77,15 @@ class ClusterRouter:
         self.num_forwarded = 0
         self.num_prefix_routed = 0  # placements on an instance holding part of the prompt
         self.route_s: collections.deque[float] = collections.deque(maxlen=2048)
+        self.refresh_s = 1.0  # ownership and membership re-read at least this often
+        self._base: npt.NDArray[np.bool_] = np.zeros(0, bool)
+        self._sizes: list[int] = []  # the eligible peers' block sizes
+        self._models: list[str] = []  # per slot, the model it serves
+        self._model_masks: dict[str, npt.NDArray[np.bool_]] = {}
+        self._max_model_len: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self._vocab: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self._any_vocab = False
+        self._mask_version, self._mask_at = -1, float("-inf")
 
     def _hashes(
         self, req: Request, block_size: int, by_size: dict[int, list[bytes]]
@@ -92,16 +102,49 @@ class ClusterRouter:
         return got
 
     def remote_candidates(self, now: float) -> list[InstanceView]:
-        out = []
-        for iid, v in self.index.instances.items():
-            if not v.synced or v.daemon == self.daemon_id or not v.load:
-                continue
-            if now - v.heard > self.stale_s or iid in self.registry.engines:
-                continue
-            if self.owner_of.get(iid) != v.daemon or v.daemon not in self.address_of:
-                continue
-            out.append(v)
-        return out
+        """The peers' instances a request may go to now (the rule of module docstring)."""
+        views = self.index.slots
+        return [v for i in np.flatnonzero(self._remote_mask(now)).tolist() if (v := views[i])]
+
+    def refresh(self) -> None:
+        """Re-read which indexed instances may take requests (synced, with a load, a peer's,
+        leased to a live member): a loop over every instance, so it runs when the index gains
+        or resyncs one, when the daemon's membership and lease views were refreshed
+        (`ClusterNode`, every 0.2 s) and at least every `refresh_s`, never per decision."""
+        index, me, engines = self.index, self.daemon_id, self.registry.engines
+        owner, live = self.owner_of.get, self.address_of
+        ok = [
+            v is not None
+            and v.synced
+            and bool(v.load)
+            and v.daemon != me
+            and v.daemon in live
+            and owner(v.instance_id) == v.daemon
+            and v.instance_id not in engines
+            for v in index.slots
+        ]
+        self._base = np.array(ok, dtype=bool)
+        default = self.registry.config.model
+        self._models = [(v.model or default) if v is not None else "" for v in index.slots]
+        self._model_masks = {}
+        self._max_model_len = np.array(
+            [v.max_model_len if v is not None else 0 for v in index.slots], np.int64
+        )
+        self._vocab = np.array(
+            [v.vocab_size if v is not None else 0 for v in index.slots], np.int64
+        )
+        self._any_vocab = bool((self._vocab > 0).any())
+        sizes = index.table.block_size[: len(ok)][self._base]
+        self._sizes = sorted({int(b) for b in sizes.tolist()})
+        self._mask_version, self._mask_at = index.version, time.monotonic()
+
+    def _remote_mask(self, now: float) -> npt.NDArray[np.bool_]:
+        """Per slot: an eligible peer instance heard from within stale_s."""
+        index = self.index
+        if index.version != self._mask_version or now - self._mask_at > self.refresh_s:
+            self.refresh()
+        base = self._base
+        return base & (index.table.heard[: base.size] >= now - self.stale_s)
 
     def peer_models(self) -> set[str]:
         """The models the peers' instances serve (known from their published info)."""
@@ -135,21 +178,35 @@ class ClusterRouter:
             if why is not None:
                 raise InvalidRequest(f"request {req.req_id!r}: {why}")
 
-    def _remote_fits(self, req: Request, model: str, v: InstanceView) -> bool:
-        """Whether a peer's instance serves `model` and `req` fits its published limits (an
-        instance that published none is taken to serve the configured model, unchecked)."""
-        if (v.model or self.registry.config.model) != model:
-            return False
-        if not v.max_model_len:
-            return True
-        return misfit(req, Limits(model, v.max_model_len, v.vocab_size)) is None
+    def _fits(self, req: Request, model: str) -> npt.NDArray[np.bool_]:
+        """Per slot: the instance serves `model` and `req` fits its published limits (an
+        instance that published none is taken to serve the configured model, unchecked):
+        `server.models.misfit`'s rule over the columns read at `refresh`."""
+        mask = self._model_masks.get(model)
+        if mask is None:
+            mask = self._model_masks[model] = np.array([m == model for m in self._models], bool)
+        n, sp = len(req.prompt_token_ids), req.sampling
+        mml, vocab = self._max_model_len, self._vocab
+        fits: npt.NDArray[np.bool_] = mask & ((mml == 0) | (n + sp.max_tokens <= mml))
+        if not self._any_vocab:  # no peer announced a vocabulary: skip the scan of the prompt
+            return fits
+        top = max(max(req.prompt_token_ids, default=-1), max(sp.stop_token_ids, default=-1))
+        return fits & ((vocab <= 0) | (top < vocab))
 
-    def route(self, req: Request, model: str = "") -> InstanceEngine | RemoteInstance:
+    def route(
+        self,
+        req: Request,
+        model: str = "",
+        hashes_by_size: dict[int, list[bytes]] | None = None,
+    ) -> InstanceEngine | RemoteInstance:
         """Where `req` goes. With no peer instance known this is the daemon's own routing
-        (including its errors: Unavailable when nothing is ready)."""
+        (including its errors: Unavailable when nothing is ready). hashes_by_size: the
+        prompt's chained block hashes per block size when the caller has them already."""
         t0 = time.perf_counter()
         try:
-            return self._route(req, model or self.registry.model_for(""))
+            return self._route(
+                req, model or self.registry.model_for(""), dict(hashes_by_size or {})
+            )
         finally:
             self.route_s.append(time.perf_counter() - t0)
 
@@ -160,15 +217,16 @@ class ClusterRouter:
             return 0.0, 0.0
         return 1e6 * xs[len(xs) // 2], 1e6 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
-    def _route(self, req: Request, model: str) -> InstanceEngine | RemoteInstance:
-        known = self.remote_candidates(time.monotonic())
-        remotes = [v for v in known if self._remote_fits(req, model, v)]
-        if not remotes:
+    def _route(
+        self, req: Request, model: str, by_size: dict[int, list[bytes]]
+    ) -> InstanceEngine | RemoteInstance:
+        elig = self._remote_mask(time.monotonic()) & self._fits(req, model)
+        if not elig.any():
             try:
                 eng = self.registry.route(req, model)
             except Unavailable:
                 # None of the model here: the peers' instances of it, if any, say why not.
-                self._refuse_by_peers(req, model, known)
+                self._refuse_by_peers(req, model, self.remote_candidates(time.monotonic()))
                 raise
             self.num_local += 1
             return eng
@@ -183,43 +241,84 @@ class ClusterRouter:
             engines = []  # none here fits: a peer's does
         router = self.registry.router
         n = max(1, len(req.prompt_token_ids))
-        hits: list[float] = []
-        loads: list[float] = []
-        by_size: dict[int, list[bytes]] = {}  # the prompt's block hashes, once per block size
+        local_hits: list[float] = []
+        local_loads: list[float] = []
+        local_waits: list[float] = []
         for e in engines:
             sched = e.sched
             assert sched is not None
             req.block_hashes = self._hashes(req, sched.block_size, by_size)
-            hits.append(sched.prefix_hit_tokens(req) / n)
-            loads.append(router.load(sched))
-        for v in remotes:
-            bs = v.block_size or 16
-            hits.append(v.prefix_blocks(self._hashes(req, bs, by_size)) * bs / n)
-            ld = v.load
-            # Requests forwarded since the peer last published count as one slot each.
-            sent = v.sent_since_load / max(1.0, ld.get("max_num_seqs", 1.0))
-            if "predicted_backlog_ms" in ld:  # the peer's own cost model, as for local ones
-                load = backlog_load(
-                    ld["predicted_backlog_ms"], ld.get("kv_usage", 0.0), router.load_seconds
-                )
-                loads.append(load + sent)
-                continue
-            loads.append(
-                load_value(
-                    ld.get("running", 0.0),
-                    ld.get("waiting", 0.0) + v.sent_since_load,
-                    ld.get("max_num_seqs", 1.0),
-                    ld.get("kv_usage", 0.0),
-                )
-            )
+            worth, hit = priced_hit(sched, req)
+            local_hits.append(worth / n)
+            local_loads.append(router.load(sched))
+            local_waits.append(router.calibration.factor * predicted_wait_ms(sched, req, hit))
+        hits, waits, loads = self._remote_scores(req, elig.size, by_size, n)
         req.block_hashes = []  # the instance chosen hashes with its own block size
-        i = best_by_score(hits, loads, self.load_weight)
-        if hits[i] > 0:
+        all_hits = np.concatenate([np.asarray(local_hits), hits])
+        all_loads = np.concatenate([np.asarray(local_loads), loads])
+        all_waits = np.concatenate([np.asarray(local_waits), waits])
+        cand = np.concatenate([np.ones(len(engines), bool), elig])
+        target = req.ttft_deadline_ms or router.ttft_target_ms
+        ok = cand & (all_waits <= target)
+        if router.overload == "off" or not ok.any():
+            ok = cand
+            if router.overload != "off":
+                router.num_overflowed += 1
+        score = all_hits - self.load_weight * (all_loads - all_loads[ok].min())
+        score[~ok] = -np.inf
+        i = int(np.argmax(score))
+        if all_hits[i] > 0:
             self.num_prefix_routed += 1
         if i < len(engines):
             self.num_local += 1
+            # The chosen instance's hashes: its scheduler extends them instead of rehashing.
+            sched = engines[i].sched
+            assert sched is not None
+            req.block_hashes = by_size.get(sched.block_size, [])
             return engines[i]
-        v = remotes[i - len(engines)]
+        slot = i - len(engines)
+        t = self.index.table
+        t.sent[slot] += 1
+        v = self.index.slots[slot]
+        assert v is not None
         v.sent_since_load += 1
         self.num_forwarded += 1
         return RemoteInstance(v.instance_id, v.daemon, self.address_of[v.daemon])
+
+    def _remote_scores(
+        self, req: Request, size: int, by_size: dict[int, list[bytes]], n: int
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """Per slot (the first `size`; the caller masks the ineligible): the prompt fraction
+        its cache is worth (GPU hits whole, host hits priced by its published step-cost model:
+        swap-in vs recompute), its predicted wait for the request in ms (its published backlog
+        plus the request's uncached prefill) and its load (router.load's rule)."""
+        t, index = self.index.table, self.index
+        router = self.registry.router
+        bs = t.block_size[:size]
+        if len(self._sizes) == 1:
+            b = self._sizes[0]
+            gpu, total = index.hits.runs(self._hashes(req, b, by_size), size)
+            worth, cached = gpu * float(b), total * float(b)
+        else:
+            worth, cached = np.zeros(size), np.zeros(size)
+            for b in self._sizes:
+                gpu, total = index.hits.runs(self._hashes(req, b, by_size), size)
+                sel = bs == b
+                worth[sel] = gpu[sel] * b
+                cached[sel] = total[sel] * b
+        a_tok, a_attn = t.prefill_token_ms[:size], t.attention_ms[:size]
+        for j in np.flatnonzero(cached > worth).tolist():  # priced one by one: few hold them
+            host = cached[j] - worth[j]
+            swap = t.swap_block_ms[j] * host / bs[j]
+            worth[j] = priced_hit_tokens(worth[j], [(host, swap)], a_tok[j], a_attn[j])
+        ntok = float(len(req.prompt_token_ids))
+        start = np.minimum(cached, ntok - 1)
+        own = a_tok * (ntok - start) + a_attn * (ntok * ntok - start * start) / 2
+        backlog = t.backlog_ms[:size]
+        waits = router.calibration.factor * (backlog + own)
+        loads = (
+            backlog / (1e3 * router.load_seconds)
+            + t.kv_usage[:size]
+            + t.sent[:size] / t.max_num_seqs[:size]
+        )
+        return worth / n, waits, loads

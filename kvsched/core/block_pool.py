@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvsched.core.kv_events import AllBlocksCleared, BlockRemoved, KvEvent
+from kvsched.core.kv_events import GPU, AllBlocksCleared, BlockRemoved, KvEvent
 
 
 class BlockPool:
@@ -38,6 +38,7 @@ class BlockPool:
         self.on_evict: Callable[[int, bytes], None] | None = None
         # Prefix-cache changes for a consumer (None: nobody asked: nothing is recorded).
         self.events: list[KvEvent] | None = None
+        self.medium = GPU  # the tier its events name (kv_events.MEDIA)
 
     # ---- free list primitives -------------------------------------------------------------
     def _unlink(self, b: int) -> None:
@@ -97,7 +98,7 @@ class BlockPool:
         self.num_free -= num
         if evicted:
             assert self.events is not None
-            self.events.append(BlockRemoved(evicted))
+            self.events.append(BlockRemoved(evicted, self.medium))
         return out
 
     def free(self, block_ids: list[int]) -> None:
@@ -138,7 +139,7 @@ class BlockPool:
         if self.cached.get(h) == block_id:
             del self.cached[h]
             if self.events is not None:
-                self.events.append(BlockRemoved([h]))
+                self.events.append(BlockRemoved([h], self.medium))
         if self.ref_cnt[block_id] == 0:
             self._unlink(block_id)
             self._link_after(self.num_blocks, block_id)
@@ -150,7 +151,7 @@ class BlockPool:
             self.block_hash[b] = None
         self.cached.clear()
         if self.events is not None:
-            self.events.append(AllBlocksCleared())
+            self.events.append(AllBlocksCleared(self.medium))
         return n
 
     @property

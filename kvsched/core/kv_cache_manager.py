@@ -47,6 +47,7 @@ class KVCacheManager:
         if num_host_blocks and enable_caching:
             self.host = HostTier(num_host_blocks, num_blocks, host_write_policy, host_write_hits)
             self.pool.on_evict = self.host.on_evicted
+            self.host.events_into(self.pool, block_size)
             self._on_registered = self.host.on_registered
         self.num_host_hits = 0  # prefix-cache hit tokens that came from the host tier
         # Only full blocks are hashed: one precompiled packer (faster than array().tobytes()).

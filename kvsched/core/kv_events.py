@@ -5,12 +5,21 @@ them (`Scheduler.enable_kv_events()`; a standalone daemon records nothing) and d
 daemon after each step (`Scheduler.take_kv_events()`), which publishes them (docs/CLUSTER.md).
 The field names follow vLLM's KV events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`,
 with `block_hashes`, `parent_block_hash`, `token_ids`, `block_size`, `lora_name`, `medium`) so
-that an external router can read them. `medium` is the tier the blocks live in: "gpu" for now.
+that an external router can read them. `medium` is the tier the blocks live in: `GPU` (the
+instance's GPU pool), `CPU` (its host-memory tier: a block copied GPU -> host is a cpu
+BlockStored once the copy is acknowledged, a host eviction a cpu BlockRemoved) or `STORAGE`
+(reserved for a store shared by every instance; nothing records it yet). A cpu BlockStored
+carries the hashes only (token_ids empty, parent None): the chain was stored as gpu first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+GPU = "gpu"
+CPU = "cpu"
+STORAGE = "storage"
+MEDIA = (GPU, CPU, STORAGE)  # fastest first: a prefix hit runs GPU, then host, then storage
 
 
 @dataclass(slots=True)
@@ -24,7 +33,7 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     lora_name: str | None = None
-    medium: str = "gpu"
+    medium: str = GPU
 
 
 @dataclass(slots=True)
@@ -32,14 +41,14 @@ class BlockRemoved:
     """Blocks evicted from the prefix cache (their hashes no longer hit)."""
 
     block_hashes: list[bytes]
-    medium: str = "gpu"
+    medium: str = GPU
 
 
 @dataclass(slots=True)
 class AllBlocksCleared:
     """Every cached hash of the instance was dropped (a prefix-cache reset, a new cache)."""
 
-    medium: str = "gpu"
+    medium: str = GPU
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared

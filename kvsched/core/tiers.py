@@ -18,6 +18,11 @@ nothing; a failed swap-in forgets its source (suspect memory) and the request is
 the caller (it recomputes). `reset()` (reset_prefix_cache) drops every host hash and any copy
 not yet sent; copies in flight still release their pins on the ack but register nothing.
 
+KV events (kv_events.py), when the GPU pool records them (`events_into`: the host tier writes
+into the GPU pool's list, the one the scheduler drains): an acknowledged swap-out is a cpu
+`BlockStored`, a host eviction or a failed swap-in's forgotten source a cpu `BlockRemoved`,
+`reset()` a cpu `AllBlocksCleared`.
+
 Imports `block_pool` only; `KVCacheManager` owns one when the instance has host blocks.
 """
 
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 
 from kvsched.core.block_pool import BlockPool
 from kvsched.core.config import WritePolicy
+from kvsched.core.kv_events import CPU, BlockStored, KvEvent
 
 
 @dataclass(slots=True)
@@ -59,6 +65,9 @@ class HostTier:
         self, num_blocks: int, num_gpu_blocks: int, policy: WritePolicy, write_hits: int
     ) -> None:
         self.pool = BlockPool(num_blocks)
+        self.pool.medium = CPU
+        self._sink: BlockPool | None = None  # the pool whose event list host events join
+        self.block_size = 0  # named in cpu BlockStored events
         self.policy = WritePolicy(policy)
         self.write_hits = write_hits
         self.stats = TierStats()
@@ -75,6 +84,18 @@ class HostTier:
         self.swapped_last_ack = 0  # copies the last acknowledged messages carried (step cost)
         self._pending_record = _Sent(0)  # what `take` handed out, until `sent` numbers it
         self._outs_avg = 0.0  # swap-outs per message taken (moving average, for planning)
+
+    def events_into(self, gpu_pool: BlockPool, block_size: int) -> None:
+        """Record host events into `gpu_pool.events` whenever that pool records (not None)."""
+        self._sink = gpu_pool
+        self.block_size = block_size
+
+    def _sync_events(self) -> list[KvEvent] | None:
+        """Point the host pool's event list at the GPU pool's current one (the scheduler swaps
+        that list out when it drains it)."""
+        ev = self._sink.events if self._sink is not None else None
+        self.pool.events = ev
+        return ev
 
     # ---- the index ---------------------------------------------------------------------------
     def lookup(self, h: bytes) -> int | None:
@@ -154,6 +175,7 @@ class HostTier:
         Call `sent(seq)` once the message is numbered."""
         want = self._outs
         pool = self.pool
+        self._sync_events()  # allocate may evict host blocks: cpu BlockRemoved
         n = min(len(want), pool.num_free)
         if n < len(want):
             self.stats.swap_outs_skipped += len(want) - n
@@ -208,6 +230,8 @@ class HostTier:
         copies are done, except swap-outs into `failed_outs` (host ids) and swap-ins of
         `failed_in_handles`. Registers what the swap-outs wrote and releases every pin."""
         sent, pool = self._sent, self.pool
+        events = self._sync_events()
+        stored: list[bytes] = []
         bad_out = set(failed_outs) if failed_outs else ()
         bad_in = set(failed_in_handles) if failed_in_handles else ()
         n = 0
@@ -223,6 +247,7 @@ class HostTier:
                 elif register and h not in cached:  # (BlockPool.cache_block, inlined)
                     cached[h] = hb
                     block_hash[hb] = h
+                    stored.append(h)
             # The pins: cached blocks go to the LRU's young end.
             pool.free([hb for hb, _ in rec.outs])
             if rec.ins:
@@ -231,12 +256,15 @@ class HostTier:
                         self.stats.swap_in_failures += 1
                         pool.forget(hb)  # its content is suspect: never hit again
                 pool.free([hb for _, hb in rec.ins])
+        if events is not None and stored:
+            events.append(BlockStored(stored, None, [], self.block_size, None, CPU))
         self.swapped_last_ack = n
 
     def reset(self) -> int:
         """Forget every host hash (reset_prefix_cache) and the copies not yet sent; copies in
         flight release their pins on the ack and register nothing. Returns hashes dropped."""
         self._epoch += 1
+        self._sync_events()  # a cpu AllBlocksCleared
         self._outs = []
         self._copying = {h for rec in self._sent for _, h in rec.outs}
         if self._gpu_hits:

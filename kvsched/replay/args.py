@@ -29,7 +29,13 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--duration", type=float, default=None, help="seconds of the trace (default: all)"
     )
-    p.add_argument("--requests", type=int, default=None, help="first N requests (default: all)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="first N requests, sent as trace-0 ... trace-<N-1> (the ids the summary lists; "
+        "default: all)",
+    )
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     p.add_argument(
         "--time-scale",

@@ -61,19 +61,76 @@ def run_replay(args: argparse.Namespace) -> int:
         return 1
     finally:
         idle = cluster.stop() if cluster else {}
-    result.block_size = BLOCK_SIZE if args.embedded else result.block_size
+    if args.embedded and not result.block_size:  # status not readable: the size we gave
+        result.block_size = BLOCK_SIZE
     summary = make_summary(result, args, idle)
     print(format_table(summary))
+    if getattr(args, "explain", False):
+        print(EXPLAIN)
+    if summary["not_completed"]:
+        print(format_not_completed(summary["not_completed"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
         from kvsched.replay.plots import write_plots
 
-        plots = write_plots(result, args.json.with_suffix(""))
+        plots = write_plots(result, args.json.with_suffix(""), summary)
         print(f"wrote {args.json}" + "".join(f", {p}" for p in plots))
+        if plots and getattr(args, "explain", False):
+            print(EXPLAIN_PLOTS)
         if not plots:
             print("(no plots: they need matplotlib, pip install 'kvsched[bench]')")
-    return 0 if summary["completed"] == summary["requests"] else 1
+    if summary["completed"] != summary["requests"]:
+        missing = summary["requests"] - summary["completed"]
+        print(
+            f"kvsched replay: {missing} of {summary['requests']} requests did not complete "
+            f"({_outcomes(summary['not_completed'])}; listed above)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def not_completed(result: ReplayResult) -> list[dict[str, Any]]:
+    """Every request that did not complete: its id, size, how it ended and why."""
+    unfit = dict(result.unfit)
+    out = []
+    for r in result.records:
+        if r.completed:
+            continue
+        row: dict[str, Any] = {
+            "request_id": r.req_id,
+            "prompt_tokens": r.num_prompt_tokens,
+            "max_tokens": r.max_tokens,
+            "outcome": {"rejected": "refused", "": "unfinished"}.get(
+                r.finish_reason, r.finish_reason
+            ),
+            "reason": r.message,
+        }
+        if r.req_id in unfit:
+            row["kv_blocks_needed"] = unfit[r.req_id]
+        out.append(row)
+    return out
+
+
+def _outcomes(rows: list[dict[str, Any]]) -> str:
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in counts.items())
+
+
+def format_not_completed(rows: list[dict[str, Any]], limit: int = 20) -> str:
+    lines = [f"not completed ({len(rows)}):"]
+    for row in rows[:limit]:
+        why = row["reason"] or "no reason given (the stream ended first)"
+        lines.append(
+            f"  {row['request_id']}  {row['prompt_tokens']:,} prompt tokens  "
+            f"{row['outcome']}: {why}"
+        )
+    if len(rows) > limit:
+        lines.append(f"  ... and {len(rows) - limit} more (all in the JSON's not_completed)")
+    return "\n".join(lines)
 
 
 def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -104,7 +161,33 @@ def make_summary(
         rate_scale=args.rate_scale,
         num_host_blocks=result.num_host_blocks,
         host_hit_rate=result.host_hit_tokens / num_prompt if num_prompt else 0.0,
+        not_completed=not_completed(result),
+        config={
+            "embedded": bool(args.embedded),
+            "gpu": args.gpu if args.embedded else "",
+            "workers": args.workers if args.embedded else len(result.instances),
+            "daemons": max(len(result.daemons), 1),
+        },
     )
+
+
+EXPLAIN = """\
+what the figures mean (times are simulated GPU seconds, as if the run took real time):
+  requests (completed)          requests sent; completed = ended by EOS/stop or max_tokens
+  output tokens/s               output tokens of all workers per second, first arrival to last finish
+  TTFT p50 / p99                time to first token: arrival at the daemon to the first output token
+  TPOT p50 / p99                time per output token after the first: the decode speed a request saw
+  prefix-cache hit              share of prompt tokens found in KV blocks cached by earlier requests
+  of it from host memory        of those, the share swapped in from the workers' host-memory tier
+  preemptions                   requests evicted from the KV cache to make room, recomputed later
+  goodput                       completed requests per second that met both SLOs (and their share)
+  worker idle on control plane  the worst worker's share of the time it held requests spent waiting
+                                only on the daemon's next decision; 0.00 % = no GPU waited on kvsched\
+"""
+EXPLAIN_PLOTS = """\
+  *_latency_cdf.png: for each latency, the share of requests at or under it (log axes; dashed: SLOs)
+  *_timeline.png: requests running and waiting, KV cache used and output tokens/s over the run\
+"""
 
 
 def format_table(s: dict[str, Any]) -> str:

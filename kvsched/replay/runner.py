@@ -22,9 +22,21 @@ from kvsched.client import (
     SessionBatch,
     Unauthenticated,
 )
+from kvsched.replay.fit import unfit, warn_unfit
 from kvsched.replay.summary import RequestRecord
 from kvsched.traces import TraceRequest
 from kvsched.v1 import admin_service_pb2 as apb
+
+
+@dataclass
+class DaemonSample:
+    """One daemon's share of a sample: its own instances, and the output tokens of the
+    requests sent through it."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    tokens_per_s: float
 
 
 @dataclass
@@ -34,6 +46,7 @@ class Sample:
     waiting: int
     kv_usage: float
     tokens_per_s: float
+    daemons: list[DaemonSample] = field(default_factory=list)  # in --server order
 
 
 @dataclass
@@ -46,6 +59,10 @@ class ReplayResult:
     host_hit_tokens: int = 0  # prompt tokens swapped in from host tiers during the run
     block_size: int = 0
     instances: list[dict[str, Any]] = field(default_factory=list)
+    # Requests no ready instance could hold when the replay started: (request id, KV blocks
+    # its prompt needs); the daemon refuses them (the records say how).
+    unfit: list[tuple[str, int]] = field(default_factory=list)
+    daemons: list[str] = field(default_factory=list)  # names (cluster daemon id or address)
 
 
 class _Run:
@@ -65,6 +82,7 @@ class _Run:
         }
         self.done = 0
         self.tokens = 0
+        self.tokens_by_daemon: list[int] = []  # output tokens read per session (daemon)
         self.num_progress = 0
         self.finished = asyncio.Event()
 
@@ -90,7 +108,7 @@ class _Run:
         for session in sessions:
             await session.close()
 
-    def absorb(self, batch: SessionBatch) -> None:
+    def absorb(self, batch: SessionBatch, daemon: int = 0) -> None:
         now = self.now()
         records = self.records
         pos = 0
@@ -101,16 +119,21 @@ class _Run:
             rec.token_times_s.extend([now] * n)
             pos += n
         self.tokens += pos
+        if daemon < len(self.tokens_by_daemon):
+            self.tokens_by_daemon[daemon] += pos
         for f in batch.finished:
             rec = records[f.request_id]
             rec.finish_s = now
             rec.finish_reason = f.reason
+            rec.message = f.message
             rec.num_cached_tokens = f.usage.cached_tokens
             self._count_done()
         for e in batch.errors:
             rec = records.get(e.client_tag)
             if rec is not None and not rec.finish_reason:
                 rec.finish_reason = "rejected"
+                exc = e.exception()
+                rec.message = f"{exc.code.name}: {exc.message}"
                 self._count_done()
 
     def _count_done(self) -> None:
@@ -151,6 +174,7 @@ async def replay(
             )
             for a in addresses
         ]
+        run.tokens_by_daemon = [0] * len(addresses)
         before = await _status(admins)
         if before is None:
             print(
@@ -159,8 +183,12 @@ async def replay(
                 "(pass --admin-token for them)",
                 file=sys.stderr,
             )
-        run.t0 = time.monotonic()
         result = ReplayResult(list(run.records.values()))
+        result.daemons = await _names(admins, addresses) if before is not None else addresses
+        if before is not None:
+            result.unfit = unfit(requests, before)
+            warn_unfit(result.unfit, before)
+        run.t0 = time.monotonic()
         sampler = (
             asyncio.ensure_future(_sample(admins, run, result, sample_every_s, progress))
             if before is not None
@@ -169,13 +197,13 @@ async def replay(
         sessions = [c.session() for c in clients]
         submitter = asyncio.ensure_future(run.submit_all(sessions))
 
-        async def read(session: AsyncSession) -> None:
+        async def read(session: AsyncSession, daemon: int) -> None:
             async for batch in session:
-                run.absorb(batch)
+                run.absorb(batch, daemon)
                 if run.finished.is_set():
                     return
 
-        readers = [asyncio.ensure_future(read(s)) for s in sessions]
+        readers = [asyncio.ensure_future(read(s, k)) for k, s in enumerate(sessions)]
         try:
             finished = asyncio.ensure_future(run.finished.wait())
             gathered = asyncio.ensure_future(asyncio.gather(*readers, return_exceptions=True))
@@ -183,11 +211,14 @@ async def replay(
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             finished.cancel()
             gathered.cancel()
-            if submitter.done():
-                submitter.result()  # a refused stream raises here rather than hang
+            # A refused stream raises here rather than hang. The readers first: they hold the
+            # daemon's status (PERMISSION_DENIED, ...), while a submit racing the refusal may
+            # only have seen "RPC already finished" (InvalidStateError) writing to it.
             for r in readers:
                 if r.done() and not r.cancelled():
                     r.result()
+            if submitter.done():
+                submitter.result()
         finally:
             for task in (sampler, submitter, *readers):
                 if task is not None:
@@ -210,6 +241,7 @@ async def replay(
     ]
     ready = [i for i in after.instances if i.ready]
     result.num_gpu_blocks = ready[0].num_gpu_blocks if ready else 0
+    result.block_size = ready[0].block_size if ready else 0
     result.num_host_blocks = ready[0].num_host_blocks if ready else 0
     prev_host = {i.instance_id: i.prefix_cache_host_hit_tokens for i in before.instances}
     result.host_hit_tokens = sum(
@@ -218,20 +250,40 @@ async def replay(
     return result
 
 
+async def _statuses(admins: Sequence[AsyncClient]) -> list[apb.GetStatusResponse] | None:
+    """Each daemon's status, or None when the credentials may not read it."""
+    out = []
+    for admin in admins:
+        try:
+            out.append(await admin.status(timeout=10))
+        except (Unauthenticated, PermissionDenied):
+            return None
+    return out
+
+
+async def _names(admins: Sequence[AsyncClient], addresses: list[str]) -> list[str]:
+    """The daemons' cluster ids (their addresses outside a cluster)."""
+    sts = await _statuses(admins)
+    if sts is None:
+        return addresses
+    return [st.cluster.daemon_id or a for st, a in zip(sts, addresses, strict=True)]
+
+
 async def _status(admins: Sequence[AsyncClient]) -> apb.GetStatusResponse | None:
     """The daemons' status, summed (instances listed once, by their owner), or None when the
     credentials may not read it."""
+    sts = await _statuses(admins)
+    return None if sts is None else _merge(sts)
+
+
+def _merge(sts: Sequence[apb.GetStatusResponse]) -> apb.GetStatusResponse:
     out = apb.GetStatusResponse()
     seen: set[str] = set()
-    for admin in admins:
-        try:
-            st = await admin.status(timeout=10)
-        except (Unauthenticated, PermissionDenied):
-            return None
+    for st in sts:
         out.num_running += st.num_running
         out.num_waiting += st.num_waiting
         for i in st.instances:
-            if i.instance_id not in seen and (i.ready or len(admins) == 1):
+            if i.instance_id not in seen and (i.ready or len(sts) == 1):
                 seen.add(i.instance_id)
                 out.instances.append(i)
     return out
@@ -245,22 +297,33 @@ async def _sample(
     progress: bool,
 ) -> None:
     last_tokens, last_t = 0, run.now()
+    last_by = list(run.tokens_by_daemon)
     while True:
         await asyncio.sleep(every_s / run.time_scale)
         try:
-            st = await _status(admins)
+            sts = await _statuses(admins)
         except KvschedClientError:
             continue
-        if st is None:
+        if sts is None:
             continue
+        st = _merge(sts)
         now = run.now()
-        ready = [i for i in st.instances if i.ready]
-        usage = sum(i.kv_cache_usage for i in ready) / len(ready) if ready else 0.0
-        rate = (run.tokens - last_tokens) / (now - last_t) if now > last_t else 0.0
-        last_tokens, last_t = run.tokens, now
-        result.timeline.append(Sample(now, st.num_running, st.num_waiting, usage, rate))
+        dt = now - last_t
+        rate = (run.tokens - last_tokens) / dt if dt > 0 else 0.0
+        per = [
+            DaemonSample(d.num_running, d.num_waiting, _usage(d), (n - m) / dt if dt > 0 else 0.0)
+            for d, n, m in zip(sts, run.tokens_by_daemon, last_by, strict=True)
+        ]
+        last_tokens, last_t, last_by = run.tokens, now, list(run.tokens_by_daemon)
+        result.timeline.append(Sample(now, st.num_running, st.num_waiting, _usage(st), rate, per))
         if progress:
             _progress(run, st)
+
+
+def _usage(st: apb.GetStatusResponse) -> float:
+    """Mean KV usage of the ready instances."""
+    ready = [i for i in st.instances if i.ready]
+    return sum(i.kv_cache_usage for i in ready) / len(ready) if ready else 0.0
 
 
 def _progress(run: _Run, st: Any, final: bool = False) -> None:

@@ -44,6 +44,7 @@ class RequestRecord:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first placement)
     num_preemptions: int = 0
     finish_reason: str = ""  # stop | length | abort | error | rejected | "" (unfinished)
+    message: str = ""  # why it did not complete: the daemon's refusal or finished message
 
     @property
     def num_output_tokens(self) -> int:

@@ -56,6 +56,7 @@ def instance_status(eng: InstanceEngine) -> apb.InstanceStatus:
         num_ranks_connected=len(eng.ranks),
         world_size=eng.world_size,
         model=eng.limits.model if eng.limits is not None else "",
+        block_size=next((c.block_size for c in eng.ranks.values()), 0),
     )
     snap = eng.snapshot()
     if snap is not None:

@@ -35,6 +35,7 @@ from typing import Any
 
 from kvsched.core.config import EngineConfig, Role
 from kvsched.core.errors import ConfigError
+from kvsched.core.router import OVERLOAD_POLICIES
 
 __all__ = [
     "ConfigError",
@@ -110,6 +111,12 @@ class ServerConfig:
     default_max_tokens: int = 16  # a request that does not set max_tokens gets this many
     stall_timeout_s: float = 30.0  # a stream that does not read its outputs this long is cut
     queue_timeout_s: float = 0.0  # a request never scheduled within this ends (0: no limit)
+    # Routing at overload (core/router.py): a request without a deadline of its own is placed
+    # only where its predicted wait meets this; one no instance can serve in time is "demote"d
+    # (queued behind those that can), "refuse"d (RESOURCE_EXHAUSTED with a retry hint) or
+    # placed by score alone ("off").
+    routing_ttft_target_ms: float = 5000.0
+    routing_overload: str = "demote"
     engine: EngineConfig = field(default_factory=EngineConfig)
     instances: dict[str, InstanceConfig] = field(default_factory=dict)
     auto_instances: bool = True  # a Hello with an unknown instance id creates it from `engine`
@@ -173,6 +180,9 @@ class ServerConfig:
         return self
 
     def _validate_cluster(self) -> None:
+        self.routing_overload = _choice(
+            "routing_overload", self.routing_overload, OVERLOAD_POLICIES
+        )
         self.cluster_fallback = _choice(
             "cluster_fallback", self.cluster_fallback, CLUSTER_FALLBACKS
         )
@@ -251,6 +261,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "default_max_tokens": (1, _INT32_MAX),
     "stall_timeout_s": (0.1, 86400.0),
     "queue_timeout_s": (0.0, 86400.0),
+    "routing_ttft_target_ms": (1.0, 3.6e9),
     "journal_flush_ms": (1.0, 60000.0),
     "journal_timeout_s": (0.01, 600.0),
     "journal_max_age_s": (1.0, 365 * 86400.0),

@@ -45,7 +45,9 @@ class InstanceRegistry:
         self.config = config
         self.telemetry = telemetry
         self.engines: dict[str, InstanceEngine] = {}
-        self.router = Router()
+        self.router = Router(
+            ttft_target_ms=config.routing_ttft_target_ms, overload=config.routing_overload
+        )
         self._empty_since: dict[str, float] = {}  # instance -> since when it has no worker
         self.paused = False  # AdminService Pause without an instance id (shown by GetStatus)
         self._listener: EngineListener | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -31,11 +32,11 @@ def vllm_factory_from_args(args: argparse.Namespace) -> tuple[EngineFactory, Ann
     for flag, value in [("--num-blocks", args.num_blocks), ("--block-size", args.block_size)]:
         if value < 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
-    try:
-        from kvsched.worker_vllm.engine import vllm_engine_factory
-        from kvsched.worker_vllm.runner import VllmModel
-    except ImportError as e:  # the extra is not installed
-        raise ValueError(f"--executor vllm needs vLLM: pip install 'kvsched[vllm]' ({e})") from None
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("--executor vllm needs vLLM: pip install 'kvsched[vllm]'")
+    from kvsched.worker_vllm.engine import vllm_engine_factory
+    from kvsched.worker_vllm.runner import VllmModel
+
     engine = VllmModel(
         model,
         dtype=args.dtype,

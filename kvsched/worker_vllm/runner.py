@@ -262,6 +262,15 @@ class VllmExecutor:
         from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
         started = time.perf_counter()
+        facts = self.model.facts
+        total = sum(len(w.token_ids) for w in work)
+        if total > facts.max_num_batched_tokens or len(work) > facts.max_num_seqs:
+            raise RuntimeError(  # before any state changes: the session restarts clean
+                f"a step of {total} tokens over {len(work)} requests exceeds the engine's "
+                f"max_num_batched_tokens={facts.max_num_batched_tokens} / max_num_seqs="
+                f"{facts.max_num_seqs}: start the worker with larger limits or the daemon "
+                "with smaller ones"
+            )
         new: list[Any] = []
         cached = CachedRequestData.make_empty()
         num_scheduled: dict[str, int] = {}
@@ -297,14 +306,6 @@ class VllmExecutor:
             r.num_blocks_known = len(w.block_ids)
             num_scheduled[w.req_id] = n
         total = sum(num_scheduled.values())
-        facts = self.model.facts
-        if total > facts.max_num_batched_tokens or len(work) > facts.max_num_seqs:
-            raise RuntimeError(
-                f"a step of {total} tokens over {len(work)} requests exceeds the engine's "
-                f"max_num_batched_tokens={facts.max_num_batched_tokens} / max_num_seqs="
-                f"{facts.max_num_seqs}: start the worker with larger limits or the daemon "
-                "with smaller ones"
-            )
         output = SchedulerOutput(
             scheduled_new_reqs=new,
             scheduled_cached_reqs=cached,

@@ -40,7 +40,7 @@ from tests.integration.harness import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 NUM_BLOCKS = 40  # x 32 tokens: far less than the requests in flight hold: preemptions
-HOST_BLOCKS = 256  # the host tier: blocks evicted from the 40 are written back there
+HOST_BLOCKS = 1024  # the host tier: every block evicted from the 40 is written back there
 STEP_TOKENS = 128  # the daemon's step budget: longer prompts are prefilled in chunks
 NEAR_TIE = 0.05  # logit gap below which float32 reorderings may flip the argmax
 
@@ -70,7 +70,10 @@ def _requests() -> list[dict[str, Any]]:
             add(prefix + [rng.randrange(5, 512) for _ in range(rng.randrange(4, 60))], g * 8 + k)
     for i in range(24, 48):  # distinct prompts, some longer than a step's budget
         add([rng.randrange(5, 512) for _ in range(rng.randrange(8, 300))], i)
-    for i in (0, 8, 16):  # sent again at the end (_run_all): the same tokens are due
+    for i in range(48, 52):  # one at a time after the flood: 4 x 11 blocks evict the pool
+        add([rng.randrange(5, 512) for _ in range(330)], i)
+        reqs[-1]["id"] += "fill"
+    for i in (0, 8, 16):  # then sent again: their prefix can only come from the host tier
         reqs.append({**reqs[i], "id": f"r{i}again"})
     return reqs
 
@@ -163,14 +166,15 @@ async def _run_all(address: str, reqs: list[dict[str, Any]]) -> dict[str, tuple[
         # One request of each prefix group first, so the others find its blocks cached.
         firsts = [reqs[0], reqs[8], reqs[16]]
         done = await asyncio.gather(*(_run_one(client, r) for r in firsts))
-        rest = [r for r in reqs if r not in firsts and not r["id"].endswith("again")]
+        later = [r for r in reqs if r["id"].endswith(("fill", "again"))]
+        rest = [r for r in reqs if r not in firsts and r not in later]
         done += await asyncio.gather(*(_run_one(client, r) for r in rest))
-        # The groups' first prompts once more, after the flood evicted their blocks from the
-        # 40 on the worker: their prefix comes back from the host tier (swap-in).
-        again = [r for r in reqs if r["id"].endswith("again")]
-        for r in again:
+        # One at a time: the fillers evict every block of the 40 on the worker (written back
+        # to the host tier), then the groups' first prompts again: their prefix comes back
+        # from the host tier (swap-in).
+        for r in later:
             done.append(await _run_one(client, r))
-    return {r["id"]: d for r, d in zip(firsts + rest + again, done, strict=True)}
+    return {r["id"]: d for r, d in zip(firsts + rest + later, done, strict=True)}
 
 
 def test_kvsched_with_vllm_worker_gives_vllm_tokens(
@@ -222,7 +226,7 @@ def test_kvsched_with_vllm_worker_gives_vllm_tokens(
         if pos is None:
             print(f"  {r['id']}: lengths differ: kvsched {len(have)}, vLLM {len(want)}")
     # A distinct prompt over twice the step budget cannot be prefilled in fewer than 3 steps.
-    assert any(len(r["prompt"]) > 2 * STEP_TOKENS for r in reqs[24:]), "no chunked prefill"
+    assert any(len(r["prompt"]) > 2 * STEP_TOKENS for r in reqs[24:48]), "no chunked prefill"
     assert st.num_preemptions > 0, "the small KV pool forced no preemption"
     assert st.prefix_cache_host_hit_tokens > 0, "no prefix came back from the host tier"
     assert st.prefix_cache_hit_tokens >= 2 * 96, "the shared prefixes were not hit"

@@ -1,0 +1,92 @@
+"""`kvsched replay` against a daemon whose worker cannot hold every request of the shipped trace:
+the refused ones are listed with the daemon's reason (table and JSON), the run says up front
+which requests cannot fit, the JSON carries the workers' real block size, and a non-zero exit
+always comes with a line saying why. Real daemon, real sim worker, on loopback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kvsched.data import CONVERSATION_SLICE
+from kvsched.replay.fit import unfit
+from kvsched.replay.launch import spawn, start_daemon
+from kvsched.traces import load_trace
+from kvsched.v1 import admin_service_pb2 as apb
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _replay(address: str, out: Path, requests: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvsched.cli", "replay", "--server", address,
+         "--requests", str(requests), "--rate-scale", "50", "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+    )  # fmt: skip
+
+
+def test_replay_against_a_default_worker_lists_the_request_it_cannot_hold(tmp_path: Path) -> None:
+    # The quick start's worker: `kvsched worker` defaults, 4,096 blocks of 16 tokens. Request
+    # trace-11 of the shipped slice has an 87,169-token prompt: 5,449 blocks.
+    daemon, address = start_daemon()
+    worker = spawn("w", "worker", "--server", address, "--instance", "gpu0", "--zero-cost")
+    try:
+        worker.wait_for(r"welcomed", 60)
+        refused = _replay(address, tmp_path / "r12.json", 12)
+        fits = _replay(address, tmp_path / "r11.json", 11)
+    finally:
+        worker.stop()
+        daemon.stop()
+
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    # Said before the run: which request cannot fit, and how to make room.
+    assert "trace-11 (5,449 blocks)" in refused.stderr, refused.stderr
+    assert "gpu0: 4,096 blocks of 16 tokens" in refused.stderr, refused.stderr
+    # Listed after the table with the daemon's reason, and the exit explained.
+    assert "not completed (1):" in refused.stdout, refused.stdout
+    (line,) = [x for x in refused.stdout.splitlines() if x.strip().startswith("trace-11")]
+    assert "87,169 prompt tokens" in line and "refused: INVALID_ARGUMENT" in line, line
+    assert "needs 5449 KV blocks" in line, line
+    assert "1 of 12 requests did not complete (1 refused; listed above)" in refused.stderr
+    summary = json.loads((tmp_path / "r12.json").read_text())
+    assert summary["block_size"] == 16 and summary["num_gpu_blocks"] == 4096
+    assert (summary["requests"], summary["completed"]) == (12, 11)
+    (row,) = summary["not_completed"]
+    assert row["request_id"] == "trace-11" and row["outcome"] == "refused"
+    assert row["prompt_tokens"] == 87169 and row["kv_blocks_needed"] == 5449
+    assert "INVALID_ARGUMENT" in row["reason"] and "5449 KV blocks" in row["reason"]
+
+    # Without that request everything completes: exit 0, nothing listed.
+    assert fits.returncode == 0, fits.stdout + fits.stderr
+    assert "not completed" not in fits.stdout and "cannot" not in fits.stderr
+    summary = json.loads((tmp_path / "r11.json").read_text())
+    assert summary["completed"] == summary["requests"] == 11
+    assert summary["not_completed"] == [] and summary["block_size"] == 16
+
+
+def test_unfit_names_the_requests_the_largest_instance_cannot_hold() -> None:
+    requests = load_trace(CONVERSATION_SLICE, max_requests=40)
+    status = apb.GetStatusResponse(
+        instances=[
+            apb.InstanceStatus(instance_id="small", ready=True, num_gpu_blocks=100, block_size=16),
+            apb.InstanceStatus(instance_id="big", ready=True, num_gpu_blocks=4096, block_size=16),
+            apb.InstanceStatus(
+                instance_id="gone", ready=False, num_gpu_blocks=10**6, block_size=16
+            ),
+        ]
+    )
+    expected = [
+        (f"trace-{k}", -(-len(r.prompt_token_ids) // 16))
+        for k, r in enumerate(requests)
+        if len(r.prompt_token_ids) > 4096 * 16
+    ]
+    assert ("trace-11", 5449) in expected
+    assert unfit(requests, status) == expected
+    # The embedded replay's default workers (5,120 blocks of 64) hold the whole shipped slice.
+    whole = load_trace(CONVERSATION_SLICE)
+    big = apb.GetStatusResponse(
+        instances=[apb.InstanceStatus(ready=True, num_gpu_blocks=5120, block_size=64)]
+    )
+    assert unfit(whole, big) == []
