@@ -15,6 +15,7 @@ Public API:
     lease = await leases.owner(iid)           # Lease(instance_id, owner, revision) or None
     leases.cached_owner(iid)                  # the watcher's latest view, no round trip
     leases.owners() -> dict[str, Lease]       # every lease as the watcher saw it last
+    leases.epoch(iid)                         # this daemon's fencing epoch for it (0: not ours)
     await leases.reload()                     # re-read every lease (after an outage)
     got = await leases.acquire(iid)           # the lease after trying to create it for this
                                               #   daemon: got.owner tells who won
@@ -27,6 +28,11 @@ Public API:
 `try_take` and `acquire` read the current entry and write with its revision in one CAS; a lost
 race returns False / the winner's lease, never raises. NATS errors other than a lost race
 propagate (`Unavailable` when NATS cannot be reached).
+
+Fencing: a lease's revision is its epoch. Revisions are the bucket stream's sequence numbers,
+so each create/update of any key is larger than every earlier one: a daemon that acquires a
+lease holds a larger epoch than every earlier holder of it. The daemon stamps it on Welcome and
+Tasks (protocol step 12) and workers refuse a lower one.
 """
 
 from __future__ import annotations
@@ -115,6 +121,16 @@ class Leases:
 
     def owners(self) -> dict[str, Lease]:
         return dict(self._cache)
+
+    def epoch(self, instance_id: str) -> int:
+        """This daemon's fencing epoch for the instance: its lease's revision in the bucket (a
+        JetStream stream sequence, so every acquisition yields a strictly larger one), as the
+        cache has it; 0 when the lease is not this daemon's (or unknown: NATS away)."""
+        lease = self._cache.get(instance_id)
+        return lease.revision if lease is not None and lease.owner == self.daemon_id else 0
+
+    def cached(self, instance_id: str) -> Lease | None:
+        return self._cache.get(instance_id)
 
     # ---- compare-and-set --------------------------------------------------------------------
     async def acquire(self, instance_id: str) -> Lease:

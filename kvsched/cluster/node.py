@@ -29,6 +29,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvsched.cluster.fencing import hand_over_fenced
 from kvsched.cluster.forward import (
     FORWARD_INSTANCE,
     FORWARDED_BY,
@@ -63,6 +64,26 @@ NATS_TIMEOUT_S = 2.0
 
 class _Stoppable(Protocol):
     async def stop(self) -> None: ...
+
+    async def confirmed_dead(self, dead_id: str, address: str, instances: list[str]) -> None: ...
+
+
+async def refuses_connections(address: str, timeout_s: float = 0.5) -> bool:
+    """True when nothing listens at `address` (the connection is refused): proof that the
+    daemon that advertised it is dead. A timeout or any other error proves nothing (a paused
+    or partitioned daemon): False."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if host in ("", "0.0.0.0", "::") or address.startswith("unix:"):
+        return False  # a wildcard (no --advertise) names no one host: it proves nothing
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError, TimeoutError):
+        return False
+    writer.close()
+    return False
 
 
 class ClusterNode:
@@ -99,6 +120,7 @@ class ClusterNode:
         if config.auth_file and not token:
             self._cluster_principal = "\0no cluster token"  # nobody may act as a peer
         self._subs: list[Any] = []
+        self.num_fenced = 0  # attached instances handed to a daemon that took their lease
         self._task: asyncio.Task[None] | None = None
         # takeover.Takeover, set by the daemon (it knows the journal); stopped with the node
         self.takeover: _Stoppable | None = None
@@ -117,10 +139,12 @@ class ClusterNode:
         self._task = asyncio.get_running_loop().create_task(self._views(), name="cluster-views")
         self.requests.cluster = self
         self.registry.worker_gate = self.admit_worker
+        self.registry.fencing_epoch = self.leases.epoch
 
     async def stop(self) -> None:
         self.requests.cluster = None
         self.registry.worker_gate = None
+        self.registry.fencing_epoch = None
         if self.takeover is not None:
             await self.takeover.stop()
         if self._task is not None:
@@ -173,6 +197,9 @@ class ClusterNode:
                 except Exception as exc:
                     log.debug("leases reload: %r", exc)
             self._refresh_views()
+            self.num_fenced += hand_over_fenced(
+                self.registry.engines, self.leases, self.membership.members
+            )
 
     async def _claim_unleased(self) -> None:
         """Instances attached here while NATS was away have no lease: take it now (a
@@ -182,7 +209,10 @@ class ClusterNode:
             if self.leases.cached_owner(iid) == self.daemon_id:
                 continue
             lease = await asyncio.wait_for(self.leases.acquire(iid), NATS_TIMEOUT_S)
-            if lease.owner != self.daemon_id:
+            eng = self.registry.engines.get(iid)
+            if lease.owner == self.daemon_id and eng is not None:
+                eng.fencing_epoch = lease.revision  # fenced from now on (Tasks carry it)
+            elif lease.owner != self.daemon_id:
                 log.warning(
                     "instance %s is attached here but leased to daemon %s", iid, lease.owner
                 )
@@ -214,6 +244,13 @@ class ClusterNode:
                 lease, owner = lease2, await self._live_member(lease2.owner)
                 if owner is None:
                     raise Unavailable(f"instance {iid}: its lease is moving; retry")
+            if self.takeover is not None and await refuses_connections(owner.address):
+                # Its worker came here and its address refuses connections: it is dead. Take
+                # its leases and requests now (by CAS), not after its membership TTL.
+                await self.takeover.confirmed_dead(lease.owner, owner.address, owner.instances)
+                again = await asyncio.wait_for(self.leases.owner(iid), NATS_TIMEOUT_S)
+                if again is not None and again.owner == self.daemon_id:
+                    return None
         except (TimeoutError, Unavailable) as exc:
             raise Unavailable(f"instance {iid}: cluster lease unavailable: {exc}") from None
         log.info("worker of instance %s redirected to daemon %s", iid, lease.owner)

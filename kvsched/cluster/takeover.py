@@ -114,6 +114,24 @@ class Takeover:
             self._retry.setdefault(did, set())
             await self._try(did)
 
+    async def confirmed_dead(self, dead_id: str, address: str, instances: list[str]) -> None:
+        """A live-looking peer proven dead (a worker of its came here and its address refuses
+        connections): one pass at once, without waiting for its membership entry to expire.
+        Leases still move by CAS and requests by the journal's per-request CAS."""
+        log.warning(
+            "daemon %s refuses connections at %s: dead; taking over now (before its "
+            "membership TTL)",
+            dead_id,
+            address,
+        )
+        self._retry.setdefault(dead_id, set()).update(instances)
+        try:
+            await self.take_over(dead_id, self._retry[dead_id], force=True)
+        except Exception as exc:  # NATS away or slow: the next scan (or the TTL) retries
+            log.warning("takeover of daemon %s: %r (retried at the next scan)", dead_id, exc)
+            return
+        self._retry.pop(dead_id, None)
+
     async def take_over(
         self, dead_id: str, instances: Iterable[str], force: bool = False
     ) -> tuple[int, int]:

@@ -97,7 +97,7 @@ def tasks_to_proto(tasks: core.Tasks) -> worker_service_pb2.Tasks:
     return pb
 
 
-def tasks_to_bytes(tasks: core.Tasks) -> bytes:
+def tasks_to_bytes(tasks: core.Tasks, fencing_epoch: int = 0) -> bytes:
     """A serialized `ConnectResponse` carrying `tasks`: build and serialize once, then write the
     same bytes to every tensor-parallel rank. The stream must then be registered with an identity
     response serializer (`response_serializer=None`), and its other messages sent as
@@ -105,6 +105,7 @@ def tasks_to_bytes(tasks: core.Tasks) -> bytes:
     response = worker_service_pb2.ConnectResponse()
     response.tasks.SetInParent()
     _fill_tasks(response.tasks, tasks)
+    response.tasks.fencing_epoch = fencing_epoch  # the daemon's lease epoch (0: unfenced)
     return response.SerializeToString()
 
 

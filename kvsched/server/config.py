@@ -101,6 +101,9 @@ class ServerConfig:
     grace_period_s: float = 30.0  # SIGTERM: let running requests finish this long, then abort
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
+    # A worker leaves a daemon that sent it nothing for this many heartbeat intervals
+    # (Welcome.silence_timeout_ns): a paused or hung daemon does not hold its workers.
+    silence_timeout_intervals: float = 5.0
     requeue_timeout_s: float = 30.0  # a lost instance's request waits this long for another
     forget_lost_instance_s: float = 300.0  # an auto-created instance without workers is dropped
     poison_max_losses: int = 2  # a request on this many lost instances ends (server/poison.py)
@@ -249,6 +252,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "grace_period_s": (0.0, 86400.0),
     "heartbeat_interval_s": (0.01, 3600.0),
     "heartbeat_timeout_s": (0.01, 86400.0),
+    "silence_timeout_intervals": (2.0, 1000.0),
     "requeue_timeout_s": (0.0, 86400.0),
     "poison_max_losses": (1, 1000),
     "forget_lost_instance_s": (0.0, 1e9),

@@ -107,6 +107,9 @@ class InstanceEngine:
         self.draining = False
         self.kv_events = False  # record the prefix cache's changes (a cluster publishes them)
         self.limits: Any = None  # server.models.Limits from the first rank's Hello (registry)
+        # The cluster lease's fencing token, set by the registry at attach (0: unfenced);
+        # stamped on the Welcome and every Tasks message.
+        self.fencing_epoch = 0
         self.reports: list[StepReport] = []
         self._next_handle = 0  # handles continue across schedulers of this instance
         # Final counters of the schedulers taken out (SNAPSHOT_COUNTERS; tenants' served / shed).
@@ -283,7 +286,7 @@ class InstanceEngine:
         # the worker paces its reports by these answers. The core numbers exactly the
         # messages worth sending (seq 0: no task and no report to answer).
         if tasks.seq:
-            data = codec.tasks_to_bytes(tasks)
+            data = codec.tasks_to_bytes(tasks, self.fencing_epoch)
             for conn in self.ranks.values():
                 conn.queue.put_nowait(data)
 

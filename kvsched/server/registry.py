@@ -54,6 +54,8 @@ class InstanceRegistry:
         # awaited before a worker attaches; returns None (attach here) or the serialized
         # ConnectResponse that redirects the worker to its instance's owner.
         self.worker_gate: Callable[[Any], Awaitable[bytes | None]] | None = None
+        # The cluster's fencing epoch of an instance this daemon attaches (None: unfenced).
+        self.fencing_epoch: Callable[[str], int] | None = None
         # A cluster's peers' models, and the limits of their live instances
         # (kvsched.cluster.routing.ClusterRouter; None: alone).
         self.peer_models: Callable[[], set[str]] | None = None
@@ -128,6 +130,8 @@ class InstanceRegistry:
                 self.config.model,
                 eng.engine_config.scheduler.max_model_len,
             )
+        if not eng.ranks and self.fencing_epoch is not None:  # its ranks share the epoch
+            eng.fencing_epoch = self.fencing_epoch(hello.instance_id)
         try:
             eng.attach(conn, max(1, hello.world_size))
         except Exception:
@@ -152,6 +156,10 @@ class InstanceRegistry:
                 role=codec.role_to_proto(eng.role),
                 heartbeat_interval_ns=int(self.config.heartbeat_interval_s * 1e9),
                 answers_reports=True,
+                fencing_epoch=eng.fencing_epoch,
+                silence_timeout_ns=int(
+                    self.config.silence_timeout_intervals * self.config.heartbeat_interval_s * 1e9
+                ),
             )
         )
         return msg.SerializeToString()

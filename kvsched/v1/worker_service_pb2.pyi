@@ -189,6 +189,8 @@ class Welcome(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_NS_FIELD_NUMBER: _builtins.int
     ANSWERS_REPORTS_FIELD_NUMBER: _builtins.int
+    FENCING_EPOCH_FIELD_NUMBER: _builtins.int
+    SILENCE_TIMEOUT_NS_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """1: the version the daemon speaks (equal to the worker's, or the hello was refused)."""
     instance_id: _builtins.str
@@ -206,6 +208,21 @@ class Welcome(_message.Message):
     pace its reports by those answers (the reference worker keeps two unanswered and merges
     the rest into one); without this flag it must not wait for answers.
     """
+    fencing_epoch: _builtins.int
+    """Fencing token (protocol step 12): the epoch of the daemon's lease on this instance, the
+    revision of its entry in the cluster's lease bucket when the daemon acquired it; every
+    acquisition of the lease yields a strictly larger one. 0 = not in a cluster (unfenced).
+    The worker keeps the highest epoch it has seen for its instance and refuses a Welcome or
+    Tasks below it: it drops that stream and reconnects (to the next daemon, which redirects
+    it to the lease's owner).
+    """
+    silence_timeout_ns: _builtins.int
+    """A worker that receives nothing from the daemon (no Tasks, no heartbeat, nothing) for this
+    long treats it as gone (paused, hung, cut off): it drops the stream and connects to the next
+    daemon of its list, as when a stream breaks (see step 8). The same bound applies to a later
+    connect that gets no Welcome. The daemon's silence_timeout_intervals times
+    heartbeat_interval_ns; 0 = no bound.
+    """
     def __init__(
         self,
         *,
@@ -217,10 +234,12 @@ class Welcome(_message.Message):
         role: _common_pb2.InstanceRole.ValueType = ...,
         heartbeat_interval_ns: _builtins.int = ...,
         answers_reports: _builtins.bool = ...,
+        fencing_epoch: _builtins.int = ...,
+        silence_timeout_ns: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers_reports", b"answers_reports", "block_size", b"block_size", "heartbeat_interval_ns", b"heartbeat_interval_ns", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "num_speculative_tokens", b"num_speculative_tokens", "protocol_version", b"protocol_version", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers_reports", b"answers_reports", "block_size", b"block_size", "fencing_epoch", b"fencing_epoch", "heartbeat_interval_ns", b"heartbeat_interval_ns", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "num_speculative_tokens", b"num_speculative_tokens", "protocol_version", b"protocol_version", "role", b"role", "silence_timeout_ns", b"silence_timeout_ns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -513,6 +532,7 @@ class Tasks(_message.Message):
     SWAP_OUTS_FIELD_NUMBER: _builtins.int
     SWAP_INS_FIELD_NUMBER: _builtins.int
     ENCODER_DROPS_FIELD_NUMBER: _builtins.int
+    FENCING_EPOCH_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """1, 2, 3, ... on each stream (see step 3); the worker echoes the last one applied as
     StepReport.applied_seq.
@@ -524,6 +544,11 @@ class Tasks(_message.Message):
     report_step: _builtins.int
     """The step of the last StepReport the daemon had applied when it built this message (0: none
     yet): how far the daemon lags behind the worker's steps (see Welcome.answers_reports).
+    """
+    fencing_epoch: _builtins.int
+    """The sending daemon's fencing epoch for this instance, equal to its Welcome's (see
+    Welcome.fencing_epoch): a worker that has seen a higher one refuses this message, applies
+    nothing of it and drops the stream. 0 = not in a cluster (unfenced).
     """
     @_builtins.property
     def preempts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -574,10 +599,11 @@ class Tasks(_message.Message):
         swap_outs: Global___Tasks.SwapOuts | None = ...,
         swap_ins: Global___Tasks.SwapIns | None = ...,
         encoder_drops: _abc.Iterable[_builtins.str] | None = ...,
+        fencing_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborts", b"aborts", "chunks", b"chunks", "encoder_drops", b"encoder_drops", "extensions", b"extensions", "kv_sends", b"kv_sends", "placements", b"placements", "preempts", b"preempts", "report_step", b"report_step", "reset_prefix_cache", b"reset_prefix_cache", "seq", b"seq", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborts", b"aborts", "chunks", b"chunks", "encoder_drops", b"encoder_drops", "extensions", b"extensions", "fencing_epoch", b"fencing_epoch", "kv_sends", b"kv_sends", "placements", b"placements", "preempts", b"preempts", "report_step", b"report_step", "reset_prefix_cache", b"reset_prefix_cache", "seq", b"seq", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -91,8 +91,9 @@ class WorkerServiceStub:
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
     heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
     heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
-    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat
-    a daemon silent for several intervals as gone and reconnect.
+    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker treats a daemon
+    that sent it nothing for the welcome's silence_timeout_ns as gone and reconnects to the
+    next daemon it knows.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
     its instance is taken out and its requests re-queued on other instances. Nothing else is
@@ -112,6 +113,12 @@ class WorkerServiceStub:
     backoff), without counting it as a failure. A hello for an instance nobody owns (or
     whose owner's membership entry expired) makes the daemon it reached the owner. A worker
     given several daemon addresses tries the next one when a stream cannot be opened.
+    12. Fencing (clusters): Welcome and every Tasks carry the daemon's fencing_epoch for the
+    instance (its lease's revision; larger at every acquisition). A worker obeys only the
+    highest epoch it has seen: a lower one means the daemon lost the lease, so the worker
+    applies nothing of that message, drops the stream and reconnects. A daemon that sees its
+    lease on an attached instance taken by another daemon sends `redirect` to the new owner
+    and ends those streams with OK; it never drives the instance again under that epoch.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
@@ -197,8 +204,9 @@ class WorkerServiceServicer:
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
     heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
     heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
-    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat
-    a daemon silent for several intervals as gone and reconnect.
+    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker treats a daemon
+    that sent it nothing for the welcome's silence_timeout_ns as gone and reconnects to the
+    next daemon it knows.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
     its instance is taken out and its requests re-queued on other instances. Nothing else is
@@ -218,6 +226,12 @@ class WorkerServiceServicer:
     backoff), without counting it as a failure. A hello for an instance nobody owns (or
     whose owner's membership entry expired) makes the daemon it reached the owner. A worker
     given several daemon addresses tries the next one when a stream cannot be opened.
+    12. Fencing (clusters): Welcome and every Tasks carry the daemon's fencing_epoch for the
+    instance (its lease's revision; larger at every acquisition). A worker obeys only the
+    highest epoch it has seen: a lower one means the daemon lost the lease, so the worker
+    applies nothing of that message, drops the stream and reconnects. A daemon that sees its
+    lease on an attached instance taken by another daemon sends `redirect` to the new owner
+    and ends those streams with OK; it never drives the instance again under that epoch.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
@@ -313,8 +327,9 @@ class WorkerService:
     8. Both sides send `heartbeat` when they have sent nothing else for the welcome's
     heartbeat_interval_ns (the daemon within about 0.1 s of that). A worker silent for
     heartbeat_timeout_s (5 s by default, a daemon setting) is taken out as if it had
-    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker may likewise treat
-    a daemon silent for several intervals as gone and reconnect.
+    disconnected (its stream ends with UNAVAILABLE: reconnect); a worker treats a daemon
+    that sent it nothing for the welcome's silence_timeout_ns as gone and reconnects to the
+    next daemon it knows.
     9. A worker that breaks the protocol (a handle never issued, a report for a step or seq it was
     not given, columns whose lengths disagree, a report from rank > 0) gets FAILED_PRECONDITION;
     its instance is taken out and its requests re-queued on other instances. Nothing else is
@@ -334,6 +349,12 @@ class WorkerService:
     backoff), without counting it as a failure. A hello for an instance nobody owns (or
     whose owner's membership entry expired) makes the daemon it reached the owner. A worker
     given several daemon addresses tries the next one when a stream cannot be opened.
+    12. Fencing (clusters): Welcome and every Tasks carry the daemon's fencing_epoch for the
+    instance (its lease's revision; larger at every acquisition). A worker obeys only the
+    highest epoch it has seen: a lower one means the daemon lost the lease, so the worker
+    applies nothing of that message, drops the stream and reconnects. A daemon that sees its
+    lease on an attached instance taken by another daemon sends `redirect` to the new owner
+    and ends those streams with OK; it never drives the instance again under that epoch.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode

@@ -30,6 +30,7 @@ from kvsched.v1 import kv_transfer_service_pb2 as kv_pb2
 from kvsched.v1 import worker_service_pb2 as pb
 from kvsched.worker_stub.channels import open_channel
 from kvsched.worker_stub.factories import EngineFactory
+from kvsched.worker_stub.guard import DaemonGuard, DaemonSilent, Fenced
 from kvsched.worker_stub.kv_push import KvPush
 from kvsched.worker_stub.stats import WorkerStats
 from kvsched.worker_stub.steps import InboxItem, Outbox, StepLoop
@@ -144,6 +145,8 @@ class Worker(StepLoop):
         # give_up_after_s > 0, run() raises WorkerError once it has lasted that long.
         self._unreachable_since: float | None = None
         self.give_up_after_s = give_up_after_s
+        # Fencing epoch and the silence bound (protocol steps 12 and 8): guard.py.
+        self.guard = DaemonGuard(instance_id)
 
     @property
     def kv_address(self) -> str | None:
@@ -184,6 +187,12 @@ class Worker(StepLoop):
                     self.server = r.address
                     if self.num_redirects % 8:  # a redirect loop still backs off, rarely
                         continue
+                except DaemonSilent as e:
+                    self.guard.num_silent += 1
+                    log.warning("leaving daemon %s: %s", self.server, e)
+                except Fenced as e:
+                    self.guard.num_fenced += 1
+                    log.warning("refusing daemon %s: %s", self.server, e)
                 except (ProtocolError, ValueError) as e:  # the daemon sent something unusable
                     log.error("dropping the stream to %s: %s", self.server, e)
                 if len(self.servers) > 1:  # try the next daemon of the cluster
@@ -256,6 +265,7 @@ class Worker(StepLoop):
         self._inbox, self._heartbeat_s = inbox, self._default_heartbeat_s
         self._new_session()
         self._welcomed = asyncio.Event()
+        self.guard.heard()
         async with open_channel(self.server, self._credentials) as channel:
             # Raw response bytes (no deserializer): the digest covers exactly what was sent.
             connect = channel.stream_stream(
@@ -267,6 +277,7 @@ class Worker(StepLoop):
                 asyncio.create_task(self._read_stream(call, inbox)),
                 asyncio.create_task(self._serve_steps(inbox, outbox)),
                 asyncio.create_task(self._heartbeats(outbox)),
+                asyncio.create_task(self.guard.watch_silence(self._welcomed)),
                 asyncio.create_task(self._stopping.wait()),
             ]
             try:
@@ -316,6 +327,7 @@ class Worker(StepLoop):
             self._unreachable_since = None
         if welcome.heartbeat_interval_ns:
             self._heartbeat_s = welcome.heartbeat_interval_ns / 1e9
+        self.guard.silence_timeout_s = welcome.silence_timeout_ns / 1e9
         log.info(
             "welcomed by %s as %s rank %d/%d: %s",
             self.server,
@@ -336,13 +348,16 @@ class Worker(StepLoop):
         """Route the daemon's messages until it ends the stream with OK (return) or it breaks
         (AioRpcError)."""
         while (raw := await call.read()) is not grpc.aio.EOF:
+            self.guard.heard()
             msg = pb.ConnectResponse.FromString(raw)
             kind = msg.WhichOneof("kind")
             if kind == "tasks":
+                self.guard.check_epoch(msg.tasks.fencing_epoch, "Tasks")
                 self.stats.num_tasks += 1
                 self.stats.tasks_digest = zlib.crc32(raw, self.stats.tasks_digest)
                 inbox.put_nowait(codec.tasks_from_proto(msg.tasks))
             elif kind == "welcome":
+                self.guard.check_epoch(msg.welcome.fencing_epoch, "Welcome")
                 inbox.put_nowait(msg.welcome)
             elif kind == "redirect":
                 r = msg.redirect

@@ -1,0 +1,112 @@
+"""Fencing tokens (protocol step 12) with a real nats-server, real daemons and sim workers: a
+daemon whose lease on an instance was taken by compare-and-set stops driving its worker, which
+moves to the new owner under a strictly larger epoch; a daemon holding only an older epoch (or
+none) is refused by the worker; requests in flight still end with exactly the sim's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+from kvsched.client import AsyncClient
+from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, resumable
+from kvsched.cluster.leases import Lease, Leases
+from kvsched.cluster.link import connect_cluster
+from kvsched.cluster.natsd import NatsServer
+from tests.cluster.durability_kit import Daemon, prompts, sim_expected, start_sim_worker
+from tests.integration.harness import Proc, status, wait_ready
+
+
+def _ready(address: str) -> dict[str, bool]:
+    return {i.instance_id: i.ready for i in status(address).instances}
+
+
+async def _take_lease(url: str, as_daemon: str, iid: str, from_daemon: str) -> tuple[Lease, Lease]:
+    """CAS the lease of `iid` from `from_daemon` to `as_daemon` (what a second daemon's takeover
+    does): the lease before and after."""
+    link = await connect_cluster(url, as_daemon)
+    leases = Leases(link)
+    try:
+        await leases.start()
+        before = await leases.owner(iid)
+        assert before is not None and before.owner == from_daemon, before
+        assert await leases.try_take(iid, from_daemon)
+        after = await leases.owner(iid)
+        assert after is not None and after.owner == as_daemon
+        return before, after
+    finally:
+        await leases.stop()
+        await link.close()
+
+
+async def _stream_and_take(
+    addr: str, url: str, requests: list[tuple[str, list[int], int]]
+) -> tuple[list[list[int]], Lease, Lease]:
+    async with AsyncClient(addr, options=RESUMABLE_CHANNEL_OPTIONS) as client:
+        streams = [
+            resumable(client, p, request_id=rid, max_tokens=n, retry_for_s=90)
+            for rid, p, n in requests
+        ]
+        tasks = [asyncio.create_task(s.read_all()) for s in streams]
+        deadline = time.monotonic() + 60
+        while any(len(s.tokens) < 5 for s in streams):
+            assert time.monotonic() < deadline, "the load never reached the takeover point"
+            assert not any(t.done() for t in tasks), "a stream ended before the takeover"
+            await asyncio.sleep(0.02)
+        before, after = await _take_lease(url, "fe-b", "fe0", "fe-a")
+        await asyncio.wait_for(asyncio.gather(*tasks), 90)
+        return [s.tokens for s in streams], before, after
+
+
+def test_taken_lease_fences_the_old_daemon_and_the_worker_follows(
+    nats_server: NatsServer,
+) -> None:
+    a = Daemon(nats_server.url, "fe-a").start()
+    b = Daemon(nats_server.url, "fe-b").start()
+    workers: list[Proc] = []
+    try:
+        # fe0 knows both daemons (a first); fe1 only a: where a's requests move to.
+        both = f"{a.address},{b.address}"
+        workers.append(start_sim_worker(both, "fe0", "--speed", "0.3", "--reconnect-max-s", "0.5"))
+        wait_ready(a.address, ["fe0"], 60.0)
+        workers.append(start_sim_worker(a.address, "fe1", "--speed", "0.3"))
+        wait_ready(a.address, ["fe1"], 60.0)
+        w0 = workers[0]
+        first = w0.wait_for(r"welcomed by")
+        requests = [(f"fe-{i}", p, 120) for i, p in enumerate(prompts(8, seed=23))]
+        got, before, after = asyncio.run(
+            asyncio.wait_for(_stream_and_take(a.address, nats_server.url, requests), 150)
+        )
+        # Every request ended with exactly the tokens of an uninterrupted run.
+        for (rid, p, n), tokens in zip(requests, got, strict=True):
+            assert tokens == sim_expected(rid, len(p), n), rid
+        # The epoch only grew; the old owner handed the instance to the lease's new holder.
+        assert after.revision > before.revision
+        assert a.proc is not None
+        a.proc.wait_for(
+            rf"lease of instance fe0 taken by daemon fe-b \(epoch {after.revision} > "
+            rf"{before.revision}\)"
+        )
+        a.proc.wait_for(r"instance fe0 taken out: lease taken by daemon fe-b")
+        w0.wait_after(first.string, r"redirected from \S+ to " + re.escape(b.address), timeout=30)
+        w0.wait_for(rf"instance fe0: fencing epoch {before.revision} -> {after.revision}")
+        wait_ready(b.address, ["fe0"], 30.0)
+        assert not _ready(a.address).get("fe0")
+
+        # The old owner can no longer drive the worker: with NATS gone it would attach the
+        # worker without a lease (epoch 0 < the worker's); the worker refuses it.
+        nats_server.stop()
+        b.kill9()  # the worker's stream to fe-b breaks; it tries fe-a next
+        w0.wait_for(
+            rf"refusing daemon {re.escape(a.address)}: its Welcome carries fencing epoch 0, "
+            rf"below {after.revision}",
+            timeout=60,
+        )
+    finally:
+        if nats_server.proc is None:
+            nats_server.start()  # the module's server, for the tests after this one
+        for p in reversed(workers):
+            p.stop()
+        a.stop()
+        b.stop()
