@@ -114,6 +114,7 @@ class Hello(_message.Message):
     NUM_HOST_BLOCKS_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    STORAGE_BACKENDS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """The instance (model replica) this worker is a rank of; the same for all its ranks."""
     rank: _builtins.int
@@ -150,6 +151,10 @@ class Hello(_message.Message):
     """Token ids this rank's model accepts are 0..vocab_size-1; 0 = not announced (unchecked).
     The daemon refuses, before queueing, a prompt or stop token id outside it.
     """
+    @_builtins.property
+    def storage_backends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Shared storage tiers this rank can reach (e.g. "mooncake"); empty: none (see step 13)."""
+
     def __init__(
         self,
         *,
@@ -166,10 +171,11 @@ class Hello(_message.Message):
         num_host_blocks: _builtins.int = ...,
         max_model_len: _builtins.int = ...,
         vocab_size: _builtins.int = ...,
+        storage_backends: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "vocab_size", b"vocab_size", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "storage_backends", b"storage_backends", "vocab_size", b"vocab_size", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -191,6 +197,7 @@ class Welcome(_message.Message):
     ANSWERS_REPORTS_FIELD_NUMBER: _builtins.int
     FENCING_EPOCH_FIELD_NUMBER: _builtins.int
     SILENCE_TIMEOUT_NS_FIELD_NUMBER: _builtins.int
+    STORAGE_URL_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """1: the version the daemon speaks (equal to the worker's, or the hello was refused)."""
     instance_id: _builtins.str
@@ -223,6 +230,11 @@ class Welcome(_message.Message):
     connect that gets no Welcome. The daemon's silence_timeout_intervals times
     heartbeat_interval_ns; 0 = no bound.
     """
+    storage_url: _builtins.str
+    """The shared storage tier this worker connects to (e.g. "mooncake://127.0.0.1:50051"), one
+    of Hello.storage_backends' kinds; "" = none (see step 13). A worker that cannot reach it
+    reports every storage task as failed (nothing is lost: fetches recompute).
+    """
     def __init__(
         self,
         *,
@@ -236,10 +248,11 @@ class Welcome(_message.Message):
         answers_reports: _builtins.bool = ...,
         fencing_epoch: _builtins.int = ...,
         silence_timeout_ns: _builtins.int = ...,
+        storage_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers_reports", b"answers_reports", "block_size", b"block_size", "fencing_epoch", b"fencing_epoch", "heartbeat_interval_ns", b"heartbeat_interval_ns", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "num_speculative_tokens", b"num_speculative_tokens", "protocol_version", b"protocol_version", "role", b"role", "silence_timeout_ns", b"silence_timeout_ns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers_reports", b"answers_reports", "block_size", b"block_size", "fencing_epoch", b"fencing_epoch", "heartbeat_interval_ns", b"heartbeat_interval_ns", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "num_speculative_tokens", b"num_speculative_tokens", "protocol_version", b"protocol_version", "role", b"role", "silence_timeout_ns", b"silence_timeout_ns", "storage_url", b"storage_url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -520,6 +533,65 @@ class Tasks(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class StorageWrites(_message.Message):
+        """Storage tier puts (see steps 4 and 13): block block_ids[i] stored under keys[i]. block_ids
+        are host block ids when the instance has a host tier (Hello.num_host_blocks > 0), GPU
+        block ids otherwise. Run right after swap_outs.
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEYS_FIELD_NUMBER: _builtins.int
+        BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+        @_builtins.property
+        def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        def __init__(
+            self,
+            *,
+            keys: _abc.Iterable[_builtins.str] | None = ...,
+            block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "keys", b"keys"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class StorageFetches(_message.Message):
+        """Storage tier gets (see steps 4 and 13): key keys[i] into GPU block gpu_block_ids[i] of
+        handles[i] (a prefix hit in the storage tier; the handle's chunks start after those
+        positions). A handle's fetches are consecutive and follow its swap_ins. Run after
+        swap_ins, before chunks.
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        HANDLES_FIELD_NUMBER: _builtins.int
+        KEYS_FIELD_NUMBER: _builtins.int
+        GPU_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        @_builtins.property
+        def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+        @_builtins.property
+        def gpu_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        def __init__(
+            self,
+            *,
+            handles: _abc.Iterable[_builtins.int] | None = ...,
+            keys: _abc.Iterable[_builtins.str] | None = ...,
+            gpu_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_block_ids", b"gpu_block_ids", "handles", b"handles", "keys", b"keys"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SEQ_FIELD_NUMBER: _builtins.int
     PREEMPTS_FIELD_NUMBER: _builtins.int
     ABORTS_FIELD_NUMBER: _builtins.int
@@ -533,6 +605,8 @@ class Tasks(_message.Message):
     SWAP_INS_FIELD_NUMBER: _builtins.int
     ENCODER_DROPS_FIELD_NUMBER: _builtins.int
     FENCING_EPOCH_FIELD_NUMBER: _builtins.int
+    STORAGE_WRITES_FIELD_NUMBER: _builtins.int
+    STORAGE_FETCHES_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """1, 2, 3, ... on each stream (see step 3); the worker echoes the last one applied as
     StepReport.applied_seq.
@@ -584,6 +658,10 @@ class Tasks(_message.Message):
         queued chunk of a handle still held reads.
         """
 
+    @_builtins.property
+    def storage_writes(self) -> Global___Tasks.StorageWrites: ...
+    @_builtins.property
+    def storage_fetches(self) -> Global___Tasks.StorageFetches: ...
     def __init__(
         self,
         *,
@@ -600,10 +678,12 @@ class Tasks(_message.Message):
         swap_ins: Global___Tasks.SwapIns | None = ...,
         encoder_drops: _abc.Iterable[_builtins.str] | None = ...,
         fencing_epoch: _builtins.int = ...,
+        storage_writes: Global___Tasks.StorageWrites | None = ...,
+        storage_fetches: Global___Tasks.StorageFetches | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends", "storage_fetches", b"storage_fetches", "storage_writes", b"storage_writes", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborts", b"aborts", "chunks", b"chunks", "encoder_drops", b"encoder_drops", "extensions", b"extensions", "fencing_epoch", b"fencing_epoch", "kv_sends", b"kv_sends", "placements", b"placements", "preempts", b"preempts", "report_step", b"report_step", "reset_prefix_cache", b"reset_prefix_cache", "seq", b"seq", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborts", b"aborts", "chunks", b"chunks", "encoder_drops", b"encoder_drops", "extensions", b"extensions", "fencing_epoch", b"fencing_epoch", "kv_sends", b"kv_sends", "placements", b"placements", "preempts", b"preempts", "report_step", b"report_step", "reset_prefix_cache", b"reset_prefix_cache", "seq", b"seq", "storage_fetches", b"storage_fetches", "storage_writes", b"storage_writes", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -708,6 +788,8 @@ class StepReport(_message.Message):
     STEP_TIME_NS_FIELD_NUMBER: _builtins.int
     FAILED_SWAP_OUTS_FIELD_NUMBER: _builtins.int
     FAILED_SWAP_INS_FIELD_NUMBER: _builtins.int
+    FAILED_STORAGE_WRITES_FIELD_NUMBER: _builtins.int
+    FAILED_STORAGE_FETCHES_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Strictly increasing on a stream, from 1; a merged report carries its last step's number."""
     applied_seq: _builtins.int
@@ -759,6 +841,14 @@ class StepReport(_message.Message):
     def failed_swap_ins(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Handles whose swap-ins (of the messages up to applied_seq) failed; see step 4."""
 
+    @_builtins.property
+    def failed_storage_writes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Keys of storage_writes (of the messages up to applied_seq) that failed; see step 13."""
+
+    @_builtins.property
+    def failed_storage_fetches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Handles whose storage_fetches (of the messages up to applied_seq) failed; see step 13."""
+
     def __init__(
         self,
         *,
@@ -775,10 +865,12 @@ class StepReport(_message.Message):
         step_time_ns: _builtins.int = ...,
         failed_swap_outs: _abc.Iterable[_builtins.int] | None = ...,
         failed_swap_ins: _abc.Iterable[_builtins.int] | None = ...,
+        failed_storage_writes: _abc.Iterable[_builtins.str] | None = ...,
+        failed_storage_fetches: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "applied_seq", b"applied_seq", "failed", b"failed", "failed_swap_ins", b"failed_swap_ins", "failed_swap_outs", b"failed_swap_outs", "finish_reasons", b"finish_reasons", "handles", b"handles", "num_computed", b"num_computed", "num_new_tokens", b"num_new_tokens", "paused", b"paused", "step", b"step", "step_time_ns", b"step_time_ns", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "applied_seq", b"applied_seq", "failed", b"failed", "failed_storage_fetches", b"failed_storage_fetches", "failed_storage_writes", b"failed_storage_writes", "failed_swap_ins", b"failed_swap_ins", "failed_swap_outs", b"failed_swap_outs", "finish_reasons", b"finish_reasons", "handles", b"handles", "num_computed", b"num_computed", "num_new_tokens", b"num_new_tokens", "paused", b"paused", "step", b"step", "step_time_ns", b"step_time_ns", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

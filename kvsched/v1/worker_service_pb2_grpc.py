@@ -48,11 +48,13 @@ class WorkerServiceStub:
     Tasks are columnar: see Tasks for the layout.
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
     each in this order: swap_outs (copy GPU blocks to host blocks now, before anything in
-    this or a later message may overwrite those GPU blocks), preempts and aborts (drop those
+    this or a later message may overwrite those GPU blocks), storage_writes (put blocks into
+    the shared storage tier under their keys, step 13), preempts and aborts (drop those
     handles; their blocks may be reused below), encoder_drops (forget those multimodal
     items' encoder outputs: no queued chunk of a handle still held reads them), placements,
     extensions (resume a paused handle), swap_ins (copy host blocks into a handle's fresh
-    GPU blocks now, before any chunk reads them), chunks (at most one per handle per step,
+    GPU blocks now, before any chunk reads them), storage_fetches (get blocks from the
+    storage tier into a handle's fresh GPU blocks, step 13), chunks (at most one per handle per step,
     in order), kv_sends,
     reset_prefix_cache (which also drops every encoder output: a queued chunk that reads an
     item encodes it again). Copies run when their message is applied: the next report's
@@ -119,6 +121,20 @@ class WorkerServiceStub:
     applies nothing of that message, drops the stream and reconnects. A daemon that sees its
     lease on an attached instance taken by another daemon sends `redirect` to the new owner
     and ends those streams with OK; it never drives the instance again under that epoch.
+    13. Storage tier (docs/STORAGE.md): a KV store shared by every instance of every daemon
+    (Mooncake Store), keyed by strings the daemon builds from the chained block hash (model,
+    block size and hash: equal prefixes are equal keys everywhere). A worker lists the stores
+    it can reach in Hello.storage_backends; the daemon names the store in
+    Welcome.storage_url ("" = none: the worker never receives storage tasks). The daemon
+    decides, the worker moves bytes: storage_writes put a block under a key (from a host
+    block when the instance has a host tier, else from a GPU block; the daemon keeps that
+    block unchanged until the write is acknowledged by applied_seq); storage_fetches get a
+    key into a handle's fresh GPU block before its chunks run. A write that failed is named
+    by key in failed_storage_writes (the daemon never counts that key as stored); a fetch that
+    failed (key evicted by the store, store down) is named by handle in
+    failed_storage_fetches and that handle runs nothing more: the daemon preempts it and the
+    request recomputes, as after a failed swap-in. The store owns capacity and eviction: a
+    key the daemon believes stored may be gone, which is just a failed fetch.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
@@ -161,11 +177,13 @@ class WorkerServiceServicer:
     Tasks are columnar: see Tasks for the layout.
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
     each in this order: swap_outs (copy GPU blocks to host blocks now, before anything in
-    this or a later message may overwrite those GPU blocks), preempts and aborts (drop those
+    this or a later message may overwrite those GPU blocks), storage_writes (put blocks into
+    the shared storage tier under their keys, step 13), preempts and aborts (drop those
     handles; their blocks may be reused below), encoder_drops (forget those multimodal
     items' encoder outputs: no queued chunk of a handle still held reads them), placements,
     extensions (resume a paused handle), swap_ins (copy host blocks into a handle's fresh
-    GPU blocks now, before any chunk reads them), chunks (at most one per handle per step,
+    GPU blocks now, before any chunk reads them), storage_fetches (get blocks from the
+    storage tier into a handle's fresh GPU blocks, step 13), chunks (at most one per handle per step,
     in order), kv_sends,
     reset_prefix_cache (which also drops every encoder output: a queued chunk that reads an
     item encodes it again). Copies run when their message is applied: the next report's
@@ -232,6 +250,20 @@ class WorkerServiceServicer:
     applies nothing of that message, drops the stream and reconnects. A daemon that sees its
     lease on an attached instance taken by another daemon sends `redirect` to the new owner
     and ends those streams with OK; it never drives the instance again under that epoch.
+    13. Storage tier (docs/STORAGE.md): a KV store shared by every instance of every daemon
+    (Mooncake Store), keyed by strings the daemon builds from the chained block hash (model,
+    block size and hash: equal prefixes are equal keys everywhere). A worker lists the stores
+    it can reach in Hello.storage_backends; the daemon names the store in
+    Welcome.storage_url ("" = none: the worker never receives storage tasks). The daemon
+    decides, the worker moves bytes: storage_writes put a block under a key (from a host
+    block when the instance has a host tier, else from a GPU block; the daemon keeps that
+    block unchanged until the write is acknowledged by applied_seq); storage_fetches get a
+    key into a handle's fresh GPU block before its chunks run. A write that failed is named
+    by key in failed_storage_writes (the daemon never counts that key as stored); a fetch that
+    failed (key evicted by the store, store down) is named by handle in
+    failed_storage_fetches and that handle runs nothing more: the daemon preempts it and the
+    request recomputes, as after a failed swap-in. The store owns capacity and eviction: a
+    key the daemon believes stored may be gone, which is just a failed fetch.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
@@ -284,11 +316,13 @@ class WorkerService:
     Tasks are columnar: see Tasks for the layout.
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
     each in this order: swap_outs (copy GPU blocks to host blocks now, before anything in
-    this or a later message may overwrite those GPU blocks), preempts and aborts (drop those
+    this or a later message may overwrite those GPU blocks), storage_writes (put blocks into
+    the shared storage tier under their keys, step 13), preempts and aborts (drop those
     handles; their blocks may be reused below), encoder_drops (forget those multimodal
     items' encoder outputs: no queued chunk of a handle still held reads them), placements,
     extensions (resume a paused handle), swap_ins (copy host blocks into a handle's fresh
-    GPU blocks now, before any chunk reads them), chunks (at most one per handle per step,
+    GPU blocks now, before any chunk reads them), storage_fetches (get blocks from the
+    storage tier into a handle's fresh GPU blocks, step 13), chunks (at most one per handle per step,
     in order), kv_sends,
     reset_prefix_cache (which also drops every encoder output: a queued chunk that reads an
     item encodes it again). Copies run when their message is applied: the next report's
@@ -355,6 +389,20 @@ class WorkerService:
     applies nothing of that message, drops the stream and reconnects. A daemon that sees its
     lease on an attached instance taken by another daemon sends `redirect` to the new owner
     and ends those streams with OK; it never drives the instance again under that epoch.
+    13. Storage tier (docs/STORAGE.md): a KV store shared by every instance of every daemon
+    (Mooncake Store), keyed by strings the daemon builds from the chained block hash (model,
+    block size and hash: equal prefixes are equal keys everywhere). A worker lists the stores
+    it can reach in Hello.storage_backends; the daemon names the store in
+    Welcome.storage_url ("" = none: the worker never receives storage tasks). The daemon
+    decides, the worker moves bytes: storage_writes put a block under a key (from a host
+    block when the instance has a host tier, else from a GPU block; the daemon keeps that
+    block unchanged until the write is acknowledged by applied_seq); storage_fetches get a
+    key into a handle's fresh GPU block before its chunks run. A write that failed is named
+    by key in failed_storage_writes (the daemon never counts that key as stored); a fetch that
+    failed (key evicted by the store, store down) is named by handle in
+    failed_storage_fetches and that handle runs nothing more: the daemon preempts it and the
+    request recomputes, as after a failed swap-in. The store owns capacity and eviction: a
+    key the daemon believes stored may be gone, which is just a failed fetch.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
