@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -124,6 +125,21 @@ async def run_with_kill(
         )
         errors = [r for r in done if isinstance(r, BaseException)]
         return LoadResult(streams, errors, cut)
+
+
+async def until_tokens(
+    streams: Sequence[ResumableStream],
+    tasks: Sequence[asyncio.Task],
+    n: int,
+    point: str,
+    timeout_s: float,
+) -> None:
+    """Wait until every stream holds n tokens (the fault point), none of them ended before it."""
+    deadline = time.monotonic() + timeout_s
+    while any(len(s.tokens) < n for s in streams):
+        assert time.monotonic() < deadline, f"the load never reached the {point} point"
+        assert not any(t.done() for t in tasks), f"a stream ended before the {point}"
+        await asyncio.sleep(0.02)
 
 
 def pool_free(address: str) -> None:

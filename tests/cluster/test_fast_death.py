@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 
 from nats.js.errors import KeyNotFoundError
 
@@ -18,7 +17,13 @@ from kvsched.cluster.leases import LEASES_BUCKET
 from kvsched.cluster.link import connect_cluster
 from kvsched.cluster.membership import MEMBERS_BUCKET
 from kvsched.cluster.natsd import NatsServer
-from tests.cluster.durability_kit import Daemon, prompts, sim_expected, start_sim_worker
+from tests.cluster.durability_kit import (
+    Daemon,
+    prompts,
+    sim_expected,
+    start_sim_worker,
+    until_tokens,
+)
 from tests.integration.harness import Proc, wait_ready
 
 
@@ -51,11 +56,7 @@ async def _run(
             for rid, p, n in requests
         ]
         tasks = [asyncio.create_task(s.read_all()) for s in streams]
-        deadline = time.monotonic() + 60
-        while any(len(s.tokens) < 5 for s in streams):
-            assert time.monotonic() < deadline, "the load never reached the kill point"
-            assert not any(t.done() for t in tasks), "a stream ended before the kill"
-            await asyncio.sleep(0.02)
+        await until_tokens(streams, tasks, 5, "kill", 60)
         a.kill9()
         # The worker is welcomed by the survivor: the lease moved. Read the bucket right then.
         await asyncio.to_thread(

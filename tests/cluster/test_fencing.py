@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 
 from kvsched.client import AsyncClient
 from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, resumable
 from kvsched.cluster.leases import Lease, Leases
 from kvsched.cluster.link import connect_cluster
 from kvsched.cluster.natsd import NatsServer
-from tests.cluster.durability_kit import Daemon, prompts, sim_expected, start_sim_worker
+from tests.cluster.durability_kit import (
+    Daemon,
+    prompts,
+    sim_expected,
+    start_sim_worker,
+    until_tokens,
+)
 from tests.integration.harness import Proc, status, wait_ready
 
 
@@ -49,11 +54,7 @@ async def _stream_and_take(
             for rid, p, n in requests
         ]
         tasks = [asyncio.create_task(s.read_all()) for s in streams]
-        deadline = time.monotonic() + 60
-        while any(len(s.tokens) < 5 for s in streams):
-            assert time.monotonic() < deadline, "the load never reached the takeover point"
-            assert not any(t.done() for t in tasks), "a stream ended before the takeover"
-            await asyncio.sleep(0.02)
+        await until_tokens(streams, tasks, 5, "takeover", 60)
         before, after = await _take_lease(url, "fe-b", "fe0", "fe-a")
         await asyncio.wait_for(asyncio.gather(*tasks), 90)
         return [s.tokens for s in streams], before, after
