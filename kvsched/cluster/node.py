@@ -279,6 +279,12 @@ class ClusterNode:
                 raise Unavailable(self.unreachable_reason(str(exc))) from None
         return self.router.route(req, model), owner
 
+    def refuse_if_fenced(self) -> None:
+        """Unavailable while this daemon is fenced (selffence.py): a Resume of a request it does
+        not hold is not looked up in a journal it cannot reach; the client tries elsewhere."""
+        if self.fence.fenced:
+            raise Unavailable(self.fence.reason())
+
     def unreachable_reason(self, local: str) -> str:
         """Why a request cannot be placed while NATS is down: the cause first (the cluster is
         unreachable), then what this daemon has itself (`local`: the registry's reason)."""

@@ -174,10 +174,17 @@ class SelfFence:
         if not table.tracked:
             table.all_done.set()
         sink, tr.sink = tr.sink, ParkedSink()
-        table.streams.discard(sink)
-        task = getattr(sink, "task", None)
-        if task is not None and not task.done():
-            task.cancel()  # its client sees CANCELLED and resumes (client/resumable.py)
+        if hasattr(sink, "moved"):  # a Generate / Resume stream: it ends with UNAVAILABLE
+            sink.moved = (
+                f"request {rid!r}: daemon {self.node.daemon_id} is fenced off the cluster "
+                f"({self.why}); resume it through another daemon"
+            )
+            sink.notify(tr)
+        else:  # a Session: the whole stream ends (its requests are resumed one by one)
+            table.streams.discard(sink)
+            task = getattr(sink, "task", None)
+            if task is not None and not task.done():
+                task.cancel()
         self.parked[rid] = tr
         self.num_parked += 1
 
