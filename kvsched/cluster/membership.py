@@ -107,6 +107,8 @@ class Membership:
         self._task: asyncio.Task[None] | None = None
         self._left: set[str] = set()  # ids whose entry says `leaving`, at the last poll
         self._grace_until = 0.0  # after an outage: no expiry is believed before this
+        # daemon id -> (its entry's revision, when this daemon saw that revision first)
+        self._changed: dict[str, tuple[int, float]] = {}
         self._wake = asyncio.Event()  # refresh now (set after a NATS reconnect)
         link.on_reconnect.append(self._wake.set)
 
@@ -132,6 +134,14 @@ class Membership:
 
     def alive(self, daemon_id: str) -> bool:
         return daemon_id in self.members
+
+    def silent_for(self, daemon_id: str) -> float:
+        """Seconds since this daemon last saw `daemon_id`'s entry change (every live daemon
+        rewrites it every `poll_s`); 0 when unknown or while this daemon's own view is stale."""
+        seen = self._changed.get(daemon_id)
+        if seen is None or self.stale or daemon_id == self.daemon_id:
+            return 0.0
+        return time.monotonic() - seen[1]
 
     def departures(self) -> asyncio.Queue[Departure]:
         """A queue that receives every departure seen from now on (one queue per caller)."""
@@ -193,6 +203,9 @@ class Membership:
             except KeyNotFoundError:
                 continue
             if entry.value:
+                rev, now = entry.revision or 0, time.monotonic()
+                if self._changed.get(key, (-1, 0.0))[0] != rev:
+                    self._changed[key] = (rev, now)
                 try:
                     member = Member.from_json(entry.value)
                 except (ValueError, KeyError) as exc:

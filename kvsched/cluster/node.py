@@ -340,6 +340,15 @@ class ClusterNode:
             pass  # the owner's own forwarder, following it: the owner adopted it (it continues)
         elif daemon_id != self.daemon_id and RELAYED not in carrier and self.connected:
             member = await asyncio.wait_for(self._live_member(daemon_id), NATS_TIMEOUT_S)
+            silent = self.membership.silent_for(daemon_id)
+            if member is not None and silent > self.fence.after_s:
+                # Its entry stopped changing: paused or cut off, so fenced by now (a relay
+                # would hang on it); its requests are adopted once the entry expires.
+                raise Unavailable(
+                    f"request {msg.request_id!r} belongs to daemon {daemon_id!r}, which has "
+                    f"not refreshed its membership for {silent:.1f} s (paused or cut off); it "
+                    f"is adopted when that entry expires ({self.config.member_ttl_s:g} s): retry"
+                )
         if member is None:
             raise Unavailable(
                 f"request {msg.request_id!r} belongs to daemon {daemon_id!r}, which is not "

@@ -88,6 +88,7 @@ class Load:
 
     streams: list[ResumableStream] = field(default_factory=list)
     tasks: list[asyncio.Task[list[int]]] = field(default_factory=list)
+    gaps: list[list[tuple[float, float]]] = field(default_factory=list)
     clients: list[AsyncClient] = field(default_factory=list)
 
     async def start(
@@ -100,7 +101,27 @@ class Load:
             order = [self.clients[(first + k) % n] for k in range(n)]
             s = resumable(order, prompt, request_id=rid, max_tokens=max_tokens, retry_for_s=120)
             self.streams.append(s)
-            self.tasks.append(asyncio.create_task(s.read_all()))
+            self.gaps.append([])
+            self.tasks.append(asyncio.create_task(self._read(s, self.gaps[-1])))
+
+    @staticmethod
+    async def _read(s: ResumableStream, gaps: list[tuple[float, float]]) -> list[int]:
+        """Read `s` to its end; `gaps` gets (when, seconds) of every wait between batches."""
+        last = time.monotonic()
+        async for _ in s:
+            now = time.monotonic()
+            gaps.append((last, now - last))
+            last = now
+        return s.tokens
+
+    def stalls_after(self, t0: float, indexes: list[int]) -> list[float]:
+        """For each stream in `indexes`: seconds from `t0` to its first batch after `t0`."""
+        out = []
+        for i in indexes:
+            after = [start + gap for start, gap in self.gaps[i] if start + gap >= t0]
+            if after:
+                out.append(min(after) - t0)
+        return out
 
     async def wait_tokens(self, at_least: int, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
