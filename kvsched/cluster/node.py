@@ -15,8 +15,10 @@ daemon address, and a Hello for an instance leased to a live peer is redirected 
 whose lessee is dead is taken by the daemon reached, with the same CAS).
 
 While NATS is unreachable the node degrades: requests are routed among this daemon's own
-instances, workers are admitted locally, and nothing accepted waits on NATS. It heals when the
-connection comes back (nats-py reconnects; the loops retry).
+instances, workers are admitted locally, and nothing accepted waits on NATS. With the journal,
+once its membership could have expired it fences itself (`selffence.py`: no new work, its
+requests parked for their clients to resume elsewhere). It heals when the connection comes
+back (nats-py reconnects; the membership and the leases' watcher restart; the loops retry).
 """
 
 from __future__ import annotations
