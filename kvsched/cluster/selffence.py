@@ -99,7 +99,7 @@ class SelfFence:
         self.parked: dict[str, Tracked] = {}
         self._recheck: list[tuple[float, list[Tracked]]] = []  # (when, restored requests)
         self._busy = False
-        self._last_tick = time.monotonic()
+        self._last_tick = 0.0  # monotonic of the last tick (0: none yet)
         self.num_fences = 0
         self.num_parked = 0
         self.num_restored = 0
@@ -120,7 +120,8 @@ class SelfFence:
     def tick(self) -> None:
         """One check (the node's view loop, every 0.2 s; never blocks)."""
         now = time.monotonic()
-        gap, self._last_tick = now - self._last_tick, now
+        gap = now - self._last_tick if self._last_tick else 0.0  # (a slow start is no pause)
+        self._last_tick = now
         age = now - self.node.membership.last_put_ok
         if not self.enabled:
             return
@@ -129,7 +130,7 @@ class SelfFence:
                 self._fence(f"this daemon stood still for {gap:.1f} s")
             elif age > self.after_s:
                 self._fence(f"its membership was not refreshed for {age:.1f} s")
-        elif age < self.after_s and not self._busy and now - self.since > 0.0:
+        elif age < self.after_s and not self._busy:
             self._busy = True
             asyncio.get_running_loop().create_task(self._unfence(), name="unfence")
         if self._recheck and self._recheck[0][0] <= now and not self._busy:
