@@ -89,12 +89,17 @@ def test_cut_off_daemon_heals_converges_and_serves() -> None:
         assert refused == [], refused
         # pt-d0 fenced itself during the cut and dropped what pt-d1 adopted after the heal.
         assert d0.proc is not None and d1.proc is not None
-        d0.proc.wait_for(r"self-fenced: its membership was not refreshed", timeout=5)
+        fenced = d0.proc.wait_for(
+            r"self-fenced: its membership was not refreshed.* (\d+) request\(s\) parked", timeout=5
+        )
         m = d0.proc.wait_for(
             r"unfenced after [\d.]+ s: \d+ parked request\(s\) continue here, "
             r"(\d+) adopted elsewhere",
             timeout=5,
         )
+        # Every request parked at pt-d0 was adopted by pt-d1 during the cut, and none of them
+        # is continued by pt-d0 after the heal.
+        assert int(m.group(1)) == int(fenced.group(1)) > 0, (m.group(0), fenced.group(0))
         d1.proc.wait_for(r"kvsched took over \d+ request\(s\) of daemon pt-d0", timeout=5)
         # Converged and staying so: pt0's lease and worker at pt-d1, nothing attached at pt-d0.
         time.sleep(3 * TTL_S)

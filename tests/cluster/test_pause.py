@@ -94,7 +94,13 @@ def test_paused_daemon_streams_move_and_ownership_converges() -> None:
         st = status(d0.address)
         assert not [i.instance_id for i in st.instances if i.ready]
         assert sum(i.num_running + i.num_waiting for i in st.instances) == 0
-        d0.proc.wait_for(r"self-fenced: this daemon stood still|self-fenced: its membership")
+        d0.proc.wait_for(r"self-fenced: (this daemon stood still|its membership)", timeout=5)
+        # After SIGCONT nothing it held is continued there: all of it was adopted meanwhile.
+        m = d0.proc.wait_for(
+            r"unfenced after [\d.]+ s: (\d+) parked request\(s\) continue here, (\d+) adopted",
+            timeout=5,
+        )
+        assert int(m.group(1)) == 0, m.group(0)
         d1.proc.wait_for(r"kvsched took over \d+ request\(s\) of daemon pz-d0", timeout=5)
         for d in (d0, d1):
             pool_free(d.address)
