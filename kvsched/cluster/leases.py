@@ -41,9 +41,10 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from nats.js.errors import Error as JsError
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from kvsched.cluster.link import ClusterLink
@@ -52,6 +53,7 @@ from kvsched.core.errors import Unavailable
 log = logging.getLogger("kvsched.cluster")
 
 LEASES_BUCKET = "kvsched_leases"
+WATCH_INACTIVE_S = 10.0  # the server drops a watcher's consumer unused this long
 _PUT, _DEL, _PURGE = "PUT", "DEL", "PURGE"
 
 
@@ -69,6 +71,9 @@ class Leases:
         self._kv: KeyValue | None = None
         self._cache: dict[str, Lease] = {}
         self._watch: asyncio.Task[None] | None = None
+        self._restart = asyncio.Event()
+        self.num_watchers = 0  # watchers replaced (one per NATS reconnect)
+        link.on_reconnect.append(self._restart_watcher)
 
     async def start(self) -> None:
         self._kv = await self.link.bucket(LEASES_BUCKET)
@@ -79,15 +84,19 @@ class Leases:
         """Read every lease from NATS into the cache (start, and after an outage: a watcher
         may miss what changed while the server was away)."""
         fresh: dict[str, Lease] = {}
-        with contextlib.suppress(NoKeysError):
-            for key in await self.kv.keys():
-                with contextlib.suppress(KeyNotFoundError):
-                    entry = await self.kv.get(key)
-                    if entry.value:
-                        fresh[key] = Lease(key, entry.value.decode(), entry.revision or 0)
+        for key in await self.link.keys_of(LEASES_BUCKET):  # no consumer (see keys_of)
+            with contextlib.suppress(KeyNotFoundError):
+                entry = await self.kv.get(key)
+                if entry.value:
+                    fresh[key] = Lease(key, entry.value.decode(), entry.revision or 0)
+        for key, lease in self._cache.items():  # a newer one the watcher delivered meanwhile
+            if key in fresh and lease.revision > fresh[key].revision:
+                fresh[key] = lease
         self._cache = fresh
 
     async def stop(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.link.on_reconnect.remove(self._restart_watcher)
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -199,13 +208,31 @@ class Leases:
         if have is None or have.revision <= lease.revision:
             self._cache[lease.instance_id] = lease
 
+    def _restart_watcher(self) -> None:
+        """After a NATS reconnect: a new watcher (the old one's ordered consumer may be gone
+        on the server, or stalled; it is stopped, so consumers do not pile up)."""
+        self._restart.set()
+
     async def _watcher(self) -> None:
-        """Keep `owners()` current from the bucket's updates (across NATS reconnects)."""
+        """Keep `owners()` current from the bucket's updates (across NATS reconnects: the
+        watcher is replaced after each, and the server drops an unused one's consumer after
+        WATCH_INACTIVE_S)."""
         while True:
             watcher = None
+            self._restart.clear()
             try:
-                watcher = await self.kv.watchall()
-                async for entry in watcher:
+                watcher = await self.kv.watchall(inactive_threshold=WATCH_INACTIVE_S)
+                while not self._restart.is_set():
+                    restart = asyncio.ensure_future(self._restart.wait())
+                    update = asyncio.ensure_future(watcher.updates(timeout=None))
+                    done, _ = await asyncio.wait(
+                        {restart, update}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    restart.cancel()
+                    if update not in done:
+                        update.cancel()
+                        break
+                    entry = update.result()
                     if entry is None:
                         continue  # end of the initial values
                     if entry.operation in (_DEL, _PURGE) or not entry.value:
@@ -222,3 +249,15 @@ class Leases:
             except Exception as exc:
                 log.debug("leases watcher: %r; restarting", exc)
                 await asyncio.sleep(0.5)
+            if watcher is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(watcher.stop(), 1.0)
+                with contextlib.suppress(Exception):  # its consumer now, not after the threshold
+                    await asyncio.wait_for(self._drop_consumer(watcher), 1.0)
+            self.num_watchers += 1
+
+    async def _drop_consumer(self, watcher: Any) -> None:
+        sub = getattr(watcher, "_sub", None)
+        stream, name = getattr(sub, "_stream", None), getattr(sub, "_consumer", None)
+        if stream and name:
+            await self.link.js.delete_consumer(stream, name)

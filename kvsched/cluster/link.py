@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import nats
@@ -31,6 +32,20 @@ class ClusterLink:
     nc: Any  # nats.aio.client.Client
     js: JetStreamContext
     last_error: str = ""  # the NATS client's last error (why the link is down, when it is)
+    reconnects: int = 0  # times the client reconnected (watchers restart on a change)
+    # called (no arguments, on the event loop) after every reconnect: Membership refreshes at
+    # once, the leases' watcher restarts (its ordered consumer may be gone on the server)
+    on_reconnect: list[Callable[[], None]] = field(default_factory=list)
+
+    async def keys_of(self, bucket: str) -> list[str]:
+        """A KV bucket's keys, read from its stream's subjects: no consumer is created (nats-py's
+        `KeyValue.keys()` creates an ordered consumer per call that the server keeps for
+        minutes, and one per poll leaked hundreds; a reconnect storm hit the consumer limit).
+        A deleted key whose marker is still stored is listed: its `get` raises
+        KeyNotFoundError."""
+        prefix = f"$KV.{bucket}."
+        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+        return [s[len(prefix) :] for s in (info.state.subjects or {})]
 
     async def bucket(self, name: str, ttl_s: float = 0.0, history: int = 1) -> KeyValue:
         """A JetStream KV bucket, created on first use (`ttl_s` 0: entries never expire)."""
@@ -76,6 +91,12 @@ async def connect_cluster(
     async def reconnected() -> None:
         if link is not None:
             link.last_error = ""
+            link.reconnects += 1
+            for hook in list(link.on_reconnect):
+                try:
+                    hook()
+                except Exception as exc:  # one hook never stops the others
+                    log.warning("after NATS reconnect: %r", exc)
 
     try:
         nc = await nats.connect(
@@ -85,6 +106,10 @@ async def connect_cluster(
             max_reconnect_attempts=attempts,
             reconnect_time_wait=0.2,
             allow_reconnect=True,
+            # A link that stops answering (a partition that drops packets, not connections) is
+            # noticed within ~6 s, not nats-py's default 4 minutes, and then reconnected.
+            ping_interval=2,
+            max_outstanding_pings=3,
             error_cb=quiet,
             disconnected_cb=disconnected,
             reconnected_cb=reconnected,

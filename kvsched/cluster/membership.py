@@ -20,9 +20,12 @@ Public API (`takeover.py` follows the departures):
     await m.refresh()                 # write this daemon's entry and poll the bucket now
     await m.stop()                    # stop the loop; the entry says `leaving`
 
-Departures are found by polling the bucket every refresh (JetStream does not notify watchers of
-an entry removed by TTL), so a daemon learns of a peer's expiry at most `ttl_s + ttl_s / 4`
-after its last refresh. While NATS is unreachable the loop keeps trying; `members` keeps its
+Departures are found by polling the bucket every `poll_s` (min(ttl_s / 4, 0.5 s); JetStream does
+not notify watchers of an entry removed by TTL), so a daemon learns of a peer's expiry at most
+`ttl_s + poll_s` after its last refresh. The poll lists the bucket's keys from its stream's
+subjects (`ClusterLink.keys_of`: no consumer per poll) and always counts this daemon itself
+once its own write succeeded. `last_put_ok` (monotonic) is when this daemon's entry was last
+written: `selffence.py` fences the daemon when it grows older than the safety margin. While NATS is unreachable the loop keeps trying; `members` keeps its
 last view (`stale` is True) and no departure is reported from a stale view, nor for one TTL
 after NATS is back (peers need that long to write their entries again).
 """
@@ -37,7 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from kvsched.cluster.link import ClusterLink
@@ -93,6 +96,8 @@ class Membership:
         self.address = address
         self.ttl_s = ttl_s
         self.refresh_s = ttl_s / 4
+        self.poll_s = min(self.refresh_s, 0.5)
+        self.last_put_ok = time.monotonic()  # this daemon's entry was last written then
         self._summary = summary  # (instances, load per instance) of this daemon, at refresh
         self.members: dict[str, Member] = {}
         self.stale = True  # the last poll failed (NATS unreachable)
@@ -102,6 +107,10 @@ class Membership:
         self._task: asyncio.Task[None] | None = None
         self._left: set[str] = set()  # ids whose entry says `leaving`, at the last poll
         self._grace_until = 0.0  # after an outage: no expiry is believed before this
+        # daemon id -> (its entry's revision, when this daemon saw that revision first)
+        self._changed: dict[str, tuple[int, float]] = {}
+        self._wake = asyncio.Event()  # refresh now (set after a NATS reconnect)
+        link.on_reconnect.append(self._wake.set)
 
     async def start(self) -> None:
         self._kv = await self.link.bucket(MEMBERS_BUCKET, ttl_s=self.ttl_s)
@@ -126,6 +135,14 @@ class Membership:
     def alive(self, daemon_id: str) -> bool:
         return daemon_id in self.members
 
+    def silent_for(self, daemon_id: str) -> float:
+        """Seconds since this daemon last saw `daemon_id`'s entry change (every live daemon
+        rewrites it every `poll_s`); 0 when unknown or while this daemon's own view is stale."""
+        seen = self._changed.get(daemon_id)
+        if seen is None or self.stale or daemon_id == self.daemon_id:
+            return 0.0
+        return time.monotonic() - seen[1]
+
     def departures(self) -> asyncio.Queue[Departure]:
         """A queue that receives every departure seen from now on (one queue per caller)."""
         q: asyncio.Queue[Departure] = asyncio.Queue()
@@ -141,9 +158,13 @@ class Membership:
         kv = self._kv
         assert kv is not None, "Membership.start() was not called"
         self._left = set()
+        bound = max(1.0, self.refresh_s)
         try:
-            await kv.put(self.daemon_id, self.me().to_json())
-            seen = await self._read_all(kv)
+            me = self.me()
+            await asyncio.wait_for(kv.put(self.daemon_id, me.to_json()), bound)
+            self.last_put_ok = time.monotonic()
+            seen = await asyncio.wait_for(self._read_all(kv), bound)
+            seen.setdefault(self.daemon_id, me)  # written just now: never "expired" to itself
         except Exception as exc:  # NATS down or restarting: keep the last view
             if not self.stale:
                 log.warning("membership: cannot reach NATS (%s); keeping the last view", exc)
@@ -174,10 +195,7 @@ class Membership:
                     q.put_nowait(dep)
 
     async def _read_all(self, kv: KeyValue) -> dict[str, Member]:
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return {}
+        keys = await self.link.keys_of(MEMBERS_BUCKET)
         out: dict[str, Member] = {}
         for key in keys:
             try:
@@ -185,6 +203,9 @@ class Membership:
             except KeyNotFoundError:
                 continue
             if entry.value:
+                rev, now = entry.revision or 0, time.monotonic()
+                if self._changed.get(key, (-1, 0.0))[0] != rev:
+                    self._changed[key] = (rev, now)
                 try:
                     member = Member.from_json(entry.value)
                 except (ValueError, KeyError) as exc:
@@ -198,12 +219,16 @@ class Membership:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.refresh_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            self._wake.clear()
             await self.refresh()
 
     async def stop(self) -> None:
         """Stop refreshing and mark this daemon's entry `leaving` (peers see a graceful
         departure; the bucket's TTL removes the entry later)."""
+        with contextlib.suppress(ValueError):
+            self.link.on_reconnect.remove(self._wake.set)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

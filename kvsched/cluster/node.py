@@ -15,20 +15,21 @@ daemon address, and a Hello for an instance leased to a live peer is redirected 
 whose lessee is dead is taken by the daemon reached, with the same CAS).
 
 While NATS is unreachable the node degrades: requests are routed among this daemon's own
-instances, workers are admitted locally, and nothing accepted waits on NATS. It heals when the
-connection comes back (nats-py reconnects; the loops retry).
+instances, workers are admitted locally, and nothing accepted waits on NATS. With the journal,
+once its membership could have expired it fences itself (`selffence.py`: no new work, its
+requests parked for their clients to resume elsewhere). It heals when the connection comes
+back (nats-py reconnects; the membership and the leases' watcher restart; the loops retry).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
-import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvsched.cluster.cluster_view import cluster_status, refuses_connections
 from kvsched.cluster.fencing import hand_over_fenced
 from kvsched.cluster.forward import (
     FORWARD_INSTANCE,
@@ -41,6 +42,7 @@ from kvsched.cluster.kv_stream import KvStream
 from kvsched.cluster.leases import Leases
 from kvsched.cluster.membership import Member, Membership
 from kvsched.cluster.routing import ClusterRouter, RemoteInstance
+from kvsched.cluster.selffence import SelfFence
 from kvsched.core import Request, Unavailable
 from kvsched.server.auth import principal_of
 from kvsched.server.engine import InstanceEngine
@@ -66,24 +68,6 @@ class _Stoppable(Protocol):
     async def stop(self) -> None: ...
 
     async def confirmed_dead(self, dead_id: str, address: str, instances: list[str]) -> None: ...
-
-
-async def refuses_connections(address: str, timeout_s: float = 0.5) -> bool:
-    """True when nothing listens at `address` (the connection is refused): proof that the
-    daemon that advertised it is dead. A timeout or any other error proves nothing (a paused
-    or partitioned daemon): False."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    if host in ("", "0.0.0.0", "::") or address.startswith("unix:"):
-        return False  # a wildcard (no --advertise) names no one host: it proves nothing
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
-    except ConnectionRefusedError:
-        return True
-    except (OSError, ValueError, TimeoutError):
-        return False
-    writer.close()
-    return False
 
 
 class ClusterNode:
@@ -121,6 +105,7 @@ class ClusterNode:
             self._cluster_principal = "\0no cluster token"  # nobody may act as a peer
         self._subs: list[Any] = []
         self.num_fenced = 0  # attached instances handed to a daemon that took their lease
+        self.fence = SelfFence(self)  # stops this daemon before its membership can expire
         self._task: asyncio.Task[None] | None = None
         # takeover.Takeover, set by the daemon (it knows the journal); stopped with the node
         self.takeover: _Stoppable | None = None
@@ -197,9 +182,14 @@ class ClusterNode:
                 except Exception as exc:
                     log.debug("leases reload: %r", exc)
             self._refresh_views()
-            self.num_fenced += hand_over_fenced(
-                self.registry.engines, self.leases, self.membership.members
-            )
+            self.hand_over_now()
+            self.fence.tick()
+
+    def hand_over_now(self) -> None:
+        """Attached instances whose lease a live peer took: their workers go there (fencing.py)."""
+        self.num_fenced += hand_over_fenced(
+            self.registry.engines, self.leases, self.membership.members
+        )
 
     async def _claim_unleased(self) -> None:
         """Instances attached here while NATS was away have no lease: take it now (a
@@ -274,6 +264,8 @@ class ClusterNode:
         self, req: Request, carrier: dict[str, str], owner: str, model: str = ""
     ) -> tuple[InstanceEngine | RemoteInstance, str]:
         """Where a new request goes, and the owner it is tracked under."""
+        if self.fence.fenced:  # peers may be taking its instances over: no new work here
+            raise Unavailable(self.fence.reason())
         if FORWARDED_BY in carrier:  # a peer chose this daemon: place it here, never forward
             relayed = relay_owner(carrier, owner, self._cluster_principal)
             eng = self.registry.engines.get(carrier.get(FORWARD_INSTANCE, ""))
@@ -288,6 +280,12 @@ class ClusterNode:
             except Unavailable as exc:
                 raise Unavailable(self.unreachable_reason(str(exc))) from None
         return self.router.route(req, model), owner
+
+    def refuse_if_fenced(self) -> None:
+        """Unavailable while this daemon is fenced (selffence.py): a Resume of a request it does
+        not hold is not looked up in a journal it cannot reach; the client tries elsewhere."""
+        if self.fence.fenced:
+            raise Unavailable(self.fence.reason())
 
     def unreachable_reason(self, local: str) -> str:
         """Why a request cannot be placed while NATS is down: the cause first (the cluster is
@@ -344,6 +342,15 @@ class ClusterNode:
             pass  # the owner's own forwarder, following it: the owner adopted it (it continues)
         elif daemon_id != self.daemon_id and RELAYED not in carrier and self.connected:
             member = await asyncio.wait_for(self._live_member(daemon_id), NATS_TIMEOUT_S)
+            silent = self.membership.silent_for(daemon_id)
+            if member is not None and silent > self.fence.after_s:
+                # Its entry stopped changing: paused or cut off, so fenced by now (a relay
+                # would hang on it); its requests are adopted once the entry expires.
+                raise Unavailable(
+                    f"request {msg.request_id!r} belongs to daemon {daemon_id!r}, which has "
+                    f"not refreshed its membership for {silent:.1f} s (paused or cut off); it "
+                    f"is adopted when that entry expires ({self.config.member_ttl_s:g} s): retry"
+                )
         if member is None:
             raise Unavailable(
                 f"request {msg.request_id!r} belongs to daemon {daemon_id!r}, which is not "
@@ -384,45 +391,7 @@ class ClusterNode:
         with contextlib.suppress(Exception):
             await msg.respond(b"ok")
 
-    # ---- status -------------------------------------------------------------------------------
+    # ---- status ---------------------------------------------------------------------------
     def cluster_status(self) -> apb.ClusterStatus:
         """The cluster as this daemon sees it (AdminService.GetStatus)."""
-        index, router = self.stream.index, self.router
-        out = apb.ClusterStatus(
-            daemon_id=self.daemon_id,
-            connected=self.connected,
-            num_routed_local=router.num_local,
-            num_forwarded=router.num_forwarded,
-            num_prefix_routed=router.num_prefix_routed,
-            num_event_gaps=index.num_gaps,
-            num_snapshots=index.num_snapshots,
-        )
-        out.route_us_p50, out.route_us_p99 = router.route_percentiles_us()
-        for did, m in sorted(self.membership.members.items()):
-            out.daemons.append(
-                apb.ClusterStatus.Daemon(daemon_id=did, address=m.address, instances=m.instances)
-            )
-        owners = {i: lease.owner for i, lease in self.leases.owners().items()}
-        now = time.monotonic()
-        for iid in sorted(set(owners) | set(index.instances)):
-            st = apb.ClusterStatus.Instance(instance_id=iid, owner_daemon_id=owners.get(iid, ""))
-            v = index.instances.get(iid)
-            if v is not None and v.synced:
-                ld = v.load
-                st.load_known = bool(ld) and now - v.heard <= router.stale_s
-                st.num_running = ld.get("running", 0.0)
-                st.num_waiting = ld.get("waiting", 0.0)
-                st.kv_cache_usage = ld.get("kv_usage", 0.0)
-                st.queued_prefill_tokens = ld.get("queued_prefill_tokens", 0.0)
-                st.num_indexed_blocks = len(v.hashes)
-                st.events_seq = v.seq
-                st.index_digest = hash_digest(v.hashes)
-            out.instances.append(st)
-        return out
-
-
-def hash_digest(hashes: set[bytes]) -> str:
-    h = hashlib.blake2b(digest_size=8)
-    for x in sorted(hashes):
-        h.update(x)
-    return h.hexdigest()
+        return cluster_status(self)

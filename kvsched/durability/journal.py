@@ -277,6 +277,8 @@ class Journal:
         finally:
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
+            with contextlib.suppress(Exception):  # now, not after its inactive threshold
+                await self.js.delete_consumer(psub._stream, psub._consumer)
 
     async def recover(self, daemon_id: str | None = None) -> list[R.Unfinished]:
         """The accepted, unfinished requests of this daemon (or of `daemon_id`: the seam of a

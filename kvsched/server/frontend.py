@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from kvsched import codec
-from kvsched.core import KvschedError, RequestNotFound
+from kvsched.core import KvschedError, RequestNotFound, Unavailable
 from kvsched.server.auth import current_principal
 from kvsched.server.durable import Durability, OwnedElsewhere
 from kvsched.server.errors import status_for
@@ -76,6 +76,8 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         sink = StreamSink()
         carrier, node = metadata(context), self.requests.cluster
         owner = principal(context) if node is None else node.caller_of(carrier, principal(context))
+        if node is not None and request.request_id not in self.requests.tracked:
+            node.refuse_if_fenced()  # a fenced daemon answers at once: resume elsewhere
         try:
             got = await self.durable.resume(request, owner, sink)
         except OwnedElsewhere as exc:
@@ -118,6 +120,8 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 sink.pending_since = None
                 if tr.sink is not sink:
                     done = True  # resumed elsewhere: one request streams to one place
+                    if sink.moved:  # taken from this stream (cluster/selffence.py): resume it
+                        raise Unavailable(sink.moved)
                     return
                 req = tr.req
                 # Decide "finished" and take the tokens at the same instant: more may arrive

@@ -21,13 +21,16 @@ class StreamSink:
     been sent; the daemon's watchdog cuts streams that stall past stall_timeout_s. It keeps
     no tokens: the stream sends its request's `output_token_ids` past `Tracked.sent`."""
 
-    __slots__ = ("event", "pending_since", "stalled", "task")
+    __slots__ = ("event", "moved", "pending_since", "stalled", "task")
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
         self.pending_since: float | None = None
         self.stalled = False
         self.task = asyncio.current_task()
+        # Set when the request was taken from this stream to be resumed elsewhere (a fenced
+        # daemon parks it): the stream ends with UNAVAILABLE and this message.
+        self.moved = ""
 
     def notify(self, tr: Tracked) -> None:
         if self.pending_since is None:
