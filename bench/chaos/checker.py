@@ -73,28 +73,35 @@ def check(events: list[dict[str, Any]]) -> dict[str, Any]:
     for rid in sorted(accepted):
         s = subs[rid]
         want = [sim.token_at(rid, s["prompt_len"] + i) for i in range(s["max_tokens"])]
+        got = toks[rid]
         f = finishes.get(rid, [])
         if len(f) > 1:
             twice.append(rid)
         if not f:
             unfinished.append(rid)
         elif f[0]["output_tokens"] != s["max_tokens"] or f[0]["reason"] != "length":
-            short.append(rid)
-        if f and toks[rid] != want:
+            short.append(rid)  # ended, but not with all its tokens (an error, an abort)
+        # Wrong: a token the oracle does not give at that position, one too many, or a
+        # request that finished "length" short of its tokens.
+        if got != want[: len(got)] or (f and f[0]["reason"] == "length" and got != want):
             wrong.append(rid)
     never = sorted(set(subs) - accepted)
     p1 = {
         "result": "PASS" if not (wrong or twice or unfinished or short) else "FAIL",
         "submitted": len(subs),
         "accepted": len(accepted),
-        "finished_exact": len(accepted) - len(set(wrong) | set(twice) | set(unfinished)),
+        "finished_exact": len(accepted)
+        - len(set(wrong) | set(twice) | set(unfinished) | set(short)),
         "lost": len(unfinished),
         "client_gave_up": len(lost),
         "wrong_tokens": len(wrong),
         "finished_twice": len(twice),
-        "wrong_finish": len(short),
+        "ended_with_error": len(short),
         "never_accepted": len(never),
         "examples": sorted(set(wrong + twice + unfinished + short))[:5],
+        "error_messages": sorted(
+            {f[0].get("message", "") for r in short if (f := finishes.get(r))}
+        )[:5],
     }
 
     # 2. refusals only while a fault lasts (+2 s)

@@ -119,6 +119,7 @@ class Load:
                 rid=rid,
                 reason=f.reason if f else None,
                 output_tokens=f.usage.output_tokens if f else None,
+                message=f.message[:300] if f else "",
                 resumes=s.resumes,
             )
             self.finished += 1
