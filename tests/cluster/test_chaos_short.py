@@ -67,7 +67,10 @@ def test_no_accepted_request_is_lost_duplicated_or_given_a_wrong_token(
     "main): after a pause or NATS cut past the TTL the old owner of an instance whose lease "
     "was taken ends the requests it still holds with reason error ('instance cN lost: lease "
     "taken by daemon dK; no instance could take the request within 30 s') instead of cutting "
-    "their streams so that resumable clients resume at the daemon that adopted them",
+    "their streams so that resumable clients resume at the daemon that adopted them; and a "
+    "request on an instance lost twice to faults (lease taken, rank silent) before its first "
+    "token is quarantined as poison (poison_max_losses = 2) though the faults were the "
+    "cluster's, not the request's",
     strict=False,
 )
 def test_every_accepted_request_finished_with_all_its_tokens(report: dict[str, Any]) -> None:
