@@ -111,6 +111,13 @@ def check(events: list[dict[str, Any]]) -> dict[str, Any]:
     ]
     refused = [e for e in by["refused"]]
     outside = [e for e in refused if not any(a <= e["t"] <= b for a, b in windows)]
+    late = []  # for each refusal outside: seconds since the last fault before it ended
+    for e in outside:
+        ended = [b - REFUSAL_GRACE_S for a, b in windows if b - REFUSAL_GRACE_S <= e["t"]]
+        late.append(e["t"] - max(ended) if ended else e["t"])
+    msgs: dict[str, int] = defaultdict(int)
+    for e in outside:
+        msgs[e["msg"][:90]] += 1
     codes: dict[str, int] = defaultdict(int)
     for e in refused:
         codes[e["code"]] += 1
@@ -119,6 +126,8 @@ def check(events: list[dict[str, Any]]) -> dict[str, Any]:
         "refused_calls": len(refused),
         "outside_faults": len(outside),
         "by_code": dict(codes),
+        "outside_s_after_fault_end": {"p50": _q(late, 0.5), "max": _q(late, 1.0)},
+        "outside_messages": dict(msgs),
         "examples": [
             {k: e[k] for k in ("t", "rid", "daemon", "call", "code", "msg")} for e in outside[:5]
         ],
