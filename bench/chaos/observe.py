@@ -4,7 +4,7 @@
   through a daemon's proxy), and where each instance's worker is attached (each daemon's
   AdminService.GetStatus, `num_ranks_connected > 0`; the same data as `kvsched status`);
 - `consumers` every 2 s: JetStream consumers on the server (monitoring port, /jsz);
-- `gen_tokens` every 2 s: each daemon's `kvsched_generation_tokens` (Prometheus).
+- `gen_tokens` every 1 s: each daemon's `kvsched_generation_tokens` (Prometheus).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Observer:
         self.tasks = [
             loop.create_task(self._every(0.5, self.observe)),
             loop.create_task(self._every(2.0, self.sample_consumers)),
-            loop.create_task(self._every(2.0, self.sample_gen_tokens)),
+            loop.create_task(self._every(1.0, self.sample_gen_tokens)),
         ]
 
     async def _every(self, period: float, fn: Any) -> None:

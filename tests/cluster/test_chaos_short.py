@@ -17,6 +17,8 @@ from bench.chaos.checker import table
 from bench.chaos.main import Options, run
 from bench.chaos.schedule import make_schedule
 
+pytestmark = pytest.mark.slow  # ~100 s: in `make test`, not in `make test-fast`
+
 SEED = int(os.environ.get("KVSCHED_CHAOS_SEED", "23"))
 TTL_S = 2.0
 DURATION_S = 36.0
@@ -116,9 +118,11 @@ def test_jetstream_consumers_are_bounded(report: dict[str, Any]) -> None:
     assert p["after_settle"] <= p["before_faults"], p
 
 
-def test_duplicate_gpu_work_is_reported(report: dict[str, Any]) -> None:
+def test_duplicate_gpu_work_is_measured_and_bounded(report: dict[str, Any]) -> None:
     p = prop(report, "duplicate_gpu_work")
-    # Every needed token was computed at least once (the counters are scraped every 2 s and
-    # once at the end; a daemon killed between two scrapes loses at most its last 2 s).
+    # The daemons' token counters are scraped every second and once at the end: a daemon
+    # killed between two scrapes loses at most its last second, so the ratio reads a little
+    # low, never near 0 unless the measurement broke. Above 1: tokens computed twice (an old
+    # owner still driving a request its adopter recomputes); the issue measured 1.04-1.08.
     assert p["tokens_needed"] > 0 and p["ratio"] is not None, p
-    assert p["tokens_accepted_by_daemons"] > 0, p
+    assert 0.9 <= p["ratio"] <= 1.5, p
