@@ -100,7 +100,7 @@ def check(events: list[dict[str, Any]]) -> dict[str, Any]:
         "never_accepted": len(never),
         "examples": sorted(set(wrong + twice + unfinished + short))[:5],
         "error_messages": sorted(
-            {f[0].get("message", "") for r in short if (f := finishes.get(r))}
+            {finishes[r][0].get("message", "") for r in short if finishes.get(r)}
         )[:5],
     }
 
@@ -215,7 +215,7 @@ def check(events: list[dict[str, Any]]) -> dict[str, Any]:
         "worker_tokens_clean_lives": sum(v["tokens"] for v in wt.values()),
         "worker_lives_without_stats": sum(v["lives"] - v["stats"] for v in wt.values()),
     }
-    faults = defaultdict(int)
+    faults: dict[str, int] = defaultdict(int)
     for e in by["fault_start"]:
         faults[e["kind"] + ("_long" if e["long"] else "")] += 1
     return {

@@ -34,7 +34,10 @@ class Observer:
         self.history = history
         self.nc: Any = None
         self.channels = [grpc.aio.insecure_channel(a) for a in cluster.addresses]
-        self.stubs = [admin_service_pb2_grpc.AdminServiceStub(ch) for ch in self.channels]
+        self.stubs = [
+            admin_service_pb2_grpc.AdminServiceStub(ch)  # type: ignore[no-untyped-call]
+            for ch in self.channels
+        ]
         self.tasks: list[asyncio.Task[None]] = []
         self.last_converged = False
 
@@ -80,14 +83,17 @@ class Observer:
         if not self.c.daemons[k].alive():
             return apb.GetStatusResponse()  # dead: attaches nothing
         try:
-            return await self.stubs[k].GetStatus(apb.GetStatusRequest(), timeout=timeout)
+            st: apb.GetStatusResponse = await self.stubs[k].GetStatus(
+                apb.GetStatusRequest(), timeout=timeout
+            )
+            return st
         except grpc.aio.AioRpcError:
             return None
 
     async def observe(self) -> bool:
-        leases, *sts = await asyncio.gather(
-            self.leases(), *(self.status(k) for k in range(len(self.stubs)))
-        )
+        leases_t = asyncio.ensure_future(self.leases())
+        sts = await asyncio.gather(*(self.status(k) for k in range(len(self.stubs))))
+        leases = await leases_t
         attached: dict[str, list[str]] = {i: [] for i in self.c.instances}
         unknown = []
         for k, st in enumerate(sts):
