@@ -1,0 +1,3 @@
+from bench.chaos.main import main
+
+main()
