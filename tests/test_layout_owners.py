@@ -180,9 +180,8 @@ def _record_names(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     args = fn.args
     for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
         ann = a.annotation
-        if isinstance(ann, ast.Name) and ann.id in RECORD_TYPES:
-            names.add(a.arg)
-        elif isinstance(ann, ast.Constant) and ann.value in RECORD_TYPES:
+        label = ann.id if isinstance(ann, ast.Name) else getattr(ann, "value", None)
+        if label in RECORD_TYPES:
             names.add(a.arg)
     for n in ast.walk(fn):
         if (
@@ -211,7 +210,7 @@ def record_field_writers(root: Path = PKG, fields: set[str] | None = None) -> di
             if p.name == "record.py":
                 names.add("self")
 
-            def target(t: ast.AST, names: set[str] = names) -> None:
+            def target(t: ast.AST, names: set[str] = names, rel: str = rel) -> None:
                 if isinstance(t, ast.Tuple | ast.List):
                     for e in t.elts:
                         target(e)
