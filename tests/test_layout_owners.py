@@ -286,3 +286,71 @@ def test_locations_are_tagged_values() -> None:
             if not (isinstance(loc, ast.Call) and getattr(loc.func, "id", "") in tags):
                 bad.append(f"{p.relative_to(ROOT)}:{n.lineno}")
     assert not bad, f"records built with an untagged location: {bad}"
+
+
+# ---- packages point down, and who owns the engines --------------------------------------------
+
+# docs/ARCHITECTURE.md section 1, bottom to top: a package imports only packages of lower levels.
+LEVELS = [
+    {"core"},
+    {"codec", "tls", "data", "traces", "tinymodel"},
+    {"durability", "client"},
+    {"server", "worker_stub", "replay", "http"},
+    {"worker_vllm"},
+    {"cluster"},
+    {"daemon"},
+    {"cli_generate", "demo", "demo_args"},
+    {"cli"},
+]
+# The upward imports the map declares (each lazy, inside a function): the reference worker's
+# `--executor vllm` branch, and a replay of several daemons starting a local nats-server.
+UPWARD = {
+    ("kvsched.worker_stub.client", "kvsched.worker_vllm.cli"),
+    ("kvsched.replay.launch", "kvsched.cluster.natsd"),
+}
+
+
+def _package(m: str) -> str:
+    return m.split(".")[1]
+
+
+def test_packages_import_down_only() -> None:
+    """Section 1's layers: every import between two of kvsched's packages points to a lower
+    level, but for the two lazy upward imports the map names."""
+    level = {p: i for i, ps in enumerate(LEVELS) for p in ps}
+    mods = _modules()
+    assert {_package(m) for m in mods if m.count(".")} <= set(level), "a package has no level"
+    bad = sorted(
+        f"{m} -> {t}"
+        for m, targets in import_graph(mods).items()
+        if m.count(".")
+        for t in targets
+        if _package(t) != _package(m)
+        and level[_package(t)] >= level[_package(m)]
+        and (m, t) not in UPWARD
+    )
+    assert not bad, f"imports that do not point down: {bad}"
+
+
+def test_only_the_registry_writes_the_engines() -> None:
+    """`InstanceRegistry` owns the engines (one per instance): no other module adds, replaces
+    or removes an entry of an `engines` mapping (others read the registry's)."""
+    writers = set()
+    for p in sorted(PKG.rglob("*.py")):
+        for n in ast.walk(ast.parse(p.read_text(), str(p))):
+            targets: list[ast.AST] = []
+            if isinstance(n, ast.Assign):
+                targets = list(n.targets)
+            elif isinstance(n, ast.Delete):
+                targets = list(n.targets)
+            elif (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr in ("pop", "clear", "update", "setdefault", "popitem")
+            ):
+                targets = [n.func.value]
+            for t in targets:
+                t = t.value if isinstance(t, ast.Subscript) else t
+                if isinstance(t, ast.Attribute) and t.attr == "engines":
+                    writers.add(str(p.relative_to(PKG)))
+    assert writers == {"server/registry.py"}, sorted(writers)
