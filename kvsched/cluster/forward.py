@@ -15,9 +15,10 @@ these metadata keys:
 Tokens are appended to the local request as they arrive and handed to its sink; the peer's
 Finished becomes the local request's one finished state (`RequestTable.finish`). The forwarder
 is a lifecycle observer of the table: a relayed request that ends here first (aborted, its
-client dropped) has its relay cancelled (`request_finished`), and the call with it: the peer sees its client go and aborts. A peer that cannot be
-reached, or that fails the stream with UNAVAILABLE, puts the request back in the local table's
-orphans (recomputed here, keeping the tokens already streamed).
+client dropped) has its relay cancelled (`request_finished`), and the call with it: the peer
+sees its client go and aborts. A peer that cannot be reached, or that fails the stream with
+UNAVAILABLE, has the request parked in the local table (`requeue_lost`: recomputed here,
+keeping the tokens already streamed).
 """
 
 from __future__ import annotations
