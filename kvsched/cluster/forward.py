@@ -1,8 +1,8 @@
 """Forwarding: a request this daemon accepted runs on a peer's instance; its outputs are relayed.
 
 The forwarding daemon keeps the request in its own request table (a `Tracked` whose location is
-a `RemotePeer`: the peer's `RemoteInstance` and this relay's task) and calls the peer's `RequestService.Generate` with the same request id and
-these metadata keys:
+a `RemotePeer`: the peer's `RemoteInstance` and this relay's task) and calls the peer's
+`RequestService.Generate` with the same request id and these metadata keys:
 
     x-kvsched-forwarded-by   this daemon's id: the peer places the request itself, never
                              forwards it again

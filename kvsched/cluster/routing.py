@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.core import InvalidRequest, KVCacheManager, KvschedError, Request, Role, Unavailable
+from kvsched.core import InvalidRequest, KVCacheManager, KvschedError, Request, Unavailable
 from kvsched.core.router import choose
 from kvsched.core.step_cost import priced_hit_tokens
 from kvsched.server.engine import InstanceEngine
@@ -34,26 +34,14 @@ if TYPE_CHECKING:
     from kvsched.server.registry import InstanceRegistry
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, slots=True)
 class RemoteInstance:
-    """A peer's instance, as the request table sees it for a forwarded request: it never
-    holds the request itself (`holds` is False); the forwarder relays its outputs."""
+    """A peer's instance chosen for a new request: a value (the request's record holds it in
+    its `RemotePeer` location; the forwarder relays the request's outputs from it)."""
 
     instance_id: str
     daemon_id: str
     address: str
-    role: Role = Role.MIXED
-    sched: None = None
-    is_decode: bool = False
-
-    def holds(self, req: Request) -> bool:
-        return False
-
-    def wake(self) -> None:
-        pass
-
-    def sinks_changed(self) -> None:  # a Resume took its outputs: the forwarder hands them on
-        pass
 
 
 @dataclass(frozen=True, slots=True)
