@@ -339,9 +339,7 @@ def test_only_the_registry_writes_the_engines() -> None:
     for p in sorted(PKG.rglob("*.py")):
         for n in ast.walk(ast.parse(p.read_text(), str(p))):
             targets: list[ast.AST] = []
-            if isinstance(n, ast.Assign):
-                targets = list(n.targets)
-            elif isinstance(n, ast.Delete):
+            if isinstance(n, ast.Assign | ast.Delete):
                 targets = list(n.targets)
             elif (
                 isinstance(n, ast.Call)
