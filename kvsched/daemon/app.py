@@ -174,7 +174,7 @@ class Daemon:
 
     async def watch(self) -> None:
         """Take out instances whose workers went silent and send heartbeats to those the
-        daemon has been silent to; expire orphaned requests, queue timeouts and deadlines; cut
+        daemon has been silent to; place parked requests or expire them, queue timeouts and deadlines; cut
         streams whose clients stopped reading."""
         requests, registry = self.requests, self.registry
         while True:
