@@ -58,8 +58,10 @@ class Journaled(Protocol):
 
 
 class Journal:
-    # A finished record's output tokens (what the server's `Journal` port reads of a record).
-    output_tokens = staticmethod(R.finished_tokens)
+    @staticmethod
+    def output_tokens(rec: journal_pb2.JournalRecord) -> list[int]:
+        """A finished record's output tokens (what the server's `Journal` port reads)."""
+        return R.finished_tokens(rec)
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ imports nothing of kvsched.durability: `Journal` below is the port it is handed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from kvsched.core import Unavailable
@@ -31,7 +31,7 @@ class Journal(Protocol):
     imports nothing of kvsched.durability."""
 
     async def accept(
-        self, tr: Any, pb: request_service_pb2.GenerateRequest, instance: str
+        self, tr: Tracked, pb: request_service_pb2.GenerateRequest, instance: str
     ) -> None: ...
 
     async def recover(self) -> list[Any]: ...
@@ -40,14 +40,16 @@ class Journal(Protocol):
 
     async def lookup(self, req_id: str) -> journal_pb2.JournalRecord | None: ...
 
-    def progress(self, tr: Any) -> None: ...
+    def progress(self, tr: Tracked) -> None: ...
 
-    def finished(self, tr: Any) -> None: ...
+    def finished(self, tr: Tracked) -> None: ...
 
-    def restored(self, tr: Any, recorded: int) -> None: ...
+    def restored(self, tr: Tracked, recorded: int) -> None: ...
 
     @staticmethod
     def output_tokens(rec: journal_pb2.JournalRecord) -> list[int]: ...
+
+    async def close(self, live: Iterable[Tracked], timeout_s: float = 5.0) -> None: ...
 
 
 class Durability:
