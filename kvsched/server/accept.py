@@ -63,14 +63,15 @@ class Acceptor:
         if cluster is None:
             eng = registry.route(req, model)
         else:
-            eng, owner = cluster.route_new(req, carrier, owner, model)
-            if not isinstance(eng, InstanceEngine):
+            chosen, owner = cluster.route_new(req, dict(carrier), owner, model)
+            if not isinstance(chosen, InstanceEngine):
                 # ... send: relay it to the peer's instance (that daemon journals it).
-                tr = Tracked(req, RemotePeer(eng), sink, pb.detachable, owner, client_tag)
+                tr = Tracked(req, RemotePeer(chosen), sink, pb.detachable, owner, client_tag)
                 table.track(tr, carrier, deadline_s, queue_timeout=False)
-                relay = cluster.forward(tr, pb, eng, dict(carrier), deadline_s)
+                relay = cluster.forward(tr, pb, chosen, dict(carrier), deadline_s)
                 table.relay_started(tr, relay)
                 return tr
+            eng = chosen
         # ... send: queue it on the engine chosen.
         tr = Tracked(req, LocalEngine(eng), sink, pb.detachable, owner, client_tag, model=model)
         if eng.role == Role.PREFILL:

@@ -19,8 +19,8 @@ import collections
 import heapq
 import logging
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvsched.core import FinishReason, KvschedError, Request, RequestNotFound, Role
 from kvsched.core.request import FINISHED_STATUS
@@ -30,21 +30,60 @@ from kvsched.server.record import (
     Lifecycle,
     LocalEngine,
     Parked,
+    PeerInstance,
     RemotePeer,
     Sink,
     Tracked,
 )
+from kvsched.v1 import request_service_pb2
 
 if TYPE_CHECKING:
     from kvsched.server.config import ServerConfig
     from kvsched.server.registry import InstanceRegistry
     from kvsched.server.telemetry import Telemetry
 
-__all__ = ["RECENT_FINISHED", "RequestTable", "Sink", "Tracked"]
+__all__ = ["RECENT_FINISHED", "ClusterPort", "RequestTable", "Sink", "Tracked"]
 
 log = logging.getLogger("kvsched.daemon")
 
 RECENT_FINISHED = 10_000  # ids remembered so a late Abort of a finished request is a no-op
+
+
+class ClusterPort(Protocol):
+    """What the server asks of a cluster (`kvsched.cluster.node.ClusterNode`); the server
+    imports nothing of kvsched.cluster."""
+
+    def route_new(
+        self, req: Request, carrier: dict[str, str], owner: str, model: str = ""
+    ) -> tuple[InstanceEngine | PeerInstance, str]:
+        """Choose where a new request runs (an engine here or a peer's instance) and the
+        owner it is tracked under."""
+        ...
+
+    def forward(
+        self,
+        tr: Tracked,
+        msg: request_service_pb2.GenerateRequest,
+        remote: Any,
+        carrier: dict[str, str],
+        deadline_s: float | None,
+    ) -> asyncio.Task[None]:
+        """Relay `tr` from the peer's instance `remote` (the one `route_new` chose)."""
+        ...
+
+    async def abort_elsewhere(self, request_id: str, owner: str | None) -> bool: ...
+
+    def caller_of(self, carrier: dict[str, str], caller: str) -> str: ...
+
+    def resume_at(
+        self,
+        daemon_id: str,
+        msg: request_service_pb2.RequestServiceResumeRequest,
+        owner: str,
+        carrier: dict[str, str],
+    ) -> AsyncIterator[request_service_pb2.RequestServiceResumeResponse]: ...
+
+    def cluster_status(self) -> Any: ...
 
 
 class RequestTable:
@@ -67,12 +106,9 @@ class RequestTable:
         # Told of every request's accepted / moved / progressed / finished, in this order:
         # telemetry; the journal glue and a cluster's forwarder subscribe (`observe`).
         self.observers: list[Lifecycle] = [telemetry]
-        # A cluster's routing and forwarding (kvsched.cluster.node.ClusterNode; None: alone):
-        # `route_new(req, carrier, owner, model)` -> (an engine here or a peer's instance, the
-        # owner to track it under), `forward(tr, pb, remote, carrier, deadline_s)` -> the
-        # relay task, `abort_elsewhere(request_id, owner)`, `caller_of`, `resume_at`,
-        # `cluster_status` (server/accept.py, frontend.py and admin.py call them).
-        self.cluster: Any = None
+        # A cluster's routing and forwarding (kvsched.cluster.node.ClusterNode, set by it;
+        # None: alone): server/accept.py, frontend.py and admin.py call it through this port.
+        self.cluster: ClusterPort | None = None
 
     def observe(self, observer: Lifecycle) -> None:
         """Tell `observer` of every request's lifecycle from now on."""
