@@ -77,7 +77,7 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
     from kvsched import codec
     from kvsched.server.delivery import TokenDelivery
     from kvsched.server.frontend import RequestServicer
-    from kvsched.server.request_table import Tracked
+    from kvsched.server.record import LocalEngine, Tracked
     from kvsched.server.sinks import SessionSink
     from kvsched.v1 import worker_service_pb2 as wpb
 
@@ -87,10 +87,11 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
     sink, engine = SessionSink(), SimpleNamespace(instance_id="i0")
     daemon = SimpleNamespace(tracked={})
     for req in sched.requests.values():
-        req.tag = daemon.tracked[req.req_id] = Tracked(req, engine, sink)  # type: ignore[arg-type]
-        req.tag.sent = len(req.output_token_ids)
-    durable = SimpleNamespace(table=daemon, journal=None)  # no journal: as a standalone daemon
-    servicer = RequestServicer(durable, 0)  # type: ignore[arg-type]
+        where = LocalEngine(engine)  # type: ignore[arg-type]
+        req.tag = daemon.tracked[req.req_id] = Tracked(req, where, sink)
+    # No journal: as a standalone daemon.
+    acceptor = SimpleNamespace(table=daemon, durable=SimpleNamespace(journal=None))
+    servicer = RequestServicer(acceptor, None, 0)  # type: ignore[arg-type]
     times: dict[str, list[float]] = {k: [] for k in HOT_STAGES}
     deliver = TokenDelivery()  # as the engine holds one
     tasks = sched.schedule()

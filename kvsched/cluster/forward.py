@@ -1,8 +1,8 @@
 """Forwarding: a request this daemon accepted runs on a peer's instance; its outputs are relayed.
 
-The forwarding daemon keeps the request in its own request table (a `Tracked` whose engine is a
-`RemoteInstance`) and calls the peer's `RequestService.Generate` with the same request id and
-these metadata keys:
+The forwarding daemon keeps the request in its own request table (a `Tracked` whose location is
+a `RemotePeer`: the peer's `RemoteInstance` and this relay's task) and calls the peer's
+`RequestService.Generate` with the same request id and these metadata keys:
 
     x-kvsched-forwarded-by   this daemon's id: the peer places the request itself, never
                              forwards it again
@@ -13,10 +13,12 @@ these metadata keys:
     authorization            `Bearer <cluster_token>` when the daemon has one (role client)
 
 Tokens are appended to the local request as they arrive and handed to its sink; the peer's
-Finished becomes the local request's one finished state. Aborting locally (or the local client
-dropping) cancels the call: the peer sees its client go and aborts. A peer that cannot be
-reached, or that fails the stream with UNAVAILABLE, puts the request back in the local table's
-orphans (recomputed here, keeping the tokens already streamed).
+Finished becomes the local request's one finished state (`RequestTable.finish`). The forwarder
+is a lifecycle observer of the table: a relayed request that ends here first (aborted, its
+client dropped) has its relay cancelled (`request_finished`), and the call with it: the peer
+sees its client go and aborts. A peer that cannot be reached, or that fails the stream with
+UNAVAILABLE, has the request parked in the local table (`requeue_lost`: recomputed here,
+keeping the tokens already streamed).
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ import grpc
 
 from kvsched import codec
 from kvsched.core.request import FINISHED_STATUS
+from kvsched.server.record import RemotePeer
 from kvsched.v1 import request_service_pb2 as rpb
 from kvsched.v1 import request_service_pb2_grpc
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Callable, Mapping
 
     from kvsched.cluster.routing import RemoteInstance
-    from kvsched.server.request_table import RequestTable, Tracked
+    from kvsched.server.record import Tracked
+    from kvsched.server.request_table import RequestTable
 
 log = logging.getLogger("kvsched.cluster")
 
@@ -83,7 +87,9 @@ class Forwarder:
         remote: RemoteInstance,
         carrier: dict[str, str],
         deadline_s: float | None,
-    ) -> None:
+    ) -> asyncio.Task[None]:
+        """Start relaying `tr` from `remote`; returns the relay's task (the table keeps it in
+        the record's location, `RequestTable.relay_started`)."""
         fwd = rpb.GenerateRequest()
         fwd.CopyFrom(msg)
         fwd.request_id = tr.req.req_id
@@ -95,7 +101,7 @@ class Forwarder:
         md += [(k, v) for k, v in carrier.items() if k in ("traceparent", "tracestate")]
         if self.token:
             md.append(("authorization", f"Bearer {self.token}"))
-        tr.forward = asyncio.get_running_loop().create_task(
+        return asyncio.get_running_loop().create_task(
             self._relay(tr, fwd, remote, md, deadline_s), name=f"forward-{tr.req.req_id}"
         )
 
@@ -120,9 +126,9 @@ class Forwarder:
             why = f"forwarded to daemon {remote.daemon_id}: {exc.code().name}: {exc.details()}"
             if exc.code() in _RETRYABLE and await self._reattach(tr, why):
                 return
-            tr.forward = None
             if tr.finished:
                 return
+            self.requests.relay_ended(tr)
             if exc.code() in _RETRYABLE:
                 self.num_requeued += 1
                 log.warning("%s; recomputing request %s here", why, req.req_id)
@@ -184,7 +190,7 @@ class Forwarder:
                     if exc.code() == grpc.StatusCode.NOT_FOUND:
                         return False  # its owner never journaled it: recompute here
                     if exc.code() not in _RETRYABLE:
-                        tr.forward = None
+                        self.requests.relay_ended(tr)
                         self.requests.abort_tracked(tr, f"{why}; resuming: {exc.details()}")
                         return True
                 finally:
@@ -207,8 +213,25 @@ class Forwarder:
         if fin.timings.ttft_s > 0:
             req.first_token_time = t0 + fin.timings.ttft_s
         req.finished_time = max(now, t0 + fin.timings.e2e_s)
-        tr.forward = None
-        self.requests.on_finished(tr.engine, req)
+        self.requests.relay_ended(tr)
+        self.requests.finish(tr)
+
+    # ---- Lifecycle (an observer of the request table) ---------------------------------------
+    def request_accepted(self, tr: Tracked, carrier: Mapping[str, str], /) -> None:
+        pass
+
+    def request_moved(self, tr: Tracked, reason: str, /) -> None:
+        pass
+
+    def request_progressed(self, tr: Tracked, /) -> None:
+        pass
+
+    def request_finished(self, tr: Tracked, /) -> None:
+        """Ended here first (aborted, dropped, failed): the peer aborts it too (the call's
+        cancellation tells it)."""
+        loc = tr.location
+        if type(loc) is RemotePeer and loc.relay is not None:
+            loc.relay.cancel()
 
     async def resume(
         self, address: str, msg: rpb.RequestServiceResumeRequest, owner: str

@@ -54,8 +54,9 @@ if TYPE_CHECKING:
 
     from kvsched.cluster.link import ClusterLink
     from kvsched.server.config import ServerConfig
+    from kvsched.server.record import Tracked
     from kvsched.server.registry import InstanceRegistry
-    from kvsched.server.request_table import RequestTable, Tracked
+    from kvsched.server.request_table import RequestTable
     from kvsched.v1 import request_service_pb2 as rpb
 
 log = logging.getLogger("kvsched.cluster")
@@ -324,8 +325,9 @@ class ClusterNode:
         remote: RemoteInstance,
         carrier: dict[str, str],
         deadline_s: float | None,
-    ) -> None:
-        self.forwarder.start(tr, msg, remote, carrier, deadline_s)
+    ) -> asyncio.Task[None]:
+        """Relay `tr` from the peer's instance `remote`: the relay's task."""
+        return self.forwarder.start(tr, msg, remote, carrier, deadline_s)
 
     async def resume_at(
         self,

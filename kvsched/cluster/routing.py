@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.core import InvalidRequest, KVCacheManager, KvschedError, Request, Role, Unavailable
+from kvsched.core import InvalidRequest, KVCacheManager, KvschedError, Request, Unavailable
+from kvsched.core.router import choose
 from kvsched.core.step_cost import priced_hit_tokens
 from kvsched.server.engine import InstanceEngine
 from kvsched.server.models import Limits, misfit
@@ -33,26 +34,24 @@ if TYPE_CHECKING:
     from kvsched.server.registry import InstanceRegistry
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, slots=True)
 class RemoteInstance:
-    """A peer's instance, as the request table sees it for a forwarded request: it never
-    holds the request itself (`holds` is False); the forwarder relays its outputs."""
+    """A peer's instance chosen for a new request: a value (the request's record holds it in
+    its `RemotePeer` location; the forwarder relays the request's outputs from it)."""
 
     instance_id: str
     daemon_id: str
     address: str
-    role: Role = Role.MIXED
-    sched: None = None
-    is_decode: bool = False
 
-    def holds(self, req: Request) -> bool:
-        return False
 
-    def wake(self) -> None:
-        pass
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A routing decision: `target` (an engine here, or a peer's instance at index `slot`;
+    -1 for an engine), and whether the instance holds part of the prompt (`prefix`)."""
 
-    def sinks_changed(self) -> None:  # a Resume took its outputs: the forwarder hands them on
-        pass
+    target: InstanceEngine | RemoteInstance
+    slot: int
+    prefix: bool
 
 
 class ClusterRouter:
@@ -199,14 +198,14 @@ class ClusterRouter:
         model: str = "",
         hashes_by_size: dict[int, list[bytes]] | None = None,
     ) -> InstanceEngine | RemoteInstance:
-        """Where `req` goes. With no peer instance known this is the daemon's own routing
-        (including its errors: Unavailable when nothing is ready). hashes_by_size: the
-        prompt's chained block hashes per block size when the caller has them already."""
+        """Where `req` goes: `choose`, then `commit` (the decision recorded as sent). With no
+        peer instance known this is the daemon's own routing (including its errors:
+        Unavailable when nothing is ready). hashes_by_size: the prompt's chained block hashes
+        per block size when the caller has them already."""
         t0 = time.perf_counter()
         try:
-            return self._route(
-                req, model or self.registry.model_for(""), dict(hashes_by_size or {})
-            )
+            got = self.choose(req, model or self.registry.model_for(""), dict(hashes_by_size or {}))
+            return self.commit(got)
         finally:
             self.route_s.append(time.perf_counter() - t0)
 
@@ -217,19 +216,18 @@ class ClusterRouter:
             return 0.0, 0.0
         return 1e6 * xs[len(xs) // 2], 1e6 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
-    def _route(
-        self, req: Request, model: str, by_size: dict[int, list[bytes]]
-    ) -> InstanceEngine | RemoteInstance:
+    def choose(self, req: Request, model: str, by_size: dict[int, list[bytes]]) -> Route:
+        """The decision, a value: this daemon's engine or a peer's instance slot, scored by
+        `core.router.choose` over plain candidates (hit fraction, predicted wait, load) of
+        both kinds. Nothing is counted as sent (`commit` does)."""
         elig = self._remote_mask(time.monotonic()) & self._fits(req, model)
         if not elig.any():
             try:
-                eng = self.registry.route(req, model)
+                return Route(self.registry.route(req, model), -1, False)
             except Unavailable:
                 # None of the model here: the peers' instances of it, if any, say why not.
                 self._refuse_by_peers(req, model, self.remote_candidates(time.monotonic()))
                 raise
-            self.num_local += 1
-            return eng
         engines = [e for e in self.registry.engines.values() if e.accepting and not e.is_decode]
         try:
             engines = self.registry.candidates(req, model, engines)
@@ -249,33 +247,45 @@ class ClusterRouter:
         hits, waits, loads = self._remote_scores(req, elig.size, by_size, n)
         req.block_hashes = []  # the instance chosen hashes with its own block size
         all_hits = np.concatenate([np.asarray(local_hits), hits])
-        all_loads = np.concatenate([np.asarray(local_loads), loads])
-        all_waits = np.concatenate([np.asarray(local_waits), waits])
-        cand = np.concatenate([np.ones(len(engines), bool), elig])
-        target = req.ttft_deadline_ms or router.ttft_target_ms
-        ok = cand & (all_waits <= target)
-        if router.overload == "off" or not ok.any():
-            ok = cand
-            if router.overload != "off":
-                router.num_overflowed += 1
-        score = all_hits - self.load_weight * (all_loads - all_loads[ok].min())
-        score[~ok] = -np.inf
-        i = int(np.argmax(score))
-        if all_hits[i] > 0:
-            self.num_prefix_routed += 1
+        choice = choose(
+            all_hits,
+            np.concatenate([np.asarray(local_waits), waits]),
+            np.concatenate([np.asarray(local_loads), loads]),
+            req.ttft_deadline_ms or router.ttft_target_ms,
+            router.overload,
+            self.load_weight,
+            eligible=np.concatenate([np.ones(len(engines), bool), elig]),
+            soonest_on_overflow=False,
+        )
+        if choice.overflowed:
+            router.num_overflowed += 1
+        i = choice.index
+        prefix = bool(all_hits[i] > 0)
         if i < len(engines):
-            self.num_local += 1
             # The chosen instance's hashes: its scheduler extends them instead of rehashing.
             req.block_hashes = by_size.get(engines[i].block_size, [])
-            return engines[i]
+            return Route(engines[i], -1, prefix)
         slot = i - len(engines)
-        t = self.index.table
-        t.sent[slot] += 1
         v = self.index.slots[slot]
         assert v is not None
-        v.sent_since_load += 1
+        return Route(
+            RemoteInstance(v.instance_id, v.daemon, self.address_of[v.daemon]), slot, prefix
+        )
+
+    def commit(self, got: Route) -> InstanceEngine | RemoteInstance:
+        """Record a decision as sent: the routing counters, and for a peer's instance one more
+        request in flight to it until its next published load (`LoadTable.sent`)."""
+        if got.prefix:
+            self.num_prefix_routed += 1
+        if got.slot < 0:
+            self.num_local += 1
+            return got.target
+        self.index.table.sent[got.slot] += 1
+        v = self.index.slots[got.slot]
+        if v is not None:
+            v.sent_since_load += 1
         self.num_forwarded += 1
-        return RemoteInstance(v.instance_id, v.daemon, self.address_of[v.daemon])
+        return got.target
 
     def _remote_scores(
         self, req: Request, size: int, by_size: dict[int, list[bytes]], n: int

@@ -33,20 +33,22 @@ and a daemon cut off from NATS keeps serving its own instances (the degraded mod
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvsched.core import FinishReason, Request
-from kvsched.server.durable import ParkedSink
+from kvsched.core.journal_state import JournalState
+from kvsched.server.record import RemotePeer
+from kvsched.server.resume import ParkedSink
 from kvsched.v1 import journal_pb2
 
 if TYPE_CHECKING:
     from kvsched.cluster.leases import Leases
     from kvsched.cluster.membership import Membership
     from kvsched.server.config import ServerConfig
-    from kvsched.server.request_table import RequestTable, Tracked
+    from kvsched.server.durable import Durability
+    from kvsched.server.record import Tracked
+    from kvsched.server.request_table import RequestTable
 
 
 class _Node(Protocol):  # what is used of kvsched.cluster.node.ClusterNode
@@ -65,32 +67,10 @@ LOOKUP_TIMEOUT_S = 2.0
 _ACCEPTED = journal_pb2.JournalRecord.KIND_ACCEPTED
 
 
-def copy_request(old: Request) -> Request:
-    """A fresh core request with `old`'s identity and outputs (placed anew later)."""
-    new = Request(
-        old.req_id,
-        old.prompt_token_ids,
-        old.sampling,
-        old.priority,
-        old.arrival_time,
-        old.lora_name,
-        old.cache_salt,
-        old.mm_ranges,
-        tenant=old.tenant,
-    )
-    new.output_token_ids = list(old.output_token_ids)
-    new.num_preemptions = old.num_preemptions
-    new.first_scheduled_time, new.first_token_time = (
-        old.first_scheduled_time,
-        old.first_token_time,
-    )
-    new.tag = old.tag
-    return new
-
-
 class SelfFence:
     def __init__(self, node: _Node) -> None:
         self.node = node
+        self.durable: Durability | None = None  # the journal's glue: set by the daemon
         ttl = node.config.member_ttl_s
         self.after_s = ttl - ttl / 4  # fence once the entry is older than this
         self.fenced = False
@@ -107,7 +87,7 @@ class SelfFence:
 
     @property
     def enabled(self) -> bool:
-        return self.node.requests.journal is not None
+        return self.durable is not None and self.durable.journal is not None
 
     def reason(self) -> str:
         ago = time.monotonic() - self.since
@@ -145,7 +125,11 @@ class SelfFence:
         table = self.node.requests
         n = 0
         for tr in list(table.tracked.values()):
-            if tr.finished or tr.durable != 2 or tr.forward is not None:
+            if (
+                tr.finished
+                or tr.journal_state != JournalState.STORED
+                or type(tr.location) is RemotePeer
+            ):
                 continue  # not journaled here (a peer's instance runs it: that peer owns it)
             self._park(tr)
             n += 1
@@ -163,18 +147,7 @@ class SelfFence:
         written to the journal."""
         table = self.node.requests
         rid = tr.req.req_id
-        table._cancel_reservation(tr)
-        old, eng = tr.req, tr.engine
-        if eng.holds(old):
-            tr.req = copy_request(old)  # the engine's copy becomes stale: its end is ignored
-            with contextlib.suppress(Exception):
-                eng.abort(rid, FinishReason.ABORT, "self-fenced: parked")
-                eng.wake()
-        if table.tracked.get(rid) is tr:
-            del table.tracked[rid]
-        if not table.tracked:
-            table.all_done.set()
-        sink, tr.sink = tr.sink, ParkedSink()
+        sink = table.set_aside(tr, ParkedSink())
         if hasattr(sink, "moved"):  # a Generate / Resume stream: it ends with UNAVAILABLE
             sink.moved = (
                 f"request {rid!r}: daemon {self.node.daemon_id} is fenced off the cluster "
@@ -191,7 +164,8 @@ class SelfFence:
 
     # ---- unfencing ----------------------------------------------------------------------------
     async def _owned_here(self, rid: str) -> bool:
-        journal = self.node.requests.journal
+        assert self.durable is not None and self.durable.journal is not None
+        journal = self.durable.journal
         rec = await asyncio.wait_for(journal.lookup(rid), LOOKUP_TIMEOUT_S)
         return rec is not None and rec.kind == _ACCEPTED and rec.daemon_id == self.node.daemon_id
 
@@ -212,15 +186,11 @@ class SelfFence:
         for tr in keep:
             rid = tr.req.req_id
             self.parked.pop(rid, None)
-            if rid in table.tracked:
-                continue  # (a resubmission meanwhile: never two records of one id here)
-            table.tracked[rid] = tr
-            table.all_done.clear()
-            table.orphans.append((tr, deadline, "self-fenced, then still owned here"))
+            table.take_back(tr, deadline, "self-fenced, then still owned here")
         for tr in drop:
             self._drop(tr)
         if keep:
-            table.place_orphans()
+            table.place_parked()
             self._recheck.append((time.monotonic() + node.config.member_ttl_s, keep))
         self.fenced = False
         self.num_restored += len(keep)
@@ -251,7 +221,9 @@ class SelfFence:
 
     def _drop(self, tr: Tracked) -> None:
         self.parked.pop(tr.req.req_id, None)
-        tr.durable = 3  # closed here: the adopter journals it
+        journal = self.durable.journal if self.durable is not None else None
+        if journal is not None:
+            journal.adopted_elsewhere(tr)  # closed here: the adopter journals it
         self.num_dropped += 1
         log.info("request %s was adopted by another daemon: not continued here", tr.req.req_id)
 

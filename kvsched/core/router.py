@@ -1,5 +1,9 @@
 """Pick an instance for a new request: prefix overlap first, predicted queued work second.
 
+`choose` is the rule over plain candidates (numbers: hit fraction, predicted wait, load) and
+returns a `Choice`; `Router.pick` computes those numbers for this daemon's instances, the
+cluster's router for its own and its peers' instances; the callers send the request.
+
 score(i) = cached_fraction(i) - load_weight * (load(i) - min load)
     cached_fraction = prompt tokens instance i holds cached now / prompt tokens, a GPU hit
                       whole, a host-memory hit by the share of its recompute time the swap-in
@@ -26,7 +30,11 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from kvsched.core.errors import CapacityExceeded, Unavailable
 from kvsched.core.request import Request
@@ -113,6 +121,54 @@ def instance_load(facts: Mapping[str, float], load_seconds: float, by_count: boo
     return n / max(1.0, facts.get("max_num_seqs", 1.0)) + kv_usage
 
 
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The router's decision, a value: the index of the candidate chosen, and whether no
+    candidate was predicted to meet the deadline (`overflowed`). Choosing sends nothing: the
+    caller queues the request there, forwards it, demotes it or refuses it."""
+
+    index: int
+    overflowed: bool
+
+
+def choose(
+    hits: Sequence[float] | npt.NDArray[np.float64],
+    waits: Sequence[float] | npt.NDArray[np.float64],
+    loads: Sequence[float] | npt.NDArray[np.float64],
+    target_ms: float,
+    overload: str,
+    load_weight: float,
+    eligible: npt.NDArray[np.bool_] | None = None,
+    soonest_on_overflow: bool = True,
+) -> Choice:
+    """The one placement rule over plain candidates (this daemon's instances and a cluster's
+    peer instances alike), each known only by numbers: `hits[i]` the prompt fraction its cache
+    is worth, `waits[i]` its predicted ms to the request's first token, `loads[i]` its
+    `instance_load`; `eligible` masks candidates out (None: all may take it).
+
+    Among the eligible candidates predicted to meet `target_ms` (all of them with overload
+    "off"), the best hit - load_weight * (load - least load among them) wins (first on ties).
+    When none is predicted in time the choice overflows: the one predicted to reach the first
+    token soonest (`soonest_on_overflow`, the single-daemon rule: it is demoted or refused
+    there by the caller), or the best score among all eligible ones (a cluster's rule)."""
+    h = np.asarray(hits, dtype=np.float64)
+    w = np.asarray(waits, dtype=np.float64)
+    ld = np.asarray(loads, dtype=np.float64)
+    cand = np.ones(h.size, bool) if eligible is None else np.asarray(eligible, bool)
+    if overload == "off":
+        pool, overflowed = cand, False
+    else:
+        pool = cand & (w <= target_ms)
+        overflowed = not pool.any()
+        if overflowed:
+            if soonest_on_overflow:
+                return Choice(int(np.argmin(np.where(cand, w, np.inf))), True)
+            pool = cand
+    score = h - load_weight * (ld - ld[pool].min())
+    score[~pool] = -np.inf
+    return Choice(int(np.argmax(score)), overflowed)
+
+
 def best_by_score(hits: Sequence[float], loads: Sequence[float], load_weight: float) -> int:
     """Index maximising hit - load_weight * (load - min load): the rule of `Router.pick`, for
     candidates known only by numbers (a cluster's instances on other daemons). First wins ties."""
@@ -172,36 +228,33 @@ class Router:
         n = max(1, len(req.prompt_token_ids))
         # Block hashes depend on the block size: with mixed sizes, rehash per instance.
         mixed = len({schedulers[i].block_size for i in cands}) > 1
-        hits: dict[int, float] = {}
-        waits: dict[int, float] = {}
+        hits: list[float] = []
+        waits: list[float] = []
+        loads: list[float] = []
         for i in cands:
             if mixed:
                 req.block_hashes = []
             s = schedulers[i]
             worth, hit = priced_hit(s, req)
-            hits[i] = worth / n
-            waits[i] = self.calibration.factor * predicted_wait_ms(s, req, hit)
+            hits.append(worth / n)
+            waits.append(self.calibration.factor * predicted_wait_ms(s, req, hit))
+            loads.append(self.load(s))
         if mixed:
             req.block_hashes = []
         target = req.ttft_deadline_ms or self.ttft_target_ms
-        ok = [i for i in cands if waits[i] <= target]
-        if self.overload == "off" or ok:
-            pool = cands if self.overload == "off" else ok
-            loads = {i: self.load(schedulers[i]) for i in pool}
-            best = pool[
-                best_by_score([hits[i] for i in pool], [loads[i] for i in pool], self.load_weight)
-            ]
-        else:
+        choice = choose(hits, waits, loads, target, self.overload, self.load_weight)
+        best = cands[choice.index]
+        if choice.overflowed:
             self.num_overflowed += 1
-            best = min(cands, key=lambda i: waits[i])
             if self.overload == "refuse":
                 raise CapacityExceeded(
                     f"request {req.req_id!r}: every instance is predicted to reach its first "
-                    f"token after {target:,.0f} ms (the soonest in {waits[best]:,.0f} ms); "
-                    f"retry in {max(1.0, (waits[best] - target) / 1e3):.0f} s or elsewhere"
+                    f"token after {target:,.0f} ms (the soonest in {waits[choice.index]:,.0f} "
+                    f"ms); retry in {max(1.0, (waits[choice.index] - target) / 1e3):.0f} s "
+                    "or elsewhere"
                 )
             req.demoted = True
-        self.calibration.placed(req, waits[best])
+        self.calibration.placed(req, waits[choice.index])
         return best
 
     def pick_decode(self, schedulers: Sequence[Candidate]) -> int | None:

@@ -25,6 +25,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvsched.core import Unavailable
+from kvsched.server.accept import Acceptor
 from kvsched.server.admin import AdminServicer
 from kvsched.server.auth import AuthInterceptor, load_auth_file
 from kvsched.server.config import split_host_port
@@ -32,8 +33,10 @@ from kvsched.server.durable import Durability
 from kvsched.server.engine import InstanceEngine
 from kvsched.server.errors import ErrorInterceptor
 from kvsched.server.frontend import RequestServicer
+from kvsched.server.record import Tracked
 from kvsched.server.registry import InstanceRegistry
-from kvsched.server.request_table import RequestTable, Tracked
+from kvsched.server.request_table import RequestTable
+from kvsched.server.resume import Resumer
 from kvsched.server.telemetry import make_telemetry
 from kvsched.server.workers import worker_service_handler
 from kvsched.tls import server_credentials
@@ -74,9 +77,11 @@ class Daemon:
         self.registry = InstanceRegistry(config, self.telemetry)
         self.requests = RequestTable(config, self.registry, self.telemetry)
         self.registry.open(self.requests)
-        # Accepting through the journal, recovering, resuming (the journal is set by
-        # `open_journal` when the daemon is in a cluster).
+        # The journal glue (a lifecycle observer once `open_journal` hands it the journal, in
+        # a cluster); accepting (route, send, journal) and the ways back (recover, Resume).
         self.durable = Durability(self.requests)
+        self.acceptor = Acceptor(self.requests, self.durable)
+        self.resumer = Resumer(self.requests, self.durable)
         # The NATS connection when this daemon is in a cluster, and its membership, leases,
         # KV events, routing and forwarding (set by `join_cluster`).
         self.cluster_link: ClusterLink | None = None
@@ -105,6 +110,8 @@ class Daemon:
             config, self.cluster_link, self.registry, self.requests, advertise
         )
         await self.cluster_node.start()
+        # Its forwarder cancels the relays of requests that end here first.
+        self.requests.observe(self.cluster_node.forwarder)
         log.info("joined cluster %s as daemon %s", config.cluster, daemon_id)
         if config.journal:
             await self.open_journal(self.cluster_link)
@@ -112,7 +119,8 @@ class Daemon:
 
         # A peer whose membership expires: its instances and unfinished requests come here
         # when this daemon wins their leases (without a journal: the instances only).
-        takeover = self.cluster_node.takeover = Takeover(self.cluster_node, self.durable.recover)
+        self.cluster_node.fence.durable = self.durable  # parks and looks up journaled requests
+        takeover = self.cluster_node.takeover = Takeover(self.cluster_node, self.resumer.recover)
         if config.take_over:  # by hand: the operator says it is dead; its leases come here too
             dead = config.take_over
             try:
@@ -140,7 +148,7 @@ class Daemon:
         try:
             await journal.open()
             self.durable.use(journal)
-            n = await self.durable.recover()
+            n = await self.resumer.recover()
         except Unavailable:
             raise
         except Exception as exc:
@@ -167,7 +175,7 @@ class Daemon:
 
     async def watch(self) -> None:
         """Take out instances whose workers went silent and send heartbeats to those the
-        daemon has been silent to; expire orphaned requests, queue timeouts and deadlines; cut
+        daemon has been silent to; place parked requests or expire them, queue timeouts and deadlines; cut
         streams whose clients stopped reading."""
         requests, registry = self.requests, self.registry
         while True:
@@ -178,8 +186,8 @@ class Daemon:
             registry.take_out_silent(now)
             registry.send_heartbeats(now)
             registry.forget_lost(now)
-            if requests.orphans:
-                requests.place_orphans()
+            if requests.parked:
+                requests.place_parked()
 
     async def drain(self, grace_s: float) -> None:
         """Stop admitting, let running requests finish within `grace_s`, abort the rest."""
@@ -222,7 +230,7 @@ def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
     server = grpc.aio.server(interceptors=interceptors, options=options)
     requests, registry = daemon.requests, daemon.registry
     request_service_pb2_grpc.add_RequestServiceServicer_to_server(
-        RequestServicer(daemon.durable, config.max_session_requests), server
+        RequestServicer(daemon.acceptor, daemon.resumer, config.max_session_requests), server
     )
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(
         AdminServicer(registry, requests), server

@@ -34,6 +34,7 @@ from nats.js.api import (
 
 from kvsched.codec import finished_to_proto
 from kvsched.core import Request, Unavailable
+from kvsched.core.journal_state import JournalState
 from kvsched.durability import records as R
 from kvsched.v1 import journal_pb2, request_service_pb2
 
@@ -42,6 +43,7 @@ ADOPTED_BY = "Kvsched-Adopted-By"  # header of a takeover's tombstone: the adopt
 log = logging.getLogger("kvsched.journal")
 
 PURGE: dict[str, str] = {}  # an outbox entry with these headers purges its subject
+_STORED = JournalState.STORED
 
 
 class Journaled(Protocol):
@@ -51,13 +53,15 @@ class Journaled(Protocol):
     owner: str
     client_tag: str
     finished: bool
-    durable: int  # 0: not journaled, 1: accepted record in flight, 2: stored
-    journaled: int  # output tokens recorded
+    journal_state: JournalState  # written here only
+    journaled: int  # output tokens recorded (written here only)
 
 
 class Journal:
-    # A finished record's output tokens (what the server's `Journal` port reads of a record).
-    output_tokens = staticmethod(R.finished_tokens)
+    @staticmethod
+    def output_tokens(rec: journal_pb2.JournalRecord) -> list[int]:
+        """A finished record's output tokens (what the server's `Journal` port reads)."""
+        return R.finished_tokens(rec)
 
     def __init__(
         self,
@@ -115,17 +119,17 @@ class Journal:
         try:
             if not self.nc.is_connected:  # refuse at once: a buffered record could land later
                 raise ConnectionError("not connected")
-            tr.durable = 1
+            tr.journal_state = JournalState.IN_FLIGHT
             await self.js.publish(subject, data, timeout=self.timeout_s)
         except Exception as exc:
-            if tr.durable == 1:
+            if tr.journal_state == JournalState.IN_FLIGHT:
                 # It may still be stored (sent, then the link broke before the ack): purge it
                 # after it, in order, so that a refused request leaves nothing behind.
                 self._emit(subject, b"", PURGE)
-            tr.durable = 0
+            tr.journal_state = JournalState.NONE
             self.num_refused += 1
             raise Unavailable(self._refusal(exc, time.monotonic() - t0)) from None
-        tr.durable = 2
+        tr.journal_state = JournalState.STORED
         self.num_accepted += 1
         if tr.finished:  # it finished while its record was in flight
             self.finished(tr)
@@ -157,22 +161,33 @@ class Journal:
         """Record `tr`'s new output tokens now (written off the caller's path)."""
         out = tr.req.output_token_ids
         n = len(out)
-        if tr.durable == 2 and n > tr.journaled:
+        if tr.journal_state == JournalState.STORED and n > tr.journaled:
             entry = (tr.req.req_id, tr.journaled, out[tr.journaled : n])
             tr.journaled = n
             self._since_compaction += len(entry[2])
             for data in R.token_batches([entry]):
                 self._emit(self.tok_subject, data)
 
+    def restored(self, tr: Journaled, recorded: int) -> None:
+        """`tr` was recovered or adopted from a stored record: `recorded` of its output tokens
+        are journaled under this daemon (0: all of them are written anew at the next flush)."""
+        tr.journal_state = JournalState.STORED
+        tr.journaled = recorded
+
+    def adopted_elsewhere(self, tr: Journaled) -> None:
+        """`tr` was adopted by another daemon (its record names that daemon now): closed
+        here without a record; the adopter journals it."""
+        tr.journal_state = JournalState.CLOSED
+
     def finished(self, tr: Journaled) -> None:
         """Record `tr`'s end (its one Finished is decided); the tokens go with it."""
-        if tr.durable != 2:
+        if tr.journal_state != JournalState.STORED:
             return  # not stored yet: accept() calls again once it is; or never journaled
         req = tr.req
         data = R.finished_record(
             req.req_id, self.daemon_id, tr.owner, list(req.output_token_ids), finished_to_proto(req)
         )
-        tr.durable = 3
+        tr.journal_state = JournalState.CLOSED
         self._emit(R.done_subject(req.req_id), data)
         self._emit(R.req_subject(self.daemon_id, req.req_id), b"", R.TOMBSTONE_HEADERS)
 
@@ -184,7 +199,7 @@ class Journal:
         trs = []
         live_tokens = 0
         for tr in live:
-            if tr.durable != 2:
+            if tr.journal_state is not _STORED:
                 continue
             trs.append(tr)
             out = tr.req.output_token_ids

@@ -1,34 +1,26 @@
-"""Durable requests: the request table's entry and exit through the journal.
+"""The journal glue: the request table's requests, recorded by the journal.
 
-    submit()    queue the request on its instance at once, then wait until the journal stores
-                its accepted record before the client is told `queued`; a record that
-                cannot be stored aborts the request and refuses it with UNAVAILABLE
-    recover()   at start, before serving: this daemon's unfinished requests from the journal,
-                parked (no client yet) as requests waiting for an instance, their recorded
-                tokens kept (recomputed with the prompt; the output continues after them)
-    resume()    a client takes a request's outputs over: a live request gets the caller's
-                sink; a finished one is answered from the journal's finished record
+`Durability` is a lifecycle observer of the request table (subscribed by `use`, when the
+composition root opens the journal): a moved or handed-off request's tokens are recorded at
+once (`progress`), a finished one gets its finished record (`finished`). `confirm` waits until
+the journal stores a new request's accepted record (server/accept.py calls it before the
+client is told `queued`; a record that cannot be stored aborts the request and refuses it with
+UNAVAILABLE). Recovery and Resume are server/resume.py's.
 
-Without a journal `submit` is the table's and `resume` serves live (detachable or recovered)
-requests of this daemon only.
+The journal writes the record's `journal_state` and `journaled` (its only writer); the server
+imports nothing of kvsched.durability: `Journal` below is the port it is handed.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
-from kvsched import codec
-from kvsched.core import FinishReason, InvalidRequest, RequestNotFound, Role, Unavailable
-from kvsched.server.engine import InstanceEngine
-from kvsched.server.errors import PermissionDenied
-from kvsched.server.request_table import RequestTable, Sink, Tracked
+from kvsched.core import Unavailable
+from kvsched.server.record import LocalEngine, Tracked
+from kvsched.server.request_table import RequestTable
 from kvsched.v1 import journal_pb2, request_service_pb2
-
-if TYPE_CHECKING:
-    from collections.abc import Mapping
 
 log = logging.getLogger("kvsched.daemon")
 
@@ -39,7 +31,7 @@ class Journal(Protocol):
     imports nothing of kvsched.durability."""
 
     async def accept(
-        self, tr: Any, pb: request_service_pb2.GenerateRequest, instance: str
+        self, tr: Tracked, pb: request_service_pb2.GenerateRequest, instance: str
     ) -> None: ...
 
     async def recover(self) -> list[Any]: ...
@@ -48,88 +40,38 @@ class Journal(Protocol):
 
     async def lookup(self, req_id: str) -> journal_pb2.JournalRecord | None: ...
 
+    def progress(self, tr: Tracked) -> None: ...
+
+    def finished(self, tr: Tracked) -> None: ...
+
+    def restored(self, tr: Tracked, recorded: int) -> None: ...
+
+    def adopted_elsewhere(self, tr: Tracked) -> None: ...
+
     @staticmethod
     def output_tokens(rec: journal_pb2.JournalRecord) -> list[int]: ...
 
-
-@dataclass
-class Done:
-    """A finished request as its journal record tells it (Resume after the finish)."""
-
-    finished: request_service_pb2.Finished
-    tokens: list[int]
-
-
-class OwnedElsewhere(Unavailable):
-    """Resume of a request whose unfinished journal record names another daemon (a cluster
-    relays the Resume there; alone, the client sees UNAVAILABLE with this message)."""
-
-    def __init__(self, message: str, daemon_id: str) -> None:
-        super().__init__(message)
-        self.daemon_id = daemon_id
-
-
-class ParkedSink:
-    """The sink of a recovered request until its client resumes: outputs stay in the request."""
-
-    def notify(self, tr: Tracked, /) -> None:
-        pass
-
-    def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /) -> None:
-        pass
-
-
-class Nowhere:
-    """The engine of a recovered request not yet placed on an instance."""
-
-    instance_id = ""
-    role = Role.MIXED
-    ready = False
-    queueing = False
-
-    def holds(self, req: Any) -> bool:
-        return False
-
-    def sinks_changed(self) -> None:
-        pass
-
-
-NOWHERE = cast("InstanceEngine", Nowhere())
+    async def close(self, live: Iterable[Tracked], timeout_s: float = 5.0) -> None: ...
 
 
 class Durability:
+    """The journal glue (a `Lifecycle` observer of the table once `use` hands it a journal)."""
+
     def __init__(self, table: RequestTable, journal: Journal | None = None) -> None:
         self.table = table
-        self.journal = journal
-        table.journal = journal
-        self.num_recovered = 0
+        self.journal: Journal | None = None
+        if journal is not None:
+            self.use(journal)
 
     def use(self, journal: Journal) -> None:
         """Journal every request accepted from now on (set before serving)."""
-        self.journal = self.table.journal = journal
-
-    async def submit(
-        self,
-        pb: request_service_pb2.GenerateRequest,
-        sink: Sink,
-        owner: str = "",
-        client_tag: str = "",
-        carrier: Mapping[str, str] | None = None,
-        deadline_s: float | None = None,
-    ) -> Tracked:
-        """Accept one request: queued on its instance at once (the GPU does not wait for the
-        journal), returned once its accepted record is stored (`confirm`)."""
-        tr = self.table.submit(pb, sink, owner, client_tag, carrier, deadline_s)
-        # A request forwarded to a peer's instance is journaled by that peer, its owner (the
-        # forwarded call comes through this same path there), never twice.
-        if self.journals(tr):
-            await self.confirm(tr, pb)
-        return tr
+        self.journal = journal
+        self.table.observe(self)
 
     def journals(self, tr: Tracked) -> bool:
         """Whether this daemon journals `tr`: with a journal, when it runs here (not on a
         peer's instance, whose daemon journals it)."""
-        return self.journal is not None and isinstance(tr.engine, InstanceEngine)
+        return self.journal is not None and type(tr.location) is LocalEngine
 
     async def confirm(self, tr: Tracked, pb: request_service_pb2.GenerateRequest) -> None:
         """Wait until the journal stores `tr`'s accepted record. Refused (`Unavailable`): the
@@ -137,132 +79,24 @@ class Durability:
         holds its outputs until this returns)."""
         assert self.journal is not None
         try:
-            await self.journal.accept(tr, pb, tr.engine.instance_id)
+            await self.journal.accept(tr, pb, tr.instance_id)
         except Unavailable:
             if not tr.finished:
                 self.table.abort_tracked(tr, "refused: the journal did not store the request")
             raise
 
-    async def recover(self, dead_id: str = "") -> int:
-        """Park this daemon's unfinished requests from the journal (with `dead_id`: take over
-        that daemon's, `Journal.adopt`); returns how many."""
-        if self.journal is None:
-            return 0
-        table = self.table
-        now = time.monotonic()
-        deadline = now + max(table.config.requeue_timeout_s, 1.0)
-        found = await (self.journal.adopt(dead_id) if dead_id else self.journal.recover())
-        for u in found:
-            rec = u.record
-            mine = table.tracked.get(rec.request_id)
-            if mine is not None:  # accepted here, forwarded to the dead daemon's instance
-                self._continue_here(mine, dead_id)
-                continue
-            req = codec.request_from_proto(
-                rec.request, rec.request_id, now, table.config.default_max_tokens
-            )
-            req.output_token_ids = list(u.tokens)
-            tr = Tracked(
-                req, NOWHERE, ParkedSink(), rec.request.detachable, rec.principal, rec.client_tag
-            )
-            tr.model = rec.request.model
-            # Taken over: its tokens are journaled anew under this daemon at the next flush.
-            tr.durable, tr.journaled = 2, 0 if dead_id else len(u.tokens)
-            req.tag = tr
-            table.tracked[req.req_id] = tr
-            table.all_done.clear()
-            self.num_recovered += 1
-            if len(req.output_token_ids) >= req.sampling.max_tokens:
-                table._fail(tr, "", FinishReason.LENGTH)  # it had finished: its record was lost
-                continue
-            table.orphans.append((tr, deadline, "recovered from the journal after a restart"))
-        if found:
-            whose = f"daemon {dead_id}'s" if dead_id else "the"
-            log.info("recovered %d unfinished request(s) from %s journal", len(found), whose)
-        return len(found)
+    # ---- Lifecycle ------------------------------------------------------------------------
+    def request_accepted(self, tr: Tracked, carrier: Mapping[str, str], /) -> None:
+        pass  # its accepted record is written by `confirm`, awaited by the accepting call
 
-    def _continue_here(self, tr: Tracked, dead_id: str) -> None:
-        """A request this daemon accepted and forwarded to `dead_id`'s instance, whose record
-        this daemon just adopted: its client still streams from here, so it is recomputed
-        here (prompt + the tokens relayed so far), journaled under this daemon from now on."""
-        if tr.finished:
-            return
-        tr.durable, tr.journaled = 2, 0
-        if tr.forward is None:
-            return  # its forwarder already recomputes it here: journaled here from now on
-        task, tr.forward = tr.forward, None
-        if task is not None:
-            task.cancel()  # the forwarder's attempt to follow it elsewhere
-        self.num_recovered += 1
-        req = tr.req
-        if len(req.output_token_ids) >= req.sampling.max_tokens:
-            self.table._fail(tr, "", FinishReason.LENGTH)
-            return
-        self.table.requeue_lost(req, f"its instance's daemon {dead_id} died; adopted here")
+    def request_moved(self, tr: Tracked, reason: str, /) -> None:
+        assert self.journal is not None
+        self.journal.progress(tr)
 
-    async def resume(
-        self, pb: request_service_pb2.RequestServiceResumeRequest, owner: str, sink: Sink
-    ) -> Tracked | Done:
-        """Hand request `pb.request_id`'s outputs past the caller's tokens to `sink`: its
-        Tracked (now streaming to `sink`, `sent` = the caller's count), or the journal's
-        finished record. Typed errors: see RequestService.Resume in request_service.proto."""
-        rid = pb.request_id
-        held = list(pb.token_ids)
-        have = len(held) if held else pb.num_tokens_received
-        tr = self.table.tracked.get(rid)
-        if tr is None:
-            return await self._finished(rid, owner, held, have)
-        if tr.owner and tr.owner != owner:
-            raise PermissionDenied(f"request {rid!r} was submitted with other credentials")
-        req = tr.req
-        out = req.output_token_ids
-        _check_prefix(rid, held, out)
-        if len(held) > len(out) and not tr.engine.holds(req):
-            # Not placed yet (recovered, or its instance was lost): the client's tokens win.
-            out.extend(held[len(out) :])
-            if len(out) >= req.sampling.max_tokens:
-                self.table._fail(tr, "", FinishReason.LENGTH)
-        old = tr.sink
-        tr.sink, tr.sent = sink, have
-        tr.engine.sinks_changed()
-        old.notify(tr)  # its stream sees it lost the request and ends
-        if len(out) > have or tr.finished:
-            sink.notify(tr)
-        return tr
+    def request_progressed(self, tr: Tracked, /) -> None:
+        assert self.journal is not None
+        self.journal.progress(tr)
 
-    async def _finished(self, rid: str, owner: str, held: list[int], have: int) -> Done:
-        rec = await self.journal.lookup(rid) if self.journal is not None else None
-        if rec is None:
-            if rid in self.table.recent:
-                raise RequestNotFound(
-                    f"request {rid!r} has finished and this daemon keeps no outputs of finished "
-                    "requests (no journal: run with --cluster)"
-                )
-            raise RequestNotFound(
-                f"no request {rid!r} (never accepted, or finished longer ago than the journal "
-                "keeps records)"
-            )
-        if rec.principal and rec.principal != owner:
-            raise PermissionDenied(f"request {rid!r} was submitted with other credentials")
-        if rec.kind != journal_pb2.JournalRecord.KIND_FINISHED:
-            raise OwnedElsewhere(
-                f"request {rid!r} belongs to daemon {rec.daemon_id!r}; resume it there",
-                rec.daemon_id,
-            )
-        assert self.journal is not None  # (a record came from it)
-        out = self.journal.output_tokens(rec)
-        if have > len(out):
-            raise InvalidRequest(
-                f"request {rid!r} finished with {len(out)} output tokens; the client claims {have}"
-            )
-        _check_prefix(rid, held, out)
-        return Done(rec.finished, out)
-
-
-def _check_prefix(rid: str, held: list[int], out: list[int]) -> None:
-    n = min(len(held), len(out))
-    if held[:n] != out[:n]:
-        raise InvalidRequest(
-            f"the tokens sent for request {rid!r} differ from its recorded output "
-            f"(first difference at position {next(i for i in range(n) if held[i] != out[i])})"
-        )
+    def request_finished(self, tr: Tracked, /) -> None:
+        assert self.journal is not None
+        self.journal.finished(tr)

@@ -16,10 +16,11 @@ import grpc
 
 from kvsched import codec
 from kvsched.core import KvschedError, RequestNotFound, Unavailable
+from kvsched.server.accept import Acceptor
 from kvsched.server.auth import current_principal
-from kvsched.server.durable import Durability, OwnedElsewhere
 from kvsched.server.errors import status_for
-from kvsched.server.request_table import Tracked
+from kvsched.server.record import Tracked
+from kvsched.server.resume import OwnedElsewhere, Resumer
 from kvsched.server.sinks import (
     SessionSink,
     StreamSink,
@@ -46,9 +47,11 @@ def principal(context: Any) -> str:
 class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     """Accepts requests into the request table and streams their outputs back."""
 
-    def __init__(self, durable: Durability, max_session_requests: int) -> None:
-        self.durable = durable
-        self.requests = durable.table
+    def __init__(self, acceptor: Acceptor, resumer: Resumer, max_session_requests: int) -> None:
+        self.acceptor = acceptor
+        self.resumer = resumer
+        self.durable = acceptor.durable
+        self.requests = acceptor.table
         self.max_session_requests = max_session_requests
 
     async def Generate(
@@ -57,7 +60,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         sink = StreamSink()
         carrier = metadata(context)
         try:
-            tr = await self.durable.submit(
+            tr = await self.acceptor.accept(
                 request,
                 sink,
                 owner=principal(context),
@@ -74,12 +77,13 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         self, request: pb.RequestServiceResumeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.RequestServiceResumeResponse]:
         sink = StreamSink()
+        sink.sent = len(request.token_ids) or request.num_tokens_received  # the caller has them
         carrier, node = metadata(context), self.requests.cluster
         owner = principal(context) if node is None else node.caller_of(carrier, principal(context))
         if node is not None and request.request_id not in self.requests.tracked:
             node.refuse_if_fenced()  # a fenced daemon answers at once: resume elsewhere
         try:
-            got = await self.durable.resume(request, owner, sink)
+            got = await self.resumer.resume(request, owner, sink)
         except OwnedElsewhere as exc:
             if node is None:
                 raise
@@ -104,15 +108,13 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         yield pb.RequestServiceResumeResponse(finished=got.finished)
 
     async def _follow(self, tr: Tracked, sink: StreamSink, kind: Any) -> AsyncIterator[Any]:
-        """A request's stream: queued, its tokens past `tr.sent`, its one finished. Ends
+        """A request's stream: queued, its tokens past `sink.sent`, its one finished. Ends
         quietly when a Resume took the request over (`tr.sink` is another sink)."""
         done = False
         self.requests.streams.add(sink)
         try:
             yield kind(
-                queued=pb.GenerateResponse.Queued(
-                    request_id=tr.req.req_id, instance=tr.engine.instance_id
-                )
+                queued=pb.GenerateResponse.Queued(request_id=tr.req.req_id, instance=tr.instance_id)
             )
             while True:
                 await sink.event.wait()
@@ -129,9 +131,9 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 finished = tr.finished
                 out = req.output_token_ids
                 n = len(out)
-                if n > tr.sent:
-                    delta = out[tr.sent : n]
-                    tr.sent = n
+                if n > sink.sent:
+                    delta = out[sink.sent : n]
+                    sink.sent = n
                     yield kind(tokens=pb.GenerateResponse.Tokens(token_ids=delta))
                 if finished:
                     done = True
@@ -268,19 +270,15 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         try:
             if len(sink.open) + len(sink.held) >= limit:
                 raise_limit(limit)
-            tr = self.requests.submit(
+            tr = self.acceptor.submit(
                 submit.request, sink, owner=owner, client_tag=tag, carrier=carrier
             )
             if self.durable.journals(tr):
-                tr.held = True
-                sink.held[tr.req.req_id] = tr
-                sink.held_set.add(tr)
+                sink.hold(tr)
                 try:
                     await self.durable.confirm(tr, submit.request)
                 except KvschedError:
-                    tr.held = False
-                    sink.held.pop(tr.req.req_id, None)
-                    sink.held_set.discard(tr)
+                    sink.release(tr)
                     raise
         except KvschedError as exc:
             self._refused(submit.request, exc, carrier)
@@ -313,7 +311,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             acc = msg.accepted
             acc.request_ids.extend([tr.req.req_id for tr in accepted])
             acc.client_tags.extend([tr.client_tag for tr in accepted])
-            acc.instances.extend([tr.engine.instance_id for tr in accepted])
+            acc.instances.extend([tr.instance_id for tr in accepted])
         if chunks:
             ids, counts, tokens = _token_columns(chunks, sink)
             out = msg.tokens

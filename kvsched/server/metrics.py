@@ -187,7 +187,7 @@ class Metrics:
 
     def request_finished(self, tr: Any) -> None:
         req = tr.req
-        m = self.instance(tr.engine.instance_id)
+        m = self.instance(tr.instance_id)
         reason = req.finish_reason
         name = reason.name.lower()
         m.finished[name] = m.finished.get(name, 0) + 1

@@ -1,40 +1,43 @@
 """The request table: every request the daemon tracks, from acceptance to its one Finished.
 
-A request's daemon-side state is a `Tracked` (stored in `Request.tag`): which instance holds it,
-where its outputs go (a sink: one Generate stream or one Session stream), how many tokens that
-sink has been sent, whether it has finished. Every accepted request ends in exactly one
-`Finished` delivered to its sink. The table also owns what ends requests from outside an
-engine: aborts, queue timeouts and deadlines, streams that stopped reading, requests of lost
-instances waiting for another one (orphans), and P/D decode reservations. Engines report to it
-through `EngineListener`.
+It owns each request's record (`Tracked`, server/record.py, stored in `Request.tag`): where it
+is (a local engine, a peer's instance with its relay, or parked), its sink, its P/D decode
+reservation, whether it has finished; and what ends requests from outside an engine: aborts,
+queue timeouts and deadlines, streams that stopped reading, requests of lost instances waiting
+for another one (parked). Every accepted request ends in exactly one `Finished`, decided by
+`finish()`: the engines report through `EngineListener`, parked requests that run out of time
+and a cluster's forwarder (a peer's Finished) all end there. Its observers (`Lifecycle`:
+telemetry, the journal glue, the forwarder) are told of accepted, moved, progressed and
+finished requests. Requests come in through server/accept.py and back through
+server/resume.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import heapq
 import logging
+import math
 import time
-import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvsched import codec
-from kvsched.core import (
-    FinishReason,
-    InvalidRequest,
-    KvschedError,
-    Request,
-    RequestNotFound,
-    Role,
-    Unavailable,
-)
+from kvsched.core import FinishReason, KvschedError, Request, RequestNotFound, Role
 from kvsched.core.request import FINISHED_STATUS
 from kvsched.server.engine import InstanceEngine
-from kvsched.server.models import too_long
 from kvsched.server.poison import PoisonGuard
+from kvsched.server.record import (
+    Lifecycle,
+    LocalEngine,
+    Parked,
+    PeerInstance,
+    RemotePeer,
+    Sink,
+    Tracked,
+    fresh_copy,
+)
 from kvsched.v1 import request_service_pb2
 
 if TYPE_CHECKING:
@@ -42,45 +45,48 @@ if TYPE_CHECKING:
     from kvsched.server.registry import InstanceRegistry
     from kvsched.server.telemetry import Telemetry
 
+__all__ = ["RECENT_FINISHED", "ClusterPort", "RequestTable", "Sink", "Tracked"]
+
 log = logging.getLogger("kvsched.daemon")
 
 RECENT_FINISHED = 10_000  # ids remembered so a late Abort of a finished request is a no-op
 
 
-class Sink(Protocol):
-    """Where a request's outputs go. `notify`: it has news (it finished: `Tracked.finished`).
-    `add_tokens`: new output tokens of several requests, in order, each request at most once:
-    trs[i] produced counts[i] tokens (counts None: one each), consecutive in toks. The same
-    tokens are already in each request's `output_token_ids`: a sink may take them from the
-    call (a Session joins the deltas) or take the call as news and read its requests (a
-    Generate stream sends `output_token_ids` past `Tracked.sent`)."""
+class ClusterPort(Protocol):
+    """What the server asks of a cluster (`kvsched.cluster.node.ClusterNode`); the server
+    imports nothing of kvsched.cluster."""
 
-    def notify(self, tr: Tracked, /) -> None: ...
+    def route_new(
+        self, req: Request, carrier: dict[str, str], owner: str, model: str = ""
+    ) -> tuple[InstanceEngine | PeerInstance, str]:
+        """Choose where a new request runs (an engine here or a peer's instance) and the
+        owner it is tracked under."""
+        ...
 
-    def add_tokens(
-        self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /
-    ) -> None: ...
+    def forward(
+        self,
+        tr: Tracked,
+        msg: request_service_pb2.GenerateRequest,
+        remote: Any,
+        carrier: dict[str, str],
+        deadline_s: float | None,
+    ) -> asyncio.Task[None]:
+        """Relay `tr` from the peer's instance `remote` (the one `route_new` chose)."""
+        ...
 
+    async def abort_elsewhere(self, request_id: str, owner: str | None) -> bool: ...
 
-@dataclass(slots=True, eq=False)
-class Tracked:
-    req: Request  # the current core request (a decode instance's copy after hand-off)
-    engine: InstanceEngine
-    sink: Sink
-    detachable: bool = False
-    owner: str = ""
-    client_tag: str = ""
-    sent: int = 0  # output tokens handed to the sink
-    decode_engine: InstanceEngine | None = None  # P/D: holds a reservation until hand-off
-    span: Any = None
-    finished: bool = False  # its one Finished is decided: the table no longer tracks it
-    forward: Any = None  # cluster: the task relaying it from a peer's instance (engine: remote)
-    durable: int = 0  # journal: 0 not journaled, 1 accepted record in flight, 2 stored, 3 closed
-    journaled: int = 0  # output tokens the journal has recorded
-    held: bool = False  # a Session holds its outputs until the journal stored it
-    model: str = ""  # the model it runs on (a lost instance's request moves within it)
-    losses: int = 0  # instance losses it is a suspect of (server/poison.py)
-    out_at_place: int = 0  # output tokens it had when last placed
+    def caller_of(self, carrier: dict[str, str], caller: str) -> str: ...
+
+    def resume_at(
+        self,
+        daemon_id: str,
+        msg: request_service_pb2.RequestServiceResumeRequest,
+        owner: str,
+        carrier: dict[str, str],
+    ) -> AsyncIterator[request_service_pb2.RequestServiceResumeResponse]: ...
+
+    def cluster_status(self) -> Any: ...
 
 
 class RequestTable:
@@ -94,105 +100,87 @@ class RequestTable:
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.draining = False  # shutting down: no new requests
         self.all_done = asyncio.Event()
-        self.orphans: list[tuple[Tracked, float, str]] = []  # lost instance, deadline, why
+        self.parked: list[Tracked] = []  # waiting for an instance (location: Parked)
         self.timers: list[tuple[float, int, Tracked, str]] = []  # heap: when, seq, request, kind
         self._timer_seq = 0
         self.streams: set[Any] = set()  # open Generate / Session sinks (stall watchdog)
         self.num_requeued = 0
         self.poison = PoisonGuard(config.poison_max_losses)
-        # A cluster's routing and forwarding (kvsched.cluster.node.ClusterNode; None: alone):
-        # `route_new(req, carrier, owner)` -> (an engine here or a peer's instance, the owner
-        # to track it under), `forward(tr, pb, remote, carrier, deadline_s)`, and
-        # `abort_elsewhere(request_id, owner)` (awaited by the Abort RPC).
-        self.cluster: Any = None
-        # The journal when durability is on (kvsched.durability.journal.Journal): told of
-        # finishes and of requests moved off a lost instance.
-        self.journal: Any = None
+        # Told of every request's accepted / moved / progressed / finished, in this order:
+        # telemetry; the journal glue and a cluster's forwarder subscribe (`observe`).
+        self.observers: list[Lifecycle] = [telemetry]
+        # A cluster's routing and forwarding (kvsched.cluster.node.ClusterNode, set by it;
+        # None: alone): server/accept.py, frontend.py and admin.py call it through this port.
+        self.cluster: ClusterPort | None = None
 
-    # ---- requests ---------------------------------------------------------------------------
-    def submit(
+    def observe(self, observer: Lifecycle) -> None:
+        """Tell `observer` of every request's lifecycle from now on."""
+        if observer not in self.observers:
+            self.observers.append(observer)
+
+    def unobserve(self, observer: Lifecycle) -> None:
+        if observer in self.observers:
+            self.observers.remove(observer)
+
+    # ---- entering the table (server/accept.py, server/resume.py) ----------------------------
+    def track(
         self,
-        pb: request_service_pb2.GenerateRequest,
-        sink: Sink,
-        owner: str = "",
-        client_tag: str = "",
-        carrier: Mapping[str, str] | None = None,
-        deadline_s: float | None = None,
-    ) -> Tracked:
-        """Validate, route and queue one request. Raises a typed error (nothing is kept) or
-        returns its Tracked state; from then on the sink gets exactly one Finished."""
-        if self.draining:
-            raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
-        model = self.registry.model_for(pb.model)
-        req_id = pb.request_id or uuid.uuid4().hex
-        if req_id in self.tracked:
-            raise InvalidRequest(f"request_id {req_id!r} is already in use by a live request")
-        limit = self.registry.largest_max_model_len()
-        if len(pb.prompt_token_ids) > limit:  # before the prompt becomes a Python list
-            raise too_long(pb, req_id, limit, self.config.default_max_tokens)
-        req = codec.request_from_proto(pb, req_id, time.monotonic(), self.config.default_max_tokens)
-        cluster = self.cluster
-        if cluster is None:
-            eng = self.registry.route(req, model)
-        else:
-            eng, owner = cluster.route_new(req, carrier or {}, owner, model)
-            if not isinstance(eng, InstanceEngine):  # a peer's instance: forward it there
-                return self._forward(req, eng, pb, sink, owner, client_tag, carrier, deadline_s)
-        tr = Tracked(req, eng, sink, pb.detachable, owner, client_tag, model=model)
-        if eng.role == Role.PREFILL:
-            tr.decode_engine = self._reserve_decode(req)
-        try:
-            eng.add_request(req)
-        except Exception:
-            self._cancel_reservation(tr)
-            raise
-        req.tag = tr
-        self.tracked[req_id] = tr
+        tr: Tracked,
+        carrier: Mapping[str, str],
+        deadline_s: float | None,
+        queue_timeout: bool,
+    ) -> None:
+        """Start tracking an accepted request (already queued on its engine, or about to be
+        forwarded): its timers, then the observers' `request_accepted`."""
+        tr.req.tag = tr
+        self.tracked[tr.req.req_id] = tr
         self.all_done.clear()
         now = time.monotonic()
-        if self.config.queue_timeout_s > 0:
+        if queue_timeout and self.config.queue_timeout_s > 0:
             self._timer(now + self.config.queue_timeout_s, tr, "queue")
         if deadline_s is not None:
             self._timer(now + deadline_s, tr, "deadline")
-        self.telemetry.request_accepted(tr, carrier or {})
-        eng.wake()
-        return tr
+        for obs in self.observers:
+            obs.request_accepted(tr, carrier)
 
-    def _forward(
-        self,
-        req: Request,
-        remote: Any,
-        pb: request_service_pb2.GenerateRequest,
-        sink: Sink,
-        owner: str,
-        client_tag: str,
-        carrier: Mapping[str, str] | None,
-        deadline_s: float | None,
-    ) -> Tracked:
-        """Track a request that runs on a peer's instance (the cluster relays its outputs)."""
-        tr = Tracked(req, remote, sink, pb.detachable, owner, client_tag)
+    def track_parked(self, tr: Tracked) -> None:
+        """Track a request recovered from the journal (location `Parked`): placed when an
+        instance can take it; one that had produced all its tokens finishes at once."""
+        req = tr.req
         req.tag = tr
         self.tracked[req.req_id] = tr
         self.all_done.clear()
-        if deadline_s is not None:
-            self._timer(time.monotonic() + deadline_s, tr, "deadline")
-        self.telemetry.request_accepted(tr, carrier or {})
-        self.cluster.forward(tr, pb, remote, dict(carrier or {}), deadline_s)
-        return tr
+        if len(req.output_token_ids) >= req.sampling.max_tokens:
+            self.finish(tr, FinishReason.LENGTH, "")  # it had finished: its record was lost
+            return
+        self.parked.append(tr)
 
-    def _reserve_decode(self, req: Request) -> InstanceEngine:
-        d = self.registry.route_decode()
-        got = d.preallocate(req)
-        if got is None:
-            raise Unavailable(
-                f"decode instance {d.instance_id} has no free slot or blocks for this request now; retry"
-            )
-        handle, blocks = got
-        req.kv_target = (d.instance_id, handle, blocks)
-        d.wake()
-        return d
+    def relay_started(self, tr: Tracked, relay: asyncio.Task[None]) -> None:
+        """`tr` runs on a peer's instance; `relay` relays its outputs (the forwarder's)."""
+        loc = tr.location
+        if type(loc) is RemotePeer:
+            tr.location = RemotePeer(loc.instance, relay)
 
-    def _cancel_reservation(self, tr: Tracked) -> None:
+    def relay_ended(self, tr: Tracked) -> None:
+        """The relay of `tr` ends by itself (it is about to finish, move or abort `tr`):
+        nothing is left to cancel."""
+        loc = tr.location
+        if type(loc) is RemotePeer and loc.relay is not None:
+            tr.location = RemotePeer(loc.instance, None)
+
+    def redirect(self, tr: Tracked, sink: Sink) -> Sink:
+        """Send `tr`'s outputs to `sink` from now on (a Resume); returns the old sink."""
+        old, tr.sink = tr.sink, sink
+        eng = tr.engine
+        if eng is not None:
+            eng.sinks_changed()
+        return old
+
+    def reserved(self, tr: Tracked, decode: InstanceEngine) -> None:
+        """P/D: `decode` holds `tr`'s reservation until the hand-off."""
+        tr.decode_engine = decode
+
+    def cancel_reservation(self, tr: Tracked) -> None:
         d, tr.decode_engine = tr.decode_engine, None
         if d is not None and d.ready:
             try:
@@ -201,6 +189,7 @@ class RequestTable:
                 return
             d.wake()
 
+    # ---- aborts ---------------------------------------------------------------------------
     def abort(
         self, req_id: str, message: str = "aborted by client", owner: str | None = None
     ) -> None:
@@ -222,10 +211,10 @@ class RequestTable:
     def abort_tracked(
         self, tr: Tracked, message: str, reason: FinishReason = FinishReason.ABORT
     ) -> None:
-        self._cancel_reservation(tr)
+        self.cancel_reservation(tr)
         eng = tr.engine
-        if not eng.holds(tr.req):
-            self._fail(tr, message, reason)  # orphaned: waiting for an instance
+        if eng is None or not eng.holds(tr.req):
+            self.finish(tr, reason, message)  # parked, or on a peer (its relay is cancelled)
             return
         eng.abort(tr.req.req_id, reason, message)
         eng.wake()
@@ -234,10 +223,33 @@ class RequestTable:
         for tr in list(self.tracked.values()):
             self.abort_tracked(tr, message)
 
-    # ---- what the engines report (EngineListener) ---------------------------------------------
+    # ---- the one end ----------------------------------------------------------------------
+    def finish(self, tr: Tracked, reason: FinishReason | None = None, message: str = "") -> None:
+        """`tr`'s one Finished. With `reason`, its request is stamped finished here (no
+        scheduler holds it: parked, a failed hand-off, or it ended on a peer); without, its
+        engine or its relay has stamped it. A second call is a no-op."""
+        req = tr.req
+        if reason is not None:
+            req.status = FINISHED_STATUS[reason]
+            req.finish_reason, req.finish_message = reason, message
+            req.finished_time = time.monotonic()
+        self.cancel_reservation(tr)
+        if self.tracked.pop(req.req_id, None) is None:
+            return
+        tr.finished = True
+        for obs in self.observers:
+            obs.request_finished(tr)
+        self.recent[req.req_id] = None
+        if len(self.recent) > RECENT_FINISHED:
+            self.recent.popitem(last=False)
+        tr.sink.notify(tr)
+        if not self.tracked:
+            self.all_done.set()
+
+    # ---- what the engines report (EngineListener) -------------------------------------------
     def on_instance_ready(self, eng: InstanceEngine) -> None:
-        """Place requests waiting for an instance."""
-        self.place_orphans()
+        """Place parked requests."""
+        self.place_parked()
 
     def on_handed_off(self, p: InstanceEngine, req: Request) -> None:
         tr = req.tag
@@ -245,93 +257,94 @@ class RequestTable:
             return
         d, tr.decode_engine = tr.decode_engine, None
         if d is None or not d.ready:
-            self._fail(tr, "decode instance lost before hand-off")
+            self.finish(tr, FinishReason.ERROR, "decode instance lost before hand-off")
             return
         try:
             dreq = d.add_prefilled(req.req_id, req.output_token_ids, req.num_cached_tokens)
         except RequestNotFound:
-            self._fail(tr, "decode reservation gone before hand-off")
+            self.finish(tr, FinishReason.ERROR, "decode reservation gone before hand-off")
             return
         dreq.tag = tr
         dreq.arrival_time, dreq.first_token_time = req.arrival_time, req.first_token_time
         dreq.first_scheduled_time = req.first_scheduled_time
         dreq.num_cached_tokens = req.num_cached_tokens
-        tr.req, tr.engine = dreq, d
-        if self.journal is not None:
-            self.journal.progress(tr)
+        tr.req, tr.location = dreq, LocalEngine(d)
+        for obs in self.observers:
+            obs.request_progressed(tr)
         d.wake()
 
     def on_finished(self, eng: InstanceEngine, req: Request) -> None:
         tr = req.tag
         if not isinstance(tr, Tracked) or tr.req is not req:
             return  # a decode reservation or a stale copy
-        self._cancel_reservation(tr)
-        if self.tracked.pop(req.req_id, None) is None:
-            return
-        if tr.forward is not None:  # ended here first (abort, drop): the peer aborts it too
-            tr.forward.cancel()
-            tr.forward = None
-        tr.finished = True
-        if self.journal is not None:
-            self.journal.finished(tr)
-        self.recent[req.req_id] = None
-        if len(self.recent) > RECENT_FINISHED:
-            self.recent.popitem(last=False)
-        self.telemetry.request_finished(tr)
-        tr.sink.notify(tr)
-        if not self.tracked:
-            self.all_done.set()
+        self.finish(tr)
 
     def requeue_lost(self, old: Request, reason: str) -> None:
-        """A live request of a lost instance: keep the tokens it streamed and recompute it on
-        another instance (or the same one once it reconnects), within requeue_timeout_s."""
+        """A live request of a lost instance (or of a peer that went away): keep the tokens
+        it streamed and recompute it on another instance (or the same one once it
+        reconnects), within requeue_timeout_s."""
         tr = old.tag
         if not isinstance(tr, Tracked) or tr.req is not old:
             return  # a decode reservation: its prefill side fails the hand-off
-        if tr.decode_engine is not None or tr.engine.role != Role.MIXED:
-            self._fail(tr, f"{reason}; disaggregated requests are not moved")
+        eng = tr.engine
+        if tr.decode_engine is not None or (eng is not None and eng.role != Role.MIXED):
+            self.finish(tr, FinishReason.ERROR, f"{reason}; disaggregated requests are not moved")
             return
         quarantined = self.poison.lost(tr, reason)
         if quarantined is not None:
             self.telemetry.request_quarantined(tr)
-            self._fail(tr, quarantined)
+            self.finish(tr, FinishReason.ERROR, quarantined)
             return
-        new = Request(
-            old.req_id,
-            old.prompt_token_ids,
-            old.sampling,
-            old.priority,
-            old.arrival_time,
-            old.lora_name,
-            old.cache_salt,
-            old.mm_ranges,
-            tenant=old.tenant,
-        )
-        # No ttft_deadline_ms: an accepted request is never shed when it moves (its implicit
-        # deadline from its first arrival keeps its place among the moved ones).
-        new.output_token_ids = list(old.output_token_ids)
-        # Its prefix hit is counted anew where it is placed next: the lost instance's cache
-        # served the tokens it streamed, not the recomputation that will finish it.
-        new.num_preemptions = old.num_preemptions
-        new.first_scheduled_time, new.first_token_time = (
-            old.first_scheduled_time,
-            old.first_token_time,
-        )
+        new = fresh_copy(old)
         new.tag = tr
         tr.req = new
-        if self.journal is not None:
-            self.journal.progress(tr)
-        self.telemetry.request_moved(tr, reason)
+        for obs in self.observers:  # its location still names the instance it lost
+            obs.request_moved(tr, reason)
+        tr.location = Parked(time.monotonic() + self.config.requeue_timeout_s, reason)
         self.num_requeued += 1
-        self.orphans.append((tr, time.monotonic() + self.config.requeue_timeout_s, reason))
-        self.place_orphans()
+        self.parked.append(tr)
+        self.place_parked()
 
-    # ---- requests no engine holds -------------------------------------------------------------
-    def place_orphans(self) -> None:
-        """Route requests whose instance was lost; fail those past their deadline."""
+    # ---- set aside by a self-fenced daemon (kvsched/cluster/selffence.py) --------------------
+    def set_aside(self, tr: Tracked, sink: Sink) -> Sink:
+        """Take `tr` off its instance (its KV freed, the engine's copy made stale) and out of
+        the table, its outputs going to `sink`; nothing is finished or journaled. Returns its
+        old sink."""
+        self.cancel_reservation(tr)
+        eng, old = tr.engine, tr.req
+        if eng is not None and eng.holds(old):
+            tr.req = fresh_copy(old)
+            with contextlib.suppress(KvschedError):
+                eng.abort(old.req_id, FinishReason.ABORT, "self-fenced: set aside")
+            eng.wake()
+        tr.location = Parked(math.inf, "set aside")
+        if self.tracked.get(old.req_id) is tr:
+            del self.tracked[old.req_id]
+        if not self.tracked:
+            self.all_done.set()
+        before, tr.sink = tr.sink, sink
+        return before
+
+    def take_back(self, tr: Tracked, deadline: float, reason: str) -> bool:
+        """Track a request set aside again (parked until `deadline`); False when a record of
+        its id is tracked meanwhile (never two here)."""
+        rid = tr.req.req_id
+        if rid in self.tracked:
+            return False
+        tr.location = Parked(deadline, reason)
+        self.tracked[rid] = tr
+        self.all_done.clear()
+        self.parked.append(tr)
+        return True
+
+    # ---- parked requests ------------------------------------------------------------------
+    def place_parked(self) -> None:
+        """Place parked requests (their instance was lost, or recovered from the journal);
+        fail those past their deadline."""
         now, keep = time.monotonic(), []
-        for tr, deadline, reason in self.orphans:
-            if self.tracked.get(tr.req.req_id) is not tr:
+        for tr in self.parked:
+            loc = tr.location
+            if self.tracked.get(tr.req.req_id) is not tr or type(loc) is not Parked:
                 continue  # aborted meanwhile
             eng = self.registry.route_moved(tr.req, tr.model)
             if eng is not None and not self.poison.may_place(tr, self._live):
@@ -340,31 +353,25 @@ class RequestTable:
                 try:
                     eng.add_request(tr.req)
                 except KvschedError as exc:
-                    self._fail(tr, f"{reason}; cannot move to {eng.instance_id}: {exc}")
+                    why = f"{loc.reason}; cannot move to {eng.instance_id}: {exc}"
+                    self.finish(tr, FinishReason.ERROR, why)
                     continue
-                tr.engine = eng
+                tr.location = LocalEngine(eng)
                 tr.out_at_place = len(tr.req.output_token_ids)
                 eng.wake()
-            elif now >= deadline:
-                self._fail(
+            elif now >= loc.deadline:
+                self.finish(
                     tr,
-                    f"unavailable: {reason}; no instance could take the request within "
+                    FinishReason.ERROR,
+                    f"unavailable: {loc.reason}; no instance could take the request within "
                     f"{self.config.requeue_timeout_s:g} s",
                 )
             else:
-                keep.append((tr, deadline, reason))
-        self.orphans = keep
+                keep.append(tr)
+        self.parked = keep
 
     def _live(self, tr: Tracked) -> bool:
-        return self.tracked.get(tr.req.req_id) is tr and tr.engine.holds(tr.req)
-
-    def _fail(self, tr: Tracked, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
-        """End a request no scheduler holds (orphaned, hand-off failed)."""
-        req = tr.req
-        req.status = FINISHED_STATUS[reason]
-        req.finish_reason, req.finish_message = reason, message
-        req.finished_time = time.monotonic()
-        self.on_finished(tr.engine, req)
+        return self.tracked.get(tr.req.req_id) is tr and tr.on_engine()
 
     # ---- the watchdog's checks ------------------------------------------------------------------
     def _timer(self, when: float, tr: Tracked, kind: str) -> None:

@@ -12,18 +12,20 @@ import time
 
 import numpy as np
 
-from kvsched.server.request_table import Tracked
+from kvsched.server.record import Tracked
 from kvsched.v1 import request_service_pb2 as pb
 
 
 class StreamSink:
     """One Generate stream. `pending_since` is when it last had news its client has not
     been sent; the daemon's watchdog cuts streams that stall past stall_timeout_s. It keeps
-    no tokens: the stream sends its request's `output_token_ids` past `Tracked.sent`."""
+    no tokens: the stream sends its request's `output_token_ids` past `sent` (the output
+    tokens it has handed its client; a Resume's stream starts at the caller's count)."""
 
-    __slots__ = ("event", "moved", "pending_since", "stalled", "task")
+    __slots__ = ("event", "moved", "pending_since", "sent", "stalled", "task")
 
     def __init__(self) -> None:
+        self.sent = 0
         self.event = asyncio.Event()
         self.pending_since: float | None = None
         self.stalled = False
@@ -78,11 +80,13 @@ class SessionSink:
         if self.held and not self.held_set.isdisjoint(trs):
             # Held requests' tokens stay in their requests; `announce` sends them all.
             if counts is None:
-                keep = [i for i, tr in enumerate(trs) if not tr.held]
+                held = self.held_set
+                keep = [i for i, tr in enumerate(trs) if tr not in held]
                 trs, toks = [trs[i] for i in keep], [toks[i] for i in keep]
             else:
                 starts = list(itertools.accumulate(counts, initial=0))
-                rows = [i for i, tr in enumerate(trs) if not tr.held]
+                held = self.held_set
+                rows = [i for i, tr in enumerate(trs) if tr not in held]
                 toks = [t for i in rows for t in toks[starts[i] : starts[i + 1]]]
                 trs, counts = [trs[i] for i in rows], [counts[i] for i in rows]
             if not trs:
@@ -92,15 +96,23 @@ class SessionSink:
         self.chunks.append((trs, counts, toks))
         self.event.set()
 
+    def hold(self, tr: Tracked) -> None:
+        """Hold `tr`'s outputs until its record is stored (`announce`) or refused
+        (`release`)."""
+        self.held[tr.req.req_id] = tr
+        self.held_set.add(tr)
+
+    def release(self, tr: Tracked) -> None:
+        self.held.pop(tr.req.req_id, None)
+        self.held_set.discard(tr)
+
     def announce(self, tr: Tracked) -> None:
         """`tr` is accepted (stored): tell it, with the tokens it made while held."""
         self.open[tr.req.req_id] = tr
         self.accepted.append(tr)
         out = tr.req.output_token_ids
-        if tr.held:
-            tr.held = False
-            self.held.pop(tr.req.req_id, None)
-            self.held_set.discard(tr)
+        if tr in self.held_set:
+            self.release(tr)
             if out:
                 self.chunks.append(([tr], [len(out)], list(out)))
             if tr.finished:

@@ -1,5 +1,8 @@
 """The daemon's hooks for tracing and metrics.
 
+`Telemetry` is the request table's first lifecycle observer (server/record.py's `Lifecycle`:
+request_accepted / _moved / _progressed / _finished) and the engines' step hooks.
+
 The base class does nothing. Hooks run on lifecycle events and once per worker report, never per
 token, so a step with 1024 running requests pays O(1) here plus O(events).
 
@@ -36,6 +39,9 @@ class Telemetry:
     def request_moved(self, tr: Any, reason: str) -> None:
         """The instance holding the request was lost (`reason`); it was re-queued to be
         recomputed elsewhere. Called after `tr.req` was replaced, before it is placed again."""
+
+    def request_progressed(self, tr: Any) -> None:
+        """Its tokens should be recorded now (the journal's hook; nothing to trace)."""
 
     def request_refused(
         self, request_id: str, reason: str, message: str, carrier: Mapping[str, str]

@@ -207,7 +207,7 @@ class Tracing:
             return
         if trace is ROOT:
             trace = tr.span = RequestTrace()
-        instance = tr.engine.instance_id
+        instance = tr.instance_id
         if tr.req.first_scheduled_time >= 0:  # placed before: the next placement resumes it
             if trace.first_instance is None:
                 trace.first_instance = instance
@@ -234,7 +234,7 @@ class Tracing:
             (
                 self, trace, end_name, end, req.req_id, req.sampling.max_tokens,
                 len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens,
-                req.num_preemptions, tr.engine.instance_id, req.finish_reason,
+                req.num_preemptions, tr.instance_id, req.finish_reason,
                 req.finish_message, req.arrival_time, req.first_scheduled_time,
                 req.first_token_time,
             )

@@ -60,7 +60,7 @@ def daemon_spans() -> list[ReadableSpan]:
         req = Request(
             f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8), arrival_time=time.monotonic()
         )
-        tr = SimpleNamespace(req=req, engine=engine, span=None)
+        tr = SimpleNamespace(req=req, engine=engine, instance_id="i0", span=None)
         req.tag = tr
         carrier = {}
         if i % 2:
@@ -256,7 +256,7 @@ def test_a_trace_keeps_at_most_max_events_then_its_last() -> None:
     keep = Keep()
     tracing.add_processor(keep)
     req = Request("r", [1], SamplingParams(max_tokens=1), arrival_time=time.monotonic())
-    tr = SimpleNamespace(req=req, engine=SimpleNamespace(instance_id="i0"), span=None)
+    tr = SimpleNamespace(req=req, instance_id="i0", span=None)
     req.tag = tr
     tracing.request_accepted(tr, {})
     for _ in range(MAX_EVENTS + 5):

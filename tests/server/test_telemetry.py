@@ -261,7 +261,9 @@ def test_span_hooks_in_memory_moved_and_unsampled() -> None:
     tracing = Tracing(TracerProvider(), "m1")
     tracing.add_processor(SimpleSpanProcessor(exporter))
     req = Request("a", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=time.monotonic())
-    tr = SimpleNamespace(req=req, engine=SimpleNamespace(instance_id="i0"), span=None)
+    tr = SimpleNamespace(
+        req=req, engine=SimpleNamespace(instance_id="i0"), instance_id="i0", span=None
+    )
     req.tag = tr
     tracing.request_accepted(tr, dict(traceparent(0)))
     req.first_scheduled_time = time.monotonic()  # as the core stamps a placement
@@ -270,14 +272,14 @@ def test_span_hooks_in_memory_moved_and_unsampled() -> None:
     moved.first_scheduled_time = req.first_scheduled_time  # as the daemon's requeue_lost copies
     moved.tag, tr.req = tr, moved
     tracing.request_moved(tr, "worker stream ended")
-    tr.engine = SimpleNamespace(instance_id="i1")
+    tr.engine, tr.instance_id = SimpleNamespace(instance_id="i1"), "i1"
     tracing.lifecycle(tr.engine, Events(scheduled=[moved], first_token=[req]))  # req is stale
     moved.status, moved.finish_reason = RequestStatus.FINISHED_ABORTED, FinishReason.ABORT
     moved.finished_time = time.monotonic()
     tracing.request_finished(tr)
 
     unsampled = Request("b", [1], arrival_time=time.monotonic())
-    tr2 = SimpleNamespace(req=unsampled, engine=tr.engine, span=None)
+    tr2 = SimpleNamespace(req=unsampled, engine=tr.engine, instance_id="i1", span=None)
     tracing.request_accepted(tr2, {"traceparent": f"00-{TRACE_ID:032x}-{PARENT_ID:016x}-00"})
     assert tr2.span is None
 
@@ -312,10 +314,12 @@ def test_the_sampler_decides_root_spans(sampler: Any, kept: bool, parent_kept: b
     exporter = InMemorySpanExporter()
     tracing.add_processor(SimpleSpanProcessor(exporter))
     req = Request("a", [1], SamplingParams(max_tokens=1), arrival_time=time.monotonic())
-    tr = SimpleNamespace(req=req, engine=SimpleNamespace(instance_id="i0"), span=None)
+    tr = SimpleNamespace(
+        req=req, engine=SimpleNamespace(instance_id="i0"), instance_id="i0", span=None
+    )
     tracing.request_accepted(tr, {})
     assert (tr.span is not None) is kept
-    tr2 = SimpleNamespace(req=req, engine=tr.engine, span=None)
+    tr2 = SimpleNamespace(req=req, engine=tr.engine, instance_id="i0", span=None)
     tracing.request_accepted(tr2, dict(traceparent(0)))  # a sampled parent: asked as before
     assert (tr2.span is not None) is parent_kept
     req.finished_time = time.monotonic()
@@ -495,7 +499,7 @@ def test_spans_are_built_off_the_loop_and_keep_rare_events_in_order() -> None:
     mixed = SimpleNamespace(instance_id="i0")
     try:
         req = Request("p", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=time.monotonic())
-        tr = SimpleNamespace(req=req, engine=mixed, span=None)
+        tr = SimpleNamespace(req=req, engine=mixed, instance_id="i0", span=None)
         req.tag = tr
         tracing.request_accepted(tr, dict(traceparent(3)))
         req.first_scheduled_time = time.monotonic()
@@ -512,14 +516,14 @@ def test_spans_are_built_off_the_loop_and_keep_rare_events_in_order() -> None:
         prefill = SimpleNamespace(instance_id="p0", role=Role.PREFILL)
         decode = SimpleNamespace(instance_id="d0", role=Role.DECODE)
         pd = Request("pd", [1], SamplingParams(max_tokens=2), arrival_time=time.monotonic())
-        tr2 = SimpleNamespace(req=pd, engine=prefill, span=None)
+        tr2 = SimpleNamespace(req=pd, engine=prefill, instance_id="p0", span=None)
         pd.tag = tr2
         tracing.request_accepted(tr2, {})
         pd.first_scheduled_time = time.monotonic()
         tracing.lifecycle(prefill, Events(scheduled=[pd]))
         pd.first_token_time = time.monotonic()
         tracing.lifecycle(prefill, Events(first_token=[pd]))
-        tr2.engine = decode  # handed off: the decode instance places it
+        tr2.engine, tr2.instance_id = decode, "d0"  # handed off: the decode instance places it
         tracing.lifecycle(decode, Events(scheduled=[pd]))
         pd.finish_reason, pd.finished_time = FinishReason.STOP, time.monotonic()
         tracing.request_finished(tr2)

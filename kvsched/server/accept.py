@@ -1,0 +1,116 @@
+"""Accepting a request: validate, choose where it runs, send it there, track it.
+
+    submit()   validate the message and its limits, choose an instance (this daemon's
+               registry, or in a cluster `route_new`: here or a peer's instance), then send
+               it: queue it on the local engine (with a P/D decode reservation when the
+               instance is a prefill one) or start the cluster's relay to the peer; the
+               table tracks it from then on (`RequestTable.track`)
+    accept()   submit, then, when this daemon journals it, wait until the journal stores its
+               accepted record (the GPU does not wait: it is queued already); a record that
+               cannot be stored aborts it and raises Unavailable
+
+Choosing returns a value (an engine here, or a peer's instance); nothing is queued or
+forwarded until the choice is made, and a refusal leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+
+from kvsched import codec
+from kvsched.core import InvalidRequest, Request, Role, Unavailable
+from kvsched.server.durable import Durability
+from kvsched.server.engine import InstanceEngine
+from kvsched.server.models import too_long
+from kvsched.server.record import LocalEngine, RemotePeer, Sink, Tracked
+from kvsched.server.request_table import RequestTable
+from kvsched.v1 import request_service_pb2
+
+
+class Acceptor:
+    def __init__(self, table: RequestTable, durable: Durability) -> None:
+        self.table = table
+        self.durable = durable
+
+    def submit(
+        self,
+        pb: request_service_pb2.GenerateRequest,
+        sink: Sink,
+        owner: str = "",
+        client_tag: str = "",
+        carrier: Mapping[str, str] | None = None,
+        deadline_s: float | None = None,
+    ) -> Tracked:
+        """Validate, route and queue one request. Raises a typed error (nothing is kept) or
+        returns its record; from then on the sink gets exactly one Finished."""
+        table = self.table
+        registry, config = table.registry, table.config
+        if table.draining:
+            raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
+        model = registry.model_for(pb.model)
+        req_id = pb.request_id or uuid.uuid4().hex
+        if req_id in table.tracked:
+            raise InvalidRequest(f"request_id {req_id!r} is already in use by a live request")
+        limit = registry.largest_max_model_len()
+        if len(pb.prompt_token_ids) > limit:  # before the prompt becomes a Python list
+            raise too_long(pb, req_id, limit, config.default_max_tokens)
+        req = codec.request_from_proto(pb, req_id, time.monotonic(), config.default_max_tokens)
+        carrier = carrier or {}
+        cluster = table.cluster
+        # Choose (a value: an engine here, or a peer's instance) ...
+        if cluster is None:
+            eng = registry.route(req, model)
+        else:
+            chosen, owner = cluster.route_new(req, dict(carrier), owner, model)
+            if not isinstance(chosen, InstanceEngine):
+                # ... send: relay it to the peer's instance (that daemon journals it).
+                tr = Tracked(req, RemotePeer(chosen), sink, pb.detachable, owner, client_tag)
+                table.track(tr, carrier, deadline_s, queue_timeout=False)
+                relay = cluster.forward(tr, pb, chosen, dict(carrier), deadline_s)
+                table.relay_started(tr, relay)
+                return tr
+            eng = chosen
+        # ... send: queue it on the engine chosen.
+        tr = Tracked(req, LocalEngine(eng), sink, pb.detachable, owner, client_tag, model=model)
+        if eng.role == Role.PREFILL:
+            table.reserved(tr, self._reserve_decode(req))
+        try:
+            eng.add_request(req)
+        except Exception:
+            table.cancel_reservation(tr)
+            raise
+        table.track(tr, carrier, deadline_s, queue_timeout=True)
+        eng.wake()
+        return tr
+
+    def _reserve_decode(self, req: Request) -> InstanceEngine:
+        d = self.table.registry.route_decode()
+        got = d.preallocate(req)
+        if got is None:
+            raise Unavailable(
+                f"decode instance {d.instance_id} has no free slot or blocks for this request now; retry"
+            )
+        handle, blocks = got
+        req.kv_target = (d.instance_id, handle, blocks)
+        d.wake()
+        return d
+
+    async def accept(
+        self,
+        pb: request_service_pb2.GenerateRequest,
+        sink: Sink,
+        owner: str = "",
+        client_tag: str = "",
+        carrier: Mapping[str, str] | None = None,
+        deadline_s: float | None = None,
+    ) -> Tracked:
+        """Accept one request: queued on its instance at once, returned once its accepted
+        record is stored when this daemon journals it (`Durability.confirm`)."""
+        tr = self.submit(pb, sink, owner, client_tag, carrier, deadline_s)
+        # A request forwarded to a peer's instance is journaled by that peer, its owner (the
+        # forwarded call comes through this same path there), never twice.
+        if self.durable.journals(tr):
+            await self.durable.confirm(tr, pb)
+        return tr
