@@ -16,15 +16,21 @@ Every daemon publishes, per instance it owns, batches of KV events on the NATS s
 
 `medium` is the tier (`kvsched.core.kv_events.MEDIA`): "gpu", "cpu" (the instance's host
 memory: a block moved there is a cpu BlockStored, a host eviction a cpu BlockRemoved) or
-"storage" (reserved for a store every instance shares; ignored by this index for now). The
-load's cost fields are the instance's step-cost model (ms per prefill token, per unit of the
-attention term, per block swapped in from host memory): peers price its hits with them.
+"storage" (the store every instance shares, `kvsched.core.storage`: a write acknowledged is a
+storage BlockStored, a failed fetch's keys a storage BlockRemoved). Storage events go into ONE
+cluster-wide set of hashes per model (the instance's published model), not into the instance's
+own: any instance with a storage tier can fetch them. The load's cost fields are the instance's
+step-cost model (ms per prefill token, per unit of the attention term, per block swapped in
+from host memory, per block fetched from storage: `fetch_block_ms`, published only by an
+instance with a storage tier): peers price its hits with them.
 
 `seq` counts the batches of one `epoch` (a publisher's run for one instance) from 1 without
 gaps. A consumer that sees an unknown epoch or a seq other than last + 1 asks the owner for a
 snapshot (request/reply on `kvsched.kv.snapshot.<instance>`), answered with
 `{"instance", "daemon", "epoch", "seq", "block_size", "block_hashes": [...],
-"host_block_hashes": [...], "load"}`: the instance's cache (GPU, host memory) after batch `seq`. Batches with seq <= the snapshot's are dropped, later ones
+"host_block_hashes": [...], "load"}`: the instance's cache (GPU, host memory) after batch `seq`
+(optionally "storage_block_hashes": what its owner believes the shared store holds, added to
+the storage set). Batches with seq <= the snapshot's are dropped, later ones
 applied. Replaying a batch twice is harmless (events set or clear membership).
 """
 
@@ -38,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsched.cluster.hit_index import HitIndex
-from kvsched.core.kv_events import CPU, GPU, BlockRemoved, BlockStored, KvEvent
+from kvsched.core.kv_events import CPU, GPU, STORAGE, BlockRemoved, BlockStored, KvEvent
 
 EVENTS_SUBJECT = "kvsched.kv.events"  # + ".<instance>"
 MAX_PENDING = 512  # batches kept per instance while a snapshot is awaited (older: dropped)
@@ -102,6 +108,7 @@ def encode_snapshot(
     hashes: list[bytes],
     info: dict[str, Any] | None = None,
     host_hashes: list[bytes] | None = None,
+    storage_hashes: list[bytes] | None = None,
 ) -> bytes:
     return json.dumps(
         {
@@ -114,6 +121,11 @@ def encode_snapshot(
             "load": load,
             "block_hashes": [h.hex() for h in hashes],
             "host_block_hashes": [h.hex() for h in host_hashes or ()],
+            **(
+                {"storage_block_hashes": [h.hex() for h in storage_hashes]}
+                if storage_hashes
+                else {}
+            ),
         },
         separators=(",", ":"),
     ).encode()
@@ -168,6 +180,7 @@ class InstanceView:
         return g, n
 
     def medium(self, name: str) -> set[bytes] | None:
+        """Its own hash set of a private tier (None for storage: shared, `HitIndex.storage`)."""
         return self.hashes if name == GPU else self.host if name == CPU else None
 
 
@@ -185,6 +198,7 @@ class LoadTable:
         "prefill_token_ms",
         "attention_ms",
         "swap_block_ms",
+        "fetch_block_ms",
     )
 
     def __init__(self) -> None:
@@ -200,6 +214,7 @@ class LoadTable:
         self.prefill_token_ms: npt.NDArray[np.float64]
         self.attention_ms: npt.NDArray[np.float64]
         self.swap_block_ms: npt.NDArray[np.float64]
+        self.fetch_block_ms: npt.NDArray[np.float64]  # < 0: the instance has no storage tier
 
     def grow(self, n: int) -> None:
         if n <= self.size:
@@ -227,6 +242,7 @@ class LoadTable:
         self.prefill_token_ms[i] = ld.get("prefill_token_ms", 0.0)
         self.attention_ms[i] = ld.get("attention_ms", 0.0)
         self.swap_block_ms[i] = ld.get("swap_block_ms", 0.0)
+        self.fetch_block_ms[i] = ld.get("fetch_block_ms", -1.0)
 
 
 class ClusterIndex:
@@ -258,7 +274,7 @@ class ClusterIndex:
                 self.slots.append(v)
                 self.table.grow(len(self.slots))
             self.table.reset(v.slot)
-            self.hits.bind(v.slot, v.hashes, v.host)
+            self.table.fetch_block_ms[v.slot] = -1.0
             self.version += 1
         return v
 
@@ -267,7 +283,7 @@ class ClusterIndex:
         for m in (GPU, CPU) if medium is None else (medium,):
             hs = v.medium(m)
             if hs:
-                self.hits.remove(m, v.slot, hs)
+                self.hits.remove(m, v.slot, list(hs))
                 hs.clear()
 
     def apply_batch(self, batch: dict[str, Any], now: float = 0.0) -> bool:
@@ -309,7 +325,13 @@ class ClusterIndex:
             kind, medium = ev.get("type"), ev.get("medium", GPU)
             hs = v.medium(medium)
             if hs is None:
-                continue  # storage: reserved (a shared tier is not one instance's)
+                if medium == STORAGE and kind in ("BlockStored", "BlockRemoved"):
+                    got = list(map(fromhex, ev["block_hashes"]))
+                    if kind == "BlockStored":
+                        hits.add(STORAGE, slot, got, v.model)
+                    else:
+                        hits.remove(STORAGE, slot, got, v.model)
+                continue  # an unknown medium; storage is never cleared by one instance
             if kind == "BlockStored":
                 got = list(map(fromhex, ev["block_hashes"]))
                 hs.update(got)
@@ -332,8 +354,11 @@ class ClusterIndex:
         self._clear(v)
         v.hashes.update(bytes.fromhex(h) for h in snap["block_hashes"])
         v.host.update(bytes.fromhex(h) for h in snap.get("host_block_hashes", ()))
-        self.hits.add(GPU, v.slot, v.hashes)
-        self.hits.add(CPU, v.slot, v.host)
+        self.hits.add(GPU, v.slot, list(v.hashes))
+        self.hits.add(CPU, v.slot, list(v.host))
+        stored = snap.get("storage_block_hashes")
+        if stored:  # what the owner believes the shared store holds (added, never cleared)
+            self.hits.add(STORAGE, v.slot, list(map(bytes.fromhex, stored)), v.model)
         if snap.get("load"):
             v.load = dict(snap["load"])
         self.table.set(v)
@@ -349,7 +374,6 @@ class ClusterIndex:
         if v is not None:
             self._clear(v)
             self.slots[v.slot] = None
-            self.hits.own.pop(v.slot, None)
             self._free_slots.append(v.slot)
             self.version += 1
 

@@ -107,9 +107,8 @@ def test_hit_index_runs_equal_each_instance_walked_alone() -> None:
     for slot in range(30):
         gpu = set(chain[: rng.randrange(0, 40)]) - {chain[rng.randrange(40)]}
         host = {h for h in chain if rng.random() < 0.6}
-        idx.add(GPU, slot, gpu)
-        idx.add(CPU, slot, host)
-        idx.bind(slot, gpu, host)
+        idx.add(GPU, slot, list(gpu))
+        idx.add(CPU, slot, list(host))
         views.append((gpu, host))
     for slot in range(0, 30, 3):  # removals are indexed too
         gone = [h for h in chain if rng.random() < 0.2]
@@ -117,7 +116,7 @@ def test_hit_index_runs_equal_each_instance_walked_alone() -> None:
         views[slot][1].difference_update(gone)
     for start in (0, 5, 17):
         q = chain[start:]
-        g_len, all_len = idx.runs(q, 30)
+        g_len, all_len, _ = idx.runs(q, 30)
         for slot, (gpu, host) in enumerate(views):
             g = next((j for j, h in enumerate(q) if h not in gpu), len(q))
             t = next((j for j, h in enumerate(q[g:], g) if h not in host), len(q))
