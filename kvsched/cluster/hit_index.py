@@ -50,6 +50,22 @@ def keys_of(hashes: Sequence[bytes]) -> list[int]:
     return [key64(h) for h in hashes]
 
 
+def keys_of_hex(hexes: Sequence[str]) -> list[int]:
+    """`key64` of each hash given in hex (the wire's form; one C-level decode when all are
+    16-byte hashes)."""
+    raw = bytes.fromhex("".join(hexes))
+    if len(raw) == 16 * len(hexes):
+        keys: list[int] = memoryview(raw).cast("Q")[::2].tolist()
+        return keys
+    return [key64(bytes.fromhex(h)) for h in hexes]
+
+
+def keys_of_packed(packed: str) -> list[int]:
+    """`key64` of each 16-byte hash of a packed hex string (a snapshot's form)."""
+    keys: list[int] = memoryview(bytes.fromhex(packed)).cast("Q")[::2].tolist()
+    return keys
+
+
 def slots_of(mask: int) -> list[int]:
     """The slots set in a bitmask of slots (bit s for slot s), ascending."""
     out: list[int] = []
@@ -91,25 +107,27 @@ class HitIndex:
     def _bit(self, medium: str, slot: int) -> int:
         return 1 << (2 * slot + (medium == CPU))
 
-    def add(self, medium: str, slot: int, hashes: Sequence[bytes], namespace: str = "") -> None:
+    def add(self, medium: str, slot: int, keys: Sequence[int], namespace: str = "") -> None:
+        """`slot` holds the blocks of these keys (`key64`) in `medium` (storage: the shared
+        store of `namespace` holds them)."""
         if medium == STORAGE:
-            self.storage.setdefault(namespace, set()).update(keys_of(hashes))
+            self.storage.setdefault(namespace, set()).update(keys)
             return
         if medium not in (GPU, CPU):
             return
-        keys, d = keys_of(hashes), self.holders
+        d = self.holders
         bit = self._bit(medium, slot)
         d.update(zip(keys, map(bit.__or__, map(d.get, keys, _zeros(keys))), strict=True))
 
-    def remove(self, medium: str, slot: int, hashes: Sequence[bytes], namespace: str = "") -> None:
+    def remove(self, medium: str, slot: int, keys: Sequence[int], namespace: str = "") -> None:
         if medium == STORAGE:
-            self.storage.get(namespace, set()).difference_update(keys_of(hashes))
+            self.storage.get(namespace, set()).difference_update(keys)
             return
         if medium not in (GPU, CPU):
             return
-        keys, d = keys_of(hashes), self.holders
-        keep = ~self._bit(medium, slot)
-        new = list(map(keep.__and__, map(d.get, keys, _zeros(keys))))
+        d = self.holders
+        bit = self._bit(medium, slot)  # cleared as (m | bit) ^ bit: no negative ints
+        new = list(map(bit.__xor__, map(bit.__or__, map(d.get, keys, _zeros(keys)))))
         d.update(zip(keys, new, strict=True))
         if not all(new):
             for k in itertools.compress(keys, [not m for m in new]):
