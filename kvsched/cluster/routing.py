@@ -289,7 +289,11 @@ class ClusterRouter:
         router = self.registry.router
         bs = t.block_size[:size]
         worth, cached, stored = index.hits.tier_tokens(
-            lambda b: self._hashes(req, b, by_size), self._sizes, bs, t.fetch_block_ms[:size], model
+            lambda b: self._hashes(req, b, by_size),
+            self._sizes,
+            bs,
+            t.fetch_block_ms[:size],
+            model or self.registry.model_for(""),  # the storage tier's namespace
         )
         a_tok, a_attn = t.prefill_token_ms[:size], t.attention_ms[:size]
         j = np.flatnonzero(cached > worth)  # host or storage hits: priced against recompute
