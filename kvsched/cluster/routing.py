@@ -4,8 +4,9 @@ Candidates are this daemon's instances that accept requests (read live off their
 as the single-daemon router does) and the peers' instances known from KV events
 (`ClusterIndex`): synced, heard from within `stale_s`, owned (lease) by a live member. Each is
 scored by the single-daemon rule (`core.router`): the prompt fraction its cache is worth (GPU
-hits whole; its host-memory run, found by the index's `HitIndex` like a local instance's
-`prefix_hit_tokens`, priced by the peer's published step-cost model: swap-in vs recompute),
+hits whole; its host-memory run and then the shared storage tier's, found by the index's
+`HitIndex` like a local instance's `prefix_hit_tokens`, priced by the peer's published
+step-cost model: swap-in or fetch vs recompute; storage only for a peer with a storage tier),
 minus `load_weight` times its load above the least loaded one, among the candidates whose
 predicted wait meets the request's deadline (all of them when none does). A peer's load and
 wait are what it last published (predicted backlog) plus the requests this daemon forwarded
