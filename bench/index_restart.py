@@ -89,11 +89,11 @@ def warm(args: argparse.Namespace, k: int) -> Scheduler:
     return s
 
 
-def entries(index: ClusterIndex) -> set[tuple[str, str, bytes]]:
+def entries(index: ClusterIndex) -> set[tuple[str, str, int]]:
     out = set()
     for iid, v in index.instances.items():
         if v.synced:
-            out |= {(iid, "gpu", h) for h in v.hashes}
+            out |= {(iid, "gpu", h) for h in v.hashes}  # hash keys (hit_index.key64)
             out |= {(iid, "cpu", h) for h in v.host}
     return out
 

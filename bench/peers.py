@@ -5,6 +5,8 @@ with routing held apart from scheduling.
     /tmp/vllmvenv/bin/python -m bench.peers [--trace PATH] [--duration S] [--instances N]
         [--rate-scale X] [--configs a,b] [--modes routed,pinned,pinned-vllm,rr,single]
         [--max-requests N] [--poisson-load X] [--model-every S] [--no-vllm] [--json OUT]
+    /tmp/vllmvenv/bin/python -m bench.peers --windows 0,900,1800,2700 --loads 0.8,1.1,1.2,1.3
+        (placement per trace window and load: bench/peers_grid.py)
 
 Both run in this one process through `bench.simulate`'s event loop on the same requests, with
 the same limits per instance (5,120 blocks of 64 tokens, 256 sequences, 8,192 tokens per step,
@@ -59,6 +61,9 @@ from bench.peer_modes import (  # noqa: E402
     round_robin,
     vllm_factory,
 )
+from bench.peers_grid import add_args as add_grid_args  # noqa: E402
+from bench.peers_grid import default_json as grid_json  # noqa: E402
+from bench.peers_grid import grid  # noqa: E402
 from bench.policies import (  # noqa: E402
     BLOCK_SIZE,
     CONFIGS,
@@ -195,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         help="virtual seconds between samples of kvsched's step-cost model (routed run)",
     )
     ap.add_argument("--no-vllm", action="store_true", help="kvsched rows only")
+    add_grid_args(ap)
     args = ap.parse_args(argv)
     names = args.configs.split(",")
     modes = args.modes.split(",")
@@ -206,7 +212,6 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--poisson-load sets the rate itself: leave --rate-scale at 1")
 
     t0 = time.perf_counter()
-    requests = load_requests(args)[: args.max_requests]
     builder, vllm_error = None, None
     if not args.no_vllm:
         try:
@@ -214,6 +219,21 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as exc:  # report why, keep kvsched's numbers
             vllm_error = "".join(traceback.format_exception_only(exc)).strip()
             traceback.print_exc()
+    if args.windows is not None:  # kvsched's placement vs count-based, per window and load
+        args.json = grid_json(args.json, DEFAULT_JSON)
+        grid(
+            args,
+            builder,
+            {
+                "vllm_version": builder.version if builder else None,
+                "vllm_error": vllm_error,
+                "instances": args.instances,
+                "duration_s": args.duration,
+                "config": names[0],
+            },
+        )
+        return
+    requests = load_requests(args)[: args.max_requests]
     n, gpu, lat = args.instances, args.gpu, args.control_latency
     config = CONFIGS[names[0]]()
     extra_meta: dict[str, Any] = {}

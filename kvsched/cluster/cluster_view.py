@@ -79,8 +79,9 @@ def cluster_status(node: _Node) -> apb.ClusterStatus:
     return out
 
 
-def hash_digest(hashes: set[bytes]) -> str:
+def hash_digest(hashes: set[int]) -> str:
+    """A short digest of an instance's indexed hash keys (`hit_index.key64`)."""
     h = hashlib.blake2b(digest_size=8)
     for x in sorted(hashes):
-        h.update(x)
+        h.update(x.to_bytes(8, "little"))
     return h.hexdigest()

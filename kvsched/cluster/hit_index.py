@@ -1,33 +1,73 @@
-"""The cluster index's inverted half: per medium, block hash -> the instances holding it, and
-the longest cached run of a prompt on every instance at once (pure, no I/O).
+"""The cluster index's inverted half: block hash -> the instances holding it (per private tier)
+and the hashes the shared storage tier holds, and the longest cached run of a prompt on every
+instance at once (pure, no I/O).
 
-Routing over a thousand peer instances cannot ask each one in turn (a Python loop of ~1 us
-per instance is a millisecond). Instances get a small integer slot, and the instances holding
-a hash are a bitmask of slots (a Python int: AND/OR over 1,000 slots are a few dozen machine
-words, ~0.1 us). `runs` walks the prompt's chained hashes once, ANDing the masks of the slots
-that still continue their run; once only a few continue, each is finished alone against its
-own hash sets (C-level `takewhile`). Its cost follows the prompt's shared prefix, not the
-number of instances. A run is the GPU prefix first, then its continuation in host memory (the
-rule of one instance's `Scheduler.prefix_hit_tokens`); storage is reserved (`kv_events.MEDIA`).
+Routing over a thousand peer instances cannot ask each one in turn (a Python loop of ~1 us per
+instance is a millisecond). Instances get a small integer slot; a hash's holders are ONE Python
+int, bit 2s for slot s's GPU pool and bit 2s + 1 for its host memory (AND/OR over 1,000 slots
+are a few dozen machine words). Hashes are keyed by their first 8 bytes as an int (`key64`; 2^-64
+per pair of a false hit, a routing hint's risk only). A decision is one dict lookup per prompt
+block, AND-ed with the bits the runs still need and compared, all at C level (`map`,
+`compress`): the interpreter runs once per block where some run ends (a handful per prompt),
+not once per block, and independent lookups' cache misses overlap. Updates are C-level too
+(`dict.update` over `map`).
+
+A run is the GPU prefix first, then its continuation in host memory (the rule of one instance's
+`Scheduler.prefix_hit_tokens`), then in the storage tier. The storage tier is shared by every
+instance, so it is one set of keys per model (a namespace: `kvsched.core.storage`'s keys hold the
+model and the block size; this index is per block size already through the caller), not a bit per
+slot: its continuation from a position is the same for every instance that has a storage tier.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.core.kv_events import CPU, GPU
+from kvsched.core.kv_events import CPU, GPU, STORAGE
 
-_FEW = 1  # continuing slots at or below which each run is finished alone (one walk of its
-# own sets, C-level; with more, the masks need fewer lookups than one walk per slot)
 IntArray = npt.NDArray[np.int32]
+FloatArray = npt.NDArray[np.float64]
+_EVEN = int("55" * 128, 16)  # GPU bits of the first 512 slots (widened on demand: `_even`)
+
+
+def key64(h: bytes) -> int:
+    """A block hash's index key: its first 8 bytes as an unsigned int in the machine's byte
+    order (keys never leave the process)."""
+    return int.from_bytes(h[:8], sys.byteorder)
+
+
+def keys_of(hashes: Sequence[bytes]) -> list[int]:
+    """`key64` of each hash (one C-level unpack when all are kvsched's 16-byte hashes)."""
+    raw = b"".join(hashes)
+    if len(raw) == 16 * len(hashes):  # kvsched's blake2b-128 hashes: a view, no Python loop
+        keys: list[int] = memoryview(raw).cast("Q")[::2].tolist()
+        return keys
+    return [key64(h) for h in hashes]
+
+
+def keys_of_hex(hexes: Sequence[str]) -> list[int]:
+    """`key64` of each hash given in hex (the wire's form; one C-level decode when all are
+    16-byte hashes)."""
+    raw = bytes.fromhex("".join(hexes))
+    if len(raw) == 16 * len(hexes):
+        keys: list[int] = memoryview(raw).cast("Q")[::2].tolist()
+        return keys
+    return [key64(bytes.fromhex(h)) for h in hexes]
+
+
+def keys_of_packed(packed: str) -> list[int]:
+    """`key64` of each 16-byte hash of a packed hex string (a snapshot's form)."""
+    keys: list[int] = memoryview(bytes.fromhex(packed)).cast("Q")[::2].tolist()
+    return keys
 
 
 def slots_of(mask: int) -> list[int]:
-    """The slots set in a bitmask, ascending."""
+    """The slots set in a bitmask of slots (bit s for slot s), ascending."""
     out: list[int] = []
     if mask.bit_count() <= 16:
         while mask:
@@ -41,117 +81,189 @@ def slots_of(mask: int) -> list[int]:
 
 
 def _set(arr: IntArray, mask: int, value: int) -> None:
-    """arr[slot] = value for every slot set in mask (few: one by one; many: a boolean mask)."""
+    """arr[s] = value for every slot s whose GPU bit (2s) is set in mask."""
     if mask.bit_count() <= 16:
         while mask:
             low = mask & -mask
-            arr[low.bit_length() - 1] = value
+            arr[(low.bit_length() - 1) >> 1] = value
             mask ^= low
         return
-    raw = np.frombuffer(mask.to_bytes((arr.size + 7) // 8, "little"), np.uint8)
-    arr[np.unpackbits(raw, bitorder="little", count=arr.size).view(bool)] = value
+    size = arr.size
+    raw = np.frombuffer(mask.to_bytes((2 * size + 7) // 8, "little"), np.uint8)
+    bits = np.unpackbits(raw, bitorder="little", count=2 * size)[::2]
+    arr[bits.view(bool)] = value
 
 
 class HitIndex:
-    """Owns, per indexed medium, hash -> bitmask of the instance slots holding it."""
-
-    MEDIA = (GPU, CPU)
+    """Owns hash key -> holder bits (GPU and host memory, per slot) and the storage tier's keys
+    per model namespace."""
 
     def __init__(self) -> None:
-        self.holders: dict[str, dict[bytes, int]] = {m: {} for m in self.MEDIA}
-        # Per slot, its own (GPU, host) hash sets (the ClusterIndex's views keep them): once
-        # few instances still continue a run, each is finished alone against its own sets.
-        self.own: dict[int, tuple[set[bytes], set[bytes]]] = {}
+        self.holders: dict[int, int] = {}
+        self.storage: dict[str, set[int]] = {}  # namespace (model) -> keys the store holds
+        self._even = _EVEN
+        self._gpu_size, self._gpu_mask = 0, 0
 
-    def bind(self, slot: int, gpu: set[bytes], host: set[bytes]) -> None:
-        """The sets holding `slot`'s hashes (kept equal to what add/remove were told)."""
-        self.own[slot] = (gpu, host)
+    def _bit(self, medium: str, slot: int) -> int:
+        return 1 << (2 * slot + (medium == CPU))
 
-    def add(self, medium: str, slot: int, hashes: Iterable[bytes]) -> None:
-        d = self.holders.get(medium)
-        if d is None:
+    def add(self, medium: str, slot: int, keys: Sequence[int], namespace: str = "") -> None:
+        """`slot` holds the blocks of these keys (`key64`) in `medium` (storage: the shared
+        store of `namespace` holds them)."""
+        if medium == STORAGE:
+            self.storage.setdefault(namespace, set()).update(keys)
             return
-        bit, get = 1 << slot, d.get
-        for h in hashes:
-            d[h] = get(h, 0) | bit
-
-    def remove(self, medium: str, slot: int, hashes: Iterable[bytes]) -> None:
-        d = self.holders.get(medium)
-        if d is None:
+        if medium not in (GPU, CPU):
             return
-        keep, get = ~(1 << slot), d.get
-        for h in hashes:
-            m = get(h)
-            if m is not None:
-                m &= keep
-                if m:
-                    d[h] = m
-                else:
-                    del d[h]
+        d = self.holders
+        bit = self._bit(medium, slot)
+        d.update(zip(keys, map(bit.__or__, map(d.get, keys, _zeros(keys))), strict=True))
 
-    def runs(self, hashes: list[bytes], size: int) -> tuple[IntArray, IntArray]:
-        """(GPU blocks, GPU + host blocks) of the longest cached run of `hashes` from its start,
-        per slot (arrays of `size`; 0 where nothing hits)."""
+    def remove(self, medium: str, slot: int, keys: Sequence[int], namespace: str = "") -> None:
+        if medium == STORAGE:
+            self.storage.get(namespace, set()).difference_update(keys)
+            return
+        if medium not in (GPU, CPU):
+            return
+        d = self.holders
+        bit = self._bit(medium, slot)  # cleared as (m | bit) ^ bit: no negative ints
+        new = list(map(bit.__xor__, map(bit.__or__, map(d.get, keys, _zeros(keys)))))
+        d.update(zip(keys, new, strict=True))
+        if not all(new):
+            for k in itertools.compress(keys, [not m for m in new]):
+                if not d.get(k, 1):
+                    del d[k]
+
+    def stored(self, namespace: str = "") -> set[int]:
+        return self.storage.get(namespace, set())
+
+    def _gpu_bits(self, size: int) -> int:
+        """The GPU bits of slots 0..size-1."""
+        if size != self._gpu_size:
+            while self._even.bit_length() < 2 * size:
+                self._even |= self._even << self._even.bit_length() + 1
+            self._gpu_size, self._gpu_mask = size, self._even & ((1 << 2 * size) - 1)
+        return self._gpu_mask
+
+    def runs(
+        self, hashes: Sequence[bytes], size: int, namespace: str | None = None
+    ) -> tuple[IntArray, IntArray, npt.NDArray[np.int64] | None]:
+        """Per slot (arrays of `size`; 0 where nothing hits), the longest cached run of
+        `hashes` from its start: (GPU blocks, GPU + host blocks) and, per position p, how far
+        the storage tier of `namespace` continues a run that reached p (`ends[p]` >= p; an
+        array of len(hashes) + 1: ends[p] == p when it holds nothing there); None when
+        namespace is None or the store holds none of the prompt."""
         gpu_len = np.zeros(size, np.int32)
         all_len = np.zeros(size, np.int32)
-        if not hashes:
-            return gpu_len, all_len
-        gpu, cpu = self.holders[GPU].get, self.holders[CPU].get
-        alive = gpu(hashes[0], 0)  # slots whose GPU run continues
-        on_host = cpu(hashes[0], 0) & ~alive  # slots whose run continues in host memory
-        j, nb = 1, len(hashes)
-        if (alive | on_host).bit_count() <= _FEW:
-            self._finish(hashes, j, slots_of(alive), slots_of(on_host), gpu_len, all_len)
-            return gpu_len, all_len
+        nb = len(hashes)
+        keys = keys_of(hashes)
+        ends = None
+        store = self.storage.get(namespace) if namespace is not None else None
+        if store:
+            held = np.fromiter(map(store.__contains__, keys), bool, nb)
+            if held.any():
+                stop = np.where(held, nb, np.arange(nb))  # the first miss at or after p
+                ends = np.arange(nb + 1, dtype=np.int64)
+                ends[:nb] = np.minimum.accumulate(stop[::-1])[::-1]
+        if not nb:
+            return gpu_len, all_len, ends
+        get = self.holders.get
+        m = get(keys[0], 0)
+        bits = self._gpu_bits(size)
+        alive = m & bits  # GPU bits of the slots whose GPU run continues
+        on_host = (m >> 1) & ~alive & bits  # ... whose run goes on in host memory
+        j = 1
         while j < nb and (alive or on_host):
-            h = hashes[j]
-            nxt = alive & gpu(h, 0)
-            cs = -1  # the host holders of h, looked up only when needed
+            # The bits the runs need: alive slots' GPU bits, on-host slots' host bits. The
+            # next block missing one of them is found at C level (lookups, AND, compare); the
+            # interpreter runs once per change of the runs, not once per block.
+            need = alive | (on_host << 1)
+            rest = map(need.__ne__, map(need.__and__, map(get, keys[j:], _zeros(keys, nb - j))))
+            at = next(itertools.compress(itertools.count(j), rest), None)
+            if at is None:
+                j = nb
+                break
+            j = at
+            m = get(keys[j], 0)
+            hm = m >> 1  # the host holders, on the GPU bits
             if on_host:
-                cs = cpu(h, 0)
-                host_next = on_host & cs
+                host_next = on_host & hm
                 if host_next != on_host:
                     _set(all_len, on_host ^ host_next, j)
                     on_host = host_next
+            nxt = alive & m
             if nxt != alive:
                 dropped = alive ^ nxt
                 _set(gpu_len, dropped, j)
-                if cs < 0:
-                    cs = cpu(h, 0)
-                cont = dropped & cs
+                cont = dropped & hm
                 if cont != dropped:
                     _set(all_len, dropped ^ cont, j)
                 alive, on_host = nxt, on_host | cont
-                if (alive | on_host).bit_count() <= _FEW:
-                    j += 1
-                    self._finish(hashes, j, slots_of(alive), slots_of(on_host), gpu_len, all_len)
-                    return gpu_len, all_len
             j += 1
         _set(gpu_len, alive, j)
         _set(all_len, alive | on_host, j)
-        return gpu_len, all_len
+        return gpu_len, all_len, ends
 
-    def _finish(
+    def tier_tokens(
         self,
-        hashes: list[bytes],
-        j: int,
-        alive: Iterable[int],
-        on_host: Iterable[int],
-        gpu_len: IntArray,
-        all_len: IntArray,
-    ) -> None:
-        """The runs of the few slots still continuing at block j, each walked in its own
-        sets (C-level `takewhile` over the prompt: no mask operations per block)."""
-        own = self.own
-        for s in alive:
-            gpu, host = own[s]
-            g = j + _run(gpu, hashes, j)
-            gpu_len[s] = g
-            all_len[s] = g + _run(host, hashes, g)
-        for s in on_host:
-            all_len[s] = j + _run(own[s][1], hashes, j)
+        hashes_for: Callable[[int], Sequence[bytes]],
+        sizes: Sequence[int],
+        block_size: npt.NDArray[np.float64],
+        fetch_block_ms: npt.NDArray[np.float64],
+        namespace: str,
+    ) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """Per slot (block_size's length), tokens of a prompt's longest cached run: (on its GPU,
+        in all its tiers, of which in storage). hashes_for(b): the prompt's chained hashes for
+        block size b, one of `sizes` (the slots' block sizes); a slot whose fetch_block_ms < 0
+        has no storage tier (its run stops after host memory)."""
+        size = block_size.size
+        if len(sizes) == 1:  # the usual fleet: one block size, no masking
+            b = float(sizes[0])
+            gpu, total, ends = self.runs(hashes_for(sizes[0]), size, namespace)
+            st_tok = np.zeros(size)
+            if ends is not None:
+                st_tok = np.where(fetch_block_ms >= 0, ends[total] - total, 0) * b
+            return gpu * b, total * b + st_tok, st_tok
+        gpu_tok, all_tok, st_tok = np.zeros(size), np.zeros(size), np.zeros(size)
+        can_fetch = fetch_block_ms >= 0
+        for bs in sizes:
+            gpu, total, ends = self.runs(hashes_for(bs), size, namespace)
+            sel = block_size == bs
+            more = np.where(can_fetch & sel, ends[total] - total, 0) if ends is not None else 0
+            gpu_tok[sel] = gpu[sel] * float(bs)
+            st_tok[sel] = (more * float(bs))[sel] if ends is not None else 0.0
+            all_tok[sel] = total[sel] * float(bs) + st_tok[sel]
+        return gpu_tok, all_tok, st_tok
 
 
-def _run(held: set[bytes], hashes: list[bytes], start: int) -> int:
-    """How many of hashes[start:] in a row `held` contains."""
-    return len(list(itertools.takewhile(held.__contains__, itertools.islice(hashes, start, None))))
+def price_runs(
+    gpu: FloatArray,
+    host: FloatArray,
+    stored: FloatArray,
+    swap_ms_per_token: FloatArray,
+    fetch_ms_per_token: FloatArray,
+    prefill_token_ms: FloatArray,
+    attention_ms: FloatArray,
+) -> FloatArray:
+    """Per slot, the prompt tokens its hit is worth: `core.step_cost.priced_hit_tokens` over
+    whole columns (GPU tokens whole; the host run, then the storage run, each by the share of
+    its recompute time that swapping it in or fetching it saves; none where moving costs more
+    than recomputing)."""
+    worth = gpu.astype(np.float64, copy=True)
+    start = worth.copy()
+    for tokens, per_token in ((host, swap_ms_per_token), (stored, fetch_ms_per_token)):
+        if not tokens.any():
+            continue
+        end = start + tokens
+        recompute = prefill_token_ms * tokens + attention_ms * (end * end - start * start) / 2
+        pos = recompute > 0
+        share = np.zeros_like(recompute)  # transfer time over recompute time
+        np.divide(per_token * tokens, recompute, out=share, where=pos)
+        worth += np.where(pos, tokens * np.maximum(0.0, 1.0 - share), 0.0)
+        start = end
+    return worth
+
+
+def _zeros(keys: Sequence[int], n: int | None = None) -> Iterable[int]:
+    """The `dict.get` default for each key (or for n of them)."""
+    return itertools.repeat(0, len(keys) if n is None else n)

@@ -16,15 +16,23 @@ Every daemon publishes, per instance it owns, batches of KV events on the NATS s
 
 `medium` is the tier (`kvsched.core.kv_events.MEDIA`): "gpu", "cpu" (the instance's host
 memory: a block moved there is a cpu BlockStored, a host eviction a cpu BlockRemoved) or
-"storage" (reserved for a store every instance shares; ignored by this index for now). The
-load's cost fields are the instance's step-cost model (ms per prefill token, per unit of the
-attention term, per block swapped in from host memory): peers price its hits with them.
+"storage" (the store every instance shares, `kvsched.core.storage`: a write acknowledged is a
+storage BlockStored, a failed fetch's keys a storage BlockRemoved). Storage events go into ONE
+cluster-wide set of hashes per model (the instance's published model), not into the instance's
+own: any instance with a storage tier can fetch them. The load's cost fields are the instance's
+step-cost model (ms per prefill token, per unit of the attention term, per block swapped in
+from host memory, per block fetched from storage: `fetch_block_ms`, published only by an
+instance with a storage tier): peers price its hits with them.
 
 `seq` counts the batches of one `epoch` (a publisher's run for one instance) from 1 without
 gaps. A consumer that sees an unknown epoch or a seq other than last + 1 asks the owner for a
 snapshot (request/reply on `kvsched.kv.snapshot.<instance>`), answered with
 `{"instance", "daemon", "epoch", "seq", "block_size", "block_hashes": [...],
-"host_block_hashes": [...], "load"}`: the instance's cache (GPU, host memory) after batch `seq`. Batches with seq <= the snapshot's are dropped, later ones
+"host_block_hashes": [...], "load"}`: the instance's cache (GPU, host memory) after batch `seq`
+(optionally "storage_block_hashes": what its owner believes the shared store holds, added to
+the storage set). Each list may come packed instead, `"packed_<name>": "<hex>"`: the 16-byte
+hashes concatenated in one hex string (what `encode_snapshot` writes: a thousand snapshots of
+thousands of hashes decode in one C call each, not one per hash). Batches with seq <= the snapshot's are dropped, later ones
 applied. Replaying a batch twice is harmless (events set or clear membership).
 """
 
@@ -37,8 +45,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.cluster.hit_index import HitIndex
-from kvsched.core.kv_events import CPU, GPU, BlockRemoved, BlockStored, KvEvent
+from kvsched.cluster.hit_index import HitIndex, keys_of, keys_of_hex, keys_of_packed
+from kvsched.core.kv_events import CPU, GPU, STORAGE, BlockRemoved, BlockStored, KvEvent
 
 EVENTS_SUBJECT = "kvsched.kv.events"  # + ".<instance>"
 MAX_PENDING = 512  # batches kept per instance while a snapshot is awaited (older: dropped)
@@ -102,6 +110,7 @@ def encode_snapshot(
     hashes: list[bytes],
     info: dict[str, Any] | None = None,
     host_hashes: list[bytes] | None = None,
+    storage_hashes: list[bytes] | None = None,
 ) -> bytes:
     return json.dumps(
         {
@@ -112,11 +121,21 @@ def encode_snapshot(
             "seq": seq,
             "block_size": block_size,
             "load": load,
-            "block_hashes": [h.hex() for h in hashes],
-            "host_block_hashes": [h.hex() for h in host_hashes or ()],
+            **_hash_field("block_hashes", hashes),
+            **_hash_field("host_block_hashes", host_hashes or []),
+            **(_hash_field("storage_block_hashes", storage_hashes) if storage_hashes else {}),
         },
         separators=(",", ":"),
     ).encode()
+
+
+def _hash_field(name: str, hashes: list[bytes]) -> dict[str, Any]:
+    """A snapshot's hash list: packed into one hex string when every hash is 16 bytes
+    (kvsched's: decoding is one C call instead of one per hash), else a list of hex."""
+    raw = b"".join(hashes)
+    if len(raw) == 16 * len(hashes):
+        return {"packed_" + name: raw.hex()}
+    return {name: [h.hex() for h in hashes]}
 
 
 @dataclass
@@ -128,8 +147,8 @@ class InstanceView:
     epoch: str = ""
     seq: int = 0
     block_size: int = 0
-    hashes: set[bytes] = field(default_factory=set)  # in its GPU pool
-    host: set[bytes] = field(default_factory=set)  # in its host-memory tier
+    hashes: set[int] = field(default_factory=set)  # in its GPU pool (keys: `hit_index.key64`)
+    host: set[int] = field(default_factory=set)  # in its host-memory tier
     slot: int = -1  # its index in the ClusterIndex's HitIndex and arrays
     load: dict[str, float] = field(default_factory=dict)
     synced: bool = False  # a snapshot (or an epoch's first batch) was applied: hashes are whole
@@ -150,7 +169,7 @@ class InstanceView:
     def prefix_blocks(self, block_hashes: list[bytes]) -> int:
         """How many leading blocks of a request (its chained hashes) this instance holds."""
         n, hs = 0, self.hashes
-        for h in block_hashes:
+        for h in keys_of(block_hashes):
             if h not in hs:
                 break
             n += 1
@@ -161,13 +180,14 @@ class InstanceView:
         prefix, then its continuation in host memory (Scheduler.prefix_hit_tokens' rule)."""
         g = self.prefix_blocks(block_hashes)
         n, hs = g, self.host
-        for h in block_hashes[g:]:
+        for h in keys_of(block_hashes[g:]):
             if h not in hs:
                 break
             n += 1
         return g, n
 
-    def medium(self, name: str) -> set[bytes] | None:
+    def medium(self, name: str) -> set[int] | None:
+        """Its own hash set of a private tier (None for storage: shared, `HitIndex.storage`)."""
         return self.hashes if name == GPU else self.host if name == CPU else None
 
 
@@ -185,6 +205,7 @@ class LoadTable:
         "prefill_token_ms",
         "attention_ms",
         "swap_block_ms",
+        "fetch_block_ms",
     )
 
     def __init__(self) -> None:
@@ -200,6 +221,7 @@ class LoadTable:
         self.prefill_token_ms: npt.NDArray[np.float64]
         self.attention_ms: npt.NDArray[np.float64]
         self.swap_block_ms: npt.NDArray[np.float64]
+        self.fetch_block_ms: npt.NDArray[np.float64]  # < 0: the instance has no storage tier
 
     def grow(self, n: int) -> None:
         if n <= self.size:
@@ -227,6 +249,7 @@ class LoadTable:
         self.prefill_token_ms[i] = ld.get("prefill_token_ms", 0.0)
         self.attention_ms[i] = ld.get("attention_ms", 0.0)
         self.swap_block_ms[i] = ld.get("swap_block_ms", 0.0)
+        self.fetch_block_ms[i] = ld.get("fetch_block_ms", -1.0)
 
 
 class ClusterIndex:
@@ -258,7 +281,7 @@ class ClusterIndex:
                 self.slots.append(v)
                 self.table.grow(len(self.slots))
             self.table.reset(v.slot)
-            self.hits.bind(v.slot, v.hashes, v.host)
+            self.table.fetch_block_ms[v.slot] = -1.0
             self.version += 1
         return v
 
@@ -267,7 +290,7 @@ class ClusterIndex:
         for m in (GPU, CPU) if medium is None else (medium,):
             hs = v.medium(m)
             if hs:
-                self.hits.remove(m, v.slot, hs)
+                self.hits.remove(m, v.slot, list(hs))
                 hs.clear()
 
     def apply_batch(self, batch: dict[str, Any], now: float = 0.0) -> bool:
@@ -304,18 +327,24 @@ class ClusterIndex:
             v.load = dict(load)
             v.sent_since_load = 0
             self.table.set(v)
-        slot, hits, fromhex = v.slot, self.hits, bytes.fromhex
+        slot, hits = v.slot, self.hits
         for ev in batch.get("events", ()):
             kind, medium = ev.get("type"), ev.get("medium", GPU)
             hs = v.medium(medium)
             if hs is None:
-                continue  # storage: reserved (a shared tier is not one instance's)
+                if medium == STORAGE and kind in ("BlockStored", "BlockRemoved"):
+                    got = keys_of_hex(ev["block_hashes"])
+                    if kind == "BlockStored":
+                        hits.add(STORAGE, slot, got, v.model)
+                    else:
+                        hits.remove(STORAGE, slot, got, v.model)
+                continue  # an unknown medium; storage is never cleared by one instance
             if kind == "BlockStored":
-                got = list(map(fromhex, ev["block_hashes"]))
+                got = keys_of_hex(ev["block_hashes"])
                 hs.update(got)
                 hits.add(medium, slot, got)
             elif kind == "BlockRemoved":
-                got = list(map(fromhex, ev["block_hashes"]))
+                got = keys_of_hex(ev["block_hashes"])
                 hs.difference_update(got)
                 hits.remove(medium, slot, got)
             elif kind == "AllBlocksCleared":
@@ -330,10 +359,16 @@ class ClusterIndex:
         v.block_size = int(snap["block_size"])
         v.take_info(snap.get("info"))
         self._clear(v)
-        v.hashes.update(bytes.fromhex(h) for h in snap["block_hashes"])
-        v.host.update(bytes.fromhex(h) for h in snap.get("host_block_hashes", ()))
-        self.hits.add(GPU, v.slot, v.hashes)
-        self.hits.add(CPU, v.slot, v.host)
+        for medium, hs, name in (
+            (GPU, v.hashes, "block_hashes"),
+            (CPU, v.host, "host_block_hashes"),
+        ):
+            keys = _snapshot_keys(snap, name)
+            hs.update(keys)
+            self.hits.add(medium, v.slot, keys)
+        stored = _snapshot_keys(snap, "storage_block_hashes")
+        if stored:  # what the owner believes the shared store holds (added, never cleared)
+            self.hits.add(STORAGE, v.slot, stored, v.model)
         if snap.get("load"):
             v.load = dict(snap["load"])
         self.table.set(v)
@@ -349,17 +384,25 @@ class ClusterIndex:
         if v is not None:
             self._clear(v)
             self.slots[v.slot] = None
-            self.hits.own.pop(v.slot, None)
             self._free_slots.append(v.slot)
             self.version += 1
 
-    def digest(self) -> dict[str, frozenset[bytes]]:
-        """Every instance's GPU hashes (for comparing two daemons' indexes)."""
+    def digest(self) -> dict[str, frozenset[int]]:
+        """Every instance's GPU hash keys (for comparing two daemons' indexes)."""
         return {i: frozenset(v.hashes) for i, v in self.instances.items() if v.synced}
 
-    def host_digest(self) -> dict[str, frozenset[bytes]]:
-        """Every instance's host-memory hashes."""
+    def host_digest(self) -> dict[str, frozenset[int]]:
+        """Every instance's host-memory hash keys."""
         return {i: frozenset(v.host) for i, v in self.instances.items() if v.synced}
+
+
+def _snapshot_keys(snap: dict[str, Any], name: str) -> list[int]:
+    """The keys of a snapshot's hash list `name`: packed (`packed_<name>`, one hex string of
+    16-byte hashes) or a list of hex strings."""
+    packed = snap.get("packed_" + name)
+    if packed:
+        return keys_of_packed(str(packed))
+    return keys_of_hex(snap.get(name) or [])
 
 
 def decode(data: bytes) -> dict[str, Any]:

@@ -4,8 +4,9 @@ Candidates are this daemon's instances that accept requests (read live off their
 as the single-daemon router does) and the peers' instances known from KV events
 (`ClusterIndex`): synced, heard from within `stale_s`, owned (lease) by a live member. Each is
 scored by the single-daemon rule (`core.router`): the prompt fraction its cache is worth (GPU
-hits whole; its host-memory run, found by the index's `HitIndex` like a local instance's
-`prefix_hit_tokens`, priced by the peer's published step-cost model: swap-in vs recompute),
+hits whole; its host-memory run and then the shared storage tier's, found by the index's
+`HitIndex` like a local instance's `prefix_hit_tokens`, priced by the peer's published
+step-cost model: swap-in or fetch vs recompute; storage only for a peer with a storage tier),
 minus `load_weight` times its load above the least loaded one, among the candidates whose
 predicted wait meets the request's deadline (all of them when none does). A peer's load and
 wait are what it last published (predicted backlog) plus the requests this daemon forwarded
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from kvsched.cluster.hit_index import price_runs
 from kvsched.core import InvalidRequest, KVCacheManager, KvschedError, Request, Unavailable
 from kvsched.core.router import choose
 from kvsched.core.step_cost import priced_hit_tokens
@@ -244,7 +246,7 @@ class ClusterRouter:
             local_hits.append(worth / n)
             local_loads.append(router.load(e))
             local_waits.append(router.calibration.factor * e.predicted_wait_ms(req, hit))
-        hits, waits, loads = self._remote_scores(req, elig.size, by_size, n)
+        hits, waits, loads = self._remote_scores(req, elig.size, by_size, n, model)
         req.block_hashes = []  # the instance chosen hashes with its own block size
         all_hits = np.concatenate([np.asarray(local_hits), hits])
         choice = choose(
@@ -288,31 +290,42 @@ class ClusterRouter:
         return got.target
 
     def _remote_scores(
-        self, req: Request, size: int, by_size: dict[int, list[bytes]], n: int
+        self, req: Request, size: int, by_size: dict[int, list[bytes]], n: int, model: str = ""
     ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
         """Per slot (the first `size`; the caller masks the ineligible): the prompt fraction
-        its cache is worth (GPU hits whole, host hits priced by its published step-cost model:
-        swap-in vs recompute), its predicted wait for the request in ms (its published backlog
+        its cache is worth (GPU hits whole, host and storage hits priced by its published
+        step-cost model: swap-in or fetch vs recompute, `hit_index.price_runs`), its predicted wait for the request in ms (its published backlog
         plus the request's uncached prefill) and its load (router.load's rule)."""
         t, index = self.index.table, self.index
         router = self.registry.router
         bs = t.block_size[:size]
-        if len(self._sizes) == 1:
-            b = self._sizes[0]
-            gpu, total = index.hits.runs(self._hashes(req, b, by_size), size)
-            worth, cached = gpu * float(b), total * float(b)
-        else:
-            worth, cached = np.zeros(size), np.zeros(size)
-            for b in self._sizes:
-                gpu, total = index.hits.runs(self._hashes(req, b, by_size), size)
-                sel = bs == b
-                worth[sel] = gpu[sel] * b
-                cached[sel] = total[sel] * b
+        worth, cached, stored = index.hits.tier_tokens(
+            lambda b: self._hashes(req, b, by_size),
+            self._sizes,
+            bs,
+            t.fetch_block_ms[:size],
+            model or self.registry.model_for(""),  # the storage tier's namespace
+        )
         a_tok, a_attn = t.prefill_token_ms[:size], t.attention_ms[:size]
-        for j in np.flatnonzero(cached > worth).tolist():  # priced one by one: few hold them
-            host = cached[j] - worth[j]
-            swap = t.swap_block_ms[j] * host / bs[j]
-            worth[j] = priced_hit_tokens(worth[j], [(host, swap)], a_tok[j], a_attn[j])
+        j = np.flatnonzero(cached > worth)  # host or storage hits: priced against recompute
+        if 0 < j.size <= 16:  # few (the usual case): one by one is cheaper than arrays
+            host, swap, fetch = cached - worth - stored, t.swap_block_ms, t.fetch_block_ms
+            for k in j.tolist():
+                runs = [
+                    (host[k], swap[k] * host[k] / bs[k]),
+                    (stored[k], fetch[k] * stored[k] / bs[k]),
+                ]
+                worth[k] = priced_hit_tokens(worth[k], runs, a_tok[k], a_attn[k])
+        elif j.size:
+            worth[j] = price_runs(
+                worth[j],
+                (cached - worth - stored)[j],
+                stored[j],
+                t.swap_block_ms[j] / bs[j],
+                t.fetch_block_ms[j] / bs[j],
+                a_tok[j],
+                a_attn[j],
+            )
         ntok = float(len(req.prompt_token_ids))
         start = np.minimum(cached, ntok - 1)
         own = a_tok * (ntok - start) + a_attn * (ntok * ntok - start * start) / 2

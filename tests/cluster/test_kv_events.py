@@ -8,6 +8,7 @@ import time
 
 import grpc
 
+from kvsched.cluster.hit_index import keys_of
 from kvsched.cluster.kv_stream import KvStream
 from kvsched.cluster.link import connect_cluster
 from kvsched.cluster.natsd import NatsServer
@@ -50,7 +51,11 @@ def test_dropped_batch_is_detected_and_repaired(nats_server: NatsServer) -> None
 
             def same() -> bool:
                 v = sub.index.instances.get("g0")
-                return v is not None and v.synced and v.hashes == set(sched.cached_block_hashes())
+                return (
+                    v is not None
+                    and v.synced
+                    and v.hashes == set(keys_of(sched.cached_block_hashes()))
+                )
 
             _run(sched, [list(range(k * 1000, k * 1000 + 70)) for k in range(3)])
             await pub.flush()

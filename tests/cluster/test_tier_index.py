@@ -8,7 +8,7 @@ import asyncio
 import random
 import time
 
-from kvsched.cluster.hit_index import HitIndex
+from kvsched.cluster.hit_index import HitIndex, keys_of
 from kvsched.cluster.kv_index import ClusterIndex, decode, encode_batch, encode_snapshot
 from kvsched.cluster.kv_stream import KvStream
 from kvsched.cluster.link import connect_cluster
@@ -80,8 +80,8 @@ def test_host_tier_publishes_cpu_stored_and_removed_and_the_index_matches_both_t
     assert ("BlockStored", CPU) in kinds and ("BlockRemoved", CPU) in kinds
     assert ("BlockStored", GPU) in kinds and ("BlockRemoved", GPU) in kinds
     v = idx.instances["i0"]
-    assert v.hashes == set(s.cached_block_hashes())
-    assert v.host == set(s.host_block_hashes()) and len(v.host) == 24
+    assert v.hashes == set(keys_of(s.cached_block_hashes()))
+    assert v.host == set(keys_of(s.host_block_hashes())) and len(v.host) == 24
 
 
 def test_failed_swap_in_source_is_a_cpu_block_removed() -> None:
@@ -107,17 +107,16 @@ def test_hit_index_runs_equal_each_instance_walked_alone() -> None:
     for slot in range(30):
         gpu = set(chain[: rng.randrange(0, 40)]) - {chain[rng.randrange(40)]}
         host = {h for h in chain if rng.random() < 0.6}
-        idx.add(GPU, slot, gpu)
-        idx.add(CPU, slot, host)
-        idx.bind(slot, gpu, host)
+        idx.add(GPU, slot, keys_of(list(gpu)))
+        idx.add(CPU, slot, keys_of(list(host)))
         views.append((gpu, host))
     for slot in range(0, 30, 3):  # removals are indexed too
         gone = [h for h in chain if rng.random() < 0.2]
-        idx.remove(CPU, slot, gone)
+        idx.remove(CPU, slot, keys_of(gone))
         views[slot][1].difference_update(gone)
     for start in (0, 5, 17):
         q = chain[start:]
-        g_len, all_len = idx.runs(q, 30)
+        g_len, all_len, _ = idx.runs(q, 30)
         for slot, (gpu, host) in enumerate(views):
             g = next((j for j, h in enumerate(q) if h not in gpu), len(q))
             t = next((j for j, h in enumerate(q[g:], g) if h not in host), len(q))
@@ -173,8 +172,8 @@ def test_peer_sees_host_hits_over_nats_and_after_a_snapshot(nats_server: NatsSer
                 return (
                     v is not None
                     and v.synced
-                    and v.hashes == set(sched.cached_block_hashes())
-                    and v.host == set(sched.host_block_hashes())
+                    and v.hashes == set(keys_of(sched.cached_block_hashes()))
+                    and v.host == set(keys_of(sched.host_block_hashes()))
                 )
 
             async def until(st: KvStream) -> None:
