@@ -35,6 +35,7 @@ from kvsched.core.protocol import (
 )
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.router import Router
+from kvsched.core.storage import StorageIndex
 from kvsched.core.scheduler import (
     DecodeColumn,
     Events,
@@ -74,6 +75,7 @@ __all__ = [
     "SchedulerSnapshot",
     "SpeculativeConfig",
     "StepReport",
+    "StorageIndex",
     "Tasks",
     "TokenDelta",
     "Unavailable",
