@@ -35,7 +35,6 @@ from kvsched.core.protocol import (
 )
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.router import Router
-from kvsched.core.storage import StorageIndex
 from kvsched.core.scheduler import (
     DecodeColumn,
     Events,
@@ -44,6 +43,7 @@ from kvsched.core.scheduler import (
     SchedulerSnapshot,
     TokenDelta,
 )
+from kvsched.core.storage import StorageIndex
 
 __all__ = [
     "BlockPool",

@@ -128,7 +128,15 @@ class StepCostModel:
     ) -> None:
         """Learn from one measured step."""
         self._rows.append(
-            (1.0, prefill_tokens, decodes, decode_context, attention, swapped_blocks, fetched_blocks)
+            (
+                1.0,
+                prefill_tokens,
+                decodes,
+                decode_context,
+                attention,
+                swapped_blocks,
+                fetched_blocks,
+            )
         )
         self._ys.append(measured_ms)
         if prefill_tokens or len(self._rows) >= FOLD_EVERY:
