@@ -51,6 +51,7 @@ from kvsched.core.scheduler.roles import Roles
 from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.scheduler.table import PlacementTable
 from kvsched.core.scheduler.validation import validate
+from kvsched.core.scheduler.views import cache_views
 from kvsched.core.step_cost import priced_hit_tokens
 from kvsched.core.storage import StorageIndex
 
@@ -434,54 +435,8 @@ class Scheduler:
             last_report_step=self.reports.last_report_step,
             last_tasks_seq=self.outbox.seq,
             **self.plan.view(),
-            **self._host_view(),
-            **self._storage_view(),
-            **self._encoder_view(),
+            **cache_views(self.kv, self.enc),
         )
-
-    def _encoder_view(self) -> dict[str, Any]:
-        enc = self.enc
-        if enc is None:
-            return {}
-        st = enc.stats
-        return {
-            "encoder_cache_size": enc.capacity,
-            "encoder_cache_used": enc.used,
-            "encoder_cache_hits": st.hits,
-            "encoder_cache_misses": st.misses,
-            "encoder_cache_evictions": st.evictions,
-        }
-
-    def _host_view(self) -> dict[str, Any]:
-        kv, host = self.kv, self.kv.host
-        if host is None:
-            return {}
-        st = host.stats
-        return {
-            "num_host_blocks": host.num_blocks,
-            "num_free_host_blocks": host.num_free,
-            "host_cache_usage": host.pool.usage,
-            "prefix_cache_host_hit_tokens": kv.num_host_hits,
-            "num_swap_outs": st.swap_outs,
-            "num_swap_ins": st.swap_ins,
-            "num_swap_failures": st.swap_out_failures + st.swap_in_failures,
-            "num_swap_ins_declined": st.swap_ins_declined,
-        }
-
-    def _storage_view(self) -> dict[str, Any]:
-        kv, st = self.kv, self.kv.storage
-        if st is None:
-            return {}
-        s = st.stats
-        return {
-            "storage_enabled": True,
-            "prefix_cache_storage_hit_tokens": kv.num_storage_hits,
-            "num_storage_writes": s.writes,
-            "num_storage_fetches": s.fetches,
-            "num_storage_write_failures": s.write_failures,
-            "num_storage_fetch_failures": s.fetch_failures,
-            "num_storage_fetches_declined": s.fetches_declined,
-        }
 
     def load_facts(self, queued: bool = False) -> dict[str, float]:
         """The numbers an instance's load is computed from (`kvsched.core.router.instance_load`)
