@@ -73,7 +73,7 @@ class KVCacheManager:
             st = StorageTier(storage, storage_namespace, block_size, through, host_pool)
             st.events_into(self.pool)
             if self.host is not None:
-                self.host.storage = st
+                self.host.use_storage(st)
             elif through:
                 self._on_registered = st.on_gpu_registered
             else:

@@ -89,6 +89,10 @@ class HostTier:
         # blocks before they are evicted (write_back) or once they arrive (write_through).
         self.storage: StorageTier | None = None
 
+    def use_storage(self, storage: StorageTier) -> None:
+        """Write to this storage tier what the host tier would lose (or what reaches it)."""
+        self.storage = storage
+
     def events_into(self, gpu_pool: BlockPool, block_size: int) -> None:
         """Record host events into `gpu_pool.events` whenever that pool records (not None)."""
         self._sink = gpu_pool
