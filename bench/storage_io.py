@@ -85,26 +85,29 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
     tag = f"{os.getpid()}"
-    with MooncakeServer(capacity_bytes=parse_size(args.capacity)) as server:
-        with MooncakeStore.connect(server.url) as store:
-            measure(store, sizes[0], 1, 2, tag + "w")  # warm up connections
-            print(f"store {server.url}, {parse_size(args.capacity) >> 20} MiB, TCP loopback")
-            print(
-                f"{'size':>8} {'batch':>6} {'calls':>14} {'put GB/s':>9} {'get GB/s':>9} "
-                f"{'put ms p50':>11} {'get ms p50':>11} {'failed':>7}"
-            )
-            for size in sizes:
-                for batch in batches:
-                    for loop in (False, True) if batch > 1 else (False,):
-                        row = measure(store, size, batch, args.rounds, tag, loop)
-                        rows.append(row)
-                        print(
-                            f"{size >> 10:>7}K {batch:>6} {row['calls']:>14} "
-                            f"{row['put_gbps']:>9.2f} {row['get_gbps']:>9.2f} "
-                            f"{row['put_ms_p50']:>11.2f} "
-                            f"{row['get_ms_p50']:>11.2f} {row['put_failed']:>7}",
-                            flush=True,
-                        )
+    capacity = parse_size(args.capacity)
+    with (
+        MooncakeServer(capacity_bytes=capacity) as server,
+        MooncakeStore.connect(server.url) as store,
+    ):
+        measure(store, sizes[0], 1, 2, tag + "w")  # warm up connections
+        print(f"store {server.url}, {parse_size(args.capacity) >> 20} MiB, TCP loopback")
+        print(
+            f"{'size':>8} {'batch':>6} {'calls':>14} {'put GB/s':>9} {'get GB/s':>9} "
+            f"{'put ms p50':>11} {'get ms p50':>11} {'failed':>7}"
+        )
+        for size in sizes:
+            for batch in batches:
+                for loop in (False, True) if batch > 1 else (False,):
+                    row = measure(store, size, batch, args.rounds, tag, loop)
+                    rows.append(row)
+                    print(
+                        f"{size >> 10:>7}K {batch:>6} {row['calls']:>14} "
+                        f"{row['put_gbps']:>9.2f} {row['get_gbps']:>9.2f} "
+                        f"{row['put_ms_p50']:>11.2f} "
+                        f"{row['get_ms_p50']:>11.2f} {row['put_failed']:>7}",
+                        flush=True,
+                    )
     write_json(
         args.json,
         {
