@@ -1,0 +1,155 @@
+"""The shared storage tier end to end with the `model` executor and a real Mooncake Store
+(issue 25): the daemon in this process, two instances whose `model` workers move real KV block
+bytes through the store over loopback TCP, every streamed token checked against
+`generate_reference` (the same model, unpaged).
+
+One instance serves a prompt and writes its blocks to the store (write_through); it leaves;
+the other serves a longer prompt with the same prefix and fetches those blocks into its GPU
+blocks instead of computing them. A fetch of a block from the wrong key, into the wrong block,
+or after the chunk that reads it changes tokens (`test_skipped_fetch_is_detected` shows the
+check can fail). A fetch that fails mid-way (its keys removed from the store between the write
+and the fetch, or the master killed) preempts the request, which recomputes: tokens still equal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvsched.storage import MooncakeStore
+from kvsched.storage.server import MooncakeServer
+from kvsched.v1 import admin_service_pb2 as apb
+from tests.e2e.harness import ModelHarness, Node, Result, make_prompt, model_daemon, run
+from tests.e2e.test_host_tier import seed_costs
+from tests.storage.conftest import fresh_mooncake, mooncake  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.filterwarnings("ignore:No ccache found:UserWarning")
+
+NODES = {"i0": Node(num_gpu_blocks=64), "i1": Node(num_gpu_blocks=64)}
+ENGINE = {"cache.storage_write_policy": "write_through"}
+PREFIX = make_prompt(2501, 64)  # 8 blocks of 8 tokens
+
+
+def _written_keys(h: ModelHarness, iid: str) -> list[str]:
+    return [k for t in h.applied[iid] for k in t.storage_write_keys]
+
+
+async def _write_then_leave(h: ModelHarness) -> tuple[Result, str, str]:
+    """The first request on whichever instance the router picks; its blocks are written to
+    the store; that worker leaves. Returns (result, writer, the other instance)."""
+    first = await h.generate("w", PREFIX + make_prompt(2502, 4), 6)
+    await h.wait_pool_free()
+    writer = first.instance
+    other = next(i for i in NODES if i != writer)
+    assert len(_written_keys(h, writer)) >= len(PREFIX) // 8, "write_through wrote the prefix"
+    await h.stop_worker(writer)
+    return first, writer, other
+
+
+async def _status(h: ModelHarness, iid: str) -> apb.InstanceStatus:
+    return await h.status(iid)
+
+
+def _assert_exact(results: list[Result]) -> None:
+    for r in results:
+        assert r.finished is not None and r.tokens == r.expected, (
+            f"{r.req_id}: run with the storage tier diverged from the reference"
+        )
+
+
+def test_prefix_written_by_one_instance_is_fetched_by_another(mooncake: MooncakeServer) -> None:  # noqa: F811
+    async def go() -> tuple[list[Result], str, apb.InstanceStatus, Any]:
+        async with model_daemon(
+            NODES, engine=ENGINE, patch_executor=seed_costs, settings={"storage": mooncake.url}
+        ) as h:
+            first, _, other = await _write_then_leave(h)
+            second = await h.generate("f", PREFIX + make_prompt(2503, 12), 8)
+            await h.wait_pool_free([other])
+            fetches = [t for t in h.applied[other] if t.storage_fetch_keys]
+            return [first, second], other, await _status(h, other), (fetches, h.reports[other])
+
+    results, other, st, (fetches, reports) = run(go())
+    _assert_exact(results)
+    assert results[1].instance == other
+    assert fetches, "the second instance fetched nothing from the store"
+    assert st.prefix_cache_storage_hit_tokens >= 56 and st.num_storage_fetches > 0
+    assert not any(r.failed_storage_fetches for r in reports)
+
+
+def test_fetch_of_keys_removed_from_the_store_recomputes(mooncake: MooncakeServer) -> None:  # noqa: F811
+    """Between the write and the fetch the store loses the keys (as its eviction would): the
+    fetch fails, the worker reports it, the daemon preempts and the request recomputes."""
+    prefix = make_prompt(2601, 64)
+
+    async def go() -> tuple[list[Result], str, Any]:
+        async with model_daemon(
+            NODES, engine=ENGINE, patch_executor=seed_costs, settings={"storage": mooncake.url}
+        ) as h:
+            first = await h.generate("w", prefix + make_prompt(2602, 4), 6)
+            await h.wait_pool_free()
+            writer = first.instance
+            other = next(i for i in NODES if i != writer)
+            keys = _written_keys(h, writer)
+            await h.stop_worker(writer)
+            with MooncakeStore.connect(mooncake.url) as store:
+                for k in keys[2:]:  # the run's start stays: the fetch fails part-way
+                    store.remove(k)
+            second = await h.generate("f", prefix + make_prompt(2603, 12), 8)
+            await h.wait_pool_free([other])
+            return [first, second], other, (h.reports[other], await _status(h, other))
+
+    results, other, (reports, st) = run(go())
+    _assert_exact(results)
+    assert results[1].instance == other
+    assert any(r.failed_storage_fetches for r in reports), "the worker reported no failed fetch"
+    assert st.num_storage_failures > 0 and st.num_preemptions > 0
+
+
+def test_master_killed_between_write_and_fetch_recomputes(
+    fresh_mooncake: MooncakeServer,  # noqa: F811
+) -> None:
+    prefix = make_prompt(2701, 64)
+
+    async def go() -> tuple[list[Result], Any]:
+        async with model_daemon(
+            NODES,
+            engine=ENGINE,
+            patch_executor=seed_costs,
+            settings={"storage": fresh_mooncake.url},
+        ) as h:
+            first = await h.generate("w", prefix + make_prompt(2702, 4), 6)
+            await h.wait_pool_free()
+            other = next(i for i in NODES if i != first.instance)
+            await h.stop_worker(first.instance)
+            fresh_mooncake.kill_master()
+            second = await h.generate("f", prefix + make_prompt(2703, 12), 8)
+            await h.wait_pool_free([other], timeout=30.0)
+            return [first, second], h.reports[other]
+
+    results, reports = run(go())
+    _assert_exact(results)
+    assert any(r.failed_storage_fetches for r in reports), "the worker reported no failed fetch"
+
+
+def test_skipped_fetch_is_detected(mooncake: MooncakeServer) -> None:  # noqa: F811
+    """A worker that acknowledges fetches without writing the bytes leaves noise where the
+    prefix's KV should be: the proof must see different tokens (the check can fail)."""
+    prefix = make_prompt(2801, 64)
+
+    def skip(executor: Any) -> None:
+        seed_costs(executor)
+        executor.storage_write = lambda gpu_ids, blobs: None
+
+    async def go() -> list[Result]:
+        async with model_daemon(
+            NODES, engine=ENGINE, patch_executor=skip, settings={"storage": mooncake.url}
+        ) as h:
+            first = await h.generate("w", prefix + make_prompt(2802, 4), 6)
+            await h.wait_pool_free()
+            await h.stop_worker(first.instance)
+            return [first, await h.generate("f", prefix + make_prompt(2803, 12), 8)]
+
+    results = run(go())
+    assert results[0].tokens == results[0].expected
+    assert results[1].tokens != results[1].expected, "skipped fetches went unnoticed"
