@@ -138,6 +138,7 @@ class KvschedInstance:
         index: int,
         check: bool = False,
         storage: StorageIndex | None = None,
+        storage_gbps: float | None = None,
     ) -> None:
         self.loop = loop
         self.sched = Scheduler(
@@ -155,6 +156,7 @@ class KvschedInstance:
             vocab_size=VOCAB_SIZE,
             eos_token_id=EOS_TOKEN_ID,
             block_bytes=KV_BYTES_PER_TOKEN * cc.block_size,  # host tier copies over PCIe
+            **({"storage_gbps": storage_gbps} if storage_gbps else {}),  # storage transfers
         )
         self.worker = WorkerEngine(
             executor,
@@ -259,6 +261,7 @@ class KvschedCluster:
         check: bool = False,
         tenant_of: Callable[[RequestRecord], str] | None = None,
         storage: bool = False,
+        storage_gbps: float | None = None,
     ) -> None:
         """storage: a shared storage tier behind every instance (one StorageIndex, as one
         daemon has; the sim workers simulate the store, priced by size and bandwidth)."""
@@ -271,7 +274,9 @@ class KvschedCluster:
         self.router = Router()
         index = StorageIndex() if storage else None
         self.instances = [
-            KvschedInstance(loop, copy.deepcopy(config), gpu, control_latency_s, i, check, index)
+            KvschedInstance(
+                loop, copy.deepcopy(config), gpu, control_latency_s, i, check, index, storage_gbps
+            )
             for i in range(num_instances)
         ]
         self._scheds = [inst.sched for inst in self.instances]

@@ -13,6 +13,7 @@ instances behind kvsched's Router, as `bench.policies` does:
                         written when the host tier would evict it)
     storage-wt          host-4x + the shared storage tier, write_through (a block is written
                         as soon as it reaches an instance's host tier)
+    storage-wt-400g     storage-wt with a 400 Gb/s NIC per GPU (50 GB/s, as a DGX H100 has)
 
 The storage tier is one StorageIndex for all instances (one daemon); the sim workers hold no
 KV and simulate the store (every task succeeds, the store never evicts): each write or fetch is
@@ -56,19 +57,23 @@ DEFAULT_WINDOWS = "0-300,900-1200,1800-2100,2700-3000"
 FETCH_BLOCK_MS = 0.67
 
 
-def storage_config(policy: str = "write_back") -> EngineConfig:
+def storage_config(policy: str = "write_back", gbps: float = 12.5) -> EngineConfig:
     cfg = host_config("write_back")
     cfg.cache.storage_write_policy = WritePolicy(policy)
-    cfg.step_cost.per_fetched_block_ms = FETCH_BLOCK_MS
+    cfg.step_cost.per_fetched_block_ms = FETCH_BLOCK_MS * 12.5 / gbps
     return cfg
 
 
-# name -> (config, with a storage tier)
-CONFIGS: dict[str, tuple[Callable[[], EngineConfig], bool]] = {
-    "gpu-only": (base_config, False),
-    "host-4x": (lambda: host_config("write_back"), False),
-    "storage": (storage_config, True),
-    "storage-wt": (lambda: storage_config("write_through"), True),
+# A 400 Gb/s NIC per GPU (DGX H100): 50 GB/s, ~0.17 ms per 8 MiB block, as fast as PCIe.
+FAST_GBPS = 50.0
+
+# name -> (config, with a storage tier, the sim's storage bandwidth in GB/s: None = its default)
+CONFIGS: dict[str, tuple[Callable[[], EngineConfig], bool, float | None]] = {
+    "gpu-only": (base_config, False, None),
+    "host-4x": (lambda: host_config("write_back"), False, None),
+    "storage": (storage_config, True, None),
+    "storage-wt": (lambda: storage_config("write_through"), True, None),
+    "storage-wt-400g": (lambda: storage_config("write_through", FAST_GBPS), True, FAST_GBPS),
 }
 
 
@@ -103,9 +108,9 @@ def run_window(
     work = offered_work_s(requests, "h100", 8192)
     rows = []
     for name in names:
-        make, storage = CONFIGS[name]
+        make, storage, gbps = CONFIGS[name]
         factory = KvschedCluster.factory(
-            make(), num_instances=args.instances, name=name, storage=storage
+            make(), num_instances=args.instances, name=name, storage=storage, storage_gbps=gbps
         )
         t0 = time.perf_counter()
         res = simulate(requests, factory)

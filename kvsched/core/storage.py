@@ -19,7 +19,8 @@ prefixes are equal keys on every instance of every daemon:
 
 Writes. An instance with a host tier writes from host blocks: under `write_back` (the default)
 when the host tier is about to evict a block whose key is not stored (the host block is pinned
-from then until the write is acknowledged, so the swap-out that wanted it takes another block),
+from then until the write is acknowledged, so the swap-out that wanted it takes another block;
+once acknowledged the block is evicted, its content living on in the store),
 under `write_through` once a swap-out into the host tier is acknowledged (pinned likewise). An
 instance without a host tier writes from GPU blocks: under `write_back` when the GPU pool
 evicts a block (the write runs at the boundary of the message that carries it, before any chunk
@@ -305,6 +306,7 @@ class StorageTier:
         stored: list[bytes] = []
         removed: list[bytes] = []
         unpin: list[int] = []
+        evict: list[tuple[int, bytes]] = []  # write_back's host victims, written: evicted now
         n = 0
         plen = len(self.prefix)
         while sent and sent[0].seq <= applied_seq:
@@ -314,7 +316,10 @@ class StorageTier:
                 ok = key not in bad_w
                 index.end_write(key, ok)
                 if ok:
-                    stored.append(bytes.fromhex(key[plen:]))
+                    h = bytes.fromhex(key[plen:])
+                    stored.append(h)
+                    if pinned and not self.write_through:
+                        evict.append((block, h))
                 else:
                     self.stats.write_failures += 1
                 if pinned:
@@ -325,10 +330,18 @@ class StorageTier:
                     if key in index:
                         index.discard([key])
                         removed.append(bytes.fromhex(key[plen:]))
-        if unpin:
-            assert self.host_pool is not None
-            self.host_pool.free(unpin)
         events = self._sink.events if self._sink is not None else None
+        if unpin:
+            pool = self.host_pool
+            assert pool is not None
+            pool.free(unpin)
+            # A host victim whose write is acknowledged is evicted now, as it would have been
+            # without the tier (its content lives on in the store): the host LRU's order stays
+            # what it was (freeing it young would keep it over fresher blocks).
+            pool.events = events  # a cpu BlockRemoved each
+            for b, h in evict:
+                if pool.block_hash[b] == h:
+                    pool.forget(b)
         if events is not None:
             if stored:
                 events.append(BlockStored(stored, None, [], self.block_size, None, STORAGE))

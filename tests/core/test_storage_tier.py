@@ -290,17 +290,15 @@ def test_host_tier_write_back_pins_the_victim_until_its_write_is_acknowledged() 
     t2 = s.schedule()
     s.check_integrity()
     work(s, t2)  # acknowledges both messages
-    assert all(host.pool.ref_cnt[b] == 0 for b in a_host)
     assert all(k in index for k in keys_of(s, a, 3))
+    # Written, the victims are evicted (as without the tier): the host LRU keeps its order.
+    assert not set(a.block_hashes[:3]) & set(host.pool.cached)
+    assert all(host.pool.ref_cnt[b] == 0 for b in a_host)
     drain(s, y)
-    # Next time a's host blocks can be evicted without a write (their keys are stored).
-    z = make_request(list(range(12000, 12000 + 8 * BS - 1)), max_tokens=1)
-    sent = run_to_end(s, z)
-    assert not set(keys_of(s, a, 3)) & {k for t in sent for k in t.storage_write_keys}
-    # A host miss, storage hit: b fetches a's blocks after nothing else.
+    # A host miss, a storage hit: b fetches a's blocks.
     b = make_request(A + [2], max_tokens=1)
     sent = run_to_end(s, b)
-    assert sent[0].storage_fetch_keys or sent[0].swap_in_gpu
+    assert sent[0].storage_fetch_keys == keys_of(s, a, 3)
 
 
 def test_host_tier_write_through_writes_once_the_swap_out_is_acknowledged() -> None:
@@ -407,7 +405,8 @@ def test_host_writes_beyond_what_a_step_hides_wait_pinned_for_later_messages() -
         num_host_blocks=3,
         host_write_policy="write_back",
     )
-    cfg.step_cost.per_fetched_block_ms = 40.0  # a step (itl target 100 ms) hides 2 writes
+    # Before any step was measured a step is the itl target, 100 ms: it hides two 40-ms writes.
+    cfg.step_cost.per_fetched_block_ms = 40.0
     s = Scheduler(cfg, storage=index, storage_namespace="m")
     assert s.plan.storage_write_budget() == 2
     a = make_request(A + [1], max_tokens=1)
@@ -415,16 +414,22 @@ def test_host_writes_beyond_what_a_step_hides_wait_pinned_for_later_messages() -
     run_to_end(s, make_request(FILL, max_tokens=1))  # a's 3 blocks -> host
     host = s.kv.host
     assert host is not None and set(host.pool.cached) == set(a.block_hashes[:3])
+    a_host = sorted(host.pool.cached.values())
     y = make_request(list(range(9000, 9000 + 8 * BS - 1)), max_tokens=1)
     s.add_request(y)
-    t1 = s.schedule()
+    t = s.schedule()
     s.check_integrity()
-    assert len(t1.storage_write_keys) == 2, "no more than a step hides"
-    assert all(host.pool.ref_cnt[b] == 1 for b in host.pool.cached.values()), "all 3 pinned"
-    work(s, t1)
-    t2 = s.schedule()
-    s.check_integrity()
-    assert len(t2.storage_write_keys) == 1, "the third goes in the next message"
-    work(s, t2)
+    budget = s.plan.storage_write_budget()
+    assert 1 <= len(t.storage_write_keys) == min(budget, 3) < 3, "no more than a step hides"
+    assert all(host.pool.ref_cnt[b] == 1 for b in a_host), "all 3 victims pinned"
+    written = list(t.storage_write_keys)
+    for _ in range(10):
+        work(s, t)
+        if len(written) == 3:
+            break
+        t = s.schedule()
+        s.check_integrity()
+        written += t.storage_write_keys
+    assert sorted(written) == sorted(keys_of(s, a, 3)), "the others went in later messages"
     drain(s, y)
     assert all(k in index for k in keys_of(s, a, 3))
