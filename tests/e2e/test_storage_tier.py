@@ -20,6 +20,7 @@ import pytest
 from kvsched.storage import MooncakeStore
 from kvsched.storage.server import MooncakeServer
 from kvsched.v1 import admin_service_pb2 as apb
+from kvsched.worker_stub.model import paddle_import_error
 from tests.e2e.harness import ModelHarness, Node, Result, make_prompt, model_daemon, run
 from tests.e2e.test_host_tier import seed_costs
 from tests.storage.conftest import fresh_mooncake, mooncake  # noqa: F401 (fixtures)
@@ -27,7 +28,9 @@ from tests.storage.conftest import fresh_mooncake, mooncake  # noqa: F401 (fixtu
 pytestmark = pytest.mark.filterwarnings("ignore:No ccache found:UserWarning")
 
 NODES = {"i0": Node(num_gpu_blocks=64), "i1": Node(num_gpu_blocks=64)}
-ENGINE = {"cache.storage_write_policy": "write_through"}
+# Fetching a block must look cheaper than recomputing its 8 tokens (~0.17 ms by the seed
+# cost model) or the scheduler declines the storage hit and recomputes.
+ENGINE = {"cache.storage_write_policy": "write_through", "step_cost.per_fetched_block_ms": 0.01}
 PREFIX = make_prompt(2501, 64)  # 8 blocks of 8 tokens
 
 
@@ -58,10 +61,30 @@ def _assert_exact(results: list[Result]) -> None:
         )
 
 
-def test_prefix_written_by_one_instance_is_fetched_by_another(mooncake: MooncakeServer) -> None:  # noqa: F811
+@pytest.fixture(params=["numpy", "paddle"])
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "paddle" and (error := paddle_import_error()):
+        pytest.skip(f"paddle cannot be imported ({error}); install the `paddle` extra to test it")
+    return str(request.param)
+
+
+@pytest.mark.parametrize("host_blocks", [0, 32])
+def test_prefix_written_by_one_instance_is_fetched_by_another(
+    mooncake: MooncakeServer,  # noqa: F811
+    backend: str,
+    host_blocks: int,
+) -> None:
+    """With a host tier the blocks are written from host memory (after their swap-out),
+    without one from GPU blocks; fetches always land in GPU blocks."""
+    nodes = {i: Node(num_gpu_blocks=64, num_host_blocks=host_blocks) for i in NODES}
+
     async def go() -> tuple[list[Result], str, apb.InstanceStatus, Any]:
         async with model_daemon(
-            NODES, engine=ENGINE, patch_executor=seed_costs, settings={"storage": mooncake.url}
+            nodes,
+            backend=backend,
+            engine={**ENGINE, "cache.host_write_policy": "write_through"},
+            patch_executor=seed_costs,
+            settings={"storage": mooncake.url},
         ) as h:
             first, _, other = await _write_then_leave(h)
             second = await h.generate("f", PREFIX + make_prompt(2503, 12), 8)
@@ -75,6 +98,8 @@ def test_prefix_written_by_one_instance_is_fetched_by_another(mooncake: Mooncake
     assert fetches, "the second instance fetched nothing from the store"
     assert st.prefix_cache_storage_hit_tokens >= 56 and st.num_storage_fetches > 0
     assert not any(r.failed_storage_fetches for r in reports)
+    if host_blocks:
+        assert st.num_swap_outs > 0, "write_through to the host tier first"
 
 
 def test_fetch_of_keys_removed_from_the_store_recomputes(mooncake: MooncakeServer) -> None:  # noqa: F811
