@@ -71,6 +71,18 @@ def _add_serve(sub: Any) -> None:
         "(engine.cache.host_write_policy; default write_back)",
     )
     p.add_argument(
+        "--storage",
+        metavar="URL",
+        help='the shared storage KV tier: "mooncake" (a Mooncake master at its default '
+        "address) or mooncake://HOST:PORT (default: none; docs/STORAGE.md)",
+    )
+    p.add_argument(
+        "--storage-write-policy",
+        choices=("write_back", "write_through"),
+        help="when KV blocks are written to the storage tier, every instance "
+        "(engine.cache.storage_write_policy; default write_back: on eviction)",
+    )
+    p.add_argument(
         "--encoder-cache-size",
         type=int,
         metavar="N",
@@ -303,11 +315,13 @@ def _serve(args: argparse.Namespace) -> int:
             "cluster_fallback",
             "cluster_token",
             "take_over",
+            "storage",
         )
     }
     overrides["engine.scheduler.itl_target_ms"] = args.itl_target_ms
     overrides["engine.cache.host_write_policy"] = args.host_write_policy
     overrides["engine.cache.encoder_cache_size"] = args.encoder_cache_size
+    overrides["engine.cache.storage_write_policy"] = args.storage_write_policy
     config = load_config(args.config, os.environ, overrides)
     setup_logging(config.log_level, config.log_json)
     from kvsched.daemon.app import run_server

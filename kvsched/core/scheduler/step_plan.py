@@ -134,8 +134,9 @@ class StepPlan:
             return float("inf")
         ctx = self._decode_ctx + self._out_final_ctx + LOOKAHEAD_STEPS * d
         copies = self._kv.num_queued_copies  # they run at the step's boundary
+        fetches = self._kv.num_queued_fetches
         return self.itl_target_ms - self.cost.predict_ms(
-            self._out_tokens + d * self._spec_k, d, ctx, self._out_attn, copies
+            self._out_tokens + d * self._spec_k, d, ctx, self._out_attn, copies, fetches
         )
 
     def fit_time(self, start: int, n: int, own_tokens: int, own_attn: int, slack: float) -> int:
@@ -206,12 +207,19 @@ class StepPlan:
 
     # ==== the report's side ===================================================================
     def learn_step(
-        self, report: StepReport, h: np.ndarray, s: np.ndarray, single: bool, swaps: int
+        self,
+        report: StepReport,
+        h: np.ndarray,
+        s: np.ndarray,
+        single: bool,
+        swaps: int,
+        fetches: int = 0,
     ) -> None:
         """Before the report's rows are applied: mark the chunks it shows executed, and learn
         the step's measured time from its terms (h, s: the rows' handles and slots; single:
         the report is of one step, not a merge of several; swaps: host tier copies done at
-        the step's boundary, the model's swapped-blocks term)."""
+        the step's boundary, the model's swapped-blocks term; fetches: storage tier fetches done
+        there, its fetched-blocks term)."""
         prefill = attn = n_prefill_rows = prefill_comp = completed_ctx = 0
         comps = report.num_computed
         if self._out:
@@ -247,7 +255,9 @@ class StepPlan:
         self._decode_ctx = ctx + completed_ctx
         self.last_step_terms = (prefill, decodes, ctx, attn)
         if report.step_time_ns > 0:
-            self.cost.observe(prefill, decodes, ctx, attn, swaps, report.step_time_ns / 1e6)
+            self.cost.observe(
+                prefill, decodes, ctx, attn, swaps, report.step_time_ns / 1e6, fetches
+            )
 
     def _shrink(self, h: int, rec: Outstanding, applied_seq: int) -> None:
         """Recompute a record's largest chunks after a report (some ran, the oldest may be
