@@ -21,7 +21,15 @@ from kvsched.storage import MooncakeStore
 from kvsched.storage.server import MooncakeServer
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.worker_stub.model import paddle_import_error
-from tests.e2e.harness import ModelHarness, Node, Result, make_prompt, model_daemon, run
+from tests.e2e.harness import (
+    ModelHarness,
+    Node,
+    Result,
+    make_prompt,
+    model_daemon,
+    run,
+    wait_until,
+)
 from tests.e2e.test_host_tier import seed_costs
 from tests.storage.conftest import fresh_mooncake, mooncake  # noqa: F401 (fixtures)
 
@@ -38,6 +46,20 @@ def _written_keys(h: ModelHarness, iid: str) -> list[str]:
     return [k for t in h.applied[iid] for k in t.storage_write_keys]
 
 
+async def _stored(h: ModelHarness, iid: str, num_blocks: int) -> list[str]:
+    """Wait until the daemon's storage index holds num_blocks keys iid wrote (the worker
+    acknowledged the writes: with a host tier they follow the swap-outs' acknowledgements, a
+    few messages after the request finished); their keys."""
+    index = h.daemon.engines[iid].storage_index
+    assert index is not None
+
+    def done() -> bool:
+        return sum(k in index for k in _written_keys(h, iid)) >= num_blocks
+
+    await wait_until(done, 20.0, f"{num_blocks} blocks of {iid} stored")
+    return _written_keys(h, iid)
+
+
 async def _write_then_leave(h: ModelHarness) -> tuple[Result, str, str]:
     """The first request on whichever instance the router picks; its blocks are written to
     the store; that worker leaves. Returns (result, writer, the other instance)."""
@@ -45,7 +67,7 @@ async def _write_then_leave(h: ModelHarness) -> tuple[Result, str, str]:
     await h.wait_pool_free()
     writer = first.instance
     other = next(i for i in NODES if i != writer)
-    assert len(_written_keys(h, writer)) >= len(PREFIX) // 8, "write_through wrote the prefix"
+    await _stored(h, writer, len(PREFIX) // 8)
     await h.stop_worker(writer)
     return first, writer, other
 
@@ -115,7 +137,7 @@ def test_fetch_of_keys_removed_from_the_store_recomputes(mooncake: MooncakeServe
             await h.wait_pool_free()
             writer = first.instance
             other = next(i for i in NODES if i != writer)
-            keys = _written_keys(h, writer)
+            keys = await _stored(h, writer, len(prefix) // 8)
             await h.stop_worker(writer)
             with MooncakeStore.connect(mooncake.url) as store:
                 for k in keys[2:]:  # the run's start stays: the fetch fails part-way
@@ -146,6 +168,7 @@ def test_master_killed_between_write_and_fetch_recomputes(
             first = await h.generate("w", prefix + make_prompt(2702, 4), 6)
             await h.wait_pool_free()
             other = next(i for i in NODES if i != first.instance)
+            await _stored(h, first.instance, len(prefix) // 8)
             await h.stop_worker(first.instance)
             fresh_mooncake.kill_master()
             second = await h.generate("f", prefix + make_prompt(2703, 12), 8)
@@ -172,6 +195,7 @@ def test_skipped_fetch_is_detected(mooncake: MooncakeServer) -> None:  # noqa: F
         ) as h:
             first = await h.generate("w", prefix + make_prompt(2802, 4), 6)
             await h.wait_pool_free()
+            await _stored(h, first.instance, len(prefix) // 8)
             await h.stop_worker(first.instance)
             return [first, await h.generate("f", prefix + make_prompt(2803, 12), 8)]
 
