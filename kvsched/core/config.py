@@ -175,9 +175,9 @@ class StepCostConfig:
     # One block copied between host and GPU memory: a 16-token Llama-3-8B block is 2 MiB, ~0.04
     # ms at ~50 GB/s of PCIe (learned from the steps that swap, like the other terms).
     per_swapped_block_ms: float = 0.04
-    # One block got from the shared storage tier (Mooncake Store): 2 MiB at ~10 GB/s over
-    # RDMA, ~0.2 ms (learned from the steps that fetch).
-    per_fetched_block_ms: float = 0.2
+    # One block got from the shared storage tier (Mooncake Store): 2 MiB at ~20 GB/s (a
+    # 200 Gb/s RDMA NIC), ~0.1 ms (learned from the steps that fetch).
+    per_fetched_block_ms: float = 0.1
     # Weight of the past per measured step, (0, 1]: 0.999 remembers ~1,000 steps; 1 never forgets.
     forgetting: float = 0.999
 

@@ -385,14 +385,14 @@ class KVCacheManager:
             self.storage.decline(n)
 
     def take_storage(
-        self, dropped: list[int], aborted: list[int]
+        self, dropped: list[int], aborted: list[int], max_writes: int | None = None
     ) -> tuple[list[tuple[str, int]], list[tuple[int, str, int]]] | None:
         """The storage tasks for the Tasks message being sealed (None: none queued), without
-        fetches of the handles it drops."""
+        fetches of the handles it drops; at most max_writes writes of host blocks."""
         st = self.storage
         if st is None or not st.has_queued():
             return None
-        return st.take({*dropped, *aborted})
+        return st.take({*dropped, *aborted}, max_writes)
 
     def storage_sent(self, seq: int) -> None:
         if self.storage is not None:

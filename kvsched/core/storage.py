@@ -43,7 +43,7 @@ Imports `block_pool` and `kv_events` only.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvsched.core.block_pool import BlockPool
@@ -70,6 +70,9 @@ class StorageIndex:
 
     def __len__(self) -> int:
         return len(self._stored)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._stored))
 
     def run_from(self, keys: Iterable[str]) -> list[str]:
         """The longest run of `keys` from its start that is stored."""
@@ -251,20 +254,34 @@ class StorageTier:
         return bool(self._writes or self._fetches)
 
     @property
+    def num_queued_writes(self) -> int:
+        return len(self._writes)
+
+    @property
     def num_queued_fetches(self) -> int:
         return len(self._fetches)
 
     def take(
-        self, dropped_handles: set[int]
+        self, dropped_handles: set[int], max_writes: int | None = None
     ) -> tuple[list[tuple[str, int]], list[tuple[int, str, int]]]:
         """The queued tasks for the Tasks message being sealed: writes (key, block) and
-        fetches (handle, key, gpu block), without fetches of handles the message drops. Call
-        `sent(seq)` once the message is numbered."""
+        fetches (handle, key, gpu block), without fetches of handles the message drops. At
+        most `max_writes` writes of pinned (host) blocks go out (the rest wait, pinned, for the
+        next messages: a burst of writes would outlast the step they run beside); writes of GPU
+        blocks always go (nothing holds their block). Call `sent(seq)` once the message is
+        numbered."""
         writes, fetches = self._writes, self._fetches
         if dropped_handles and fetches:
             fetches = [f for f in fetches if f[0] not in dropped_handles]
+        rest: list[tuple[str, int, bool]] = []
+        if max_writes is not None and len(writes) > max_writes:
+            pinned = [w for w in writes if w[2]]
+            if len(pinned) > max_writes:
+                keep = {id(w) for w in pinned[:max_writes]}
+                rest = [w for w in writes if w[2] and id(w) not in keep]
+                writes = [w for w in writes if not w[2] or id(w) in keep]
         self._pending = _Sent(0, writes, [(hnd, k) for hnd, k, _ in fetches])
-        self._writes, self._fetches = [], []
+        self._writes, self._fetches = rest, []
         self.stats.writes += len(writes)
         self.stats.fetches += len(fetches)
         return [(k, b) for k, b, _ in writes], fetches

@@ -395,3 +395,36 @@ def test_the_index_is_bounded_and_forgets_the_oldest() -> None:
     assert not index.begin_write("d"), "a key being written is claimed once"
     index.end_write("d", False)
     assert "d" not in index and index.begin_write("d")
+
+
+def test_host_writes_beyond_what_a_step_hides_wait_pinned_for_later_messages() -> None:
+    index = StorageIndex()
+    cfg = make_config(
+        block_size=BS,
+        num_gpu_blocks=8,
+        prealloc_threshold=0,
+        prealloc_blocks=1,
+        num_host_blocks=3,
+        host_write_policy="write_back",
+    )
+    cfg.step_cost.per_fetched_block_ms = 40.0  # a step (itl target 100 ms) hides 2 writes
+    s = Scheduler(cfg, storage=index, storage_namespace="m")
+    assert s.plan.storage_write_budget() == 2
+    a = make_request(A + [1], max_tokens=1)
+    run_to_end(s, a)
+    run_to_end(s, make_request(FILL, max_tokens=1))  # a's 3 blocks -> host
+    host = s.kv.host
+    assert host is not None and set(host.pool.cached) == set(a.block_hashes[:3])
+    y = make_request(list(range(9000, 9000 + 8 * BS - 1)), max_tokens=1)
+    s.add_request(y)
+    t1 = s.schedule()
+    s.check_integrity()
+    assert len(t1.storage_write_keys) == 2, "no more than a step hides"
+    assert all(host.pool.ref_cnt[b] == 1 for b in host.pool.cached.values()), "all 3 pinned"
+    work(s, t1)
+    t2 = s.schedule()
+    s.check_integrity()
+    assert len(t2.storage_write_keys) == 1, "the third goes in the next message"
+    work(s, t2)
+    drain(s, y)
+    assert all(k in index for k in keys_of(s, a, 3))

@@ -94,7 +94,12 @@ class Outbox:
 
     # ==== sealing a step's message ============================================================
     def seal(
-        self, tasks: Tasks, kv: KVCacheManager, enc: EncoderCache | None, last_step: int
+        self,
+        tasks: Tasks,
+        kv: KVCacheManager,
+        enc: EncoderCache | None,
+        last_step: int,
+        max_storage_writes: int | None = None,
     ) -> None:
         """Complete the step's Tasks: what was decided outside the step's pieces (preempts and
         aborts go first in the message), the host tier's copies, the report it answers, and a
@@ -118,7 +123,7 @@ class Outbox:
                     list(hb_),
                     list(gb_),
                 )
-        stored = kv.take_storage(self.preempts, self.aborts)
+        stored = kv.take_storage(self.preempts, self.aborts, max_storage_writes)
         if stored is not None:
             writes, fetches = stored
             if writes:

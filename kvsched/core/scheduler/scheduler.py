@@ -156,7 +156,8 @@ class Scheduler:
                     tasks.extensions = self.outbox.take_extended(table.live)
             if not preempted and table.running:
                 exits.decay_reserve()
-        self.outbox.seal(tasks, self.kv, self.enc, self.reports.last_report_step)
+        budget = self.plan.storage_write_budget() if self.kv.storage is not None else None
+        self.outbox.seal(tasks, self.kv, self.enc, self.reports.last_report_step, budget)
         return tasks
 
     def apply_report(self, report: StepReport) -> Events:

@@ -139,6 +139,15 @@ class StepPlan:
             self._out_tokens + d * self._spec_k, d, ctx, self._out_attn, copies, fetches
         )
 
+    def storage_write_budget(self) -> int:
+        """Storage writes a step hides: they run beside it (the worker's NIC reads pinned host
+        memory while the GPU computes), so a message carries at most a typical step's
+        measured time (the itl target before any was measured) of them, by the cost model's
+        per-block storage transfer time; never fewer than one."""
+        step_ms = self.cost.ewma_measured_ms or self.itl_target_ms or 50.0
+        per_block = self.cost.fetch_block_ms
+        return max(1, int(step_ms / per_block)) if per_block > 0 else 1 << 30
+
     def fit_time(self, start: int, n: int, own_tokens: int, own_attn: int, slack: float) -> int:
         """The largest chunk m <= n starting at `start` whose extra predicted cost fits `slack`
         (ms), given the request's own outstanding largest chunk (a chunk no larger costs none)."""
