@@ -108,7 +108,9 @@ class StoreLink:
         return self.store
 
     def down(self) -> None:
-        """An operation found the store unreachable: fail tasks at once for a while."""
+        """An operation found the store unreachable: fail tasks at once for a while, then
+        connect afresh (a restarted master knows nothing of this client)."""
+        self.close()
         self._retry_at = time.monotonic() + _RETRY_S
 
     def close(self) -> None:
