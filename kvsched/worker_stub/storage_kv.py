@@ -20,6 +20,7 @@ acknowledges them.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -75,21 +76,28 @@ class StoreLink:
         self.store: BlockStore | None = None
         self._retry_at = 0.0  # monotonic time before which a store found down is not asked
         self.num_connect_failures = 0
+        # A session's connect may still run in its thread when the next session starts.
+        self._lock = threading.RLock()
 
     def use(self, url: str) -> None:
         """The Welcome named this store ("" = none): connect now if it is a new one. A store
         that cannot be reached is logged at ERROR and every storage task then fails (the link
         tries again on later tasks, every _RETRY_S)."""
-        if url == self.url and (self.store is not None or not url):
-            return
-        self.close()
-        self.url = url
-        if url:
-            self._retry_at = 0.0
-            self.get()
+        with self._lock:
+            if url == self.url and (self.store is not None or not url):
+                return
+            self.close()
+            self.url = url
+            if url:
+                self._retry_at = 0.0
+                self.get()
 
     def get(self) -> BlockStore | None:
         """The connected store; None (tasks fail) while it cannot be reached."""
+        with self._lock:
+            return self._get()
+
+    def _get(self) -> BlockStore | None:
         if not self.url or time.monotonic() < self._retry_at:
             return None
         if self.store is None:
@@ -110,11 +118,13 @@ class StoreLink:
     def down(self) -> None:
         """An operation found the store unreachable: fail tasks at once for a while, then
         connect afresh (a restarted master knows nothing of this client)."""
-        self.close()
-        self._retry_at = time.monotonic() + _RETRY_S
+        with self._lock:
+            self.close()
+            self._retry_at = time.monotonic() + _RETRY_S
 
     def close(self) -> None:
-        store, self.store = self.store, None
+        with self._lock:
+            store, self.store = self.store, None
         if store is not None:
             try:
                 store.close()

@@ -13,12 +13,13 @@ and the fetch, or the master killed) preempts the request, which recomputes: tok
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
 
 from kvsched.storage import MooncakeStore
-from kvsched.storage.server import MooncakeServer
+from kvsched.storage.server import MooncakeServer, free_port
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.worker_stub.model import paddle_import_error
 from tests.e2e.harness import (
@@ -202,3 +203,33 @@ def test_skipped_fetch_is_detected(mooncake: MooncakeServer) -> None:  # noqa: F
     results = run(go())
     assert results[0].tokens == results[0].expected
     assert results[1].tokens != results[1].expected, "skipped fetches went unnoticed"
+
+
+def test_unreachable_store_fails_storage_tasks_and_tokens_stay_exact(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The Welcome names a store nobody serves: the worker logs an ERROR, reports its writes
+    failed (the daemon never counts them stored), and serves every request exactly."""
+    url = f"mooncake://127.0.0.1:{free_port()}?metadata=127.0.0.1:{free_port()}"
+    prefix = make_prompt(2901, 64)
+
+    async def go() -> tuple[list[Result], apb.InstanceStatus, Any]:
+        async with model_daemon(
+            {"i0": Node(num_gpu_blocks=64)},
+            engine=ENGINE,
+            patch_executor=seed_costs,
+            settings={"storage": url},
+        ) as h:
+            a = await h.generate("a", prefix + make_prompt(2902, 4), 6)
+            b = await h.generate("b", prefix + make_prompt(2903, 4), 6)
+            await h.wait_pool_free()
+            index = h.daemon.engines["i0"].storage_index
+            return [a, b], await _status(h, "i0"), (h.reports["i0"], index)
+
+    with caplog.at_level(logging.ERROR, logger="kvsched.worker_stub.storage_kv"):
+        results, st, (reports, index) = run(go())
+    _assert_exact(results)
+    assert any("cannot connect" in r.message for r in caplog.records)
+    failed = [k for r in reports for k in r.failed_storage_writes]
+    assert failed and not any(k in index for k in failed)
+    assert st.num_storage_failures > 0
