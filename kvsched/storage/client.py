@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 
 SCHEME = "mooncake"
 DEFAULT_METADATA_PORT = 8080
-_GET_BATCH = 64  # keys per get_batch call
+# Bytes per put_batch / get_batch call (at least one value): larger batches of MiB values ran
+# slower than one call per value here (bench/storage_io.py), smaller values gain from batching.
+_BATCH_BYTES = 4 << 20
 _CLIENT_ENV = {"MC_RPC_CONNECT_TIMEOUT_MS": "1000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
 _PROBE_KEY = "kvsched/probe"  # asked for to tell a missing key from a master that is down
 _INSTALL = (
@@ -147,6 +149,7 @@ class MooncakeStore:
         self.address = address
         self.buffer_bytes = buffer_bytes
         self._lock = threading.Lock()
+        self._value_bytes = 0  # the largest value of the last get_many / put_many
         self._store: Any = _store_class()()
         rc = self._store.setup(
             local_host,
@@ -194,6 +197,7 @@ class MooncakeStore:
         if len(keys) != len(values):
             raise ValueError(f"put_many: {len(keys)} keys but {len(values)} values")
         failed: list[str] = []
+        self._value_bytes = max((len(v) for v in values), default=self._value_bytes)
         for lo, hi in self._batches(values):
             ks, vs = list(keys[lo:hi]), list(values[lo:hi])
             rc = self._client().put_batch(ks, vs)
@@ -224,9 +228,11 @@ class MooncakeStore:
         """The values under keys, in order; None where a key is missing (never put, or
         evicted). StoreUnavailable when the master does not answer."""
         out: list[bytes | None] = []
-        for lo in range(0, len(keys), _GET_BATCH):
-            values = self._client().get_batch(list(keys[lo : lo + _GET_BATCH]))
+        per_call = max(1, _BATCH_BYTES // max(1, self._value_bytes))  # sizes as last seen
+        for lo in range(0, len(keys), per_call):
+            values = self._client().get_batch(list(keys[lo : lo + per_call]))
             out.extend(bytes(v) or None for v in values)
+        self._value_bytes = max((len(v) for v in out if v), default=self._value_bytes)
         if None in out and not self.healthy():
             raise StoreUnavailable(
                 f"get of {len(keys)} keys: the master at {self.address.master} does not answer"
@@ -279,7 +285,7 @@ class MooncakeStore:
         lo, size = 0, 0
         for i, v in enumerate(values):
             n = len(v)
-            if i > lo and size + n > self.buffer_bytes // 2:
+            if i > lo and size + n > min(_BATCH_BYTES, self.buffer_bytes // 2):
                 runs.append((lo, i))
                 lo, size = i, 0
             size += n

@@ -129,6 +129,18 @@ class MooncakeServer:
         self._wait_listening(self.master, "mooncake_master", self.port, timeout_s)
         self._wait_listening(self.master, "mooncake_master", self.metadata_port, timeout_s)
 
+    def restart(self, timeout_s: float = 20.0) -> None:
+        """A fresh, empty store on the same ports: the master (if it is not running) and the
+        holder, which must mount its memory with the new master."""
+        if self.holder is not None and self.holder.poll() is None:
+            self.holder.terminate()
+            self.holder.wait(5)
+        self.holder = None
+        if self.master is None or self.master.poll() is not None:
+            self.start_master(timeout_s)
+        self.holder = self._spawn("holder", self.holder_command())
+        self._wait_listening(self.holder, "mooncake_client", self.holder_port, timeout_s)
+
     def kill_master(self) -> None:
         """SIGKILL the master (a crash); the holder stays up, the store is unreachable."""
         if self.master is not None and self.master.poll() is None:

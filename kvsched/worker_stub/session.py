@@ -327,8 +327,6 @@ class Worker(StepLoop):
                 f"this worker {codec.PROTOCOL_VERSION}"
             )
         engine = self._start_engine(welcome)
-        suffix = f"@rank{self.rank}" if self.world_size > 1 else ""  # each rank's own shard
-        await self._use_storage(engine, welcome.storage_url, suffix)
         self._welcomed.set()
         self.stats.num_connects += 1  # connects that reached a daemon (welcomed), only
         if self._unreachable_since is not None:
@@ -345,6 +343,9 @@ class Worker(StepLoop):
             self.world_size,
             self._settings,
         )
+        # The store (step 13), heartbeating meanwhile: a store that is down takes seconds.
+        suffix = f"@rank{self.rank}" if self.world_size > 1 else ""  # each rank's own shard
+        await self._use_storage(engine, welcome.storage_url, suffix)
         await self._step_loop(engine, inbox, outbox)
 
     def _send(self, outbox: Outbox, msg: pb.ConnectRequest) -> None:

@@ -20,6 +20,7 @@ acknowledges them.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -30,13 +31,15 @@ from kvsched.storage.client import StoreUnavailable
 log = logging.getLogger(__name__)
 
 BACKENDS = ("mooncake",)  # the storage tiers a worker can reach (Hello.storage_backends)
-_RETRY_S = 2.0  # a store found down is not asked again (tasks fail at once) for this long
+_RETRY_S = 2.0  # a store found down: tasks fail at once, reconnects wait this long at first,
+_MAX_RETRY_S = 30.0  # doubling up to this
 
 
 class BlockStore(Protocol):
     """What the worker needs of a store (kvsched.storage.MooncakeStore)."""
 
-    url: str
+    @property
+    def url(self) -> str: ...
 
     def put_many(self, keys: Sequence[str], values: Sequence[bytes]) -> list[str]: ...
 
@@ -67,52 +70,83 @@ def reachable_backends(executor_name: str) -> tuple[str, ...]:
 
 class StoreLink:
     """The worker's connection to the store Welcome.storage_url names, kept across sessions
-    while the URL stays the same. Blocking: used from the thread the step loop awaits."""
+    while the URL stays the same. `use` connects at once (a session's start, in a thread);
+    while the store is unreachable `get` answers None at once (the task fails) and a
+    background thread reconnects, at most every _RETRY_S doubling to _MAX_RETRY_S: a store
+    that is down never stalls the step loop for more than the one call that found it down."""
 
     def __init__(self, connect: Callable[[str], BlockStore] = _connect_mooncake) -> None:
         self._connect = connect
         self.url = ""  # "": no storage tier this session
         self.store: BlockStore | None = None
-        self._retry_at = 0.0  # monotonic time before which a store found down is not asked
+        self._retry_at = 0.0  # no reconnect before this monotonic time
+        self._retry_s = _RETRY_S
+        self._connecting = False  # a background connect runs
         self.num_connect_failures = 0
+        self._lock = threading.RLock()
 
     def use(self, url: str) -> None:
         """The Welcome named this store ("" = none): connect now if it is a new one. A store
-        that cannot be reached is logged at ERROR and every storage task then fails (the link
-        tries again on later tasks, every _RETRY_S)."""
-        if url == self.url and (self.store is not None or not url):
-            return
-        self.close()
-        self.url = url
+        that cannot be reached is logged at ERROR and every storage task then fails until a
+        reconnect succeeds."""
+        with self._lock:
+            if url == self.url and (self.store is not None or not url):
+                return
+            self.close()
+            self.url = url
+            self._retry_s = _RETRY_S
         if url:
-            self._retry_at = 0.0
-            self.get()
+            self._attempt(url)
 
     def get(self) -> BlockStore | None:
         """The connected store; None (tasks fail) while it cannot be reached."""
-        if not self.url or time.monotonic() < self._retry_at:
+        with self._lock:
+            if self.store is not None or not self.url:
+                return self.store
+            if not self._connecting and time.monotonic() >= self._retry_at:
+                self._connecting = True
+                threading.Thread(
+                    target=self._attempt, args=(self.url,), name="kvsched-store", daemon=True
+                ).start()
             return None
-        if self.store is None:
-            try:
-                self.store = self._connect(self.url)
-                log.info("storage tier: connected to %s", self.url)
-            except Exception as e:
+
+    def _attempt(self, url: str) -> None:
+        try:
+            store = self._connect(url)
+        except Exception as e:
+            with self._lock:
+                self._connecting = False
                 self.num_connect_failures += 1
-                self.down()
-                log.error(
-                    "storage tier: cannot connect to %s (%s): every storage task fails "
-                    "(fetches recompute) until it can",
-                    self.url,
-                    e,
-                )
-        return self.store
+                self._retry_at = time.monotonic() + self._retry_s
+                self._retry_s = min(2 * self._retry_s, _MAX_RETRY_S)
+            log.error(
+                "storage tier: cannot connect to %s (%s): every storage task fails "
+                "(fetches recompute) until it can",
+                url,
+                e,
+            )
+            return
+        with self._lock:
+            self._connecting = False
+            keep = url == self.url and self.store is None
+            if keep:
+                self.store = store
+                self._retry_s = _RETRY_S
+        if keep:
+            log.info("storage tier: connected to %s", url)
+        else:  # the Welcome named another store meanwhile
+            store.close()
 
     def down(self) -> None:
-        """An operation found the store unreachable: fail tasks at once for a while."""
-        self._retry_at = time.monotonic() + _RETRY_S
+        """An operation found the store unreachable: tasks fail at once, and the link
+        connects afresh (a restarted master knows nothing of this client) after a while."""
+        with self._lock:
+            self.close()
+            self._retry_at = time.monotonic() + self._retry_s
 
     def close(self) -> None:
-        store, self.store = self.store, None
+        with self._lock:
+            store, self.store = self.store, None
         if store is not None:
             try:
                 store.close()
@@ -215,7 +249,7 @@ class StorageTasks:
     def _failed(self, what: str, n: int, e: Exception) -> None:
         """A store that is down is not asked again for a while (its calls take seconds)."""
         if isinstance(e, StoreUnavailable) and self.link is not None:
-            log.error("storage tier: %s; storage tasks fail for %g s", e, _RETRY_S)
+            log.error("storage tier: %s; storage tasks fail until it answers again", e)
             self.link.down()
         else:
             log.warning("storage %s of %d blocks failed: %s", what, n, e)

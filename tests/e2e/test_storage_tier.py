@@ -13,26 +13,52 @@ and the fetch, or the master killed) preempts the request, which recomputes: tok
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
 
 from kvsched.storage import MooncakeStore
-from kvsched.storage.server import MooncakeServer
+from kvsched.storage.server import MooncakeServer, free_port
 from kvsched.v1 import admin_service_pb2 as apb
-from tests.e2e.harness import ModelHarness, Node, Result, make_prompt, model_daemon, run
+from kvsched.worker_stub.model import paddle_import_error
+from tests.e2e.harness import (
+    ModelHarness,
+    Node,
+    Result,
+    make_prompt,
+    model_daemon,
+    run,
+    wait_until,
+)
 from tests.e2e.test_host_tier import seed_costs
 from tests.storage.conftest import fresh_mooncake, mooncake  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.filterwarnings("ignore:No ccache found:UserWarning")
 
 NODES = {"i0": Node(num_gpu_blocks=64), "i1": Node(num_gpu_blocks=64)}
-ENGINE = {"cache.storage_write_policy": "write_through"}
+# Fetching a block must look cheaper than recomputing its 8 tokens (~0.17 ms by the seed
+# cost model) or the scheduler declines the storage hit and recomputes.
+ENGINE = {"cache.storage_write_policy": "write_through", "step_cost.per_fetched_block_ms": 0.01}
 PREFIX = make_prompt(2501, 64)  # 8 blocks of 8 tokens
 
 
 def _written_keys(h: ModelHarness, iid: str) -> list[str]:
     return [k for t in h.applied[iid] for k in t.storage_write_keys]
+
+
+async def _stored(h: ModelHarness, iid: str, num_blocks: int) -> list[str]:
+    """Wait until the daemon's storage index holds num_blocks keys iid wrote (the worker
+    acknowledged the writes: with a host tier they follow the swap-outs' acknowledgements, a
+    few messages after the request finished); their keys."""
+    index = h.daemon.engines[iid].storage_index
+    assert index is not None
+
+    def done() -> bool:
+        return sum(k in index for k in _written_keys(h, iid)) >= num_blocks
+
+    await wait_until(done, 20.0, f"{num_blocks} blocks of {iid} stored")
+    return _written_keys(h, iid)
 
 
 async def _write_then_leave(h: ModelHarness) -> tuple[Result, str, str]:
@@ -42,7 +68,7 @@ async def _write_then_leave(h: ModelHarness) -> tuple[Result, str, str]:
     await h.wait_pool_free()
     writer = first.instance
     other = next(i for i in NODES if i != writer)
-    assert len(_written_keys(h, writer)) >= len(PREFIX) // 8, "write_through wrote the prefix"
+    await _stored(h, writer, len(PREFIX) // 8)
     await h.stop_worker(writer)
     return first, writer, other
 
@@ -58,10 +84,30 @@ def _assert_exact(results: list[Result]) -> None:
         )
 
 
-def test_prefix_written_by_one_instance_is_fetched_by_another(mooncake: MooncakeServer) -> None:  # noqa: F811
+@pytest.fixture(params=["numpy", "paddle"])
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "paddle" and (error := paddle_import_error()):
+        pytest.skip(f"paddle cannot be imported ({error}); install the `paddle` extra to test it")
+    return str(request.param)
+
+
+@pytest.mark.parametrize("host_blocks", [0, 32])
+def test_prefix_written_by_one_instance_is_fetched_by_another(
+    mooncake: MooncakeServer,  # noqa: F811
+    backend: str,
+    host_blocks: int,
+) -> None:
+    """With a host tier the blocks are written from host memory (after their swap-out),
+    without one from GPU blocks; fetches always land in GPU blocks."""
+    nodes = {i: Node(num_gpu_blocks=64, num_host_blocks=host_blocks) for i in NODES}
+
     async def go() -> tuple[list[Result], str, apb.InstanceStatus, Any]:
         async with model_daemon(
-            NODES, engine=ENGINE, patch_executor=seed_costs, settings={"storage": mooncake.url}
+            nodes,
+            backend=backend,
+            engine={**ENGINE, "cache.host_write_policy": "write_through"},
+            patch_executor=seed_costs,
+            settings={"storage": mooncake.url},
         ) as h:
             first, _, other = await _write_then_leave(h)
             second = await h.generate("f", PREFIX + make_prompt(2503, 12), 8)
@@ -75,6 +121,8 @@ def test_prefix_written_by_one_instance_is_fetched_by_another(mooncake: Mooncake
     assert fetches, "the second instance fetched nothing from the store"
     assert st.prefix_cache_storage_hit_tokens >= 56 and st.num_storage_fetches > 0
     assert not any(r.failed_storage_fetches for r in reports)
+    if host_blocks:
+        assert st.num_swap_outs > 0, "write_through to the host tier first"
 
 
 def test_fetch_of_keys_removed_from_the_store_recomputes(mooncake: MooncakeServer) -> None:  # noqa: F811
@@ -90,7 +138,7 @@ def test_fetch_of_keys_removed_from_the_store_recomputes(mooncake: MooncakeServe
             await h.wait_pool_free()
             writer = first.instance
             other = next(i for i in NODES if i != writer)
-            keys = _written_keys(h, writer)
+            keys = await _stored(h, writer, len(prefix) // 8)
             await h.stop_worker(writer)
             with MooncakeStore.connect(mooncake.url) as store:
                 for k in keys[2:]:  # the run's start stays: the fetch fails part-way
@@ -121,6 +169,7 @@ def test_master_killed_between_write_and_fetch_recomputes(
             first = await h.generate("w", prefix + make_prompt(2702, 4), 6)
             await h.wait_pool_free()
             other = next(i for i in NODES if i != first.instance)
+            await _stored(h, first.instance, len(prefix) // 8)
             await h.stop_worker(first.instance)
             fresh_mooncake.kill_master()
             second = await h.generate("f", prefix + make_prompt(2703, 12), 8)
@@ -147,9 +196,40 @@ def test_skipped_fetch_is_detected(mooncake: MooncakeServer) -> None:  # noqa: F
         ) as h:
             first = await h.generate("w", prefix + make_prompt(2802, 4), 6)
             await h.wait_pool_free()
+            await _stored(h, first.instance, len(prefix) // 8)
             await h.stop_worker(first.instance)
             return [first, await h.generate("f", prefix + make_prompt(2803, 12), 8)]
 
     results = run(go())
     assert results[0].tokens == results[0].expected
     assert results[1].tokens != results[1].expected, "skipped fetches went unnoticed"
+
+
+def test_unreachable_store_fails_storage_tasks_and_tokens_stay_exact(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The Welcome names a store nobody serves: the worker logs an ERROR, reports its writes
+    failed (the daemon never counts them stored), and serves every request exactly."""
+    url = f"mooncake://127.0.0.1:{free_port()}?metadata=127.0.0.1:{free_port()}"
+    prefix = make_prompt(2901, 64)
+
+    async def go() -> tuple[list[Result], apb.InstanceStatus, Any]:
+        async with model_daemon(
+            {"i0": Node(num_gpu_blocks=64)},
+            engine=ENGINE,
+            patch_executor=seed_costs,
+            settings={"storage": url},
+        ) as h:
+            a = await h.generate("a", prefix + make_prompt(2902, 4), 6)
+            b = await h.generate("b", prefix + make_prompt(2903, 4), 6)
+            await h.wait_pool_free()
+            index = h.daemon.engines["i0"].storage_index
+            return [a, b], await _status(h, "i0"), (h.reports["i0"], index)
+
+    with caplog.at_level(logging.ERROR, logger="kvsched.worker_stub.storage_kv"):
+        results, st, (reports, index) = run(go())
+    _assert_exact(results)
+    assert any("cannot connect" in r.message for r in caplog.records)
+    failed = [k for r in reports for k in r.failed_storage_writes]
+    assert failed and not any(k in index for k in failed)
+    assert st.num_storage_failures > 0

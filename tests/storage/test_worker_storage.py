@@ -6,11 +6,13 @@ prices transfers; the model executor moves real block bytes through a real Moonc
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
 
 from kvsched.core.protocol import Tasks
+from kvsched.storage import MooncakeStore
 from kvsched.storage.server import MooncakeServer, free_port
 from kvsched.worker_stub.engine import WorkerEngine
 from kvsched.worker_stub.model import ModelConfig, PagedModelExecutor
@@ -233,3 +235,23 @@ def test_master_killed_mid_way_fails_tasks_then_recovers(fresh_mooncake: Mooncak
     report = eng.step()
     assert report is not None
     assert report.failed_storage_writes == ["k/b"] and report.failed_storage_fetches == [1]
+
+
+def test_store_restarted_after_a_crash_is_used_again(fresh_mooncake: MooncakeServer) -> None:
+    """Master killed: tasks fail (and for _RETRY_S fail at once); the store comes back empty:
+    the link connects afresh and the next tasks succeed."""
+    eng = _engine(_model(), fresh_mooncake.url)
+    fresh_mooncake.kill_master()
+    eng.apply(Tasks(1, storage_write_keys=["r/a"], storage_write_blocks=[5]))
+    assert eng.step().failed_storage_writes == ["r/a"]  # type: ignore[union-attr]
+    fresh_mooncake.restart()
+    deadline = time.monotonic() + 30
+    seq, failed = 1, ["r/a"]
+    while failed and time.monotonic() < deadline:
+        time.sleep(0.5)
+        seq += 1
+        eng.apply(Tasks(seq, storage_write_keys=["r/a"], storage_write_blocks=[5]))
+        failed = eng.step().failed_storage_writes  # type: ignore[union-attr]
+    assert not failed, "the worker never wrote to the restarted store"
+    with MooncakeStore.connect(fresh_mooncake.url) as store:
+        assert store.exists("r/a")
