@@ -218,6 +218,7 @@ class Worker(StepLoop):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), delay)
         finally:
+            self._close_io()
             await self.kv.close()
             if kv_server is not None:
                 await kv_server.stop(grace=0.5)
@@ -326,6 +327,7 @@ class Worker(StepLoop):
                 f"daemon speaks worker protocol {welcome.protocol_version}, "
                 f"this worker {codec.PROTOCOL_VERSION}"
             )
+        await self._settle_io()  # (the engine is not reset under a running apply)
         engine = self._start_engine(welcome)
         self._welcomed.set()
         self.stats.num_connects += 1  # connects that reached a daemon (welcomed), only

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -68,6 +70,10 @@ class StepLoop:
         self._paced = False  # this session's daemon answers reports (Welcome.answers_reports)
         self._deferred: collections.deque[Tasks] = collections.deque()  # ranks > 0, see below
         self.store_link = StoreLink()  # the storage tier (step 13), kept across sessions
+        # Tasks with store I/O are applied here, one at a time; the last one is awaited before
+        # a new session resets the engine (a broken stream does not stop a running apply).
+        self._io_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._io: concurrent.futures.Future[None] | None = None
 
     def _send(self, outbox: Outbox, msg: pb.ConnectRequest) -> None:
         raise NotImplementedError  # the session's: it times heartbeats by what it sent
@@ -154,8 +160,23 @@ class StepLoop:
         (a store that is down answers in seconds) while the loop keeps heartbeating."""
         applied = isinstance(item, Tasks) and self.rank == 0 and engine.storage.blocking(item)
         if applied:
-            await asyncio.to_thread(engine.apply, item)  # type: ignore[arg-type]
+            if self._io_pool is None:
+                self._io_pool = concurrent.futures.ThreadPoolExecutor(1, "kvsched-storage")
+            self._io = self._io_pool.submit(engine.apply, item)  # type: ignore[arg-type]
+            await asyncio.wrap_future(self._io)
         self._accept(engine, item, outbox, applied)
+
+    async def _settle_io(self) -> None:
+        """Wait for an apply the last session left running in the storage thread."""
+        io, self._io = self._io, None
+        if io is not None and not io.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(io)
+
+    def _close_io(self) -> None:
+        if self._io_pool is not None:
+            self._io_pool.shutdown(wait=False)
+            self._io_pool = None
 
     def _accept(
         self, engine: WorkerEngine, item: InboxItem, outbox: Outbox, applied: bool = False
