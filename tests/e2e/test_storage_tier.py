@@ -233,3 +233,49 @@ def test_unreachable_store_fails_storage_tasks_and_tokens_stay_exact(
     failed = [k for r in reports for k in r.failed_storage_writes]
     assert failed and not any(k in index for k in failed)
     assert st.num_storage_failures > 0
+
+
+def test_write_back_on_gpu_eviction_writes_the_blocks_before_they_are_reused(
+    mooncake: MooncakeServer,  # noqa: F811
+) -> None:
+    """write_back without a host tier: a prefix's GPU blocks are written when the pool evicts
+    them, in the message whose chunks overwrite them; the worker must put them before those
+    chunks run. The other instance then fetches them: wrong bytes would change its tokens."""
+    nodes = {i: Node(num_gpu_blocks=24) for i in NODES}
+    engine = {"cache.storage_write_policy": "write_back", "step_cost.per_fetched_block_ms": 0.01}
+    prefix = make_prompt(3001, 80)  # 10 blocks
+
+    async def go() -> tuple[list[Result], str, apb.InstanceStatus, Any]:
+        async with model_daemon(
+            nodes, engine=engine, patch_executor=seed_costs, settings={"storage": mooncake.url}
+        ) as h:
+            first = await h.generate("p", prefix + make_prompt(3002, 3), 4)
+            writer = first.instance
+            other = next(i for i in NODES if i != writer)
+            await h.stop_worker(other)  # the fills must land on the writer and evict
+            fills = [await h.generate(f"x{k}", make_prompt(3010 + k, 150), 2) for k in range(2)]
+            await h.wait_pool_free([writer])
+            evicted = [
+                t for t in h.applied[writer] if set(t.storage_write_blocks) & _fresh_blocks(t)
+            ]
+            await _stored(h, writer, 10)
+            await h.stop_worker(writer)
+            h.start_worker(other)
+            await h.wait_ready([other])
+            second = await h.generate("f", prefix + make_prompt(3003, 9), 8)
+            await h.wait_pool_free([other])
+            st = await _status(h, other)
+            return [first, *fills, second], other, st, evicted
+
+    results, other, st, evicted = run(go())
+    _assert_exact(results)
+    assert results[-1].instance == other
+    assert evicted, "no write shared a message with chunks into the blocks it wrote"
+    assert st.prefix_cache_storage_hit_tokens >= 64 and st.num_storage_failures == 0
+
+
+def _fresh_blocks(t: Any) -> set[int]:
+    """GPU blocks a Tasks message gives out to be written (placements past their cached
+    tokens, extensions)."""
+    out = {b for p in t.placements for b in p.block_ids[p.num_cached_tokens // 8 :]}
+    return out | {b for e in t.extensions for b in e.block_ids}
