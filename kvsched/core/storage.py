@@ -360,6 +360,15 @@ class StorageTier:
             assert self.host_pool is not None
             self.host_pool.free(unpin)
 
+    def abandon(self) -> None:
+        """The instance is gone (its scheduler is dropped): release every write's claim in the
+        shared index (none was acknowledged: never stored), so other instances may write those
+        keys; nothing else of this tier is used again."""
+        for key, _, _ in [*self._writes, *(w for r in self._sent for w in r.writes)]:
+            self.index.end_write(key, False)
+        self._writes, self._fetches = [], []
+        self._sent.clear()
+
     # ---- figures and checks ----------------------------------------------------------------
     @property
     def num_in_flight(self) -> int:

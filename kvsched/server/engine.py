@@ -226,6 +226,7 @@ class InstanceEngine:
         every rank's stream and end every request it held with an error the client sees."""
         sched, self.sched = self.sched, None
         if sched is not None:
+            sched.close()  # its storage writes' claims in the daemon's shared index
             self._next_handle = sched.next_handle
             snap = sched.snapshot()
             for name in SNAPSHOT_COUNTERS:

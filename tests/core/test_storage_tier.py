@@ -433,3 +433,20 @@ def test_host_writes_beyond_what_a_step_hides_wait_pinned_for_later_messages() -
     assert sorted(written) == sorted(keys_of(s, a, 3)), "the others went in later messages"
     drain(s, y)
     assert all(k in index for k in keys_of(s, a, 3))
+
+
+def test_a_dropped_scheduler_releases_its_write_claims_for_the_others() -> None:
+    index = StorageIndex()
+    s1, s2 = sched(index), sched(index)
+    a = make_request(A + [1], max_tokens=1)
+    run_to_end(s1, a)
+    s1.add_request(make_request(FILL, max_tokens=1))
+    t = s1.schedule()  # writes of a's blocks sent, never acknowledged: the instance is lost
+    assert t.storage_write_keys and all(index.is_writing(k) for k in t.storage_write_keys)
+    s1.close()
+    assert not any(index.is_writing(k) or k in index for k in t.storage_write_keys)
+    b = make_request(A + [2], max_tokens=1)
+    run_to_end(s2, b)
+    sent = run_to_end(s2, make_request(FILL, max_tokens=1))
+    written = {k for t2 in sent for k in t2.storage_write_keys}
+    assert set(t.storage_write_keys) <= written, "s2 writes what s1 never finished writing"

@@ -473,6 +473,12 @@ class Scheduler:
         """Tokens of req's prompt this instance holds cached now (for routing); no side effects."""
         return self.kv.hit_tokens(req)
 
+    def close(self) -> None:
+        """The scheduler is dropped (its instance lost): release what it holds in state shared
+        with other schedulers (its storage writes' claims in the daemon's StorageIndex)."""
+        if self.kv.storage is not None:
+            self.kv.storage.abandon()
+
     def check_integrity(self) -> None:
         """Assert every invariant of the scheduler's state (O(everything): tests only)."""
         check_integrity(self.table, self.backlog, self.kv, self.enc)
