@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.policies
 	$(BIN)/python -m bench.transport --running 256,1024 --seconds 6
 	$(BIN)/python -m bench.soak --seconds 60
+	$(BIN)/python -m bench.storage_io
 
 # vLLM's model runner as a kvsched worker (`kvsched worker --executor vllm`): the `vllm` extra in
 # a virtualenv of its own (~3.6 GB with torch 2.13.0+cpu; the main .venv keeps paddle). PyPI's

@@ -39,6 +39,9 @@ class InstanceStats:
     # The host tier's figures at the end (empty without one): blocks, tokens looked up / hit in
     # either tier / hit in host memory, blocks copied each way.
     host: dict[str, Any] = field(default_factory=dict)
+    # The storage tier's figures at the end (empty without one): tokens fetched as prefix hits,
+    # blocks written / fetched, failures, fetches declined by the cost model.
+    storage: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -100,6 +103,7 @@ class SimResult:
             step_time_s=_dist(sorted(x for st in self.instances for x in st.step_s)),
             cost_models=[st.cost_model for st in self.instances],
             **_host_summary(self.instances, out["prompt_tokens"]),
+            **_storage_summary(self.instances, out["prompt_tokens"]),
             router_us_per_request=(
                 sum(self.router_ns) / len(self.router_ns) / 1e3 if self.router_ns else None
             ),
@@ -129,6 +133,19 @@ def _host_summary(instances: list[InstanceStats], prompt_tokens: int) -> dict[st
         "swap_ins": sum(h["swap_ins"] for h in hosts),
         "swap_ins_declined": sum(h["swap_ins_declined"] for h in hosts),
     }
+
+
+def _storage_summary(instances: list[InstanceStats], prompt_tokens: int) -> dict[str, Any]:
+    """storage_hit_rate (prompt tokens fetched from the storage tier over prompt tokens) and
+    its tasks, summed over instances ({} without a storage tier)."""
+    st = [s.storage for s in instances if s.storage]
+    if not st:
+        return {}
+    hits = sum(s["storage_hit_tokens"] for s in st)
+    out: dict[str, Any] = {"storage_hit_rate": hits / prompt_tokens if prompt_tokens else 0.0}
+    for k in ("writes", "fetches", "write_failures", "fetch_failures", "fetches_declined"):
+        out[f"storage_{k}"] = sum(s[k] for s in st)
+    return out
 
 
 def _pct_us(sorted_ns: list[int], p: float) -> float | None:

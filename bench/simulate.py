@@ -39,6 +39,7 @@ from kvsched.core import (
     SamplingParams,
     Scheduler,
     StepReport,
+    StorageIndex,
     Tasks,
 )
 from kvsched.core.errors import CapacityExceeded
@@ -136,9 +137,17 @@ class KvschedInstance:
         control_latency_s: float,
         index: int,
         check: bool = False,
+        storage: StorageIndex | None = None,
+        storage_gbps: float | None = None,
     ) -> None:
         self.loop = loop
-        self.sched = Scheduler(config, clock=lambda: loop.now, instance_id=f"sim-{index}")
+        self.sched = Scheduler(
+            config,
+            clock=lambda: loop.now,
+            instance_id=f"sim-{index}",
+            storage=storage,  # the daemon's one storage index (shared by its instances)
+            storage_namespace="sim",
+        )
         cc, sc = config.cache, config.scheduler
         self.stats = InstanceStats()
         executor = MeteredSim(
@@ -147,6 +156,7 @@ class KvschedInstance:
             vocab_size=VOCAB_SIZE,
             eos_token_id=EOS_TOKEN_ID,
             block_bytes=KV_BYTES_PER_TOKEN * cc.block_size,  # host tier copies over PCIe
+            **({"storage_gbps": storage_gbps} if storage_gbps else {}),  # storage transfers
         )
         self.worker = WorkerEngine(
             executor,
@@ -250,7 +260,11 @@ class KvschedCluster:
         name: str = "kvsched",
         check: bool = False,
         tenant_of: Callable[[RequestRecord], str] | None = None,
+        storage: bool = False,
+        storage_gbps: float | None = None,
     ) -> None:
+        """storage: a shared storage tier behind every instance (one StorageIndex, as one
+        daemon has; the sim workers simulate the store, priced by size and bandwidth)."""
         config = copy.deepcopy(config).validate()
         self.name = name
         self.tenant_of = tenant_of  # each request's tenant (bench.tenants); None: all ""
@@ -258,8 +272,11 @@ class KvschedCluster:
         self.num_gpu_blocks = config.cache.num_gpu_blocks
         self.block_size = config.cache.block_size
         self.router = Router()
+        index = StorageIndex() if storage else None
         self.instances = [
-            KvschedInstance(loop, copy.deepcopy(config), gpu, control_latency_s, i, check)
+            KvschedInstance(
+                loop, copy.deepcopy(config), gpu, control_latency_s, i, check, index, storage_gbps
+            )
             for i in range(num_instances)
         ]
         self._scheds = [inst.sched for inst in self.instances]
@@ -333,6 +350,16 @@ def simulate(
                 "swap_outs": snap.num_swap_outs,
                 "swap_ins": snap.num_swap_ins,
                 "swap_ins_declined": snap.num_swap_ins_declined,
+            }
+        if sched is not None and kv is not None and getattr(kv, "storage", None) is not None:
+            snap = sched.snapshot()
+            inst.stats.storage = {
+                "storage_hit_tokens": snap.prefix_cache_storage_hit_tokens,
+                "writes": snap.num_storage_writes,
+                "fetches": snap.num_storage_fetches,
+                "write_failures": snap.num_storage_write_failures,
+                "fetch_failures": snap.num_storage_fetch_failures,
+                "fetches_declined": snap.num_storage_fetches_declined,
             }
     return SimResult(
         name=cluster.name,

@@ -1,4 +1,4 @@
-"""The `kvsched` command: serve, worker, status, demo, replay, nats.
+"""The `kvsched` command: serve, worker, status, demo, replay, nats, mooncake.
 
 Each subcommand imports what it runs only when chosen, so `kvsched --help` and `kvsched status`
 start fast and the daemon never imports the worker's model code. A configuration error is one line
@@ -71,6 +71,18 @@ def _add_serve(sub: Any) -> None:
         "(engine.cache.host_write_policy; default write_back)",
     )
     p.add_argument(
+        "--storage",
+        metavar="URL",
+        help='the shared storage KV tier: "mooncake" (a Mooncake master at its default '
+        "address) or mooncake://HOST:PORT (default: none; docs/STORAGE.md)",
+    )
+    p.add_argument(
+        "--storage-write-policy",
+        choices=("write_back", "write_through"),
+        help="when KV blocks are written to the storage tier, every instance "
+        "(engine.cache.storage_write_policy; default write_back: on eviction)",
+    )
+    p.add_argument(
         "--encoder-cache-size",
         type=int,
         metavar="N",
@@ -128,6 +140,33 @@ def _add_nats(sub: Any) -> None:
     p.add_argument("--listen", default="127.0.0.1:4222", metavar="HOST:PORT", help="client address")
     p.add_argument("--store-dir", default=".kvsched-nats", metavar="DIR", help="JetStream files")
     p.set_defaults(func=_nats)
+
+
+def _add_mooncake(sub: Any) -> None:
+    p = sub.add_parser(
+        "mooncake",
+        help="run a local Mooncake Store: the shared storage tier (development)",
+        description="Run mooncake_master (with its HTTP metadata server) and one segment holder "
+        "lending the store its memory, from the `storage` extra; prints the URL for --storage.",
+    )
+    p.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT", help="master RPC")
+    p.add_argument(
+        "--metadata-port", type=int, default=8080, help="the master's HTTP metadata server port"
+    )
+    p.add_argument("--capacity", default="1GB", metavar="SIZE", help="store memory (e.g. 4GB)")
+    p.set_defaults(func=_mooncake)
+
+
+def _mooncake(args: argparse.Namespace) -> int:
+    from kvsched.server.config import split_host_port
+    from kvsched.storage.server import run_mooncake
+
+    host, port = split_host_port(args.listen)
+    try:
+        return run_mooncake(host, port, args.metadata_port, args.capacity)
+    except ConfigError as e:
+        print(f"kvsched mooncake: {e}", file=sys.stderr)
+        return 2
 
 
 def _nats(args: argparse.Namespace) -> int:
@@ -245,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_demo,
         _add_replay,
         _add_nats,
+        _add_mooncake,
     ):
         add(sub)
     add_http_parser(sub)
@@ -275,11 +315,13 @@ def _serve(args: argparse.Namespace) -> int:
             "cluster_fallback",
             "cluster_token",
             "take_over",
+            "storage",
         )
     }
     overrides["engine.scheduler.itl_target_ms"] = args.itl_target_ms
     overrides["engine.cache.host_write_policy"] = args.host_write_policy
     overrides["engine.cache.encoder_cache_size"] = args.encoder_cache_size
+    overrides["engine.cache.storage_write_policy"] = args.storage_write_policy
     config = load_config(args.config, os.environ, overrides)
     setup_logging(config.log_level, config.log_json)
     from kvsched.daemon.app import run_server

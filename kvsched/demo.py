@@ -51,6 +51,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "--gpu", args.gpu, "--workers", str(args.workers), "--time-scale",
             str(args.time_scale), "--json", str(json_path), "--daemons", str(daemons),
         ]
+        + (["--storage", args.storage] if getattr(args, "storage", None) else [])
     )  # fmt: skip
     replay_args.explain = True
     return run_replay(replay_args)

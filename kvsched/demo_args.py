@@ -52,3 +52,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         "spread over them",
     )
     p.add_argument("--daemons", type=int, default=2, help="with --cluster: daemons")
+    p.add_argument(
+        "--storage",
+        default=None,
+        metavar="URL",
+        help='a shared storage KV tier behind the workers\' GPU memory: "mooncake" or '
+        "mooncake://HOST:PORT (the simulated workers simulate the store; default: none; "
+        "docs/STORAGE.md)",
+    )

@@ -40,7 +40,7 @@ def test_demo_writes_a_run_folder_and_explains_every_figure(tmp_path: Path) -> N
     # Each row of the table has a line saying what it means, and so has each plot.
     table = res.stdout.split("what the figures mean")[0].split("-" * 40)[1]
     rows = [re.split(r"\s{2,}", ln.strip())[0] for ln in table.splitlines() if ln.strip("- ")]
-    assert "worker idle on control plane" in rows and len(rows) == 9, rows
+    assert "worker idle on control plane" in rows and len(rows) == 10, rows
     legend = res.stdout.split("what the figures mean")[1]
     for row in rows:
         assert re.search(rf"^  {re.escape(row)}  +\S", legend, re.M), row

@@ -5,7 +5,9 @@
                                                         gap / unknown epoch --> snapshot request
     kvsched.kv.snapshot.<instance> <-- the owner answers from its engine (after a flush)
 
-The wire format is in `kv_index.py` and docs/CLUSTER.md. A batch is published for an instance
+The wire format is in `kv_index.py` and docs/CLUSTER.md. Peers' storage events (medium
+"storage": a write acknowledged, a key gone) also go into this daemon's shared storage index
+(`storage_index`, core/storage.py), so its instances hit keys other daemons wrote. A batch is published for an instance
 when it has events, or at least every `load_every_s` with its load alone. Publishing while NATS
 is down fails silently (the batch is dropped and its seq not used, so the next batch is a gap
 for nobody; subscribers that missed batches during the outage find the gap by seq anyway).
@@ -30,6 +32,8 @@ from kvsched.cluster.kv_index import (
     encode_snapshot,
 )
 from kvsched.cluster.link import ClusterLink
+from kvsched.core.kv_events import STORAGE
+from kvsched.core.storage import StorageIndex
 
 log = logging.getLogger("kvsched.cluster")
 
@@ -89,6 +93,8 @@ class KvStream:
         self.drop_next = False  # tests: drop the next batch instead of publishing it
         # An instance's model and limits, published with its load (None: not published).
         self.info_of: Callable[[str], dict[str, Any] | None] | None = None
+        # This daemon's storage index (None: no storage tier): peers' storage events feed it.
+        self.storage_index: StorageIndex | None = None
 
     def _info(self, iid: str) -> dict[str, Any] | None:
         return None if self.info_of is None else self.info_of(iid)
@@ -197,6 +203,8 @@ class KvStream:
         except ValueError as exc:
             log.warning("kv stream: unreadable batch on %s: %s", msg.subject, exc)
             return
+        if self.storage_index is not None and batch.get("daemon") != self.daemon_id:
+            learn_storage(self.storage_index, batch)
         if not self.index.apply_batch(batch, time.monotonic()):
             self.sync(str(batch["instance"]))
 
@@ -216,3 +224,23 @@ class KvStream:
             self.index.forget(iid)
         finally:
             self._syncing.discard(iid)
+
+
+def learn_storage(index: StorageIndex, batch: dict[str, Any]) -> None:
+    """A peer's storage events into this daemon's storage index: a stored chain's keys are
+    added, removed ones dropped. Keys are built as the publisher built them (core/storage.py:
+    model / block size / hash), from the batch's info and block size; a batch without its
+    model (no limits published yet) teaches nothing."""
+    info = batch.get("info") or {}
+    model, bs = info.get("model"), batch.get("block_size")
+    if not model or not bs:
+        return
+    prefix = f"{model}/{bs}/"
+    for ev in batch.get("events", ()):
+        if ev.get("medium") != STORAGE:
+            continue
+        keys = [prefix + h for h in ev.get("block_hashes", ())]
+        if ev.get("type") == "BlockStored":
+            index.add(keys)
+        elif ev.get("type") == "BlockRemoved":
+            index.discard(keys)

@@ -95,6 +95,7 @@ class ClusterNode:
             self.daemon_id, registry, self.stream.index, self._addresses, self._owners
         )
         self.stream.info_of = self._info_of
+        self.stream.storage_index = registry.storage_index  # peers' storage writes (issue 25)
         registry.peer_models = self.router.peer_models
         registry.peer_limits = self.router.peer_limits
         self.forwarder = Forwarder(self.daemon_id, requests, config.cluster_token)

@@ -139,6 +139,13 @@ def _fill_tasks(pb: worker_service_pb2.Tasks, tasks: core.Tasks) -> None:
         pb.swap_ins.gpu_block_ids.extend(tasks.swap_in_gpu)
     if tasks.encoder_drops:
         pb.encoder_drops.extend(tasks.encoder_drops)
+    if tasks.storage_write_keys:
+        pb.storage_writes.keys.extend(tasks.storage_write_keys)
+        pb.storage_writes.block_ids.extend(tasks.storage_write_blocks)
+    if tasks.storage_fetch_keys:
+        pb.storage_fetches.handles.extend(tasks.storage_fetch_handles)
+        pb.storage_fetches.keys.extend(tasks.storage_fetch_keys)
+        pb.storage_fetches.gpu_block_ids.extend(tasks.storage_fetch_gpu)
     if tasks.kv_sends:
         sends = tasks.kv_sends
         pb.kv_sends.handles.extend([s.handle for s in sends])
@@ -177,6 +184,21 @@ def tasks_from_proto(msg: worker_service_pb2.Tasks) -> core.Tasks:
             handles=tasks.swap_in_handles,
             host_block_ids=tasks.swap_in_host,
             gpu_block_ids=tasks.swap_in_gpu,
+        )
+    sw, sf = msg.storage_writes, msg.storage_fetches
+    if sw.keys or sw.block_ids:
+        tasks.storage_write_keys, tasks.storage_write_blocks = sw.keys[:], sw.block_ids[:]
+        _check_parallel(
+            "storage_writes", keys=tasks.storage_write_keys, block_ids=tasks.storage_write_blocks
+        )
+    if sf.handles or sf.keys or sf.gpu_block_ids:
+        tasks.storage_fetch_handles, tasks.storage_fetch_keys = sf.handles[:], sf.keys[:]
+        tasks.storage_fetch_gpu = sf.gpu_block_ids[:]
+        _check_parallel(
+            "storage_fetches",
+            handles=tasks.storage_fetch_handles,
+            keys=tasks.storage_fetch_keys,
+            gpu_block_ids=tasks.storage_fetch_gpu,
         )
     if ext.handles or ext.num_block_ids or ext.block_ids:
         handles = ext.handles[:]
@@ -265,6 +287,10 @@ def _fill_report(r: worker_service_pb2.StepReport, report: core.StepReport) -> N
         r.failed_swap_outs.extend(report.failed_swap_outs)
     if report.failed_swap_ins:
         r.failed_swap_ins.extend(report.failed_swap_ins)
+    if report.failed_storage_writes:
+        r.failed_storage_writes.extend(report.failed_storage_writes)
+    if report.failed_storage_fetches:
+        r.failed_storage_fetches.extend(report.failed_storage_fetches)
 
 
 def _fill(
@@ -348,4 +374,6 @@ def report_from_proto(pb: worker_service_pb2.StepReport) -> core.StepReport:
         step_time_ns=pb.step_time_ns,
         failed_swap_outs=pb.failed_swap_outs[:],
         failed_swap_ins=pb.failed_swap_ins[:],
+        failed_storage_writes=pb.failed_storage_writes[:],
+        failed_storage_fetches=pb.failed_storage_fetches[:],
     )

@@ -43,6 +43,7 @@ from kvsched.core.scheduler import (
     SchedulerSnapshot,
     TokenDelta,
 )
+from kvsched.core.storage import StorageIndex
 
 __all__ = [
     "BlockPool",
@@ -74,6 +75,7 @@ __all__ = [
     "SchedulerSnapshot",
     "SpeculativeConfig",
     "StepReport",
+    "StorageIndex",
     "Tasks",
     "TokenDelta",
     "Unavailable",

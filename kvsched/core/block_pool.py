@@ -12,7 +12,7 @@ at the head (it has no value). `touch` takes a cached free block back out in O(1
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvsched.core.kv_events import GPU, AllBlocksCleared, BlockRemoved, KvEvent
 
@@ -61,6 +61,15 @@ class BlockPool:
             out.append(b)
             b = self._next[b]
         return out
+
+    def iter_free(self) -> Iterator[int]:
+        """Free block ids in eviction order (head first), lazily: stop early, change nothing
+        while iterating."""
+        s, nxt = self.num_blocks, self._next
+        b = nxt[s]
+        while b != s:
+            yield b
+            b = nxt[b]
 
     # ---- public API -----------------------------------------------------------------------
     def allocate(self, num: int) -> list[int] | None:

@@ -69,6 +69,10 @@ class CacheConfig:
     num_host_blocks: int = 0
     host_write_policy: WritePolicy = WritePolicy.WRITE_BACK
     host_write_hits: int = 1
+    # The storage tier (kvsched/core/storage.py; on when the daemon has `storage` configured
+    # and the worker reaches it): write_back writes a block when its last tier above would
+    # evict it (host, else GPU), write_through as soon as it reaches that tier.
+    storage_write_policy: WritePolicy = WritePolicy.WRITE_BACK
     # The worker's multimodal encoder cache (kvsched/core/encoder_cache.py), in embeddings
     # (one per placeholder token); 0: off, every chunk touching an item pays its encoder budget.
     encoder_cache_size: int = 0
@@ -85,6 +89,13 @@ class CacheConfig:
                 f"cache.host_write_policy = {self.host_write_policy!r}; expected one of "
                 f"{[p.value for p in WritePolicy]}"
             ) from None
+        storage_policies = (WritePolicy.WRITE_BACK.value, WritePolicy.WRITE_THROUGH.value)
+        if str(self.storage_write_policy) not in storage_policies:
+            raise ConfigError(
+                f"cache.storage_write_policy = {self.storage_write_policy!r}; expected one of "
+                f"{list(storage_policies)}"
+            )
+        self.storage_write_policy = WritePolicy(self.storage_write_policy)
         _check_range(s, "block_size", self.block_size, 1, 4096)
         _check_range(s, "num_gpu_blocks", self.num_gpu_blocks, 1, 1 << 31)
         _check_range(s, "prealloc_blocks", self.prealloc_blocks, 1, 1024)
@@ -164,6 +175,9 @@ class StepCostConfig:
     # One block copied between host and GPU memory: a 16-token Llama-3-8B block is 2 MiB, ~0.04
     # ms at ~50 GB/s of PCIe (learned from the steps that swap, like the other terms).
     per_swapped_block_ms: float = 0.04
+    # One block got from the shared storage tier (Mooncake Store): 2 MiB at ~20 GB/s (a
+    # 200 Gb/s RDMA NIC), ~0.1 ms (learned from the steps that fetch).
+    per_fetched_block_ms: float = 0.1
     # Weight of the past per measured step, (0, 1]: 0.999 remembers ~1,000 steps; 1 never forgets.
     forgetting: float = 0.999
 
@@ -176,6 +190,7 @@ class StepCostConfig:
             "per_decode_context_ms",
             "per_attention_ms",
             "per_swapped_block_ms",
+            "per_fetched_block_ms",
         ):
             _check_range(s, name, getattr(self, name), 0.0, 1e6)
         if not 0.0 < self.forgetting <= 1.0:
@@ -190,6 +205,7 @@ class StepCostConfig:
             self.per_decode_context_ms,
             self.per_attention_ms,
             self.per_swapped_block_ms,
+            self.per_fetched_block_ms,
         )
 
 

@@ -22,6 +22,7 @@ from kvsched.core.block_pool import BlockPool
 from kvsched.core.config import WritePolicy
 from kvsched.core.kv_events import BlockStored
 from kvsched.core.request import Request
+from kvsched.core.storage import StorageIndex, StorageTier
 from kvsched.core.tiers import HostTier
 
 
@@ -31,10 +32,12 @@ def _cdiv(a: int, b: int) -> int:
 
 class KvHit(NamedTuple):
     """What the cache holds of a request's prompt (`KVCacheManager.lookup`): the GPU blocks of
-    its longest cached prefix, then the host blocks continuing that run (swap-in candidates)."""
+    its longest cached prefix, then the host blocks continuing that run (swap-in candidates),
+    then the storage keys continuing it (fetch candidates)."""
 
     gpu: list[int]
     host: list[int]
+    storage: list[str]
 
 
 class KVCacheManager:
@@ -46,6 +49,9 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         host_write_policy: WritePolicy = WritePolicy.WRITE_BACK,
         host_write_hits: int = 1,
+        storage: StorageIndex | None = None,
+        storage_namespace: str = "",
+        storage_write_policy: WritePolicy = WritePolicy.WRITE_BACK,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -59,6 +65,21 @@ class KVCacheManager:
             self.host.events_into(self.pool, block_size)
             self._on_registered = self.host.on_registered
         self.num_host_hits = 0  # prefix-cache hit tokens that came from the host tier
+        # The storage tier (core/storage.py): the daemon's shared index, this instance's tasks.
+        self.storage: StorageTier | None = None
+        if storage is not None and enable_caching:
+            through = WritePolicy(storage_write_policy) is WritePolicy.WRITE_THROUGH
+            host_pool = self.host.pool if self.host is not None else None
+            st = StorageTier(storage, storage_namespace, block_size, through, host_pool)
+            st.events_into(self.pool)
+            if self.host is not None:
+                self.host.use_storage(st)
+            elif through:
+                self._on_registered = st.on_gpu_registered
+            else:
+                self.pool.on_evict = st.on_gpu_evicted
+            self.storage = st
+        self.num_storage_hits = 0  # prefix-cache hit tokens fetched from the storage tier
         # Only full blocks are hashed: one precompiled packer (faster than array().tobytes()).
         self._pack_block = struct.Struct(f"<{block_size}q").pack
         # Prefix-cache statistics, in tokens (as vLLM's prefix_cache_queries / _hits).
@@ -125,7 +146,7 @@ class KVCacheManager:
         continue the run. A full hit is capped so at least the last token is computed (the
         worker needs its logits). Changes nothing but req's hashes."""
         if not self.enable_caching:
-            return KvHit([], [])
+            return KvHit([], [], [])
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
         self.ensure_hashes(req, max_blocks)
@@ -138,7 +159,9 @@ class KVCacheManager:
                 break
             hits.append(b)
         host = self.host.run_from(hashes[len(hits) :]) if self.host is not None else []
-        return KvHit(hits, host)
+        st = self.storage
+        stored = st.run_from(hashes[len(hits) + len(host) :]) if st is not None else []
+        return KvHit(hits, host, stored)
 
     def hit_tokens(self, req: Request) -> int:
         """Tokens of req's prompt this cache holds now in either tier (for routing and
@@ -154,6 +177,8 @@ class KVCacheManager:
             n += 1
         if self.host is not None:  # the run continues in host memory (swapped in)
             n += len(self.host.run_from(req.block_hashes[n:]))
+        if self.storage is not None:  # then in the storage tier (fetched)
+            n += len(self.storage.run_from(req.block_hashes[n:]))
         return n * self.block_size
 
     def tier_hit_tokens(self, req: Request) -> tuple[int, int]:
@@ -170,18 +195,34 @@ class KVCacheManager:
         host = len(self.host.run_from(req.block_hashes[n:])) if self.host is not None else 0
         return n * self.block_size, host * self.block_size
 
+    def tier_hits(self, req: Request) -> tuple[int, int, int]:
+        """(GPU, host, storage) prompt tokens of req's longest cached run; no side effects but
+        hashes (`tier_hit_tokens` with the storage tier's continuation)."""
+        gpu, host = self.tier_hit_tokens(req)
+        st = self.storage
+        if st is None or not self.enable_caching:
+            return gpu, host, 0
+        start = (gpu + host) // self.block_size
+        return gpu, host, len(st.run_from(req.block_hashes[start:])) * self.block_size
+
     def where(self, block_hash: bytes) -> tuple[int | None, int | None]:
         """The prefix index over both tiers: (GPU block, host block) holding this content."""
         host = self.host.lookup(block_hash) if self.host is not None else None
         return self.pool.lookup(block_hash), host
 
     def record_lookup(
-        self, num_query_tokens: int, num_hit_tokens: int, num_host_hit_tokens: int = 0
+        self,
+        num_query_tokens: int,
+        num_hit_tokens: int,
+        num_host_hit_tokens: int = 0,
+        num_storage_hit_tokens: int = 0,
     ) -> None:
-        """num_hit_tokens counts hits in either tier; num_host_hit_tokens those from host."""
+        """num_hit_tokens counts hits in any tier; num_host_hit_tokens those from host,
+        num_storage_hit_tokens those fetched from the storage tier."""
         self.num_queries += num_query_tokens
         self.num_hits += num_hit_tokens
         self.num_host_hits += num_host_hit_tokens
+        self.num_storage_hits += num_storage_hit_tokens
 
     def num_blocks_to_allocate(self, req: Request, num_tokens: int, hits: list[int]) -> int:
         """Blocks, counting hits that must leave the free list, needed so req's table covers
@@ -272,10 +313,13 @@ class KVCacheManager:
         return self.pool.usage
 
     def reset_cache(self) -> int:
-        """Forget every cached hash in both tiers. Returns how many were dropped."""
+        """Forget every cached hash in both tiers (the shared store keeps its keys: they name
+        content; writes not yet sent are dropped). Returns how many were dropped."""
         n = self.pool.reset_cache()
         if self.host is not None:
             n += self.host.reset()
+        if self.storage is not None:
+            self.storage.reset()
         return n
 
     # ---- the host-copy sequence (swap-outs and swap-ins carried by Tasks messages) ----------
@@ -298,6 +342,11 @@ class KVCacheManager:
     def num_queued_copies(self) -> int:
         """Copies the next Tasks message is expected to carry (0 without a host tier)."""
         return self.host.num_queued if self.host is not None else 0
+
+    @property
+    def num_queued_fetches(self) -> int:
+        """Storage fetches the next Tasks message carries (0 without a storage tier)."""
+        return self.storage.num_queued_fetches if self.storage is not None else 0
 
     def take_copies(
         self, dropped: list[int], aborted: list[int]
@@ -323,3 +372,38 @@ class KVCacheManager:
         assert host is not None
         host.acknowledge(applied_seq, failed_outs, failed_in_handles)
         return host.swapped_last_ack
+
+    # ---- the storage tier's tasks (writes and fetches carried by Tasks messages) -----------
+    def fetch(self, handle: int, keys: list[str], gpu_blocks: list[int]) -> None:
+        """Queue fetches of stored keys into a placed handle's fresh GPU blocks."""
+        assert self.storage is not None
+        self.storage.fetch(handle, keys, gpu_blocks)
+
+    def decline_fetches(self, n: int) -> None:
+        """n storage hits were recomputed instead (cheaper than fetching, by the cost model)."""
+        if self.storage is not None:
+            self.storage.decline(n)
+
+    def take_storage(
+        self, dropped: list[int], aborted: list[int], max_writes: int | None = None
+    ) -> tuple[list[tuple[str, int]], list[tuple[int, str, int]]] | None:
+        """The storage tasks for the Tasks message being sealed (None: none queued), without
+        fetches of the handles it drops; at most max_writes writes of host blocks."""
+        st = self.storage
+        if st is None or not st.has_queued():
+            return None
+        return st.take({*dropped, *aborted}, max_writes)
+
+    def storage_sent(self, seq: int) -> None:
+        if self.storage is not None:
+            self.storage.sent(seq)
+
+    def acknowledge_storage(
+        self, applied_seq: int, failed_writes: list[str], failed_fetch_handles: list[int]
+    ) -> int:
+        """A report says Tasks up to applied_seq were applied: their storage tasks are done
+        (but the failed ones). Returns the fetches done at that step's boundary."""
+        st = self.storage
+        assert st is not None
+        st.acknowledge(applied_seq, failed_writes, failed_fetch_handles)
+        return st.fetched_last_ack

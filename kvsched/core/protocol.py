@@ -150,12 +150,23 @@ class Tasks:
     swap_in_gpu: list[int] = field(default_factory=list)
     # Multimodal items (content hashes) whose encoder outputs the worker drops (step 1b).
     encoder_drops: list[str] = field(default_factory=list)
+    # Storage tier (protocol step 13), columnar: block storage_write_blocks[i] (a host block id
+    # when the instance has a host tier, else a GPU block id) put under storage_write_keys[i];
+    # key storage_fetch_keys[i] got into GPU block storage_fetch_gpu[i] of handle
+    # storage_fetch_handles[i] (a handle's fetches are consecutive).
+    storage_write_keys: list[str] = field(default_factory=list)
+    storage_write_blocks: list[int] = field(default_factory=list)
+    storage_fetch_handles: list[int] = field(default_factory=list)
+    storage_fetch_keys: list[str] = field(default_factory=list)
+    storage_fetch_gpu: list[int] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (
             self.encoder_drops
             or self.swap_out_gpu
             or self.swap_in_gpu
+            or self.storage_write_keys
+            or self.storage_fetch_keys
             or self.preempts
             or self.aborts
             or self.placements
@@ -195,3 +206,7 @@ class StepReport:
     failed_swap_outs: list[int] = field(default_factory=list)
     failed_swap_ins: list[int] = field(default_factory=list)
     step_time_ns: int = 0
+    # Storage tasks of the messages up to applied_seq that failed (protocol step 13): writes by
+    # key (never counted as stored), fetches by handle (that handle did not run: it recomputes).
+    failed_storage_writes: list[str] = field(default_factory=list)
+    failed_storage_fetches: list[int] = field(default_factory=list)

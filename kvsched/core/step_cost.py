@@ -1,14 +1,16 @@
 """A per-instance model of a worker step's GPU time, fitted online from the workers' reports.
 
     step_ms = intercept + a * prefill_tokens + b * decodes + c * decode_context
-              + d * attention + e * swapped_blocks
+              + d * attention + e * swapped_blocks + f * fetched_blocks
 
 prefill_tokens: prompt tokens of the step's chunks; decodes: sequences that decoded;
 decode_context: the context tokens those sequences attend over, summed; attention: the
 quadratic term of the chunks, sum of c * (c + prefix) (c the chunk's length, prefix the tokens
 before it: a chunk deep into a long prompt costs far more than its token count says);
 swapped_blocks: KV blocks copied to or from host memory at the step's boundary (the copies of
-the Tasks messages the step's report first says applied; kvsched/core/tiers.py).
+the Tasks messages the step's report first says applied; kvsched/core/tiers.py);
+fetched_blocks: KV blocks got from the shared storage tier at the step's boundary, counted the
+same way (kvsched/core/storage.py).
 
 The coefficients start from the config's seed and are refitted by recursive least squares
 with exponential forgetting, kept in information form: R = f R + x x', r = f r + x y, solved for
@@ -33,10 +35,11 @@ FEATURES = (
     "decode_context",
     "attention",
     "swapped_blocks",
+    "fetched_blocks",
 )
 # Typical size of each feature: the fit runs on features divided by these, so the normal
 # equations are well conditioned (an attention term of 1e9 beside an intercept of 1).
-_SCALE = np.array([1.0, 1e3, 1e2, 1e6, 1e8, 1e2])
+_SCALE = np.array([1.0, 1e3, 1e2, 1e6, 1e8, 1e2, 1e2])
 # Ridge towards the seed, in the scaled units (a report adds ~1 per exercised term): small
 # against the forgetting window, so it only decides the terms no recent report exercised.
 _PRIOR = 1e-4
@@ -63,7 +66,7 @@ class StepCostModel:
         self._ridge = _PRIOR * np.eye(len(FEATURES))
         self._coef = self.seed.copy()
         self._plan = tuple(max(0.0, float(c)) for c in self.seed)
-        self._rows: list[tuple[float, float, float, float, float, float]] = []
+        self._rows: list[tuple[float, float, float, float, float, float, float]] = []
         self._ys: list[float] = []
         self.num_observed = 0  # reports learned from
         self.last_predicted_ms = 0.0  # the newest learned report: predicted before learning it
@@ -83,10 +86,11 @@ class StepCostModel:
         decode_context: float,
         attention: float,
         swapped_blocks: float = 0.0,
+        fetched_blocks: float = 0.0,
     ) -> float:
         """Predicted milliseconds of a step with these terms, for planning: a term the fit made
         negative (noise) counts as free, never as a refund."""
-        c0, c1, c2, c3, c4, c5 = self._plan
+        c0, c1, c2, c3, c4, c5, c6 = self._plan
         return (
             c0
             + c1 * prefill_tokens
@@ -94,6 +98,7 @@ class StepCostModel:
             + c3 * decode_context
             + c4 * attention
             + c5 * swapped_blocks
+            + c6 * fetched_blocks
         )
 
     @property
@@ -106,6 +111,11 @@ class StepCostModel:
         """Planned ms per block copied between host and GPU memory."""
         return self._plan[5]
 
+    @property
+    def fetch_block_ms(self) -> float:
+        """Planned ms per block fetched from the storage tier."""
+        return self._plan[6]
+
     def observe(
         self,
         prefill_tokens: int,
@@ -114,9 +124,20 @@ class StepCostModel:
         attention: int,
         swapped_blocks: int,
         measured_ms: float,
+        fetched_blocks: int = 0,
     ) -> None:
         """Learn from one measured step."""
-        self._rows.append((1.0, prefill_tokens, decodes, decode_context, attention, swapped_blocks))
+        self._rows.append(
+            (
+                1.0,
+                prefill_tokens,
+                decodes,
+                decode_context,
+                attention,
+                swapped_blocks,
+                fetched_blocks,
+            )
+        )
         self._ys.append(measured_ms)
         if prefill_tokens or len(self._rows) >= FOLD_EVERY:
             self.fold()

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from kvsched.core.block_pool import BlockPool
 from kvsched.core.config import WritePolicy
 from kvsched.core.kv_events import CPU, BlockStored, KvEvent
+from kvsched.core.storage import StorageTier
 
 
 @dataclass(slots=True)
@@ -84,6 +85,13 @@ class HostTier:
         self.swapped_last_ack = 0  # copies the last acknowledged messages carried (step cost)
         self._pending_record = _Sent(0)  # what `take` handed out, until `sent` numbers it
         self._outs_avg = 0.0  # swap-outs per message taken (moving average, for planning)
+        # The storage tier below (core/storage.py), when the daemon has one: it writes host
+        # blocks before they are evicted (write_back) or once they arrive (write_through).
+        self.storage: StorageTier | None = None
+
+    def use_storage(self, storage: StorageTier) -> None:
+        """Write to this storage tier what the host tier would lose (or what reaches it)."""
+        self.storage = storage
 
     def events_into(self, gpu_pool: BlockPool, block_size: int) -> None:
         """Record host events into `gpu_pool.events` whenever that pool records (not None)."""
@@ -176,6 +184,8 @@ class HostTier:
         want = self._outs
         pool = self.pool
         self._sync_events()  # allocate may evict host blocks: cpu BlockRemoved
+        if self.storage is not None and want:  # write what would be lost, pinned till stored
+            self.storage.save_host_victims(len(want))
         n = min(len(want), pool.num_free)
         if n < len(want):
             self.stats.swap_outs_skipped += len(want) - n
@@ -258,6 +268,8 @@ class HostTier:
                 pool.free([hb for _, hb in rec.ins])
         if events is not None and stored:
             events.append(BlockStored(stored, None, [], self.block_size, None, CPU))
+        if stored and self.storage is not None and self.storage.write_through:
+            self.storage.on_host_stored([(cached[h], h) for h in stored])
         self.swapped_last_ack = n
 
     def reset(self) -> int:
@@ -285,9 +297,10 @@ class HostTier:
         return sum(len(r.outs) + len(r.ins) for r in self._sent)
 
     def check_integrity(self) -> None:
-        """Every host block's ref count equals the copies queued or in flight naming it; a
-        block being written holds no hash; the copy set is exactly the swap-outs under way."""
-        pins: dict[int, int] = {}
+        """Every host block's ref count equals the copies queued or in flight naming it (the
+        storage tier's writes included); a block being written holds no hash; the copy set is
+        exactly the swap-outs under way."""
+        pins: dict[int, int] = dict(self.storage.host_pins()) if self.storage is not None else {}
         writing: list[tuple[int, bytes]] = []
         reading = [hb for _, hb, _ in self._ins]
         for rec in self._sent:

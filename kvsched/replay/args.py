@@ -81,6 +81,13 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
         help="embedded: when blocks are copied to the host tier (default: the daemon's)",
     )
     p.add_argument(
+        "--storage",
+        default=None,
+        metavar="URL",
+        help='embedded: the daemons\' shared storage KV tier, "mooncake" or mooncake://HOST:PORT '
+        "(the sim workers simulate the store, priced by bandwidth; default: none)",
+    )
+    p.add_argument(
         "--itl-target-ms",
         type=float,
         default=None,

@@ -140,6 +140,8 @@ def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
         out += ("--itl-target-ms", f"{args.itl_target_ms:g}")
     if getattr(args, "host_write_policy", None):
         out += ("--host-write-policy", args.host_write_policy)
+    if getattr(args, "storage", None):
+        out += ("--storage", args.storage)
     return out
 
 
@@ -161,6 +163,7 @@ def make_summary(
         rate_scale=args.rate_scale,
         num_host_blocks=result.num_host_blocks,
         host_hit_rate=result.host_hit_tokens / num_prompt if num_prompt else 0.0,
+        storage_hit_rate=result.storage_hit_tokens / num_prompt if num_prompt else 0.0,
         not_completed=not_completed(result),
         config={
             "embedded": bool(args.embedded),
@@ -179,6 +182,7 @@ what the figures mean (times are simulated GPU seconds, as if the run took real 
   TPOT p50 / p99                time per output token after the first: the decode speed a request saw
   prefix-cache hit              share of prompt tokens found in KV blocks cached by earlier requests
   of it from host memory        of those, the share swapped in from the workers' host-memory tier
+  of it from storage            of those, the share fetched from the shared storage tier (--storage)
   preemptions                   requests evicted from the KV cache to make room, recomputed later
   goodput                       completed requests per second that met both SLOs (and their share)
   worker idle on control plane  the worst worker's share of the time it held requests spent waiting
@@ -206,6 +210,7 @@ def format_table(s: dict[str, Any]) -> str:
             "  of it from host memory",
             f"{100 * s.get('host_hit_rate', 0.0):.1f} % ({s.get('num_host_blocks', 0)} host blocks)",
         ),
+        ("  of it from storage", f"{100 * s.get('storage_hit_rate', 0.0):.1f} %"),
         ("preemptions", f"{s['preemptions']}"),
         (
             "goodput",

@@ -57,6 +57,7 @@ class ReplayResult:
     num_gpu_blocks: int = 0
     num_host_blocks: int = 0  # each instance's host tier (the first ready one's)
     host_hit_tokens: int = 0  # prompt tokens swapped in from host tiers during the run
+    storage_hit_tokens: int = 0  # prompt tokens fetched from the storage tier during the run
     block_size: int = 0
     instances: list[dict[str, Any]] = field(default_factory=list)
     # Requests no ready instance could hold when the replay started: (request id, KV blocks
@@ -246,6 +247,10 @@ async def replay(
     prev_host = {i.instance_id: i.prefix_cache_host_hit_tokens for i in before.instances}
     result.host_hit_tokens = sum(
         i.prefix_cache_host_hit_tokens - prev_host.get(i.instance_id, 0) for i in after.instances
+    )
+    prev_st = {i.instance_id: i.prefix_cache_storage_hit_tokens for i in before.instances}
+    result.storage_hit_tokens = sum(
+        i.prefix_cache_storage_hit_tokens - prev_st.get(i.instance_id, 0) for i in after.instances
     )
     return result
 

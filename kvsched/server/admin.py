@@ -39,6 +39,9 @@ _FROM_SNAPSHOT = (
     "num_swap_outs",
     "num_swap_ins",
     "num_swap_failures",
+    "prefix_cache_storage_hit_tokens",
+    "num_storage_writes",
+    "num_storage_fetches",
     "encoder_cache_size",
     "encoder_cache_used",
     "encoder_cache_hits",
@@ -63,6 +66,7 @@ def instance_status(eng: InstanceEngine) -> apb.InstanceStatus:
         for name in _FROM_SNAPSHOT:
             setattr(st, name, getattr(snap, name))
         st.steps_per_s = eng.steps_per_s()
+        st.num_storage_failures = snap.num_storage_write_failures + snap.num_storage_fetch_failures
     return st
 
 

@@ -143,6 +143,11 @@ class ServerConfig:
     journal_timeout_s: float = 2.0  # an accepted record not stored within this: UNAVAILABLE
     journal_max_age_s: float = 86400.0  # finished requests' records age out after this
     journal_max_bytes: int = 1 << 30  # the journal stream's size cap (oldest dropped beyond)
+    # The shared storage KV tier (docs/STORAGE.md): "" none; "mooncake" a Mooncake Store at its
+    # master's default address (mooncake://127.0.0.1:50051); "mooncake://HOST:PORT[?metadata=
+    # HOST:PORT]" the store whose master is there. Workers that list the kind in
+    # Hello.storage_backends are told the URL (Welcome.storage_url) and get storage tasks.
+    storage: str = ""
 
     def validate(self) -> ServerConfig:
         """Check every field; normalize `log_level`, `tracing_exporter`, `metrics_listen`."""
@@ -170,6 +175,7 @@ class ServerConfig:
             "tracing_exporter", self.tracing_exporter, TRACING_EXPORTERS
         )
         self._validate_cluster()
+        self.storage = storage_url(self.storage)
         for name in ("model", "service_name"):
             if not getattr(self, name).strip():
                 raise FieldError(name, f"{name} must not be empty")
@@ -344,3 +350,33 @@ def _unknown(key: str, where: str, known: list[str]) -> ConfigError:
 
 
 # --- parsing ----------------------------------------------------------------------------------
+
+
+STORAGE_KINDS = ("mooncake",)
+MOONCAKE_DEFAULT_MASTER = "127.0.0.1:50051"  # mooncake_master's default RPC port
+
+
+def storage_url(value: str) -> str:
+    """The `storage` setting as the URL a Welcome names ("" for none); FieldError otherwise."""
+    value = value.strip()
+    if not value:
+        return ""
+    if value in STORAGE_KINDS:
+        return f"{value}://{MOONCAKE_DEFAULT_MASTER}"
+    kind, sep, rest = value.partition("://")
+    address = rest.split("?", 1)[0]
+    host, colon, port = address.rpartition(":")
+    if not sep or kind not in STORAGE_KINDS or not colon or not host or not port.isdigit():
+        raise FieldError(
+            "storage",
+            f'storage = {value!r}: expected "" (none), "mooncake" or '
+            "mooncake://HOST:PORT (a Mooncake master; `kvsched mooncake` starts one)",
+        )
+    if not 0 < int(port) < 65536:
+        raise FieldError("storage", f"storage = {value!r}: port {port} is out of range")
+    return value
+
+
+def storage_kind(url: str) -> str:
+    """The backend kind of a storage URL ("" for none): what Hello.storage_backends lists."""
+    return url.partition("://")[0] if url else ""

@@ -36,6 +36,7 @@ from kvsched.core import (
     Role,
     Scheduler,
     SchedulerSnapshot,
+    StorageIndex,
     Unavailable,
 )
 from kvsched.core.protocol import StepReport
@@ -61,6 +62,7 @@ class RankConn:
     num_host_blocks: int = 0  # the host-memory KV tier (Hello.num_host_blocks)
     max_model_len: int = 0  # Hello's limits (0: not announced); see server/models.py
     vocab_size: int = 0
+    storage_backends: tuple[str, ...] = ()  # Hello.storage_backends (step 13)
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     last_seen: float = field(default_factory=time.monotonic)
     closed: bool = False
@@ -110,6 +112,10 @@ class InstanceEngine:
         # The cluster lease's fencing token, set by the registry at attach (0: unfenced);
         # stamped on the Welcome and every Tasks message.
         self.fencing_epoch = 0
+        # The daemon's shared storage index and its backend kind, set by the registry (None:
+        # no storage tier); used when every rank's Hello lists the kind.
+        self.storage_index: StorageIndex | None = None
+        self.storage_kind = ""
         self.reports: list[StepReport] = []
         self._next_handle = 0  # handles continue across schedulers of this instance
         # Final counters of the schedulers taken out (SNAPSHOT_COUNTERS; tenants' served / shed).
@@ -189,12 +195,17 @@ class InstanceEngine:
         cfg.scheduler.max_num_seqs = min(cfg.scheduler.max_num_seqs, conns[0].num_slots)
         if self.limits is not None:  # the smaller of the daemon's and the worker's
             cfg.scheduler.max_model_len = self.limits.max_model_len
+        index = self.storage_index
+        if index is not None and not all(self.storage_kind in c.storage_backends for c in conns):
+            index = None  # a rank cannot reach the store: no storage tasks to this instance
         try:
             self.sched = Scheduler(
                 cfg,
                 clock=time.monotonic,
                 instance_id=self.instance_id,
                 first_handle=self._next_handle,
+                storage=index,
+                storage_namespace=self.limits.model if self.limits else conns[0].model,
             )
         except ConfigError as exc:  # the workers' sizes do not fit this instance's config
             raise ProtocolError(f"instance {self.instance_id!r} cannot start: {exc}") from None
@@ -215,6 +226,7 @@ class InstanceEngine:
         every rank's stream and end every request it held with an error the client sees."""
         sched, self.sched = self.sched, None
         if sched is not None:
+            sched.close()  # its storage writes' claims in the daemon's shared index
             self._next_handle = sched.next_handle
             snap = sched.snapshot()
             for name in SNAPSHOT_COUNTERS:

@@ -74,6 +74,15 @@ _COUNTERS = (
     ("prefix_cache_host_hits", "Prefix cache hits swapped in from the host tier, in tokens."),
     ("kv_swap_out_blocks", "KV blocks copied GPU -> host tier."),
     ("kv_swap_in_blocks", "KV blocks copied host tier -> GPU."),
+    ("prefix_cache_storage_hits", "Prefix cache hits fetched from the storage tier, in tokens."),
+    ("kv_storage_write_blocks", "KV blocks written to the shared storage tier (sent)."),
+    ("kv_storage_fetch_blocks", "KV blocks fetched from the shared storage tier (sent)."),
+    ("kv_storage_write_failures", "Storage tier writes the worker failed (never counted stored)."),
+    (
+        "kv_storage_fetch_failures",
+        "Storage tier fetches the worker failed (the request recomputed).",
+    ),
+    ("kv_storage_fetches_declined", "Storage hits recomputed instead (cheaper by the cost model)."),
     ("encoder_cache_hits", "Multimodal items whose encoder output the worker already held."),
     ("encoder_cache_misses", "Multimodal items the worker had to encode."),
 )

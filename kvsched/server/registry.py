@@ -23,6 +23,7 @@ from kvsched.core import (
     RequestNotFound,
     Role,
     Router,
+    StorageIndex,
     Unavailable,
 )
 from kvsched.server.engine import EngineListener, InstanceEngine, RankConn
@@ -60,6 +61,11 @@ class InstanceRegistry:
         # (kvsched.cluster.routing.ClusterRouter; None: alone).
         self.peer_models: Callable[[], set[str]] | None = None
         self.peer_limits: Callable[[], list[Limits]] | None = None
+        # The shared storage tier (docs/STORAGE.md): ONE index for all this daemon's
+        # schedulers (the store is shared); its kind is what a Hello must list to use it.
+        self.storage_url: str = config.storage
+        self.storage_kind = config.storage.partition("://")[0] if config.storage else ""
+        self.storage_index = StorageIndex() if config.storage else None
 
     def open(self, listener: EngineListener) -> None:
         """Create the configured instances' engines, reporting to `listener`. Called once, by
@@ -72,6 +78,7 @@ class InstanceRegistry:
         assert self._listener is not None, "InstanceRegistry.open() was not called"
         eng = InstanceEngine(self._listener, self.telemetry, instance_id, engine_config, world_size)
         eng.kv_events = bool(self.config.cluster)  # a cluster publishes them (kvsched.cluster)
+        eng.storage_index, eng.storage_kind = self.storage_index, self.storage_kind
         return eng
 
     # ---- workers ----------------------------------------------------------------------------
@@ -120,6 +127,7 @@ class InstanceRegistry:
             model=hello.model,
             max_model_len=hello.max_model_len,
             vocab_size=hello.vocab_size,
+            storage_backends=tuple(hello.storage_backends),
         )
         was_ready = eng.ready
         if not eng.ranks:  # the first rank names the model and its limits (the others agree)
@@ -159,6 +167,10 @@ class InstanceRegistry:
                 fencing_epoch=eng.fencing_epoch,
                 silence_timeout_ns=int(
                     self.config.silence_timeout_intervals * self.config.heartbeat_interval_s * 1e9
+                ),
+                # The store, to a worker that can reach its kind ("" = none: no storage tasks).
+                storage_url=(
+                    self.storage_url if self.storage_kind in conn.storage_backends else ""
                 ),
             )
         )

@@ -68,6 +68,13 @@ def add_worker_parser(
         "--pcie-gbps", type=float, default=50.0, help="sim: host tier copy bandwidth, GB/s"
     )
     p.add_argument(
+        "--storage-gbps",
+        type=float,
+        default=12.5,
+        help="sim: storage tier transfer bandwidth, GB/s (12.5: one 100 Gb/s RDMA NIC; the "
+        "model executor moves real bytes through the store the daemon names)",
+    )
+    p.add_argument(
         "--block-size",
         type=int,
         default=0,

@@ -29,6 +29,7 @@ from kvsched.worker_stub.factories import (
 )
 from kvsched.worker_stub.faults import Faults
 from kvsched.worker_stub.session import Worker, WorkerError
+from kvsched.worker_stub.sim import STORAGE_GBPS
 from kvsched.worker_stub.stats import WorkerStats
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
             zero_cost=args.zero_cost,
             seed=args.seed,
             pcie_gbps=getattr(args, "pcie_gbps", 50.0),
+            storage_gbps=getattr(args, "storage_gbps", STORAGE_GBPS),
             vocab_size=vocab_size,
             faults=Faults(
                 getattr(args, "crash_on_token", -1), getattr(args, "crash_on_prompt_len", 0)

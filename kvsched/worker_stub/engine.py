@@ -44,6 +44,7 @@ from kvsched.worker_stub.encoder_drops import check_encoder_drops
 from kvsched.worker_stub.executor import ColumnarExecutor, Executor, SeqWork
 from kvsched.worker_stub.host_kv import HostCopies
 from kvsched.worker_stub.slots import IntArray, SlotTable
+from kvsched.worker_stub.storage_kv import StorageTasks
 from kvsched.worker_stub.tokens import DraftFn, check_stop, ngram_draft
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,8 @@ class WorkerEngine:
         self._acked: dict[int, None] = {}  # ordered sets of handles for the next report
         self._failed: dict[int, None] = {}
         self._copies = HostCopies(self.executor)  # the host KV tier's copies (host_kv.py)
-        self._stalled: set[int] = set()  # handles whose swap-in failed: they wait for a preempt
+        self.storage = StorageTasks(self.executor)  # the storage tier's tasks (storage_kv.py)
+        self._stalled: set[int] = set()  # handles whose swap-in or fetch failed: await a preempt
         self._sends_due: dict[int, KvSend] = {}  # handle -> where its prompt's KV goes
         self.applied_seq = 0  # highest Tasks.seq applied
         self.step_count = 0  # reports produced
@@ -168,6 +170,7 @@ class WorkerEngine:
             self._copies.drop()
         if tasks.swap_out_gpu:  # before anything in this message may overwrite those blocks
             self._copies.swap_out(tasks.swap_out_gpu, tasks.swap_out_host)
+        self.storage.write_all(tasks)  # storage_writes: right after swap_outs (step 13)
         for handle in (*tasks.preempts, *tasks.aborts):
             if handle in self._held:
                 self._free(handle)
@@ -179,7 +182,9 @@ class WorkerEngine:
         for extension in tasks.extensions:
             self._extend(extension)
         if tasks.swap_in_gpu:  # before any chunk that reads them
-            self._swap_in(tasks.swap_in_handles, tasks.swap_in_host, tasks.swap_in_gpu)
+            t = tasks
+            self._stall(self._copies.swap_in(t.swap_in_handles, t.swap_in_host, t.swap_in_gpu))
+        self._stall(self.storage.fetch_all(tasks))  # storage_fetches: after swap_ins
         for chunk in tasks.chunks:
             self._queue_chunk(chunk)
         for send in tasks.kv_sends:
@@ -194,10 +199,10 @@ class WorkerEngine:
         if (drop := getattr(self.executor, "drop_encoder_items", None)) is not None:
             drop(hashes)
 
-    def _swap_in(self, handles: list[int], host_ids: list[int], gpu_ids: list[int]) -> None:
-        """A handle whose swap-in failed does not run: its chunks are dropped (and later ones
-        ignored) until the daemon's preempt arrives."""
-        for handle in self._copies.swap_in(handles, host_ids, gpu_ids):
+    def _stall(self, handles: list[int]) -> None:
+        """A handle whose swap-in or storage fetch failed does not run: its chunks are dropped
+        (and later ones ignored) until the daemon's preempt arrives."""
+        for handle in handles:
             if handle in self._held:
                 self._stalled.add(handle)
                 self._prefills.pop(handle, None)
@@ -299,6 +304,8 @@ class WorkerEngine:
         a KV push is due, or acknowledgements and failures wait to be reported."""
         if self._acked or self._failed or self._sends_due or self._copies.pending:
             return True  # (copies: the report's applied_seq acknowledges them)
+        if self.storage.pending:  # (so do storage tasks)
+            return True
         for handle in self._prefills:
             s = self._held[handle]
             if self._chunk_readiness(s) is _Ready.RUN or not self._table.paused[s.slot]:
@@ -340,6 +347,7 @@ class WorkerEngine:
         self._acked.clear()
         self._failed.clear()
         self._copies.fill(report)
+        self.storage.fill(report)
         return report
 
     def _chunk_readiness(self, s: _Slot) -> _Ready:

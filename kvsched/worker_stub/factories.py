@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from kvsched.worker_stub.costmodel import KV_BYTES_PER_TOKEN
 from kvsched.worker_stub.engine import KvSender, WorkerEngine
 from kvsched.worker_stub.faults import Faults, FaultyEngine
-from kvsched.worker_stub.sim import SimExecutor
+from kvsched.worker_stub.sim import STORAGE_GBPS, SimExecutor
 
 _SIM_MAX_MODEL_LEN = 1 << 20  # the sim has no length limit of its own
 SIM_VOCAB_SIZE = 32000  # SimExecutor's default vocabulary: the ids its outputs come from
@@ -38,10 +38,11 @@ def sim_engine_factory(
     pcie_gbps: float = 50.0,
     vocab_size: int = SIM_VOCAB_SIZE,
     faults: Faults | None = None,
+    storage_gbps: float = STORAGE_GBPS,
 ) -> EngineFactory:
     """Engines over a `SimExecutor`; the arguments are checked now, not after the Welcome.
     Host tier copies cost a block's bytes (the fitted model's, KV_BYTES_PER_TOKEN a token)
-    over pcie_gbps GB/s. `faults`: crash on the requests it names (worker_stub/faults.py)."""
+    over pcie_gbps GB/s, storage tier transfers over storage_gbps. `faults`: crash on the requests it names (worker_stub/faults.py)."""
     SimExecutor(
         gpu=gpu,
         speed=speed,
@@ -50,6 +51,7 @@ def sim_engine_factory(
         eos_every=eos_every,
         pcie_gbps=pcie_gbps,
         vocab_size=vocab_size,
+        storage_gbps=storage_gbps,
     )
 
     def build(settings: EngineSettings, kv_sender: KvSender) -> WorkerEngine:
@@ -62,6 +64,7 @@ def sim_engine_factory(
             block_bytes=KV_BYTES_PER_TOKEN * settings.block_size,
             pcie_gbps=pcie_gbps,
             vocab_size=vocab_size,
+            storage_gbps=storage_gbps,
         )
         engine = (FaultyEngine if faults else WorkerEngine)(
             sim,

@@ -34,6 +34,7 @@ from kvsched.worker_stub.guard import DaemonGuard, DaemonSilent, Fenced
 from kvsched.worker_stub.kv_push import KvPush
 from kvsched.worker_stub.stats import WorkerStats
 from kvsched.worker_stub.steps import InboxItem, Outbox, StepLoop
+from kvsched.worker_stub.storage_kv import reachable_backends
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class Worker(StepLoop):
         reconnect_backoff_s: tuple[float, float] = (0.1, 5.0),
         give_up_after_s: float = 0.0,
         on_step: Callable[[StepReport], None] | None = None,
+        storage_backends: Sequence[str] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
@@ -132,6 +134,10 @@ class Worker(StepLoop):
         self.max_model_len = max_model_len  # announced limits (0: not announced)
         self.vocab_size = vocab_size
         self.executor_name = executor_name
+        # Hello.storage_backends (step 13); None: what this executor can reach
+        self.storage_backends = list(
+            reachable_backends(executor_name) if storage_backends is None else storage_backends
+        )
         self._credentials = channel_credentials
         self._metadata = tuple(metadata)
         self._default_heartbeat_s = heartbeat_interval_s
@@ -212,6 +218,7 @@ class Worker(StepLoop):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), delay)
         finally:
+            self._close_io()
             await self.kv.close()
             if kv_server is not None:
                 await kv_server.stop(grace=0.5)
@@ -309,6 +316,7 @@ class Worker(StepLoop):
             protocol_version=codec.PROTOCOL_VERSION,
             worker_address=self.kv.address or "",
             executor=self.executor_name,
+            storage_backends=self.storage_backends,
         )
 
     async def _serve_steps(self, inbox: asyncio.Queue[InboxItem], outbox: Outbox) -> None:
@@ -319,6 +327,7 @@ class Worker(StepLoop):
                 f"daemon speaks worker protocol {welcome.protocol_version}, "
                 f"this worker {codec.PROTOCOL_VERSION}"
             )
+        await self._settle_io()  # (the engine is not reset under a running apply)
         engine = self._start_engine(welcome)
         self._welcomed.set()
         self.stats.num_connects += 1  # connects that reached a daemon (welcomed), only
@@ -336,6 +345,9 @@ class Worker(StepLoop):
             self.world_size,
             self._settings,
         )
+        # The store (step 13), heartbeating meanwhile: a store that is down takes seconds.
+        suffix = f"@rank{self.rank}" if self.world_size > 1 else ""  # each rank's own shard
+        await self._use_storage(engine, welcome.storage_url, suffix)
         await self._step_loop(engine, inbox, outbox)
 
     def _send(self, outbox: Outbox, msg: pb.ConnectRequest) -> None:

@@ -18,6 +18,11 @@ import numpy.typing as npt
 from kvsched.worker_stub.costmodel import fit_for, step_time_s, step_time_s_of
 from kvsched.worker_stub.executor import SeqWork, StepResult
 
+# The storage tier's default bandwidth, GB/s: one 100 Gb/s RDMA NIC (Mooncake's transfer
+# engine reaches about line rate on RDMA; over TCP on this 2-core box it measured ~1-2 GB/s,
+# bench/storage_io.py).
+STORAGE_GBPS = 12.5
+
 _MASK64 = (1 << 64) - 1
 _KV_MAGIC = b"kvsim1"
 
@@ -58,14 +63,19 @@ class SimExecutor:
         eos_every: int | None = None,
         block_bytes: int = 0,
         pcie_gbps: float = 50.0,
+        storage_gbps: float = STORAGE_GBPS,
     ) -> None:
         """block_bytes: bytes of one KV block, what a host-tier copy moves over PCIe at
         pcie_gbps GB/s (0: copies are free); the copies of a step boundary add their time to
-        the next step (they are on its critical path)."""
+        the next step (they are on its critical path). Storage tier transfers (step 13) move
+        a block's bytes at storage_gbps GB/s: fetches add their time to the next step like
+        copies (its chunks read them); writes overlap it (the NIC reads pinned memory while
+        the GPU computes): the step lasts at least as long as they do."""
         fit_for(gpu)  # validates the name
-        if block_bytes < 0 or pcie_gbps <= 0:
+        if block_bytes < 0 or pcie_gbps <= 0 or storage_gbps <= 0:
             raise ValueError(
-                f"need block_bytes >= 0 and pcie_gbps > 0, got {block_bytes}, {pcie_gbps}"
+                f"need block_bytes >= 0, pcie_gbps > 0 and storage_gbps > 0, got "
+                f"{block_bytes}, {pcie_gbps}, {storage_gbps}"
             )
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
@@ -88,6 +98,20 @@ class SimExecutor:
         self._copy_s_per_block = block_bytes / (pcie_gbps * 1e9)
         self._copy_s = 0.0  # copies since the last step, in seconds
         self.num_copied_blocks = 0
+        self._storage_s_per_block = block_bytes / (storage_gbps * 1e9)
+        self._write_s = 0.0  # storage writes since the last step (they overlap it), seconds
+        self.num_stored_blocks = 0  # storage tier: blocks written, blocks fetched
+        self.num_fetched_blocks = 0
+
+    # ---- the storage tier: simulated (no store), only priced -----------------------------------
+    def storage_copied(self, num_blocks: int, *, write: bool) -> None:
+        """A storage write or fetch of num_blocks blocks ran at this step boundary."""
+        if write:
+            self.num_stored_blocks += num_blocks
+            self._write_s += num_blocks * self._storage_s_per_block
+        else:
+            self.num_fetched_blocks += num_blocks
+            self._copy_s += num_blocks * self._storage_s_per_block
 
     # ---- the host tier: the sim holds no KV, it only prices the copies -----------------------
     def swap_out(self, gpu_ids: list[int], host_ids: list[int]) -> None:
@@ -100,9 +124,14 @@ class SimExecutor:
         self.num_copied_blocks += n
         self._copy_s += n * self._copy_s_per_block
 
-    def _take_copy_s(self) -> float:
-        t, self._copy_s = self._copy_s, 0.0
-        return 0.0 if self.zero_cost else t / self.speed
+    def _with_copies(self, compute_s: float) -> float:
+        """A step's time with the boundary's transfers: copies and fetches before it, writes
+        alongside it."""
+        copy_s, write_s = self._copy_s, self._write_s
+        self._copy_s = self._write_s = 0.0
+        if self.zero_cost:
+            return compute_s
+        return max(compute_s + copy_s / self.speed, write_s / self.speed)
 
     def token_at(self, req_id: str, position: int) -> int:
         """The token the simulated model puts at `position` of `req_id`."""
@@ -155,8 +184,7 @@ class SimExecutor:
                 )
                 / self.speed
             )
-        step_time += self._take_copy_s()
-        return StepResult(tokens, step_time), self.decode_tokens(keys, positions)
+        return StepResult(tokens, self._with_copies(step_time)), self.decode_tokens(keys, positions)
 
     def num_accepted(self, w: SeqWork) -> int:
         """How many of w's drafts the simulated verification accepts: in [0, num_draft]."""
@@ -168,7 +196,7 @@ class SimExecutor:
     def execute(self, work: list[SeqWork]) -> StepResult:
         self.num_steps += 1
         tokens = [self._sample(w) for w in work]
-        return StepResult(tokens=tokens, step_time_s=self.step_time_s(work) + self._take_copy_s())
+        return StepResult(tokens=tokens, step_time_s=self._with_copies(self.step_time_s(work)))
 
     def _sample(self, w: SeqWork) -> list[int]:
         if not w.sample:
@@ -204,7 +232,7 @@ class SimExecutor:
 
     def reset(self) -> None:
         """Nothing to forget: the sim holds no KV."""
-        self._copy_s = 0.0
+        self._copy_s = self._write_s = 0.0
 
 
 def _split_work(work: list[SeqWork]) -> tuple[list[tuple[int, int]], list[int], int]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +24,7 @@ from kvsched.worker_stub.engine import WorkerEngine
 from kvsched.worker_stub.factories import EngineFactory, EngineSettings
 from kvsched.worker_stub.kv_push import KvPush, ReceivedPush
 from kvsched.worker_stub.stats import WorkerStats
+from kvsched.worker_stub.storage_kv import StoreLink
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,11 @@ class StepLoop:
         self._held: pb.ConnectRequest | None = None
         self._paced = False  # this session's daemon answers reports (Welcome.answers_reports)
         self._deferred: collections.deque[Tasks] = collections.deque()  # ranks > 0, see below
+        self.store_link = StoreLink()  # the storage tier (step 13), kept across sessions
+        # Tasks with store I/O are applied here, one at a time; the last one is awaited before
+        # a new session resets the engine (a broken stream does not stop a running apply).
+        self._io_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._io: concurrent.futures.Future[None] | None = None
 
     def _send(self, outbox: Outbox, msg: pb.ConnectRequest) -> None:
         raise NotImplementedError  # the session's: it times heartbeats by what it sent
@@ -102,6 +110,14 @@ class StepLoop:
         self._max_placed = 0
         return self.engine
 
+    async def _use_storage(self, engine: WorkerEngine, url: str, key_suffix: str) -> None:
+        """Connect to the store the Welcome names (off the loop: it may take seconds); the sim
+        only prices storage transfers and connects to nothing."""
+        engine.storage.key_suffix = key_suffix
+        if not engine.storage.simulated:
+            engine.storage.link = self.store_link
+            await asyncio.to_thread(self.store_link.use, url)
+
     def _queue_kv_push(self, send: KvSend, data: bytes) -> None:
         assert self.engine is not None
         self.kv.queue(self.engine, send, data)
@@ -112,7 +128,7 @@ class StepLoop:
         kv = self.kv
         while True:
             while not inbox.empty():
-                self._accept(engine, inbox.get_nowait(), outbox)
+                await self._take(engine, inbox.get_nowait(), outbox)
             kv.resolve(engine, self._max_placed)
             if engine.has_runnable():
                 await self._step(engine, outbox)
@@ -128,7 +144,7 @@ class StepLoop:
             self.stats.idle_s += idle
             if waiting_on_daemon:
                 self.stats.idle_waiting_on_daemon_s += idle
-            self._accept(engine, item, outbox)
+            await self._take(engine, item, outbox)
 
     def _apply_deferred(self, engine: WorkerEngine, force: bool = False) -> None:
         """Ranks > 0 step on their own, not in lockstep with rank 0 as real TP ranks are: one
@@ -139,10 +155,36 @@ class StepLoop:
             engine.apply(deferred.popleft())
             force = False
 
-    def _accept(self, engine: WorkerEngine, item: InboxItem, outbox: Outbox) -> None:
+    async def _take(self, engine: WorkerEngine, item: InboxItem, outbox: Outbox) -> None:
+        """Accept an item; Tasks whose storage tasks do store I/O are applied in a thread
+        (a store that is down answers in seconds) while the loop keeps heartbeating."""
+        applied = isinstance(item, Tasks) and self.rank == 0 and engine.storage.blocking(item)
+        if applied:
+            if self._io_pool is None:
+                self._io_pool = concurrent.futures.ThreadPoolExecutor(1, "kvsched-storage")
+            self._io = self._io_pool.submit(engine.apply, item)  # type: ignore[arg-type]
+            await asyncio.wrap_future(self._io)
+        self._accept(engine, item, outbox, applied)
+
+    async def _settle_io(self) -> None:
+        """Wait for an apply the last session left running in the storage thread."""
+        io, self._io = self._io, None
+        if io is not None and not io.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(io)
+
+    def _close_io(self) -> None:
+        if self._io_pool is not None:
+            self._io_pool.shutdown(wait=False)
+            self._io_pool = None
+
+    def _accept(
+        self, engine: WorkerEngine, item: InboxItem, outbox: Outbox, applied: bool = False
+    ) -> None:
         if isinstance(item, Tasks):
             if self.rank == 0:
-                engine.apply(item)
+                if not applied:
+                    engine.apply(item)
                 self._answered(outbox, item.report_step)
             else:
                 self._deferred.append(item)

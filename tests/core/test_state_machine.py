@@ -18,11 +18,18 @@ With an encoder cache (Setup.encoder_cache_size > 0) most prompts start with an 
 item (its hash names its first token and length); the real WorkerEngine refuses any
 encoder_drops that names an item a queued chunk still reads, and the shadow worker's encoder
 cache must never hold more than the capacity.
+
+With a storage tier (Setup.storage) the real WorkerEngine's storage tasks run against a shadow
+store (tests/core/storage_shadow.py): writes store the chain values of the block they read
+(host block with a host tier, else GPU block), fetches put them into the fetching handle's
+fresh GPU block, and some writes and fetches fail (Setup.storage_fail_every). Every key the
+daemon's index believes stored must be gone from the store or hold the KV its hash names.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import sys
 from collections import Counter, defaultdict, deque
@@ -49,11 +56,13 @@ from kvsched.core import (
     SamplingParams,
     Scheduler,
     StepReport,
+    StorageIndex,
     Tasks,
 )
 from kvsched.worker_stub.engine import WorkerEngine
 from kvsched.worker_stub.executor import SeqWork, StepResult
 from kvsched.worker_stub.sim import SimExecutor
+from tests.core import storage_shadow
 from tests.core.factories import make_config
 
 BLOCK = 4
@@ -198,6 +207,8 @@ def merge_reports(a: StepReport, b: StepReport) -> StepReport:
         step_time_ns=a.step_time_ns + b.step_time_ns,
         failed_swap_outs=[*a.failed_swap_outs, *b.failed_swap_outs],
         failed_swap_ins=[*a.failed_swap_ins, *b.failed_swap_ins],
+        failed_storage_writes=[*a.failed_storage_writes, *b.failed_storage_writes],
+        failed_storage_fetches=[*a.failed_storage_fetches, *b.failed_storage_fetches],
     )
 
 
@@ -207,6 +218,7 @@ def fresh_blocks(tasks: Tasks) -> list[tuple[int, int]]:
         (b, p.handle) for p in tasks.placements for b in p.block_ids[p.num_cached_tokens // BLOCK :]
     ]
     swapped = list(zip(tasks.swap_in_gpu, tasks.swap_in_handles, strict=True))
+    swapped += list(zip(tasks.storage_fetch_gpu, tasks.storage_fetch_handles, strict=True))
     return fresh + swapped + [(b, e.handle) for e in tasks.extensions for b in e.block_ids]
 
 
@@ -228,6 +240,9 @@ class Setup:
     copy_fail_every: int | None = None
     encoder_cache_size: int = 0
     max_num_encoder_tokens: int = 0
+    storage: bool = False
+    storage_write_policy: str = "write_back"
+    storage_fail_every: int | None = None
 
 
 class Harness:
@@ -252,15 +267,26 @@ class Harness:
             host_write_policy=setup.write_policy,
             encoder_cache_size=setup.encoder_cache_size,
             max_num_encoder_tokens=setup.max_num_encoder_tokens,
+            storage_write_policy=setup.storage_write_policy,
         )
         self.encoder_cache_size = setup.encoder_cache_size
         ticks = itertools.count(1)
-        self.scheduler = Scheduler(config, clock=lambda: float(next(ticks)))
+        # 4-token blocks: a fetch must be priced under recomputing them, or none is made.
+        config.step_cost.per_fetched_block_ms = 1e-3
+        self.index = StorageIndex() if setup.storage else None
+        self.scheduler = Scheduler(
+            config, clock=lambda: float(next(ticks)), storage=self.index, storage_namespace="m"
+        )
         self.prompts: dict[str, list[int]] = {}
         self.sim = CheckedSim(self.prompts, setup.eos_every, setup.copy_fail_every)
         self.worker = WorkerEngine(
             self.sim, BLOCK, setup.max_num_seqs, EOS, MAX_MODEL_LEN, setup.spec_k
         )
+        self.shadow = None
+        if setup.storage:
+            self.store, self.shadow = storage_shadow.attach(
+                self.worker, self.sim, BLOCK, setup.num_host_blocks > 0, setup.storage_fail_every
+            )
         self.now = 0
         self.to_worker: deque[tuple[int, Tasks]] = deque()
         self.to_scheduler: deque[tuple[int, StepReport]] = deque()
@@ -331,6 +357,10 @@ class Harness:
         while self.to_worker and self.to_worker[0][0] <= self.now:
             due = self.to_worker.popleft()[1]
             self.sim.forget_fresh_blocks(due)
+            if self.shadow is not None:
+                self.shadow.fetch_owner = dict(
+                    zip(due.storage_fetch_gpu, due.storage_fetch_handles, strict=True)
+                )
             self.worker.apply(due)
             self.sim.flush_forget()
         report = self.worker.step()
@@ -390,6 +420,13 @@ class Harness:
                 want = self.sim.chain(req_id, i * BLOCK + j)
                 got = self.sim.host.get((hb, j))
                 assert got == want, f"host block {hb}: cached KV is not its hash"
+        for key in self.index or ():  # stored keys: lost by the store, or the right KV
+            blob = self.store.data.get(key)
+            owner = self._hash_owner.get(bytes.fromhex(key.rsplit("/", 1)[1]))
+            if blob is not None and owner is not None:
+                req_id, i = owner
+                want_chain = [self.sim.chain(req_id, i * BLOCK + j) for j in range(BLOCK)]
+                assert json.loads(blob) == want_chain, f"{key}: stored KV is not its hash"
 
     # ---- the end -------------------------------------------------------------------------
     def drain(self, rng: random.Random) -> None:
@@ -435,6 +472,9 @@ class Harness:
         if host is not None:  # every pin released: nothing queued or in flight
             assert not host.has_queued() and host.num_in_flight == 0
             assert host.num_free == host.num_blocks, "host blocks leaked"
+        st = s.kv.storage
+        if st is not None:  # every write and fetch acknowledged
+            assert not st.has_queued() and st.num_in_flight == 0
 
     def _verify_reason(self, req: Request, out: list[int]) -> None:
         reason = req.finish_reason
@@ -469,6 +509,9 @@ setups = st.builds(
     copy_fail_every=st.sampled_from([None, None, 3, 7]),
     encoder_cache_size=st.sampled_from([0, 0, 6, 12, 40]),
     max_num_encoder_tokens=st.sampled_from([0, 6, 8]),
+    storage=st.sampled_from([False, False, True]),
+    storage_write_policy=st.sampled_from(["write_back", "write_through"]),
+    storage_fail_every=st.sampled_from([None, 3, 5]),
 )
 delays = st.integers(0, 2)
 
@@ -566,8 +609,20 @@ test_scheduler_state_machine = SchedulerMachine.TestCase
             encoder_cache_size=8,
             max_num_encoder_tokens=8,
         ),
+        Setup(num_blocks=14, max_num_seqs=3, eos_every=8, storage=True, storage_fail_every=5),
+        Setup(
+            num_blocks=16,
+            max_num_seqs=4,
+            eos_every=6,
+            num_host_blocks=4,
+            write_policy="write_back",
+            copy_fail_every=7,
+            storage=True,
+            storage_write_policy="write_through",
+            storage_fail_every=4,
+        ),
     ],
-    ids=["fcfs", "priority-spec", "slo", "encoder-cache"],
+    ids=["fcfs", "priority-spec", "slo", "encoder-cache", "storage", "host-storage"],
 )
 def test_fixed_seed_long_run(setup: Setup) -> None:
     """~2000 steps of the same loop with a fixed seed: a regression net that needs no search."""
@@ -592,5 +647,9 @@ def test_fixed_seed_long_run(setup: Setup) -> None:
     assert h.scheduler.stats.num_preemptions > 0, "the pool was meant to force preemption"
     if (enc := h.scheduler.enc) is not None:  # items were shared, and evicted
         assert enc.stats.hits > 0 and enc.stats.evictions > 0, enc.stats
+    if setup.storage:  # blocks were written and fetched, and some of each failed
+        snap = h.scheduler.snapshot()
+        assert snap.num_storage_fetches > 0 and snap.num_storage_fetch_failures > 0, snap
+        assert snap.num_storage_write_failures > 0, snap
     h.drain(rng)
     h.verify()

@@ -27,7 +27,7 @@ from kvsched.worker_stub.engine import WorkerEngine
 from kvsched.worker_stub.executor import SeqWork, StepResult
 from kvsched.worker_stub.sim import SimExecutor, _split_work
 
-TRUE = (5.0, 0.02, 0.01, 5e-5, 2e-6, 0.0)  # ms: intercept, per token, decode, context, attention
+TRUE = (5.0, 0.02, 0.01, 5e-5, 2e-6, 0.0, 0.0)  # ms: intercept, token, decode, context, attn, ..
 
 
 def synthetic_steps(n: int, seed: int = 1) -> list[tuple[int, int, int, int, float]]:

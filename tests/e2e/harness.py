@@ -264,16 +264,23 @@ async def model_daemon(
     block_size: int = 8,
     engine: dict[str, Any] | None = None,
     patch_executor: Callable[[Any], None] | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> AsyncIterator[ModelHarness]:
     """A daemon with one model worker per node. `engine` maps `scheduler.max_num_seqs`-style
     paths (below `engine.`) to values for every instance. Nodes with a role other than mixed
-    are configured instances of that role."""
+    are configured instances of that role. `settings`: top-level config values (e.g. storage)."""
     nodes = nodes or {"i0": Node()}
     overrides = {f"engine.{k}": v for k, v in (engine or {}).items()}
     config = load_config(
         None,
         {},
-        {"listen": "127.0.0.1:0", "metrics_listen": "", "log_level": "warning", **overrides},
+        {
+            "listen": "127.0.0.1:0",
+            "metrics_listen": "",
+            "log_level": "warning",
+            **(settings or {}),
+            **overrides,
+        },
     )
     for iid, node in nodes.items():
         if node.role != "mixed":

@@ -318,3 +318,19 @@ def test_validate_direct_construction() -> None:
         ServerConfig(heartbeat_timeout_s=0.5).validate()
     config = ServerConfig(metrics_listen="OFF", log_level="WARN").validate()
     assert (config.metrics_listen, config.log_level) == ("", "warning")
+
+
+def test_storage_takes_none_mooncake_or_a_master_url() -> None:
+    from kvsched.server.config_load import load_config
+
+    assert load_config(None, {}, {}).storage == ""
+    assert load_config(None, {}, {"storage": "mooncake"}).storage.startswith("mooncake://")
+    url = "mooncake://10.0.0.7:7000?metadata=10.0.0.7:8080"
+    assert load_config(None, {"KVSCHED_STORAGE": url}, {}).storage == url
+    for bad in ("redis://h:1", "mooncake://h", "mooncake://h:0", "files"):
+        with pytest.raises(ConfigError, match="storage"):
+            load_config(None, {}, {"storage": bad})
+    cfg = load_config(None, {}, {"engine.cache.storage_write_policy": "write_through"})
+    assert cfg.engine.cache.storage_write_policy == "write_through"
+    with pytest.raises(ConfigError, match="storage_write_policy"):
+        load_config(None, {}, {"engine.cache.storage_write_policy": "write_through_selective"})

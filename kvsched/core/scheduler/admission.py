@@ -187,14 +187,22 @@ class Admitter:
             if self.config.role == Role.DECODE and not req.output_token_ids:
                 break  # a decode instance takes new prompts only through add_prefilled
             # The host tier continues the GPU hits (swap-ins into fresh blocks, if cheaper than
-            # recomputing those tokens: `_host_hits`).
-            hits, host_hits = kv.lookup(req)
-            num_hit = self._trim_hits_for_mm(req, (len(hits) + len(host_hits)) * self.block_size)
+            # recomputing those tokens: `_host_hits`), the storage tier the host hits (fetches
+            # into fresh blocks after the swap-ins, likewise priced: `_storage_hits`).
+            hits, host_hits, stored = kv.lookup(req)
+            num_hit = self._trim_hits_for_mm(
+                req, (len(hits) + len(host_hits) + len(stored)) * self.block_size
+            )
             hits = hits[: num_hit // self.block_size]
-            declined = 0
+            declined = declined_fetches = 0
             if host_hits:
                 host_hits, declined = self._host_hits(len(hits), host_hits, num_hit)
-                num_hit = (len(hits) + len(host_hits)) * self.block_size
+            if stored:
+                stored, declined_fetches = self._storage_hits(
+                    len(hits) + len(host_hits), stored, num_hit, bool(declined)
+                )
+            if host_hits or stored or declined or declined_fetches:
+                num_hit = (len(hits) + len(host_hits) + len(stored)) * self.block_size
             if max_prompt >= 0 and req.num_tokens - num_hit > max_prompt:
                 break
             n = self._chunk_size(req, num_hit, num_prefill=req.num_tokens)
@@ -221,27 +229,33 @@ class Admitter:
             new = kv.allocate_slots(req, target, hits)
             assert new is not None
             table.admitted_debt(req)
-            self._place(req, num_hit, len(host_hits) * self.block_size)
+            nh, ns = len(host_hits), len(stored)
+            self._place(req, num_hit, nh * self.block_size, ns * self.block_size)
             if host_hits:  # into the fresh blocks after the GPU hits
-                kv.swap_in(req.handle, host_hits, new[: len(host_hits)])
+                kv.swap_in(req.handle, host_hits, new[:nh])
             elif declined:
                 kv.decline_swap_ins(declined)
+            if stored:  # into the fresh blocks after the swapped-in ones
+                kv.fetch(req.handle, stored, new[nh : nh + ns])
+            elif declined_fetches:
+                kv.decline_fetches(declined_fetches)
             self._emit_chunk(req, n)
 
-    def _place(self, req: Request, num_hit: int, num_swapped: int) -> None:
+    def _place(self, req: Request, num_hit: int, num_swapped: int, num_fetched: int = 0) -> None:
         """Give req a slot and a fresh handle (the table's); the worker learns it from a
-        Placement. num_swapped: tokens of num_hit that swap-ins bring from the host tier."""
+        Placement. num_swapped: tokens of num_hit that swap-ins bring from the host tier;
+        num_fetched: those that fetches bring from the storage tier (after them)."""
         now = self.clock()
         if req.num_cached_tokens < 0:  # its first placement on this instance
             req.num_cached_tokens = num_hit
             if req.first_scheduled_time < 0:  # (a request moved off a lost instance keeps it)
                 req.first_scheduled_time = now
-            self.kv.record_lookup(req.num_tokens, num_hit, num_swapped)
+            self.kv.record_lookup(req.num_tokens, num_hit, num_swapped, num_fetched)
             self.stats.num_prompt_tokens += len(req.prompt_token_ids)
             if num_swapped:
                 req.num_host_cached_tokens = num_swapped
                 self.events.host_hits.append(req)
-        self.table.place(req, num_hit, num_swapped)
+        self.table.place(req, num_hit, num_swapped + num_fetched)
         # The worker decodes from last_token_id only once no prefill is left; while positions
         # remain to be computed (a recomputed preemption, a moved request) it must prefill them
         # first, so it gets -1, never a token it could mistake for a start-decoding signal.
@@ -282,6 +296,24 @@ class Admitter:
         if cost.swap_block_ms * len(host_hits) >= a_tok * n + a_attn * n * (n + prefix):
             return [], len(host_hits)
         return host_hits, 0
+
+    def _storage_hits(
+        self, num_above: int, stored: list[str], num_hit: int, host_declined: bool
+    ) -> tuple[list[str], int]:
+        """The storage hits worth fetching: those within num_hit (multimodal trimming), none
+        when the host hits before them were declined (the run would have a hole) or when the
+        step-cost model predicts fetching them costs at least recomputing them. Returns them
+        and how many were declined."""
+        bs = self.block_size
+        if host_declined:
+            return [], len(stored)
+        stored = stored[: max(0, num_hit // bs - num_above)]
+        n, prefix = len(stored) * bs, num_above * bs
+        cost = self.plan.cost
+        a_tok, a_attn = cost.prefill_costs
+        if cost.fetch_block_ms * len(stored) >= a_tok * n + a_attn * n * (n + prefix):
+            return [], len(stored)
+        return stored, 0
 
     def _reserve_floor(self, req: Request, budget: StepBudget) -> None:
         """Hold back the time of req's floor chunk before shorter prompts take the slack, so

@@ -90,6 +90,12 @@ SNAPSHOT_COUNTERS = (
     "prefix_cache_host_hit_tokens",
     "num_swap_outs",
     "num_swap_ins",
+    "prefix_cache_storage_hit_tokens",
+    "num_storage_writes",
+    "num_storage_fetches",
+    "num_storage_write_failures",
+    "num_storage_fetch_failures",
+    "num_storage_fetches_declined",
     "encoder_cache_hits",
     "encoder_cache_misses",
 )
@@ -138,6 +144,15 @@ class SchedulerSnapshot:
     num_swap_ins: int = 0
     num_swap_failures: int = 0
     num_swap_ins_declined: int = 0
+    # The shared storage tier (core/storage.py; all 0 without one): hit tokens fetched from it,
+    # writes and fetches sent (blocks), those the worker failed, storage hits recomputed instead.
+    storage_enabled: bool = False
+    prefix_cache_storage_hit_tokens: int = 0
+    num_storage_writes: int = 0
+    num_storage_fetches: int = 0
+    num_storage_write_failures: int = 0
+    num_storage_fetch_failures: int = 0
+    num_storage_fetches_declined: int = 0
     # The multimodal encoder cache (0 when off): capacity and use in embeddings, item counts.
     encoder_cache_size: int = 0
     encoder_cache_used: int = 0

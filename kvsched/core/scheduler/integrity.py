@@ -35,6 +35,8 @@ def check_integrity(
     kv.pool.check_integrity(owners)
     if kv.host is not None:  # the host pool: every pin is a copy queued or in flight
         kv.host.check_integrity()
+    if kv.storage is not None:  # storage writes hold their claims; fetches name live handles
+        kv.storage.check_integrity(set(sched.live))
     if enc is not None:  # within capacity; needed items only by requests that hold them
         enc.check_integrity(sched.enc_needed)
     for req in placed:  # a cached block under a request holds that request's tokens

@@ -94,7 +94,12 @@ class Outbox:
 
     # ==== sealing a step's message ============================================================
     def seal(
-        self, tasks: Tasks, kv: KVCacheManager, enc: EncoderCache | None, last_step: int
+        self,
+        tasks: Tasks,
+        kv: KVCacheManager,
+        enc: EncoderCache | None,
+        last_step: int,
+        max_storage_writes: int | None = None,
     ) -> None:
         """Complete the step's Tasks: what was decided outside the step's pieces (preempts and
         aborts go first in the message), the host tier's copies, the report it answers, and a
@@ -118,6 +123,18 @@ class Outbox:
                     list(hb_),
                     list(gb_),
                 )
+        stored = kv.take_storage(self.preempts, self.aborts, max_storage_writes)
+        if stored is not None:
+            writes, fetches = stored
+            if writes:
+                tasks.storage_write_keys, tasks.storage_write_blocks = map(
+                    list, zip(*writes, strict=True)
+                )
+            if fetches:
+                f_h, f_k, f_g = zip(*fetches, strict=True)
+                tasks.storage_fetch_handles = list(f_h)
+                tasks.storage_fetch_keys = list(f_k)
+                tasks.storage_fetch_gpu = list(f_g)
         if enc is not None:
             tasks.encoder_drops = enc.take_drops()
         tasks.preempts, self.preempts = self.preempts, []
@@ -134,6 +151,8 @@ class Outbox:
         tasks.seq = self.seq
         if tasks.swap_out_gpu or tasks.swap_in_gpu:
             kv.copies_sent(self.seq)
+        if stored is not None:
+            kv.storage_sent(self.seq)
         self.answered = last_step
         if not empty:  # the report saying it was applied measures the round trip
             self.sent.append((self.seq, last_step))

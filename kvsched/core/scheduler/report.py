@@ -105,10 +105,21 @@ class ReportApplier:
                 if req is not None and req.status == RequestStatus.RUNNING:
                     exits.preempt(req)
             cols.match, cols.all_match = None, False  # slots may have been freed
+        fetches = 0
+        if self._kv.storage is not None and report.applied_seq > self._last_applied_seq:
+            # The storage tasks of every message up to applied_seq are done (or failed).
+            fetches = self._kv.acknowledge_storage(
+                report.applied_seq, report.failed_storage_writes, report.failed_storage_fetches
+            )
+            for h in report.failed_storage_fetches:  # its fetched KV is not there: recompute
+                req = live.get(int(h))
+                if req is not None and req.status == RequestStatus.RUNNING:
+                    exits.preempt(req)
+            cols.match, cols.all_match = None, False  # slots may have been freed
         # The step's terms and measured time into the cost model, and the chunks it ran off
         # the outstanding ones (step_plan), before any row changes the slots.
         single = report.step == self._last_step + 1 or self._last_step < 0
-        self._learn_step(report, cols.h, cols.s, single, swaps)
+        self._learn_step(report, cols.h, cols.s, single, swaps, fetches)
         outbox = self._outbox
         if report.applied_seq > self._last_applied_seq and outbox.sent:
             outbox.observe_lag(report)
@@ -373,7 +384,13 @@ class ReportApplier:
                 self._check_handles(h[~match])
         elif len(toks):
             raise ProtocolError("report token_ids length != sum(num_new_tokens)")
-        for col in (report.acked, report.paused, report.failed, report.failed_swap_ins):
+        for col in (
+            report.acked,
+            report.paused,
+            report.failed,
+            report.failed_swap_ins,
+            report.failed_storage_fetches,
+        ):
             if len(col):
                 self._check_handles(col)
         cols.fins = fin

@@ -51,7 +51,9 @@ from kvsched.core.scheduler.roles import Roles
 from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.scheduler.table import PlacementTable
 from kvsched.core.scheduler.validation import validate
+from kvsched.core.scheduler.views import cache_views
 from kvsched.core.step_cost import priced_hit_tokens
+from kvsched.core.storage import StorageIndex
 
 # Every scheduler made in this process gets the next epoch: an engine whose scheduler is
 # replaced (its workers reconnected) shows a new one, and readers know their numbers restarted.
@@ -73,7 +75,12 @@ class Scheduler:
         clock: Callable[[], float] = lambda: 0.0,
         instance_id: str = "",
         first_handle: int = 0,
+        storage: StorageIndex | None = None,
+        storage_namespace: str = "",
     ) -> None:
+        """storage: the daemon's shared storage index (one per daemon, every scheduler's), or
+        None: no storage tier; storage_namespace: the first part of this instance's storage
+        keys (its model: equal prefixes of one model are equal keys on every instance)."""
         self.config = config = (config or EngineConfig()).validate()
         self.epoch = next(_epochs)
         self.clock = clock
@@ -87,6 +94,9 @@ class Scheduler:
             cc.num_host_blocks,
             cc.host_write_policy,
             cc.host_write_hits,
+            storage,
+            storage_namespace,
+            cc.storage_write_policy,
         )
         # The worker's multimodal encoder outputs (None: cache off).
         self.enc = EncoderCache(cc.encoder_cache_size) if cc.encoder_cache_size else None
@@ -146,7 +156,8 @@ class Scheduler:
                     tasks.extensions = self.outbox.take_extended(table.live)
             if not preempted and table.running:
                 exits.decay_reserve()
-        self.outbox.seal(tasks, self.kv, self.enc, self.reports.last_report_step)
+        budget = self.plan.storage_write_budget() if self.kv.storage is not None else None
+        self.outbox.seal(tasks, self.kv, self.enc, self.reports.last_report_step, budget)
         return tasks
 
     def apply_report(self, report: StepReport) -> Events:
@@ -359,15 +370,18 @@ class Scheduler:
         return self.backlog.predicted_wait_ms(req, hit_tokens)
 
     def priced_hit(self, req: Request) -> tuple[float, int]:
-        """(tokens req's hit is worth here, tokens cached in either tier): GPU hits whole, host
-        hits by the share of their recompute time a swap-in saves (`priced_hit_tokens`)."""
-        gpu, host = self.kv.tier_hit_tokens(req)
-        if not host:
+        """(tokens req's hit is worth here, tokens cached in any tier): GPU hits whole, host
+        hits by the share of their recompute time a swap-in saves, storage hits likewise by
+        a fetch's (`priced_hit_tokens`)."""
+        gpu, host, stored = self.kv.tier_hits(req)
+        if not host and not stored:
             return float(gpu), gpu
         cost = self.plan.cost
         a_tok, a_attn = cost.prefill_costs
         swap_ms = cost.swap_block_ms * host / self.block_size
-        return priced_hit_tokens(gpu, [(host, swap_ms)], a_tok, a_attn), gpu + host
+        fetch_ms = cost.fetch_block_ms * stored / self.block_size
+        runs = [(host, swap_ms), (stored, fetch_ms)]
+        return priced_hit_tokens(gpu, runs, a_tok, a_attn), gpu + host + stored
 
     def host_block_hashes(self) -> list[bytes]:
         """Every hash the host-memory tier holds now ([] without one)."""
@@ -422,38 +436,8 @@ class Scheduler:
             last_report_step=self.reports.last_report_step,
             last_tasks_seq=self.outbox.seq,
             **self.plan.view(),
-            **self._host_view(),
-            **self._encoder_view(),
+            **cache_views(self.kv, self.enc),
         )
-
-    def _encoder_view(self) -> dict[str, Any]:
-        enc = self.enc
-        if enc is None:
-            return {}
-        st = enc.stats
-        return {
-            "encoder_cache_size": enc.capacity,
-            "encoder_cache_used": enc.used,
-            "encoder_cache_hits": st.hits,
-            "encoder_cache_misses": st.misses,
-            "encoder_cache_evictions": st.evictions,
-        }
-
-    def _host_view(self) -> dict[str, Any]:
-        kv, host = self.kv, self.kv.host
-        if host is None:
-            return {}
-        st = host.stats
-        return {
-            "num_host_blocks": host.num_blocks,
-            "num_free_host_blocks": host.num_free,
-            "host_cache_usage": host.pool.usage,
-            "prefix_cache_host_hit_tokens": kv.num_host_hits,
-            "num_swap_outs": st.swap_outs,
-            "num_swap_ins": st.swap_ins,
-            "num_swap_failures": st.swap_out_failures + st.swap_in_failures,
-            "num_swap_ins_declined": st.swap_ins_declined,
-        }
 
     def load_facts(self, queued: bool = False) -> dict[str, float]:
         """The numbers an instance's load is computed from (`kvsched.core.router.instance_load`)
@@ -481,11 +465,19 @@ class Scheduler:
         cost = self.plan.cost
         facts["prefill_token_ms"], facts["attention_ms"] = cost.prefill_costs
         facts["swap_block_ms"] = cost.swap_block_ms
+        if self.kv.storage is not None:
+            facts["fetch_block_ms"] = cost.fetch_block_ms
         return facts
 
     def prefix_hit_tokens(self, req: Request) -> int:
         """Tokens of req's prompt this instance holds cached now (for routing); no side effects."""
         return self.kv.hit_tokens(req)
+
+    def close(self) -> None:
+        """The scheduler is dropped (its instance lost): release what it holds in state shared
+        with other schedulers (its storage writes' claims in the daemon's StorageIndex)."""
+        if self.kv.storage is not None:
+            self.kv.storage.abandon()
 
     def check_integrity(self) -> None:
         """Assert every invariant of the scheduler's state (O(everything): tests only)."""

@@ -134,9 +134,19 @@ class StepPlan:
             return float("inf")
         ctx = self._decode_ctx + self._out_final_ctx + LOOKAHEAD_STEPS * d
         copies = self._kv.num_queued_copies  # they run at the step's boundary
+        fetches = self._kv.num_queued_fetches
         return self.itl_target_ms - self.cost.predict_ms(
-            self._out_tokens + d * self._spec_k, d, ctx, self._out_attn, copies
+            self._out_tokens + d * self._spec_k, d, ctx, self._out_attn, copies, fetches
         )
+
+    def storage_write_budget(self) -> int:
+        """Storage writes a step hides: they run beside it (the worker's NIC reads pinned host
+        memory while the GPU computes), so a message carries at most a typical step's
+        measured time (the itl target before any was measured) of them, by the cost model's
+        per-block storage transfer time; never fewer than one."""
+        step_ms = self.cost.ewma_measured_ms or self.itl_target_ms or 50.0
+        per_block = self.cost.fetch_block_ms
+        return max(1, int(step_ms / per_block)) if per_block > 0 else 1 << 30
 
     def fit_time(self, start: int, n: int, own_tokens: int, own_attn: int, slack: float) -> int:
         """The largest chunk m <= n starting at `start` whose extra predicted cost fits `slack`
@@ -206,12 +216,19 @@ class StepPlan:
 
     # ==== the report's side ===================================================================
     def learn_step(
-        self, report: StepReport, h: np.ndarray, s: np.ndarray, single: bool, swaps: int
+        self,
+        report: StepReport,
+        h: np.ndarray,
+        s: np.ndarray,
+        single: bool,
+        swaps: int,
+        fetches: int = 0,
     ) -> None:
         """Before the report's rows are applied: mark the chunks it shows executed, and learn
         the step's measured time from its terms (h, s: the rows' handles and slots; single:
         the report is of one step, not a merge of several; swaps: host tier copies done at
-        the step's boundary, the model's swapped-blocks term)."""
+        the step's boundary, the model's swapped-blocks term; fetches: storage tier fetches done
+        there, its fetched-blocks term)."""
         prefill = attn = n_prefill_rows = prefill_comp = completed_ctx = 0
         comps = report.num_computed
         if self._out:
@@ -247,7 +264,9 @@ class StepPlan:
         self._decode_ctx = ctx + completed_ctx
         self.last_step_terms = (prefill, decodes, ctx, attn)
         if report.step_time_ns > 0:
-            self.cost.observe(prefill, decodes, ctx, attn, swaps, report.step_time_ns / 1e6)
+            self.cost.observe(
+                prefill, decodes, ctx, attn, swaps, report.step_time_ns / 1e6, fetches
+            )
 
     def _shrink(self, h: int, rec: Outstanding, applied_seq: int) -> None:
         """Recompute a record's largest chunks after a report (some ran, the oldest may be

@@ -286,6 +286,29 @@ class PagedModelExecutor:
         no longer names would change tokens."""
         self.host.fill_noise()
 
+    # ---- the storage tier (worker_stub/storage_kv.py puts and gets the bytes) ----------------
+    def storage_read(self, block_ids: list[int]) -> list[bytes]:
+        """One blob per block, export_kv's layout: host blocks when this executor has a host
+        tier (the daemon then names host block ids), else GPU blocks."""
+        if not self.host.num_blocks:
+            return [self.export_kv([i]) for i in block_ids]
+        dtype = self.config.dtype
+        return [
+            np.ascontiguousarray(np.stack(self.host.read([i])), dtype).tobytes() for i in block_ids
+        ]
+
+    def storage_write(self, gpu_ids: list[int], blobs: list[bytes | None]) -> None:
+        """Write one blob of storage_read per GPU block; ValueError (nothing written) when one
+        is missing or of the wrong size."""
+        c = self.config
+        expected = 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim
+        expected *= np.dtype(c.dtype).itemsize
+        bad = [i for i, blob in enumerate(blobs) if blob is None or len(blob) != expected]
+        if bad or len(blobs) != len(gpu_ids):
+            raise ValueError(f"{len(bad)} of {len(gpu_ids)} blocks missing or not {expected} bytes")
+        for gpu_id, blob in zip(gpu_ids, blobs, strict=True):
+            self.import_kv([gpu_id], blob or b"")
+
     def execute(self, work: list[SeqWork]) -> StepResult:
         """Compute the K/V of every SeqWork's tokens into its blocks, then sample where asked.
 
