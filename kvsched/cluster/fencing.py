@@ -60,5 +60,5 @@ def hand_over_fenced(engines: Mapping[str, Any], leases: Leases, members: Mappin
             lease.revision,
             eng.fencing_epoch,
         )
-        eng.take_out(f"lease taken by daemon {lease.owner}")
+        eng.take_out(f"lease taken by daemon {lease.owner}", worker_fault=False)
     return handed

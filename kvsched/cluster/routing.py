@@ -111,7 +111,9 @@ class ClusterRouter:
         """Re-read which indexed instances may take requests (synced, with a load, a peer's,
         leased to a live member): a loop over every instance, so it runs when the index gains
         or resyncs one, when the daemon's membership and lease views were refreshed
-        (`ClusterNode`, every 0.2 s) and at least every `refresh_s`, never per decision."""
+        (`ClusterNode`, every 0.2 s) and at least every `refresh_s`, never per decision. An
+        instance this daemon still knows but has no worker of (taken out: its lease went to
+        a peer while this daemon was paused or cut off) is the peer's to take requests."""
         index, me, engines = self.index, self.daemon_id, self.registry.engines
         owner, live = self.owner_of.get, self.address_of
         ok = [
@@ -121,7 +123,7 @@ class ClusterRouter:
             and v.daemon != me
             and v.daemon in live
             and owner(v.instance_id) == v.daemon
-            and v.instance_id not in engines
+            and not _attached_here(engines.get(v.instance_id))
             for v in index.slots
         ]
         self._base = np.array(ok, dtype=bool)
@@ -199,14 +201,18 @@ class ClusterRouter:
         req: Request,
         model: str = "",
         hashes_by_size: dict[int, list[bytes]] | None = None,
+        exclude: frozenset[str] = frozenset(),
     ) -> InstanceEngine | RemoteInstance:
         """Where `req` goes: `choose`, then `commit` (the decision recorded as sent). With no
         peer instance known this is the daemon's own routing (including its errors:
         Unavailable when nothing is ready). hashes_by_size: the prompt's chained block hashes
-        per block size when the caller has them already."""
+        per block size when the caller has them already. exclude: peers' daemon ids not to
+        choose (they refused the request just now)."""
         t0 = time.perf_counter()
         try:
-            got = self.choose(req, model or self.registry.model_for(""), dict(hashes_by_size or {}))
+            got = self.choose(
+                req, model or self.registry.model_for(""), dict(hashes_by_size or {}), exclude
+            )
             return self.commit(got)
         finally:
             self.route_s.append(time.perf_counter() - t0)
@@ -218,11 +224,21 @@ class ClusterRouter:
             return 0.0, 0.0
         return 1e6 * xs[len(xs) // 2], 1e6 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
-    def choose(self, req: Request, model: str, by_size: dict[int, list[bytes]]) -> Route:
+    def choose(
+        self,
+        req: Request,
+        model: str,
+        by_size: dict[int, list[bytes]],
+        exclude: frozenset[str] = frozenset(),
+    ) -> Route:
         """The decision, a value: this daemon's engine or a peer's instance slot, scored by
         `core.router.choose` over plain candidates (hit fraction, predicted wait, load) of
-        both kinds. Nothing is counted as sent (`commit` does)."""
+        both kinds, none of the daemons in `exclude`. Nothing is counted as sent (`commit`
+        does)."""
         elig = self._remote_mask(time.monotonic()) & self._fits(req, model)
+        if exclude:
+            views = self.index.slots[: elig.size]
+            elig &= np.array([v is None or v.daemon not in exclude for v in views], bool)
         if not elig.any():
             try:
                 return Route(self.registry.route(req, model), -1, False)
@@ -337,3 +353,8 @@ class ClusterRouter:
             + t.sent[:size] / t.max_num_seqs[:size]
         )
         return worth / n, waits, loads
+
+
+def _attached_here(eng: InstanceEngine | None) -> bool:
+    """Whether a worker of this instance is attached to this daemon now."""
+    return eng is not None and bool(eng.ranks)

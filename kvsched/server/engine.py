@@ -85,8 +85,9 @@ class EngineListener(Protocol):
     def on_finished(self, eng: InstanceEngine, req: Request) -> None:
         """`req` reached a finished state (it may be a stale copy or a decode reservation)."""
 
-    def requeue_lost(self, req: Request, reason: str) -> None:
-        """`req` was live on an instance that was lost (`reason`)."""
+    def requeue_lost(self, req: Request, reason: str, worker_fault: bool = False) -> None:
+        """`req` was live on an instance that was lost (`reason`); `worker_fault`: its worker
+        died or broke the protocol (what a poison request does), not the cluster's doing."""
 
 
 class InstanceEngine:
@@ -221,9 +222,13 @@ class InstanceEngine:
             self.role.value,
         )
 
-    def take_out(self, reason: str, error: Exception | None = None) -> None:
+    def take_out(
+        self, reason: str, error: Exception | None = None, worker_fault: bool = True
+    ) -> None:
         """The instance is lost (a rank dropped, went silent, or broke the protocol): close
-        every rank's stream and end every request it held with an error the client sees."""
+        every rank's stream and end every request it held with an error the client sees.
+        `worker_fault` False: the loss is the cluster's (its lease was taken, a rank went
+        silent: a pause or a partition), never counted against its requests (poison.py)."""
         sched, self.sched = self.sched, None
         if sched is not None:
             sched.close()  # its storage writes' claims in the daemon's shared index
@@ -247,7 +252,9 @@ class InstanceEngine:
         self.dispatch(sched.take_events())
         self._deliver = TokenDelivery()  # let go of the lost scheduler's last batch
         for req in list(sched.requests.values()):
-            self.listener.requeue_lost(req, f"instance {self.instance_id} lost: {reason}")
+            self.listener.requeue_lost(
+                req, f"instance {self.instance_id} lost: {reason}", worker_fault
+            )
 
     def close(self) -> None:
         """Stop the engine loop of an instance the registry forgot (no worker, no request)."""

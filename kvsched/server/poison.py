@@ -9,6 +9,12 @@ that model is live and still without progress), so an innocent request that happ
 a crashing batch is not lost again with the poison one. A request that is a suspect
 `poison_max_losses` times (config; default 2) ends with FINISH_REASON_ERROR and a message that
 says so; it is logged and counted (`kvsched_requests_quarantined_total`).
+
+Only losses that are the worker's fault count (`RequestTable.requeue_lost(worker_fault=True)`:
+its stream broke, as a crash breaks it, or it broke the protocol). The cluster's faults are not
+the request's: an instance whose lease a peer took, a rank silent past the heartbeat timeout (a
+paused worker or daemon, a partition), a peer that went away or an adoption move the request
+without counting.
 """
 
 from __future__ import annotations

@@ -210,6 +210,7 @@ class InstanceRegistry:
                     # UNAVAILABLE, as for a dropped stream: a worker that was merely stalled
                     # (SIGSTOP, a long GC) reconnects instead of giving up for good.
                     Unavailable("heartbeat timeout: no message within heartbeat_timeout_s"),
+                    worker_fault=False,  # a pause or a partition as often as a death
                 )
 
     def forget_lost(self, now: float) -> None:

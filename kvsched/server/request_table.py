@@ -279,10 +279,12 @@ class RequestTable:
             return  # a decode reservation or a stale copy
         self.finish(tr)
 
-    def requeue_lost(self, old: Request, reason: str) -> None:
+    def requeue_lost(self, old: Request, reason: str, worker_fault: bool = False) -> None:
         """A live request of a lost instance (or of a peer that went away): keep the tokens
         it streamed and recompute it on another instance (or the same one once it
-        reconnects), within requeue_timeout_s."""
+        reconnects), within requeue_timeout_s. Only a loss that is the worker's fault
+        (`worker_fault`: its stream broke, or it broke the protocol) counts towards its
+        poison quarantine; a lease taken, a silent rank, a peer that went away do not."""
         tr = old.tag
         if not isinstance(tr, Tracked) or tr.req is not old:
             return  # a decode reservation: its prefill side fails the hand-off
@@ -290,7 +292,7 @@ class RequestTable:
         if tr.decode_engine is not None or (eng is not None and eng.role != Role.MIXED):
             self.finish(tr, FinishReason.ERROR, f"{reason}; disaggregated requests are not moved")
             return
-        quarantined = self.poison.lost(tr, reason)
+        quarantined = self.poison.lost(tr, reason) if worker_fault else None
         if quarantined is not None:
             self.telemetry.request_quarantined(tr)
             self.finish(tr, FinishReason.ERROR, quarantined)

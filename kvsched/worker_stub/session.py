@@ -51,6 +51,13 @@ _FATAL_CODES = frozenset(
 )
 
 
+def _still_attached(e: grpc.aio.AioRpcError) -> bool:
+    """The daemon refused the hello because this rank's old stream is still attached there."""
+    return e.code() == grpc.StatusCode.FAILED_PRECONDITION and "already connected" in (
+        e.details() or ""
+    )
+
+
 class WorkerError(KvschedError):
     """The daemon refused this worker for good (bad hello, credentials, protocol version)."""
 
@@ -178,10 +185,15 @@ class Worker(StepLoop):
                             log.info("daemon %s ended the stream (OK): leaving", self.server)
                         return
                 except grpc.aio.AioRpcError as e:
-                    if e.code() in _FATAL_CODES:
+                    if _still_attached(e):
+                        # The daemon still holds this rank's previous stream (it has not seen
+                        # it break yet: a partition, a pause): it drops it within its
+                        # heartbeat timeout, so this is retried with backoff, not fatal.
+                        log.warning("daemon %s: %s; retrying with backoff", self.server, e.details())
+                    elif e.code() in _FATAL_CODES:
                         msg = f"daemon refused worker: {e.code().name}: {e.details()}"
                         raise WorkerError(msg) from e
-                    if self._welcomed.is_set():
+                    elif self._welcomed.is_set():
                         log.warning(
                             "stream to %s broke: %s: %s", self.server, e.code().name, e.details()
                         )
