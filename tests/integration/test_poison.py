@@ -91,3 +91,49 @@ def test_poison_request_is_quarantined_after_two_losses_and_the_rest_finish() ->
 async def _after(address: str, spec: Spec) -> list[Outcome]:
     async with grpc.aio.insecure_channel(address) as ch:
         return [await generate(request_service_pb2_grpc.RequestServiceStub(ch), spec.message())]
+
+
+async def _all(address: str, specs: list[Spec]) -> list[Outcome]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = request_service_pb2_grpc.RequestServiceStub(ch)
+        return list(await asyncio.gather(*(generate(stub, s.message(), timeout=120) for s in specs)))
+
+
+def test_a_silent_worker_is_not_counted_against_its_requests() -> None:
+    """Issue 23: a rank silent past the heartbeat timeout (a paused worker or daemon, a
+    partition) is the cluster's fault, not the requests': with poison_max_losses = 1 the
+    requests it held before their first token are requeued and finish, none quarantined."""
+    import signal
+    import threading
+
+    env = {"KVSCHED_POISON_MAX_LOSSES": "1", "KVSCHED_HEARTBEAT_TIMEOUT_S": "1", "KVSCHED_HEARTBEAT_INTERVAL_S": "0.3"}
+    daemon, address = start_daemon(env=env)
+    fast = ("--reconnect-min-s", "0.05", "--reconnect-max-s", "0.2")
+    worker = start_worker(address, "i0", *fast)
+    try:
+        wait_ready(address, ["i0"])
+        worker.signal(signal.SIGSTOP)  # silent from now on: placed requests make no progress
+        specs = [Spec(f"s-{i}", [21 + i] * 30, 12) for i in range(4)]
+
+        def resume_worker() -> None:
+            try:
+                daemon.wait_for(r"instance i0 taken out: rank 0 silent", timeout=60)
+            finally:
+                worker.signal(signal.SIGCONT)
+
+        t = threading.Thread(target=resume_worker)
+        t.start()
+        outs = asyncio.run(_all(address, specs))
+        t.join(65)
+        daemon.wait_for(r"instance i0 taken out: rank 0 silent", timeout=1)
+        for spec, out in zip(specs, outs, strict=True):
+            assert out.code is None, (spec.req_id, out.details)
+            assert out.finished is not None
+            assert out.finished.reason == common_pb2.FINISH_REASON_LENGTH, out.finished.message
+            assert out.tokens == spec.expected, spec.req_id
+        assert not any("quarantined" in ln for ln in daemon.lines)
+        wait_pool_free(address)
+    finally:
+        worker.signal(signal.SIGCONT)
+        worker.stop()
+        daemon.stop()
