@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
+
+import grpc
 
 from kvsched.client import AsyncClient
 from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, resumable
 from kvsched.cluster.leases import Lease, Leases
 from kvsched.cluster.link import connect_cluster
 from kvsched.cluster.natsd import NatsServer
+from kvsched.v1 import common_pb2, request_service_pb2_grpc
 from tests.cluster.durability_kit import (
     Daemon,
     prompts,
@@ -20,6 +24,7 @@ from tests.cluster.durability_kit import (
     start_sim_worker,
     until_tokens,
 )
+from tests.integration.clients import Outcome, Spec, generate
 from tests.integration.harness import Proc, status, wait_ready
 
 
@@ -109,5 +114,53 @@ def test_taken_lease_fences_the_old_daemon_and_the_worker_follows(
             nats_server.start()  # the module's server, for the tests after this one
         for p in reversed(workers):
             p.stop()
+        a.stop()
+        b.stop()
+
+
+async def _generate_through(address: str, specs: list[Spec]) -> list[Outcome]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = request_service_pb2_grpc.RequestServiceStub(ch)
+        return [await generate(stub, s.message(), timeout=60) for s in specs]
+
+
+def test_a_daemon_whose_instances_were_all_taken_routes_new_requests_to_the_peer(
+    nats_server: NatsServer,
+) -> None:
+    """Issue 23: a daemon whose only instance was taken by a peer (it was paused or cut off)
+    still knows the instance (its engine, without a worker, until forget_lost_instance_s):
+    it must not hide the peer's instance of the same id from its router, but forward new
+    requests there instead of refusing them with 'no instance is ready'."""
+    a = Daemon(nats_server.url, "fr-a").start()
+    b = Daemon(nats_server.url, "fr-b").start()
+    worker = start_sim_worker(f"{a.address},{b.address}", "fr0", "--reconnect-max-s", "0.5")
+    try:
+        wait_ready(a.address, ["fr0"], 60.0)
+        asyncio.run(_take_lease(nats_server.url, "fr-b", "fr0", "fr-a"))
+        assert a.proc is not None
+        a.proc.wait_for(r"instance fr0 taken out: lease taken by daemon fr-b", timeout=30)
+        wait_ready(b.address, ["fr0"], 30.0)
+        assert not _ready(a.address).get("fr0")  # a keeps the engine, with no worker
+        # Once a has heard b's instance (its KV events and load: a few 100 ms), a request
+        # sent to a runs on b's fr0; bounded: 20 s.
+        deadline = time.monotonic() + 20.0
+        n, first = 0, None
+        while time.monotonic() < deadline:
+            n += 1
+            (first,) = asyncio.run(_generate_through(a.address, [Spec(f"fr-try-{n}", [9] * 20, 4)]))
+            if first.code is None:
+                break
+            time.sleep(0.2)
+        assert first is not None and first.code is None, (n, first.code, first.details)
+        # From then on every request sent to a is forwarded, none refused.
+        specs = [Spec(f"fr-{i}", [30 + i] * 25, 16) for i in range(6)]
+        for spec, out in zip(specs, asyncio.run(_generate_through(a.address, specs)), strict=True):
+            assert out.code is None, (spec.req_id, out.details)
+            assert out.finished is not None
+            assert out.finished.reason == common_pb2.FINISH_REASON_LENGTH
+            assert out.tokens == sim_expected(spec.req_id, len(spec.prompt), 16)
+            assert out.instance == "fr0"
+    finally:
+        worker.stop()
         a.stop()
         b.stop()
