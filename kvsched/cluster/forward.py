@@ -16,9 +16,13 @@ Tokens are appended to the local request as they arrive and handed to its sink; 
 Finished becomes the local request's one finished state (`RequestTable.finish`). The forwarder
 is a lifecycle observer of the table: a relayed request that ends here first (aborted, its
 client dropped) has its relay cancelled (`request_finished`), and the call with it: the peer
-sees its client go and aborts. A peer that cannot be reached, or that fails the stream with
-UNAVAILABLE, has the request parked in the local table (`requeue_lost`: recomputed here,
-keeping the tokens already streamed).
+sees its client go and aborts. A peer that refuses the request before accepting it (no
+instance ready there, its journal out of reach, its address refusing connections) has it
+recorded in this daemon's journal and placed again by the cluster's routing without that peer:
+another peer's instance or one here (`_choose_again`), never ended for it. A peer that fails
+the stream later with UNAVAILABLE has the request followed to its new owner (`_reattach`), or
+parked in the local table (`requeue_lost`: recomputed here, keeping the tokens already
+streamed) and journaled here.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvsched import codec
+from kvsched.cluster.routing import RemoteInstance
+from kvsched.core import KvschedError
 from kvsched.core.request import FINISHED_STATUS
 from kvsched.server.record import RemotePeer
 from kvsched.v1 import request_service_pb2 as rpb
@@ -40,7 +46,9 @@ from kvsched.v1 import request_service_pb2_grpc
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Mapping
 
-    from kvsched.cluster.routing import RemoteInstance
+    from kvsched.core import Request
+    from kvsched.server.durable import Durability
+    from kvsched.server.engine import InstanceEngine
     from kvsched.server.record import Tracked
     from kvsched.server.request_table import RequestTable
 
@@ -71,6 +79,14 @@ class Forwarder:
         # followed to its new owner, for up to `reattach_s` (None: recompute it here at once).
         self.peers: Callable[[], list[str]] | None = None
         self.reattach_s = 20.0
+        # A request a peer refused is placed again through this (the cluster node's routing,
+        # the refusing daemons excluded; None: not at all) and recorded in this daemon's
+        # journal meanwhile (`durable`, set by the daemon when it journals).
+        self.reroute: (
+            Callable[[Request, str, frozenset[str]], InstanceEngine | RemoteInstance] | None
+        ) = None
+        self.durable: Durability | None = None
+        self.num_rerouted = 0
 
     def _stub(self, address: str) -> request_service_pb2_grpc.RequestServiceStub:
         ch = self._channels.get(address)
@@ -114,29 +130,101 @@ class Forwarder:
         deadline_s: float | None,
     ) -> None:
         req = tr.req
-        call = self._stub(remote.address).Generate(msg, metadata=md, timeout=deadline_s)
-        try:
-            async for out in call:
-                if self._take(tr, out):
+        refused: set[str] = set()  # daemons that refused it (chosen again without them)
+        while True:
+            accepted = False  # the peer answered: it took (and journaled) the request
+            call = self._stub(remote.address).Generate(msg, metadata=md, timeout=deadline_s)
+            try:
+                async for out in call:
+                    if not accepted:
+                        accepted = True
+                        if self.durable is not None:  # recorded here meanwhile: its now
+                            self.durable.moved_to(tr, remote.daemon_id)
+                    if self._take(tr, out):
+                        return
+                raise _ended()
+            except grpc.aio.AioRpcError as exc:
+                if tr.finished:
                     return
-            raise _ended()
-        except grpc.aio.AioRpcError as exc:
-            if tr.finished:
+                why = f"forwarded to daemon {remote.daemon_id}: {exc.code().name}: {exc.details()}"
+                retryable = exc.code() in _RETRYABLE
+                if retryable and not accepted and not req.output_token_ids:
+                    # Refused before it was accepted there (no instance ready, its journal cut
+                    # off): choose again, without that daemon, instead of ending it.
+                    refused.add(remote.daemon_id)
+                    nxt = await self._choose_again(tr, msg, why, refused)
+                    if nxt is None:
+                        return  # runs here now, or parked here
+                    remote = nxt
+                    md = [(k, v) if k != FORWARD_INSTANCE else (k, nxt.instance_id) for k, v in md]
+                    continue
+                if retryable and await self._reattach(tr, why):
+                    return
+                if tr.finished:
+                    return
+                self.requests.relay_ended(tr)
+                if retryable:
+                    self.num_requeued += 1
+                    log.warning("%s; recomputing request %s here", why, req.req_id)
+                    self.requests.requeue_lost(req, why)
+                    await self._record_here(tr, msg)  # never parked here unjournaled
+                else:
+                    self.requests.abort_tracked(tr, why)
                 return
-            why = f"forwarded to daemon {remote.daemon_id}: {exc.code().name}: {exc.details()}"
-            if exc.code() in _RETRYABLE and await self._reattach(tr, why):
-                return
-            if tr.finished:
-                return
+            finally:
+                call.cancel()
+
+    async def _choose_again(
+        self, tr: Tracked, msg: rpb.GenerateRequest, why: str, refused: set[str]
+    ) -> RemoteInstance | None:
+        """`tr` was refused by the peer it was forwarded to, before any output: it is recorded
+        in this daemon's journal first (this daemon may die while it waits), then placed by
+        the cluster's routing again, the refusing daemons left out: another peer's instance
+        (returned: relay it from there), or an instance here (None: it runs here). While
+        nothing can take it, tried again every 0.5 s (the refusing peers too, once all
+        refused) for requeue_timeout_s; then parked here like a lost instance's request."""
+        rid = tr.req.req_id
+        log.warning("%s; choosing again for request %s", why, rid)
+        await self._record_here(tr, msg)
+        give_up = time.monotonic() + self.requests.config.requeue_timeout_s
+        task = asyncio.current_task()
+        while not tr.finished:
+            target: InstanceEngine | RemoteInstance | None = None
+            if self.reroute is not None:
+                try:
+                    target = self.reroute(tr.req, tr.model, frozenset(refused))
+                except KvschedError as exc:
+                    why = f"{why}; then: {exc}"
+            if isinstance(target, RemoteInstance):
+                if task is not None:
+                    self.requests.relay_started(tr, task, target)
+                self.num_rerouted += 1
+                log.info("request %s forwarded again, to daemon %s", rid, target.daemon_id)
+                return target
+            if target is not None:
+                try:
+                    self.requests.place_here(tr, target)
+                except KvschedError as exc:
+                    why = f"{why}; then: {exc}"
+                else:
+                    self.num_rerouted += 1
+                    log.info("request %s placed here, on %s", rid, target.instance_id)
+                    await self._record_here(tr, msg)
+                    return None
+            if time.monotonic() >= give_up:
+                break
+            refused.clear()  # nothing took it: the refusing peers may be ready again
+            await asyncio.sleep(0.5)
+        if not tr.finished:
             self.requests.relay_ended(tr)
-            if exc.code() in _RETRYABLE:
-                self.num_requeued += 1
-                log.warning("%s; recomputing request %s here", why, req.req_id)
-                self.requests.requeue_lost(req, why)
-            else:
-                self.requests.abort_tracked(tr, why)
-        finally:
-            call.cancel()
+            self.num_requeued += 1
+            self.requests.requeue_lost(tr.req, why)
+        return None
+
+    async def _record_here(self, tr: Tracked, msg: rpb.GenerateRequest) -> None:
+        if self.durable is not None and not tr.finished:
+            if await self.durable.record_here(tr, msg):
+                log.info("request %s recorded in this daemon's journal", tr.req.req_id)
 
     def _take(
         self, tr: Tracked, out: rpb.GenerateResponse | rpb.RequestServiceResumeResponse

@@ -101,6 +101,7 @@ class ClusterNode:
         self.forwarder = Forwarder(self.daemon_id, requests, config.cluster_token)
         self.forwarder.peers = self._peer_addresses
         self.forwarder.reattach_s = max(20.0, 4 * config.member_ttl_s)
+        self.forwarder.reroute = self._reroute
         token = config.cluster_token
         self._cluster_principal = principal_of(token) if config.auth_file and token else None
         if config.auth_file and not token:
@@ -282,6 +283,17 @@ class ClusterNode:
             except Unavailable as exc:
                 raise Unavailable(self.unreachable_reason(str(exc))) from None
         return self.router.route(req, model), owner
+
+    def _reroute(
+        self, req: Request, model: str, exclude: frozenset[str]
+    ) -> InstanceEngine | RemoteInstance:
+        """Where a request a peer refused goes now (the forwarder's): `route_new`'s rule
+        without the daemons in `exclude`."""
+        if self.fence.fenced:
+            raise Unavailable(self.fence.reason())
+        if not self.connected:
+            return self.registry.route(req, model)
+        return self.router.route(req, model, exclude=exclude)
 
     def refuse_if_fenced(self) -> None:
         """Unavailable while this daemon is fenced (selffence.py): a Resume of a request it does

@@ -179,6 +179,16 @@ class Journal:
         here without a record; the adopter journals it."""
         tr.journal_state = JournalState.CLOSED
 
+    def moved_to(self, tr: Journaled, daemon_id: str) -> None:
+        """`tr`, stored here, was accepted by daemon `daemon_id` (forwarded there after a peer
+        refused it), which journals it now: its record here becomes a tombstone naming that
+        daemon (`lookup` follows it), closed here."""
+        if tr.journal_state != JournalState.STORED:
+            return
+        tr.journal_state = JournalState.CLOSED
+        headers = {**R.TOMBSTONE_HEADERS, ADOPTED_BY: daemon_id}
+        self._emit(R.req_subject(self.daemon_id, tr.req.req_id), b"", headers)
+
     def finished(self, tr: Journaled) -> None:
         """Record `tr`'s end (its one Finished is decided); the tokens go with it."""
         if tr.journal_state != JournalState.STORED:

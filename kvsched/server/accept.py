@@ -66,7 +66,9 @@ class Acceptor:
             chosen, owner = cluster.route_new(req, dict(carrier), owner, model)
             if not isinstance(chosen, InstanceEngine):
                 # ... send: relay it to the peer's instance (that daemon journals it).
-                tr = Tracked(req, RemotePeer(chosen), sink, pb.detachable, owner, client_tag)
+                tr = Tracked(
+                    req, RemotePeer(chosen), sink, pb.detachable, owner, client_tag, model=model
+                )
                 table.track(tr, carrier, deadline_s, queue_timeout=False)
                 relay = cluster.forward(tr, pb, chosen, dict(carrier), deadline_s)
                 table.relay_started(tr, relay)

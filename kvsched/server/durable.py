@@ -13,11 +13,13 @@ imports nothing of kvsched.durability: `Journal` below is the port it is handed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from kvsched.core import Unavailable
+from kvsched.core.journal_state import JournalState
 from kvsched.server.record import LocalEngine, Tracked
 from kvsched.server.request_table import RequestTable
 from kvsched.v1 import journal_pb2, request_service_pb2
@@ -47,6 +49,8 @@ class Journal(Protocol):
     def restored(self, tr: Tracked, recorded: int) -> None: ...
 
     def adopted_elsewhere(self, tr: Tracked) -> None: ...
+
+    def moved_to(self, tr: Tracked, daemon_id: str) -> None: ...
 
     @staticmethod
     def output_tokens(rec: journal_pb2.JournalRecord) -> list[int]: ...
@@ -84,6 +88,37 @@ class Durability:
             if not tr.finished:
                 self.table.abort_tracked(tr, "refused: the journal did not store the request")
             raise
+
+    async def record_here(self, tr: Tracked, pb: request_service_pb2.GenerateRequest) -> bool:
+        """A request this daemon accepted and forwarded comes back (its peer refused it before
+        accepting it, or went away without journaling it): store its accepted record under
+        this daemon now, wherever it waits or runs next, so that this daemon's death does not
+        lose it. Retried (3 tries, 0.5 s apart); False when not stored (the journal is out of
+        reach: it runs all the same, unjournaled, logged)."""
+        journal = self.journal
+        if journal is None or tr.finished:
+            return False
+        if tr.journal_state != JournalState.NONE:
+            return tr.journal_state == JournalState.STORED
+        why = ""
+        for attempt in range(3):
+            if attempt:
+                await asyncio.sleep(0.5)
+            if tr.finished:
+                return False
+            try:
+                await journal.accept(tr, pb, tr.instance_id)
+                return True
+            except Unavailable as exc:
+                why = str(exc)
+        log.warning("request %s runs here unjournaled: %s", tr.req.req_id, why)
+        return False
+
+    def moved_to(self, tr: Tracked, daemon_id: str) -> None:
+        """`tr`, recorded here by `record_here`, was accepted by daemon `daemon_id` since:
+        that daemon journals it (the record here names it)."""
+        if self.journal is not None:
+            self.journal.moved_to(tr, daemon_id)
 
     # ---- Lifecycle ------------------------------------------------------------------------
     def request_accepted(self, tr: Tracked, carrier: Mapping[str, str], /) -> None:

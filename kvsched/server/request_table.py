@@ -24,7 +24,14 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvsched.core import FinishReason, KvschedError, Request, RequestNotFound, Role
+from kvsched.core import (
+    FinishReason,
+    KvschedError,
+    Request,
+    RequestNotFound,
+    Role,
+    Unavailable,
+)
 from kvsched.core.request import FINISHED_STATUS
 from kvsched.server.engine import InstanceEngine
 from kvsched.server.poison import PoisonGuard
@@ -155,11 +162,28 @@ class RequestTable:
             return
         self.parked.append(tr)
 
-    def relay_started(self, tr: Tracked, relay: asyncio.Task[None]) -> None:
-        """`tr` runs on a peer's instance; `relay` relays its outputs (the forwarder's)."""
+    def relay_started(
+        self, tr: Tracked, relay: asyncio.Task[None], instance: PeerInstance | None = None
+    ) -> None:
+        """`tr` runs on a peer's instance (`instance`: another one than its location names,
+        chosen again after a peer refused it); `relay` relays its outputs (the forwarder's)."""
         loc = tr.location
         if type(loc) is RemotePeer:
-            tr.location = RemotePeer(loc.instance, relay)
+            tr.location = RemotePeer(instance or loc.instance, relay)
+
+    def place_here(self, tr: Tracked, eng: InstanceEngine) -> None:
+        """A request relayed to a peer that refused it before accepting it (no instance ready
+        there, its journal out of reach) runs on this daemon's `eng` after all: queued there
+        and tracked as `LocalEngine`. KvschedError (nothing changed): `eng` cannot take it."""
+        loc = tr.location
+        if type(loc) is not RemotePeer or tr.finished:
+            raise Unavailable(f"request {tr.req.req_id!r} is no longer relayed to a peer")
+        if eng.role != Role.MIXED:
+            raise Unavailable(f"instance {eng.instance_id} is not a mixed instance")
+        eng.add_request(tr.req)
+        tr.location = LocalEngine(eng)
+        tr.out_at_place = len(tr.req.output_token_ids)
+        eng.wake()
 
     def relay_ended(self, tr: Tracked) -> None:
         """The relay of `tr` ends by itself (it is about to finish, move or abort `tr`):

@@ -189,7 +189,9 @@ class Worker(StepLoop):
                         # The daemon still holds this rank's previous stream (it has not seen
                         # it break yet: a partition, a pause): it drops it within its
                         # heartbeat timeout, so this is retried with backoff, not fatal.
-                        log.warning("daemon %s: %s; retrying with backoff", self.server, e.details())
+                        log.warning(
+                            "daemon %s: %s; retrying with backoff", self.server, e.details()
+                        )
                     elif e.code() in _FATAL_CODES:
                         msg = f"daemon refused worker: {e.code().name}: {e.details()}"
                         raise WorkerError(msg) from e

@@ -96,7 +96,9 @@ async def _after(address: str, spec: Spec) -> list[Outcome]:
 async def _all(address: str, specs: list[Spec]) -> list[Outcome]:
     async with grpc.aio.insecure_channel(address) as ch:
         stub = request_service_pb2_grpc.RequestServiceStub(ch)
-        return list(await asyncio.gather(*(generate(stub, s.message(), timeout=120) for s in specs)))
+        return list(
+            await asyncio.gather(*(generate(stub, s.message(), timeout=120) for s in specs))
+        )
 
 
 def test_a_silent_worker_is_not_counted_against_its_requests() -> None:
@@ -106,7 +108,11 @@ def test_a_silent_worker_is_not_counted_against_its_requests() -> None:
     import signal
     import threading
 
-    env = {"KVSCHED_POISON_MAX_LOSSES": "1", "KVSCHED_HEARTBEAT_TIMEOUT_S": "1", "KVSCHED_HEARTBEAT_INTERVAL_S": "0.3"}
+    env = {
+        "KVSCHED_POISON_MAX_LOSSES": "1",
+        "KVSCHED_HEARTBEAT_TIMEOUT_S": "1",
+        "KVSCHED_HEARTBEAT_INTERVAL_S": "0.3",
+    }
     daemon, address = start_daemon(env=env)
     fast = ("--reconnect-min-s", "0.05", "--reconnect-max-s", "0.2")
     worker = start_worker(address, "i0", *fast)
