@@ -222,9 +222,9 @@ class Forwarder:
         return None
 
     async def _record_here(self, tr: Tracked, msg: rpb.GenerateRequest) -> None:
-        if self.durable is not None and not tr.finished:
-            if await self.durable.record_here(tr, msg):
-                log.info("request %s recorded in this daemon's journal", tr.req.req_id)
+        durable = self.durable
+        if durable is not None and not tr.finished and await durable.record_here(tr, msg):
+            log.info("request %s recorded in this daemon's journal", tr.req.req_id)
 
     def _take(
         self, tr: Tracked, out: rpb.GenerateResponse | rpb.RequestServiceResumeResponse
