@@ -26,6 +26,12 @@ dropped here, never continued. One TTL later the restored ones are looked up aga
 takeover pass that read the expired entry just before this daemon's write can still adopt
 them): any adopted meanwhile is parked and dropped then.
 
+Unfenced, every `SWEEP_S` the requests journaled here and parked (their instance was lost: its
+lease taken by a peer, its worker gone) are looked up the same way: one a peer adopted (a
+takeover of this daemon while it was paused, cut off or taken for dead) is dropped here and its
+client's stream cut, so that its Resume finds it at the adopter (issue 23: they waited here for
+an instance and ended with an error after requeue_timeout_s).
+
 Only with the journal (the cluster default): without one a request cannot be resumed elsewhere,
 and a daemon cut off from NATS keeps serving its own instances (the degraded mode of node.py).
 """
@@ -38,7 +44,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvsched.core.journal_state import JournalState
-from kvsched.server.record import RemotePeer
+from kvsched.server.record import Parked, RemotePeer
 from kvsched.server.resume import ParkedSink
 from kvsched.v1 import journal_pb2
 
@@ -64,6 +70,7 @@ class _Node(Protocol):  # what is used of kvsched.cluster.node.ClusterNode
 log = logging.getLogger("kvsched.cluster")
 
 LOOKUP_TIMEOUT_S = 2.0
+SWEEP_S = 1.0  # parked requests journaled here are looked up this often (`_sweep_parked`)
 _ACCEPTED = journal_pb2.JournalRecord.KIND_ACCEPTED
 
 
@@ -79,6 +86,8 @@ class SelfFence:
         self.parked: dict[str, Tracked] = {}
         self._recheck: list[tuple[float, list[Tracked]]] = []  # (when, restored requests)
         self._busy = False
+        self._sweeping = False  # a sweep of parked requests is running (`_sweep_parked`)
+        self._next_sweep = 0.0
         self._last_tick = 0.0  # monotonic of the last tick (0: none yet)
         self.num_fences = 0
         self.num_parked = 0
@@ -113,6 +122,12 @@ class SelfFence:
         elif age < self.after_s and not self._busy:
             self._busy = True
             asyncio.get_running_loop().create_task(self._unfence(), name="unfence")
+        if not self.fenced and not self._sweeping and now >= self._next_sweep:
+            self._next_sweep = now + SWEEP_S
+            if any(_journaled_here(tr) for tr in self.node.requests.parked):
+                self._sweeping = True
+                loop = asyncio.get_running_loop()
+                loop.create_task(self._sweep_parked(), name="adopted-sweep")
         if self._recheck and self._recheck[0][0] <= now and not self._busy:
             _, trs = self._recheck.pop(0)
             self._busy = True
@@ -142,14 +157,14 @@ class SelfFence:
             n,
         )
 
-    def _park(self, tr: Tracked) -> None:
-        """Off its instance (KV freed), out of the table, its client's stream cut; nothing is
-        written to the journal."""
+    def _park(self, tr: Tracked, moved: str = "") -> None:
+        """Off its instance (KV freed), out of the table, its client's stream cut (with
+        `moved`, or the fence's reason); nothing is written to the journal."""
         table = self.node.requests
         rid = tr.req.req_id
         sink = table.set_aside(tr, ParkedSink())
         if hasattr(sink, "moved"):  # a Generate / Resume stream: it ends with UNAVAILABLE
-            sink.moved = (
+            sink.moved = moved or (
                 f"request {rid!r}: daemon {self.node.daemon_id} is fenced off the cluster "
                 f"({self.why}); resume it through another daemon"
             )
@@ -219,6 +234,33 @@ class SelfFence:
         finally:
             self._busy = False
 
+    async def _sweep_parked(self) -> None:
+        """Requests journaled here and parked (their instance was lost: its lease taken by a
+        peer, its worker gone), looked up in the journal: one a peer adopted meanwhile (a
+        takeover of this daemon, which was paused, cut off or taken for dead) is dropped here
+        and its client's stream cut, so that its Resume finds it at the adopter, instead of
+        waiting here for an instance until requeue_timeout_s and ending with an error."""
+        table = self.node.requests
+        try:
+            for tr in [t for t in table.parked if _journaled_here(t)]:
+                rid = tr.req.req_id
+                if self.fenced or table.tracked.get(rid) is not tr or tr.finished:
+                    continue
+                if type(tr.location) is not Parked or await self._owned_here(rid):
+                    continue
+                if table.tracked.get(rid) is not tr or type(tr.location) is not Parked:
+                    continue  # placed or ended during the lookup
+                self._park(
+                    tr,
+                    f"request {rid!r} was adopted by another daemon while its instance here "
+                    "was lost; resume it through any daemon",
+                )
+                self._drop(tr)
+        except Exception as exc:  # NATS away or slow: the next sweep tries again
+            log.info("sweep of parked requests: %r", exc)
+        finally:
+            self._sweeping = False
+
     def _drop(self, tr: Tracked) -> None:
         self.parked.pop(tr.req.req_id, None)
         journal = self.durable.journal if self.durable is not None else None
@@ -235,3 +277,7 @@ class SelfFence:
             "restored": self.num_restored,
             "dropped": self.num_dropped,
         }
+
+
+def _journaled_here(tr: Tracked) -> bool:
+    return tr.journal_state == JournalState.STORED and type(tr.location) is Parked

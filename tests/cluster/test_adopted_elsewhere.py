@@ -1,0 +1,72 @@
+"""Requests held by the old owner of an instance whose lease was taken, and which a peer
+adopted from the journal (issue 23, found by the nemesis suite): real daemons, a real
+nats-server, sim workers, resumable clients, loopback.
+
+Daemon `ad-a` runs the requests on its only instance; `ad-c` takes it over while `ad-a` lives
+(`--take-over`, as a survivor does on a daemon it takes for dead: the instance's lease by CAS,
+the requests by the journal's CAS). `ad-a` loses the instance and parks the requests; it must
+drop them as adopted elsewhere and cut their streams, so the clients resume at `ad-c` and get
+every token, instead of holding them until requeue_timeout_s and ending them with an error."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvsched.client import AsyncClient
+from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, resumable
+from kvsched.cluster.natsd import NatsServer
+from tests.cluster.durability_kit import (
+    Daemon,
+    prompts,
+    sim_expected,
+    start_sim_worker,
+    until_tokens,
+)
+from tests.integration.harness import Proc, wait_ready
+
+
+async def _stream_and_take_over(
+    a: Daemon, url: str, requests: list[tuple[str, list[int], int]], daemons: list[Daemon]
+) -> list[list[int]]:
+    async with AsyncClient(a.address, options=RESUMABLE_CHANNEL_OPTIONS) as client:
+        streams = [
+            resumable(client, p, request_id=rid, max_tokens=n, retry_for_s=90)
+            for rid, p, n in requests
+        ]
+        tasks = [asyncio.create_task(s.read_all()) for s in streams]
+        await until_tokens(streams, tasks, 3, "takeover", 60)
+        c = Daemon(url, "ad-c", "--take-over", "ad-a", env={"KVSCHED_REQUEUE_TIMEOUT_S": "60"})
+        daemons.append(c)
+        await asyncio.to_thread(c.start)
+        await asyncio.wait_for(asyncio.gather(*tasks), 100)
+        return [s.tokens for s in streams]
+
+
+def test_requests_adopted_by_a_peer_are_dropped_here_and_resumed_there(
+    nats_server: NatsServer,
+) -> None:
+    env = {"KVSCHED_REQUEUE_TIMEOUT_S": "30"}
+    a = Daemon(nats_server.url, "ad-a", env=env).start()
+    daemons = [a]
+    workers: list[Proc] = []
+    try:
+        # The worker knows a only: a redirect (the lease taken) sends it to c.
+        workers.append(
+            start_sim_worker(a.address, "ad0", "--speed", "0.2", "--reconnect-max-s", "0.5")
+        )
+        wait_ready(a.address, ["ad0"], 60.0)
+        requests = [(f"ad-{i}", p, 60) for i, p in enumerate(prompts(4, seed=5))]
+        got = asyncio.run(
+            asyncio.wait_for(_stream_and_take_over(a, nats_server.url, requests, daemons), 150)
+        )
+        for (rid, p, n), tokens in zip(requests, got, strict=True):
+            assert tokens == sim_expected(rid, len(p), n), rid
+        assert a.proc is not None
+        a.proc.wait_for(r"instance ad0 taken out: lease taken by daemon ad-c", timeout=1)
+        a.proc.wait_for(r"request ad-\d was adopted by another daemon: not continued here", 1)
+        assert "no instance could take the request" not in a.output()
+    finally:
+        for w in workers:
+            w.stop()
+        for d in reversed(daemons):
+            d.stop()
