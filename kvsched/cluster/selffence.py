@@ -88,6 +88,7 @@ class SelfFence:
         self._busy = False
         self._sweeping = False  # a sweep of parked requests is running (`_sweep_parked`)
         self._next_sweep = 0.0
+        self._sweep: asyncio.Task[None] | None = None
         self._last_tick = 0.0  # monotonic of the last tick (0: none yet)
         self.num_fences = 0
         self.num_parked = 0
@@ -127,7 +128,7 @@ class SelfFence:
             if any(_journaled_here(tr) for tr in self.node.requests.parked):
                 self._sweeping = True
                 loop = asyncio.get_running_loop()
-                loop.create_task(self._sweep_parked(), name="adopted-sweep")
+                self._sweep = loop.create_task(self._sweep_parked(), name="adopted-sweep")
         if self._recheck and self._recheck[0][0] <= now and not self._busy:
             _, trs = self._recheck.pop(0)
             self._busy = True
