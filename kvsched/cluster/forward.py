@@ -39,7 +39,7 @@ from kvsched import codec
 from kvsched.cluster.routing import RemoteInstance
 from kvsched.core import KvschedError
 from kvsched.core.request import FINISHED_STATUS
-from kvsched.server.record import RemotePeer
+from kvsched.server.record import Parked, RemotePeer
 from kvsched.v1 import request_service_pb2 as rpb
 from kvsched.v1 import request_service_pb2_grpc
 
@@ -58,6 +58,7 @@ FORWARDED_BY = "x-kvsched-forwarded-by"
 FORWARD_INSTANCE = "x-kvsched-instance"
 FORWARD_OWNER = "x-kvsched-owner"
 RELAYED = "x-kvsched-relayed"  # a Resume relayed to the request's owner: never relayed again
+HAND_OVER = "x-kvsched-hand-over"  # a Resume from the request's owner: adopt it, then serve it
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.UNKNOWN,
@@ -87,6 +88,7 @@ class Forwarder:
         ) = None
         self.durable: Durability | None = None
         self.num_rerouted = 0
+        self.num_handed_over = 0
 
     def _stub(self, address: str) -> request_service_pb2_grpc.RequestServiceStub:
         ch = self._channels.get(address)
@@ -225,6 +227,63 @@ class Forwarder:
         durable = self.durable
         if durable is not None and not tr.finished and await durable.record_here(tr, msg):
             log.info("request %s recorded in this daemon's journal", tr.req.req_id)
+
+    def hand_over(self, tr: Tracked) -> bool:
+        """`tr` is parked here, journaled and still this daemon's, and no instance here can
+        take it (they were all lost: their leases taken while this daemon was paused or cut
+        off): hand it to the peer's instance the cluster's routing chooses. A Resume with
+        HAND_OVER asks that peer to adopt it from the journal (its compare-and-set) and stream
+        its outputs past the tokens it has; they are relayed here to its client. True when
+        the hand-over started (its task is the record's relay)."""
+        loc = tr.location
+        if self.reroute is None or self.durable is None or type(loc) is not Parked:
+            return False
+        if self.requests.registry.route_moved(tr.req, tr.model) is not None:
+            return False  # an instance here takes it: the table places it
+        try:
+            target = self.reroute(tr.req, tr.model, frozenset())
+        except KvschedError:
+            return False
+        if not isinstance(target, RemoteInstance):
+            return False  # an instance here takes it: the table places it
+        task = asyncio.get_running_loop().create_task(
+            self._hand_over(tr, target, loc), name=f"hand-over-{tr.req.req_id}"
+        )
+        self.requests.hand_to_peer(tr, target, task)
+        return True
+
+    async def _hand_over(self, tr: Tracked, remote: RemoteInstance, parked: Parked) -> None:
+        req = tr.req
+        msg = rpb.RequestServiceResumeRequest(request_id=req.req_id, token_ids=req.output_token_ids)
+        md = [(FORWARDED_BY, self.daemon_id), (FORWARD_OWNER, tr.owner), (HAND_OVER, "1")]
+        call = self._stub(remote.address).Resume(msg, metadata=md + self._auth())
+        taken = False
+        try:
+            async for out in call:
+                if not taken:  # adopted there: its journal record names that daemon now
+                    taken = True
+                    self.num_handed_over += 1
+                    if self.durable is not None and self.durable.journal is not None:
+                        self.durable.journal.adopted_elsewhere(tr)
+                    log.info("request %s handed over to daemon %s", req.req_id, remote.daemon_id)
+                if self._take(tr, out):
+                    return
+            raise _ended()
+        except grpc.aio.AioRpcError as exc:
+            if tr.finished:
+                return
+            why = f"handed over to daemon {remote.daemon_id}: {exc.code().name}: {exc.details()}"
+            self.requests.relay_ended(tr)
+            if not taken:
+                log.info("%s; request %s waits here", why, req.req_id)
+                self.requests.park_again(tr, parked)  # still this daemon's
+                return
+            if exc.code() in _RETRYABLE and await self._reattach(tr, why):
+                return
+            if not tr.finished:
+                self.requests.requeue_lost(req, why)
+        finally:
+            call.cancel()
 
     def _take(
         self, tr: Tracked, out: rpb.GenerateResponse | rpb.RequestServiceResumeResponse

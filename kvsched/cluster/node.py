@@ -34,6 +34,7 @@ from kvsched.cluster.fencing import hand_over_fenced
 from kvsched.cluster.forward import (
     FORWARD_INSTANCE,
     FORWARDED_BY,
+    HAND_OVER,
     RELAYED,
     Forwarder,
     relay_owner,
@@ -294,6 +295,22 @@ class ClusterNode:
         if not self.connected:
             return self.registry.route(req, model)
         return self.router.route(req, model, exclude=exclude)
+
+    def hands_over(self, carrier: dict[str, str], caller: str, daemon_id: str) -> bool:
+        """A Resume from `daemon_id`, the request's live owner, handing it over (forward.py's
+        `hand_over`; honoured from a peer holding the cluster token, or without auth)."""
+        return (
+            HAND_OVER in carrier
+            and carrier.get(FORWARDED_BY) == daemon_id != self.daemon_id
+            and relay_owner(carrier, caller, self._cluster_principal) is not None
+            and self.fence.enabled
+            and not self.fence.fenced
+        )
+
+    def hand_over_parked(self, tr: Tracked) -> bool:
+        """A request parked here, still this daemon's: handed to a peer's instance when none
+        here can take it (forward.py); True when that started."""
+        return self.forwarder.hand_over(tr)
 
     def refuse_if_fenced(self) -> None:
         """Unavailable while this daemon is fenced (selffence.py): a Resume of a request it does

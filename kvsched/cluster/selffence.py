@@ -29,8 +29,10 @@ them): any adopted meanwhile is parked and dropped then.
 Unfenced, every `SWEEP_S` the requests journaled here and parked (their instance was lost: its
 lease taken by a peer, its worker gone) are looked up the same way: one a peer adopted (a
 takeover of this daemon while it was paused, cut off or taken for dead) is dropped here and its
-client's stream cut, so that its Resume finds it at the adopter (issue 23: they waited here for
-an instance and ended with an error after requeue_timeout_s).
+client's stream cut, so that its Resume finds it at the adopter; one still this daemon's, when
+no instance here can take it, is handed over to a peer's instance (`ClusterNode.
+hand_over_parked`: that peer adopts it and streams it back here). Issue 23: they waited here
+for an instance and ended with an error after requeue_timeout_s.
 
 Only with the journal (the cluster default): without one a request cannot be resumed elsewhere,
 and a daemon cut off from NATS keeps serving its own instances (the degraded mode of node.py).
@@ -65,6 +67,8 @@ class _Node(Protocol):  # what is used of kvsched.cluster.node.ClusterNode
     leases: Leases
 
     def hand_over_now(self) -> None: ...
+
+    def hand_over_parked(self, tr: Tracked) -> bool: ...
 
 
 log = logging.getLogger("kvsched.cluster")
@@ -247,10 +251,14 @@ class SelfFence:
                 rid = tr.req.req_id
                 if self.fenced or table.tracked.get(rid) is not tr or tr.finished:
                     continue
-                if type(tr.location) is not Parked or await self._owned_here(rid):
+                if type(tr.location) is not Parked:
                     continue
+                owned = await self._owned_here(rid)
                 if table.tracked.get(rid) is not tr or type(tr.location) is not Parked:
                     continue  # placed or ended during the lookup
+                if owned:  # still this daemon's: a peer's instance runs it if none here can
+                    self.node.hand_over_parked(tr)
+                    continue
                 self._park(
                     tr,
                     f"request {rid!r} was adopted by another daemon while its instance here "

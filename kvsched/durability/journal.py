@@ -321,17 +321,21 @@ class Journal:
                 R.apply_batch(tokens_of, msg.data)
         return list(live.values())
 
-    async def adopt(self, dead_id: str) -> list[R.Unfinished]:
+    async def adopt(self, dead_id: str, only: str = "") -> list[R.Unfinished]:
         """Take over daemon `dead_id`'s unfinished requests: for each, its accepted record is
         stored under this daemon, then the dead daemon's record is replaced by a tombstone
         published only if that record is still the subject's last (JetStream's
         expected-last-subject-sequence: a compare-and-set). Exactly one daemon wins each
         request; a loser withdraws its copy. A crash between the two steps leaves the request
-        with two owners, never with none. Returns the requests won."""
+        with two owners, never with none. Returns the requests won. `only`: that request alone
+        (its live owner hands it over: `kvsched.cluster.forward`), the owner's others and their
+        tokens left as they are."""
         won = []
         for u in await self.recover(dead_id):
             rec = u.record
             rid = rec.request_id
+            if only and rid != only:
+                continue
             rec.daemon_id = self.daemon_id
             mine = R.req_subject(self.daemon_id, rid)
             await self.js.publish(mine, rec.SerializeToString(), timeout=self.timeout_s)
@@ -362,7 +366,7 @@ class Journal:
             except Exception as exc:  # won all the same: lookups see it once the tombstone ages
                 log.warning("takeover of %s: second record not stored: %s", rid, exc)
             won.append(u)
-        if won:
+        if won and not only:
             self._emit(R.tok_subject(dead_id), b"", PURGE)  # its deltas now live in ours
         return won
 

@@ -87,6 +87,17 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         except OwnedElsewhere as exc:
             if node is None:
                 raise
+            if node.hands_over(carrier, principal(context), exc.daemon_id):
+                # Its owner hands it over: adopted here (the journal's CAS), then resumed.
+                await self.resumer.recover(exc.daemon_id, only=request.request_id)
+                got = await self.resumer.resume(request, owner, sink)
+                if isinstance(got, Tracked):
+                    async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse):
+                        yield msg
+                    return
+                raise Unavailable(
+                    f"request {request.request_id!r} finished before it was handed over"
+                ) from None
             try:  # another daemon owns it: relay its stream (see ClusterNode.resume_at)
                 async for out in node.resume_at(exc.daemon_id, request, owner, carrier):
                     yield out

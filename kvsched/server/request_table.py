@@ -85,6 +85,11 @@ class ClusterPort(Protocol):
 
     def caller_of(self, carrier: dict[str, str], caller: str) -> str: ...
 
+    def hands_over(self, carrier: dict[str, str], caller: str, daemon_id: str) -> bool:
+        """Whether this Resume is `daemon_id`, the request's live owner, handing it over to
+        this daemon (it has no instance to run it): adopt it here, then serve the Resume."""
+        ...
+
     def resume_at(
         self,
         daemon_id: str,
@@ -170,6 +175,18 @@ class RequestTable:
         loc = tr.location
         if type(loc) is RemotePeer:
             tr.location = RemotePeer(instance or loc.instance, relay)
+
+    def hand_to_peer(self, tr: Tracked, instance: PeerInstance, relay: asyncio.Task[None]) -> None:
+        """A parked request (still this daemon's) goes to a peer's `instance`, which adopts
+        it; `relay` relays its outputs from there (`Forwarder.hand_over`)."""
+        tr.location = RemotePeer(instance, relay)
+
+    def park_again(self, tr: Tracked, loc: Parked) -> None:
+        """A request whose hand-over to a peer failed before the peer took it: parked here
+        again, as it was (`loc`)."""
+        if self.tracked.get(tr.req.req_id) is tr and not tr.finished:
+            tr.location = loc
+            self.parked.append(tr)
 
     def place_here(self, tr: Tracked, eng: InstanceEngine) -> None:
         """A request relayed to a peer that refused it before accepting it (no instance ready

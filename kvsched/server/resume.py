@@ -64,16 +64,17 @@ class Resumer:
         self.durable = durable
         self.num_recovered = 0
 
-    async def recover(self, dead_id: str = "") -> int:
+    async def recover(self, dead_id: str = "", only: str = "") -> int:
         """Park this daemon's unfinished requests from the journal (with `dead_id`: take over
-        that daemon's, `Journal.adopt`); returns how many."""
+        that daemon's, `Journal.adopt`; with `only`, that one request, which its live owner
+        hands over); returns how many."""
         journal = self.durable.journal
         if journal is None:
             return 0
         table = self.table
         now = time.monotonic()
         deadline = now + max(table.config.requeue_timeout_s, 1.0)
-        found = await (journal.adopt(dead_id) if dead_id else journal.recover())
+        found = await (journal.adopt(dead_id, only) if dead_id else journal.recover())
         for u in found:
             rec = u.record
             mine = table.tracked.get(rec.request_id)

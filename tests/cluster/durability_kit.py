@@ -13,6 +13,8 @@ import numpy as np
 
 from kvsched.client import AsyncClient
 from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, ResumableStream, resumable
+from kvsched.cluster.leases import Lease, Leases
+from kvsched.cluster.link import connect_cluster
 from kvsched.cluster.natsd import free_port
 from kvsched.worker_stub.sim import SimExecutor
 from tests.integration.harness import Proc, wait_pool_free, wait_ready
@@ -146,3 +148,21 @@ def pool_free(address: str) -> None:
     st = wait_pool_free(address, timeout=20.0)
     for i in st.instances:
         assert i.num_free_blocks == i.num_gpu_blocks, i
+
+
+async def take_lease(url: str, as_daemon: str, iid: str, from_daemon: str) -> tuple[Lease, Lease]:
+    """CAS the lease of `iid` from `from_daemon` to `as_daemon` (what a second daemon's takeover
+    does): the lease before and after."""
+    link = await connect_cluster(url, as_daemon)
+    leases = Leases(link)
+    try:
+        await leases.start()
+        before = await leases.owner(iid)
+        assert before is not None and before.owner == from_daemon, before
+        assert await leases.try_take(iid, from_daemon)
+        after = await leases.owner(iid)
+        assert after is not None and after.owner == as_daemon
+        return before, after
+    finally:
+        await leases.stop()
+        await link.close()

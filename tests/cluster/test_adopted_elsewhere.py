@@ -20,6 +20,7 @@ from tests.cluster.durability_kit import (
     prompts,
     sim_expected,
     start_sim_worker,
+    take_lease,
     until_tokens,
 )
 from tests.integration.harness import Proc, wait_ready
@@ -70,3 +71,51 @@ def test_requests_adopted_by_a_peer_are_dropped_here_and_resumed_there(
             w.stop()
         for d in reversed(daemons):
             d.stop()
+
+
+async def _stream_andtake_lease(
+    a: Daemon, url: str, requests: list[tuple[str, list[int], int]]
+) -> list[list[int]]:
+    async with AsyncClient(a.address, options=RESUMABLE_CHANNEL_OPTIONS) as client:
+        streams = [
+            resumable(client, p, request_id=rid, max_tokens=n, retry_for_s=90)
+            for rid, p, n in requests
+        ]
+        tasks = [asyncio.create_task(s.read_all()) for s in streams]
+        await until_tokens(streams, tasks, 3, "lease taken", 60)
+        await take_lease(url, "ho-b", "ho0", "ho-a")  # nobody adopts the requests
+        await asyncio.wait_for(asyncio.gather(*tasks), 100)
+        return [s.tokens for s in streams]
+
+
+def test_requests_still_owned_here_are_handed_to_the_peer_that_took_their_instance(
+    nats_server: NatsServer,
+) -> None:
+    """The lease of `ho-a`'s only instance is taken by `ho-b` (a compare-and-set, as a worker's
+    Hello or a takeover pass does) while `ho-a` lives and still owns the requests in the
+    journal: no instance here can run them, so `ho-a` hands each to `ho-b` (a Resume asking it
+    to adopt the request), which runs it on the instance and streams it back; before, they
+    waited at `ho-a` for requeue_timeout_s and ended with an error."""
+    env = {"KVSCHED_REQUEUE_TIMEOUT_S": "30"}
+    a = Daemon(nats_server.url, "ho-a", env=env).start()
+    b = Daemon(nats_server.url, "ho-b", env=env).start()
+    workers: list[Proc] = []
+    try:
+        args = ("--speed", "0.2", "--reconnect-max-s", "0.5")
+        workers.append(start_sim_worker(a.address, "ho0", *args))
+        wait_ready(a.address, ["ho0"], 60.0)
+        requests = [(f"ho-{i}", p, 60) for i, p in enumerate(prompts(4, seed=6))]
+        got = asyncio.run(
+            asyncio.wait_for(_stream_andtake_lease(a, nats_server.url, requests), 150)
+        )
+        for (rid, p, n), tokens in zip(requests, got, strict=True):
+            assert tokens == sim_expected(rid, len(p), n), rid
+        assert a.proc is not None
+        a.proc.wait_for(r"instance ho0 taken out: lease taken by daemon ho-b", timeout=1)
+        a.proc.wait_for(r"request ho-\d handed over to daemon ho-b", timeout=1)
+        assert "no instance could take the request" not in a.output()
+    finally:
+        for w in workers:
+            w.stop()
+        a.stop()
+        b.stop()

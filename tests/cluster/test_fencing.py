@@ -13,8 +13,7 @@ import grpc
 
 from kvsched.client import AsyncClient
 from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, resumable
-from kvsched.cluster.leases import Lease, Leases
-from kvsched.cluster.link import connect_cluster
+from kvsched.cluster.leases import Lease
 from kvsched.cluster.natsd import NatsServer
 from kvsched.v1 import common_pb2, request_service_pb2_grpc
 from tests.cluster.durability_kit import (
@@ -22,6 +21,7 @@ from tests.cluster.durability_kit import (
     prompts,
     sim_expected,
     start_sim_worker,
+    take_lease,
     until_tokens,
 )
 from tests.integration.clients import Outcome, Spec, generate
@@ -30,24 +30,6 @@ from tests.integration.harness import Proc, status, wait_ready
 
 def _ready(address: str) -> dict[str, bool]:
     return {i.instance_id: i.ready for i in status(address).instances}
-
-
-async def _take_lease(url: str, as_daemon: str, iid: str, from_daemon: str) -> tuple[Lease, Lease]:
-    """CAS the lease of `iid` from `from_daemon` to `as_daemon` (what a second daemon's takeover
-    does): the lease before and after."""
-    link = await connect_cluster(url, as_daemon)
-    leases = Leases(link)
-    try:
-        await leases.start()
-        before = await leases.owner(iid)
-        assert before is not None and before.owner == from_daemon, before
-        assert await leases.try_take(iid, from_daemon)
-        after = await leases.owner(iid)
-        assert after is not None and after.owner == as_daemon
-        return before, after
-    finally:
-        await leases.stop()
-        await link.close()
 
 
 async def _stream_and_take(
@@ -60,7 +42,7 @@ async def _stream_and_take(
         ]
         tasks = [asyncio.create_task(s.read_all()) for s in streams]
         await until_tokens(streams, tasks, 5, "takeover", 60)
-        before, after = await _take_lease(url, "fe-b", "fe0", "fe-a")
+        before, after = await take_lease(url, "fe-b", "fe0", "fe-a")
         await asyncio.wait_for(asyncio.gather(*tasks), 90)
         return [s.tokens for s in streams], before, after
 
@@ -136,7 +118,7 @@ def test_a_daemon_whose_instances_were_all_taken_routes_new_requests_to_the_peer
     worker = start_sim_worker(f"{a.address},{b.address}", "fr0", "--reconnect-max-s", "0.5")
     try:
         wait_ready(a.address, ["fr0"], 60.0)
-        asyncio.run(_take_lease(nats_server.url, "fr-b", "fr0", "fr-a"))
+        asyncio.run(take_lease(nats_server.url, "fr-b", "fr0", "fr-a"))
         assert a.proc is not None
         a.proc.wait_for(r"instance fr0 taken out: lease taken by daemon fr-b", timeout=30)
         wait_ready(b.address, ["fr0"], 30.0)
