@@ -296,16 +296,19 @@ class ClusterNode:
             return self.registry.route(req, model)
         return self.router.route(req, model, exclude=exclude)
 
-    def hands_over(self, carrier: dict[str, str], caller: str, daemon_id: str) -> bool:
-        """A Resume from `daemon_id`, the request's live owner, handing it over (forward.py's
-        `hand_over`; honoured from a peer holding the cluster token, or without auth)."""
-        return (
+    def hand_over_from(self, carrier: dict[str, str], caller: str) -> str:
+        """The peer handing this Resume's request over to this daemon (forward.py's
+        `hand_over`; honoured from a peer holding the cluster token, or without auth), or
+        "" when it is no hand-over."""
+        giver = carrier.get(FORWARDED_BY, "")
+        ok = (
             HAND_OVER in carrier
-            and carrier.get(FORWARDED_BY) == daemon_id != self.daemon_id
+            and giver not in ("", self.daemon_id)
             and relay_owner(carrier, caller, self._cluster_principal) is not None
             and self.fence.enabled
             and not self.fence.fenced
         )
+        return giver if ok else ""
 
     def hand_over_parked(self, tr: Tracked) -> bool:
         """A request parked here, still this daemon's: handed to a peer's instance when none

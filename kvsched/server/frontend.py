@@ -82,12 +82,20 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         owner = principal(context) if node is None else node.caller_of(carrier, principal(context))
         if node is not None and request.request_id not in self.requests.tracked:
             node.refuse_if_fenced()  # a fenced daemon answers at once: resume elsewhere
+        giver = "" if node is None else node.hand_over_from(carrier, principal(context))
+        if giver and request.request_id in self.requests.tracked:
+            # This daemon accepted it and forwarded it to `giver`: adopted back, it continues
+            # here (Resumer.recover's rule for a request forwarded to a dead daemon), not there.
+            await self.resumer.recover(giver, only=request.request_id)
+            raise Unavailable(
+                f"request {request.request_id!r} continues at the daemon that accepted it"
+            )
         try:
             got = await self.resumer.resume(request, owner, sink)
         except OwnedElsewhere as exc:
             if node is None:
                 raise
-            if node.hands_over(carrier, principal(context), exc.daemon_id):
+            if giver and giver == exc.daemon_id:
                 # Its owner hands it over: adopted here (the journal's CAS), then resumed.
                 await self.resumer.recover(exc.daemon_id, only=request.request_id)
                 got = await self.resumer.resume(request, owner, sink)

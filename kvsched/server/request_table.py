@@ -85,9 +85,9 @@ class ClusterPort(Protocol):
 
     def caller_of(self, carrier: dict[str, str], caller: str) -> str: ...
 
-    def hands_over(self, carrier: dict[str, str], caller: str, daemon_id: str) -> bool:
-        """Whether this Resume is `daemon_id`, the request's live owner, handing it over to
-        this daemon (it has no instance to run it): adopt it here, then serve the Resume."""
+    def hand_over_from(self, carrier: dict[str, str], caller: str) -> str:
+        """The daemon handing this Resume's request over to this one (its live owner, with no
+        instance to run it: adopt it here, then serve the Resume), or ""."""
         ...
 
     def resume_at(

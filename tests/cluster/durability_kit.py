@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 
 from kvsched.client import AsyncClient
@@ -16,7 +17,9 @@ from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, ResumableStream,
 from kvsched.cluster.leases import Lease, Leases
 from kvsched.cluster.link import connect_cluster
 from kvsched.cluster.natsd import free_port
+from kvsched.v1 import request_service_pb2_grpc
 from kvsched.worker_stub.sim import SimExecutor
+from tests.integration.clients import Outcome, Spec, generate
 from tests.integration.harness import Proc, wait_pool_free, wait_ready
 
 SIM = SimExecutor()  # what every `kvsched worker --executor sim --seed 0` samples
@@ -166,3 +169,22 @@ async def take_lease(url: str, as_daemon: str, iid: str, from_daemon: str) -> tu
     finally:
         await leases.stop()
         await link.close()
+
+
+async def through(address: str, specs: list[Spec]) -> list[Outcome]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = request_service_pb2_grpc.RequestServiceStub(ch)
+        return list(await asyncio.gather(*(generate(stub, s.message(), timeout=90) for s in specs)))
+
+
+def routes_to(address: str, instance: str, tag: str) -> None:
+    """Bounded (30 s): a request sent to `address` runs on `instance` (a peer's: the daemon's
+    router knows it)."""
+    deadline, n = time.monotonic() + 30.0, 0
+    while True:
+        n += 1
+        (out,) = asyncio.run(through(address, [Spec(f"{tag}-probe-{n}", [5] * 12, 2)]))
+        if out.code is None and out.instance == instance:
+            return
+        assert time.monotonic() < deadline, (out.code, out.details, out.instance)
+        time.sleep(0.2)

@@ -18,6 +18,7 @@ from kvsched.cluster.natsd import NatsServer
 from tests.cluster.durability_kit import (
     Daemon,
     prompts,
+    routes_to,
     sim_expected,
     start_sim_worker,
     take_lease,
@@ -114,6 +115,53 @@ def test_requests_still_owned_here_are_handed_to_the_peer_that_took_their_instan
         a.proc.wait_for(r"instance ho0 taken out: lease taken by daemon ho-b", timeout=1)
         a.proc.wait_for(r"request ho-\d handed over to daemon ho-b", timeout=1)
         assert "no instance could take the request" not in a.output()
+    finally:
+        for w in workers:
+            w.stop()
+        a.stop()
+        b.stop()
+
+
+async def _stream_via_a_and_take_lease_to_a(
+    a: Daemon, url: str, requests: list[tuple[str, list[int], int]]
+) -> list[list[int]]:
+    async with AsyncClient(a.address, options=RESUMABLE_CHANNEL_OPTIONS) as client:
+        streams = [
+            resumable(client, p, request_id=rid, max_tokens=n, retry_for_s=90)
+            for rid, p, n in requests
+        ]
+        tasks = [asyncio.create_task(s.read_all()) for s in streams]
+        await until_tokens(streams, tasks, 3, "lease taken", 60)
+        await take_lease(url, "hc-a", "hc0", "hc-b")
+        await asyncio.wait_for(asyncio.gather(*tasks), 100)
+        return [s.tokens for s in streams]
+
+
+def test_a_request_handed_back_to_the_daemon_that_forwarded_it_continues_there(
+    nats_server: NatsServer,
+) -> None:
+    """`hc-a` (no instance) forwards the requests to `hc-b`'s instance, whose lease `hc-a`
+    then takes: `hc-b` holds them (journaled under it) with no instance and hands them over to
+    the instance's new owner, `hc-a`, which still relays them to their clients. `hc-a` must
+    adopt them back and run them itself; before, the hand-over's Resume took each request's
+    outputs away from its client's stream, which ended without a Finished."""
+    a = Daemon(nats_server.url, "hc-a").start()
+    b = Daemon(nats_server.url, "hc-b").start()
+    workers: list[Proc] = []
+    try:
+        args = ("--speed", "0.2", "--reconnect-max-s", "0.5")
+        workers.append(start_sim_worker(b.address, "hc0", *args))
+        wait_ready(b.address, ["hc0"], 60.0)
+        routes_to(a.address, "hc0", "hc")
+        requests = [(f"hc-{i}", p, 60) for i, p in enumerate(prompts(3, seed=8))]
+        got = asyncio.run(
+            asyncio.wait_for(_stream_via_a_and_take_lease_to_a(a, nats_server.url, requests), 150)
+        )
+        for (rid, p, n), tokens in zip(requests, got, strict=True):
+            assert tokens == sim_expected(rid, len(p), n), rid
+        assert b.proc is not None
+        b.proc.wait_for(r"instance hc0 taken out: lease taken by daemon hc-a", timeout=1)
+        b.proc.wait_for(r"continues at the daemon that accepted it", timeout=1)
     finally:
         for w in workers:
             w.stop()

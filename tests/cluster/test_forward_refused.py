@@ -13,36 +13,21 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
-
 from kvsched.client import AsyncClient
 from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, resumable
 from kvsched.cluster.link import connect_cluster
 from kvsched.cluster.natsd import NatsServer
 from kvsched.durability.journal import Journal
-from kvsched.v1 import common_pb2, journal_pb2, request_service_pb2_grpc
-from tests.cluster.durability_kit import Daemon, sim_expected, start_sim_worker
-from tests.integration.clients import Outcome, Spec, generate
+from kvsched.v1 import common_pb2, journal_pb2
+from tests.cluster.durability_kit import (
+    Daemon,
+    routes_to,
+    sim_expected,
+    start_sim_worker,
+    through,
+)
+from tests.integration.clients import Outcome, Spec
 from tests.integration.harness import Proc, wait_ready
-
-
-async def _through(address: str, specs: list[Spec]) -> list[Outcome]:
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = request_service_pb2_grpc.RequestServiceStub(ch)
-        return list(await asyncio.gather(*(generate(stub, s.message(), timeout=90) for s in specs)))
-
-
-def _routes_to(address: str, instance: str, tag: str) -> None:
-    """Bounded (30 s): a request sent to `address` runs on `instance` (a peer's: the daemon's
-    router knows it)."""
-    deadline, n = time.monotonic() + 30.0, 0
-    while True:
-        n += 1
-        (out,) = asyncio.run(_through(address, [Spec(f"{tag}-probe-{n}", [5] * 12, 2)]))
-        if out.code is None and out.instance == instance:
-            return
-        assert time.monotonic() < deadline, (out.code, out.details, out.instance)
-        time.sleep(0.2)
 
 
 def _kill(worker: Proc) -> None:
@@ -58,12 +43,12 @@ def test_a_request_the_peer_refuses_is_placed_on_another_peer(nats_server: NatsS
     workers = [start_sim_worker(b.address, "fa0")]
     try:
         wait_ready(b.address, ["fa0"], 60.0)
-        _routes_to(a.address, "fa0", "fa")
+        routes_to(a.address, "fa0", "fa")
         _kill(workers[0])  # b refuses what a still forwards to fa0 (for up to ~2 s)
         specs = [Spec(f"fa-{i}", [40 + i] * 30, 24) for i in range(4)]
 
         async def scenario() -> list[Outcome]:
-            sent = asyncio.create_task(_through(a.address, specs))
+            sent = asyncio.create_task(through(a.address, specs))
             assert a.proc is not None
             await asyncio.to_thread(a.proc.wait_for, r"forwarded to daemon fa-b: UNAVAILABLE", 30)
             workers.append(start_sim_worker(c.address, "fa1"))  # somewhere to go
@@ -127,7 +112,7 @@ def test_a_refused_request_waiting_here_is_journaled_and_survives_a_kill(
     workers = [start_sim_worker(b.address, "fb0")]
     try:
         wait_ready(b.address, ["fb0"], 60.0)
-        _routes_to(a.address, "fb0", "fb")
+        routes_to(a.address, "fb0", "fb")
         _kill(workers[0])
         tokens = asyncio.run(_resume_across_kill(a, b, workers))
         assert tokens == sim_expected("fb-1", 30, 20)
