@@ -64,31 +64,12 @@ def test_no_accepted_request_is_lost_duplicated_or_given_a_wrong_token(
     assert p["wrong_tokens"] == 0, p  # every token the oracle's, at its position, none extra
 
 
-@pytest.mark.xfail(
-    reason="known bug (fence2: self-fencing / adopted requests, h-fence2 872b323 not yet on "
-    "main): after a pause or NATS cut past the TTL the old owner of an instance whose lease "
-    "was taken ends the requests it still holds with reason error ('instance cN lost: lease "
-    "taken by daemon dK; no instance could take the request within 30 s') instead of cutting "
-    "their streams so that resumable clients resume at the daemon that adopted them; and a "
-    "request on an instance lost twice to faults (lease taken, rank silent) before its first "
-    "token is quarantined as poison (poison_max_losses = 2) though the faults were the "
-    "cluster's, not the request's",
-    strict=False,
-)
 def test_every_accepted_request_finished_with_all_its_tokens(report: dict[str, Any]) -> None:
     p = prop(report, "exactly_once_exact_tokens")
     assert p["ended_with_error"] == 0, p
     assert p["result"] == "PASS", p
 
 
-@pytest.mark.xfail(
-    reason="known bug (fence2's heal work): a daemon whose instances were all taken while it "
-    "was paused or cut off refuses Generate with UNAVAILABLE 'no instance is ready: no worker "
-    "connected' for up to ~10 s after the heal (bench.chaos seed 1, 30 min: 2-10 s after the "
-    "fault ended) instead of routing to its peers' instances; whether this short run hits it "
-    "depends on timing",
-    strict=False,
-)
 def test_requests_are_refused_only_while_a_fault_lasts(report: dict[str, Any]) -> None:
     p = prop(report, "refused_only_in_faults")
     assert p["outside_faults"] == 0, p
