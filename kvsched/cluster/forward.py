@@ -59,6 +59,7 @@ FORWARD_INSTANCE = "x-kvsched-instance"
 FORWARD_OWNER = "x-kvsched-owner"
 RELAYED = "x-kvsched-relayed"  # a Resume relayed to the request's owner: never relayed again
 HAND_OVER = "x-kvsched-hand-over"  # a Resume from the request's owner: adopt it, then serve it
+HAND_OVER_AFTER_S = 2.0  # a request parked this long with no instance here is handed over
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.UNKNOWN,
@@ -240,6 +241,9 @@ class Forwarder:
             return False
         if self.requests.registry.route_moved(tr.req, tr.model) is not None:
             return False  # an instance here takes it: the table places it
+        waited = self.requests.config.requeue_timeout_s - (loc.deadline - time.monotonic())
+        if waited < HAND_OVER_AFTER_S:
+            return False  # just parked: its instance's workers may be reconnecting here
         try:
             target = self.reroute(tr.req, tr.model, frozenset())
         except KvschedError:

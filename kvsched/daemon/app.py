@@ -183,6 +183,7 @@ class Daemon:
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
+            requests.tick(now)  # first: a pause this daemon stood still is noticed at once
             requests.expire(now)
             requests.cut_stalled(now)
             registry.take_out_silent(now)

@@ -118,6 +118,8 @@ class RequestTable:
         self.streams: set[Any] = set()  # open Generate / Session sinks (stall watchdog)
         self.num_requeued = 0
         self.poison = PoisonGuard(config.poison_max_losses)
+        self._last_tick = 0.0  # the watchdog's last pass (`tick`)
+        self._stood_still_until = 0.0  # losses until then are not the workers' fault
         # Told of every request's accepted / moved / progressed / finished, in this order:
         # telemetry; the journal glue and a cluster's forwarder subscribe (`observe`).
         self.observers: list[Lifecycle] = [telemetry]
@@ -333,7 +335,8 @@ class RequestTable:
         if tr.decode_engine is not None or (eng is not None and eng.role != Role.MIXED):
             self.finish(tr, FinishReason.ERROR, f"{reason}; disaggregated requests are not moved")
             return
-        quarantined = self.poison.lost(tr, reason) if worker_fault else None
+        fault = worker_fault and not self.stood_still(time.monotonic())
+        quarantined = self.poison.lost(tr, reason) if fault else None
         if quarantined is not None:
             self.telemetry.request_quarantined(tr)
             self.finish(tr, FinishReason.ERROR, quarantined)
@@ -347,6 +350,20 @@ class RequestTable:
         self.num_requeued += 1
         self.parked.append(tr)
         self.place_parked()
+
+    def tick(self, now: float) -> None:
+        """The watchdog's pass (every 0.1 s). A gap longer than heartbeat_interval_s means this
+        daemon stood still (SIGSTOP, a stalled host): its workers may have left it as silent,
+        so instance losses seen until heartbeat_timeout_s later are not their fault."""
+        if self._last_tick and now - self._last_tick > self.config.heartbeat_interval_s:
+            self._stood_still_until = now + self.config.heartbeat_timeout_s
+        self._last_tick = now
+
+    def stood_still(self, now: float) -> bool:
+        """Whether this daemon stands still or just did (`tick`): the watchdog has not run
+        for more than heartbeat_interval_s, or ran late lately."""
+        gap = now - self._last_tick if self._last_tick else 0.0
+        return now < self._stood_still_until or gap > self.config.heartbeat_interval_s
 
     # ---- set aside by a self-fenced daemon (kvsched/cluster/selffence.py) --------------------
     def set_aside(self, tr: Tracked, sink: Sink) -> Sink:

@@ -6,6 +6,7 @@ normally, with every token they would have had without the crashes."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import grpc
@@ -14,6 +15,7 @@ from kvsched.v1 import common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
 from tests.integration.clients import Outcome, Spec, generate
 from tests.integration.harness import (
+    Proc,
     start_daemon,
     start_worker,
     status,
@@ -105,7 +107,6 @@ def test_a_silent_worker_is_not_counted_against_its_requests() -> None:
     """Issue 23: a rank silent past the heartbeat timeout (a paused worker or daemon, a
     partition) is the cluster's fault, not the requests': with poison_max_losses = 1 the
     requests it held before their first token are requeued and finish, none quarantined."""
-    import signal
     import threading
 
     env = {
@@ -141,5 +142,47 @@ def test_a_silent_worker_is_not_counted_against_its_requests() -> None:
         wait_pool_free(address)
     finally:
         worker.signal(signal.SIGCONT)
+        worker.stop()
+        daemon.stop()
+
+
+async def _submit_then_pause_daemon(address: str, specs: list[Spec], daemon: Proc) -> list:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = request_service_pb2_grpc.RequestServiceStub(ch)
+        tasks = [asyncio.create_task(generate(stub, s.message(), timeout=120)) for s in specs]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and status(address).num_running < len(specs):
+            await asyncio.sleep(0.02)
+        daemon.signal(signal.SIGSTOP)  # the worker leaves it as silent (1.5 s), then reconnects
+        await asyncio.sleep(4.0)
+        daemon.signal(signal.SIGCONT)
+        return list(await asyncio.gather(*tasks))
+
+
+def test_a_worker_that_left_a_paused_daemon_is_not_counted_against_its_requests() -> None:
+    """Issue 23: the daemon paused (SIGSTOP) past its workers' silence bound; they leave it and
+    their streams end, which the daemon reads when it continues. Not the requests' fault:
+    with poison_max_losses = 1 none is quarantined; all finish with every token."""
+    env = {
+        "KVSCHED_POISON_MAX_LOSSES": "1",
+        "KVSCHED_HEARTBEAT_TIMEOUT_S": "30",  # the stream's end, not silence, takes it out
+        "KVSCHED_HEARTBEAT_INTERVAL_S": "0.3",
+    }
+    daemon, address = start_daemon(env=env)
+    fast = ("--reconnect-min-s", "0.05", "--reconnect-max-s", "0.2", "--speed", "0.02")
+    worker = start_worker(address, "i0", *fast)
+    try:
+        wait_ready(address, ["i0"])
+        specs = [Spec(f"p-{i}", [31 + i] * 400, 6) for i in range(4)]
+        outs = asyncio.run(_submit_then_pause_daemon(address, specs, daemon))
+        worker.wait_for(r"leaving daemon", timeout=1)
+        for spec, out in zip(specs, outs, strict=True):
+            assert out.code is None, (spec.req_id, out.details)
+            assert out.finished is not None
+            assert out.finished.reason == common_pb2.FINISH_REASON_LENGTH, out.finished.message
+            assert out.tokens == spec.expected, spec.req_id
+        assert not any("quarantined" in ln for ln in daemon.lines)
+    finally:
+        daemon.signal(signal.SIGCONT)
         worker.stop()
         daemon.stop()
