@@ -141,7 +141,7 @@ class Forwarder:
                 async for out in call:
                     if not accepted:
                         accepted = True
-                        if self.durable is not None:  # recorded here meanwhile: its now
+                        if self.durable is not None:  # recorded here meanwhile: that peer's now
                             self.durable.moved_to(tr, remote.daemon_id)
                     if self._take(tr, out):
                         return
@@ -191,13 +191,14 @@ class Forwarder:
         await self._record_here(tr, msg)
         give_up = time.monotonic() + self.requests.config.requeue_timeout_s
         task = asyncio.current_task()
+        last = ""  # why nothing took it on the last try
         while not tr.finished:
             target: InstanceEngine | RemoteInstance | None = None
             if self.reroute is not None:
                 try:
                     target = self.reroute(tr.req, tr.model, frozenset(refused))
                 except KvschedError as exc:
-                    why = f"{why}; then: {exc}"
+                    last = str(exc)
             if isinstance(target, RemoteInstance):
                 if task is not None:
                     self.requests.relay_started(tr, task, target)
@@ -208,7 +209,7 @@ class Forwarder:
                 try:
                     self.requests.place_here(tr, target)
                 except KvschedError as exc:
-                    why = f"{why}; then: {exc}"
+                    last = str(exc)
                 else:
                     self.num_rerouted += 1
                     log.info("request %s placed here, on %s", rid, target.instance_id)
@@ -221,7 +222,7 @@ class Forwarder:
         if not tr.finished:
             self.requests.relay_ended(tr)
             self.num_requeued += 1
-            self.requests.requeue_lost(tr.req, why)
+            self.requests.requeue_lost(tr.req, f"{why}; then: {last}" if last else why)
         return None
 
     async def _record_here(self, tr: Tracked, msg: rpb.GenerateRequest) -> None:
