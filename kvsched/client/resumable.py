@@ -34,8 +34,8 @@ a stream nor answers a call):
   `ping_timeout_s` (2 s): such a stream is abandoned within keepalive_s + ping_timeout_s;
 - each Generate or Resume attempt waits at most `attempt_timeout_s` (2 s) for its first answer
   (`queued`, or an error status); one that gets none is cancelled (NoAnswer) and the next
-  daemon is tried. A daemon that left an attempt unanswered is passed over, while another one
-  answers, for `10 x attempt_timeout_s`.
+  daemon is tried, round robin (a connection the channel cannot set up fails at once: a
+  paused daemon costs at most `attempt_timeout_s` per round).
 
 Resume carries the tokens received, so a break or an abandoned attempt loses and repeats no
 token. A cancelled attempt is a dropped stream for the daemon: pass `detachable=True` (as in a
@@ -58,7 +58,6 @@ from kvsched.client.types import Finished, RequestOptions
 ATTEMPT_TIMEOUT_S = 2.0  # default bound on a Generate/Resume attempt's first answer
 KEEPALIVE_S = 5.0  # a kvsched daemon refuses pings more often than every 5 s (no data)
 PING_TIMEOUT_S = 2.0
-UNANSWERED_FOR = 10  # x attempt_timeout_s: how long a daemon that did not answer is passed over
 
 
 def resumable_channel_options(
@@ -114,7 +113,6 @@ class ResumableStream:
         self.attempt_timeout_s = attempt_timeout_s  # None: wait for a first answer forever
         self.attempts = 0  # Generate/Resume calls made
         self.unanswered = 0  # attempts abandoned for want of a first answer (NoAnswer)
-        self._silent_since: dict[int, float] = {}  # client index -> its last NoAnswer
         self.last_error: Exception | None = None  # what ended the last stream or attempt
         self.tokens: list[int] = []
         self.finished: Finished | None = None
@@ -155,7 +153,6 @@ class ResumableStream:
         while True:
             try:
                 stream, queued = await self._open(queued)
-                self._silent_since.pop(self._index(), None)
                 self.accepted = True
                 async for batch in stream:
                     if waiting_first and batch:
@@ -170,31 +167,16 @@ class ResumableStream:
                 self.last_error = exc
                 if isinstance(exc, NoAnswer):
                     self.unanswered += 1
-                    self._silent_since[self._index()] = now
-                else:
-                    self._silent_since.pop(self._index(), None)  # it answered (an error)
                 if now >= deadline:
                     raise
                 if not waiting_first:
                     self.broken_at.append(now)
                     waiting_first = True
-                self.client = self.clients[self._next(now)]
+                # The next daemon (one client: the same one again).
+                self.client = self.clients[
+                    (self.clients.index(self.client) + 1) % len(self.clients)
+                ]
                 await asyncio.sleep(self.backoff_s)
-
-    def _index(self) -> int:
-        return self.clients.index(self.client)
-
-    def _next(self, now: float) -> int:
-        """The next daemon, round robin (one client: the same one again), passing over those
-        that left an attempt unanswered lately while another one answers."""
-        n, i = len(self.clients), self._index()
-        order = [(i + k) % n for k in range(1, n + 1)]
-        window = UNANSWERED_FOR * (self.attempt_timeout_s or 0.0)
-        for j in order:
-            since = self._silent_since.get(j)
-            if since is None or now - since > window:
-                return j
-        return order[0]
 
     async def read_all(self) -> list[int]:
         async for _ in self:
