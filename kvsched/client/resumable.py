@@ -16,9 +16,9 @@ In a cluster, give it one client per daemon (`resumable([c_a, c_b, c_c], prompt,
 submits through the first and, at each break, retries through the next. Any daemon serves a
 Resume: one that does not own the request relays it to the daemon that does (the journal names
 it; after a daemon's death, the daemon that adopted its requests), so the helper needs no
-owner lookup. Pass `detachable=True` there: a request the daemon you talk to forwarded to a
-peer's instance then keeps running on that peer when your daemon dies, instead of being
-aborted as a dropped stream.
+owner lookup. Its requests are detachable (unless `detachable=False` is given): a request the
+daemon you talk to forwarded to a peer's instance then keeps running on that peer when your
+daemon dies, instead of being aborted as a dropped stream.
 
 Bounded waits (a paused, hung or cut-off daemon whose kernel still accepts TCP neither breaks
 a stream nor answers a call):
@@ -38,14 +38,16 @@ a stream nor answers a call):
   paused daemon costs at most `attempt_timeout_s` per round).
 
 Resume carries the tokens received, so a break or an abandoned attempt loses and repeats no
-token. A cancelled attempt is a dropped stream for the daemon: pass `detachable=True` (as in a
-cluster anyway) so that a slow but live daemon does not abort the request when the client
-gives up on it.
+token. A cancelled attempt is a dropped stream for the daemon, so requests are `detachable`
+unless `detachable=False` is given (a slow but live daemon then does not abort the request
+when the client gives up on one attempt); a stream its reader leaves unfinished (break out of
+the loop, task cancelled, retry_for_s spent) is aborted by the helper (best effort).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -83,6 +85,7 @@ def resumable_channel_options(
 
 
 RESUMABLE_CHANNEL_OPTIONS = resumable_channel_options()
+_ABORTS: set[asyncio.Task[None]] = set()  # aborts of abandoned requests, until they are done
 
 
 class ResumableStream:
@@ -107,6 +110,9 @@ class ResumableStream:
         self.options: RequestOptions = dict(options)  # type: ignore[assignment]
         self.request_id: str = self.options.get("request_id") or uuid.uuid4().hex
         self.options["request_id"] = self.request_id
+        # A dropped stream or an abandoned attempt must not abort the request on a daemon that
+        # is slow but alive: the helper aborts it itself when its reader leaves it unfinished.
+        self.options.setdefault("detachable", True)
         self.retry_for_s = retry_for_s
         self.backoff_s = backoff_s
         self.metadata = tuple(metadata)  # sent with every Generate and Resume call
@@ -147,6 +153,31 @@ class ResumableStream:
         return stream, True
 
     async def __aiter__(self) -> AsyncIterator[list[int]]:
+        try:
+            async for batch in self._follow():
+                yield batch
+        finally:
+            if self.finished is None and self.attempts:
+                self._abort_later()  # left unfinished (dropped, cancelled, or gave up)
+
+    def _abort_later(self) -> None:
+        """Abort the request (best effort, not awaited): it is detachable, so no daemon aborts
+        it when its stream goes (NotFound, e.g. it was never accepted, is ignored)."""
+
+        async def abort() -> None:
+            # Any failure (daemon gone, a duck-typed client without abort) leaves it to the
+            # daemon's own limits; nobody waits for this task.
+            with contextlib.suppress(Exception):
+                await self.client.abort(self.request_id, timeout=5.0, metadata=self.metadata)
+
+        try:
+            task = asyncio.get_running_loop().create_task(abort())
+        except RuntimeError:  # no running loop (closed at exit): nothing to abort with
+            return
+        _ABORTS.add(task)
+        task.add_done_callback(_ABORTS.discard)
+
+    async def _follow(self) -> AsyncIterator[list[int]]:
         queued = False
         deadline = time.monotonic() + self.retry_for_s
         waiting_first = False
