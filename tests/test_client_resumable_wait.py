@@ -104,3 +104,48 @@ def test_paused_daemon_stream_and_attempts_are_abandoned_then_resume_exact() -> 
     finally:
         worker.stop()
         daemon.stop()
+
+
+def test_silent_stream_of_a_live_daemon_is_not_abandoned() -> None:
+    """A stream that gets no token for 4x the keepalive interval (its worker stopped, the
+    daemon alive) is kept: the daemon answers the pings (and accepts their rate: no
+    "too_many_pings"), so no break and no resume; the tokens continue afterwards, exact."""
+    daemon, address = start_daemon(env={"KVSCHED_HEARTBEAT_TIMEOUT_S": "120"})
+    worker = start_worker(address, "rw1", "--speed", "0.3")
+    try:
+        wait_ready(address, ["rw1"], 60.0)
+        prompt = list(range(7, 37))
+
+        async def run() -> tuple[list[int], int, int]:
+            opts = resumable_channel_options(keepalive_s=5.0, ping_timeout_s=1.0)
+            async with AsyncClient(address, options=opts) as client:
+                stream = resumable(
+                    client, prompt, request_id="rw-3", max_tokens=200, attempt_timeout_s=ATTEMPT_S
+                )
+                task = asyncio.create_task(stream.read_all())
+                deadline = time.monotonic() + 60
+                while len(stream.tokens) < 5:
+                    assert time.monotonic() < deadline, "no tokens before the worker stopped"
+                    assert not task.done(), "the stream ended before the worker stopped"
+                    await asyncio.sleep(0.02)
+                worker.signal(signal.SIGSTOP)
+                try:
+                    held = len(stream.tokens)
+                    await asyncio.sleep(20.0)  # 4 keepalive intervals without a token
+                    silent = len(stream.tokens) == held
+                finally:
+                    worker.signal(signal.SIGCONT)
+                assert silent, "tokens came while the only worker was stopped"
+                tokens = await asyncio.wait_for(task, 120)
+                return tokens, len(stream.broken_at), stream.attempts
+
+        tokens, breaks, attempts = asyncio.run(asyncio.wait_for(run(), 240))
+        assert (breaks, attempts) == (0, 1), (breaks, attempts)
+        assert tokens == sim_expected("rw-3", len(prompt), 200)
+        assert "too_many_pings" not in daemon.output()
+    except BaseException:
+        print("---- daemon\n" + "\n".join(daemon.output().splitlines()[-60:]))
+        raise
+    finally:
+        worker.stop()
+        daemon.stop()
