@@ -65,9 +65,7 @@ def test_late_daemon_learns_the_stores_keys_from_a_snapshot(nats_server: NatsSer
             # The newest SNAPSHOT_STORAGE_KEYS of the instance's namespace, nothing else.
             assert set(late.storage_index) == want
             # Its cluster index routes on them too: the storage set of model "m".
-            assert late.index.hits.stored("m") >= set(
-                keys_of(stored[-SNAPSHOT_STORAGE_KEYS:])
-            )
+            assert late.index.hits.stored("m") >= set(keys_of(stored[-SNAPSHOT_STORAGE_KEYS:]))
         finally:
             for x in (pub, late):
                 await x.stop()
