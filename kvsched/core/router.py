@@ -2,7 +2,9 @@
 
 `choose` is the rule over plain candidates (numbers: hit fraction, predicted wait, load) and
 returns a `Choice`; `Router.pick` computes those numbers for this daemon's instances, the
-cluster's router for its own and its peers' instances; the callers send the request.
+cluster's router for its own and its peers' instances; the callers send the request. Each
+instance's load is one value its owner produces with `instance_load` (the daemon's engines,
+`InstanceEngine.load`, published to peers); the router is handed those values.
 
 score(i) = cached_fraction(i) - load_weight * (load(i) - min load)
     cached_fraction = prompt tokens instance i holds cached now / prompt tokens, a GPU hit
@@ -92,7 +94,8 @@ def priced_hit(s: Candidate, req: Request) -> tuple[float, int]:
 
 class Candidate(Protocol):
     """What the router reads of an instance: a Scheduler, or the daemon's engine of one (which
-    publishes these facts and nothing else of its scheduler)."""
+    publishes these facts and nothing else of its scheduler). Its load comes as a value beside
+    it (`Router.pick`'s `loads`); `load_facts` serves a candidate that publishes none."""
 
     @property
     def paused(self) -> bool: ...
