@@ -2,7 +2,7 @@
 
 The only module above `kvsched.core` that touches a Scheduler (tests/test_layout.py): the layers
 above call its methods (add_request, abort, pause, ...), hear back through an `EngineListener`
-(the request table), and read the facts it publishes (snapshot, load facts, epoch, counters,
+(the request table), and read the facts it publishes (snapshot, its load value, epoch, counters,
 KV events). It imports nothing above it.
 
     worker rank 0 --StepReport--> reports ─┐
