@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from kvsched.cluster.kv_index import (
@@ -80,7 +80,7 @@ class KvStream:
     def __init__(
         self,
         link: ClusterLink,
-        sources: Callable[[], dict[str, KvSource]],
+        sources: Callable[[], Mapping[str, KvSource]],
         flush_s: float = 0.02,
         load_every_s: float = 0.25,
     ) -> None:
