@@ -164,9 +164,11 @@ class InstanceView:
     model: str = ""
     max_model_len: int = 0
     vocab_size: int = 0
+    role: str = "mixed"  # core.config.Role's value: a decode instance takes no new request
 
     def take_info(self, info: dict[str, Any] | None) -> None:
         if info:
+            self.role = str(info.get("role", "mixed"))
             self.model = str(info.get("model", ""))
             self.max_model_len = int(info.get("max_model_len", 0))
             self.vocab_size = int(info.get("vocab_size", 0))

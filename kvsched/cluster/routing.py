@@ -109,7 +109,7 @@ class ClusterRouter:
 
     def refresh(self) -> None:
         """Re-read which indexed instances may take requests (synced, with a load, a peer's,
-        leased to a live member): a loop over every instance, so it runs when the index gains
+        not a decode instance, leased to a live member): a loop over every instance, so it runs when the index gains
         or resyncs one, when the daemon's membership and lease views were refreshed
         (`ClusterNode`, every 0.2 s) and at least every `refresh_s`, never per decision."""
         index, me, engines = self.index, self.daemon_id, self.registry.engines
@@ -122,6 +122,7 @@ class ClusterRouter:
             and v.daemon in live
             and owner(v.instance_id) == v.daemon
             and v.instance_id not in engines
+            and v.role != "decode"  # it only takes prefilled requests (P/D): never a new one
             for v in index.slots
         ]
         self._base = np.array(ok, dtype=bool)
