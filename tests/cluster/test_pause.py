@@ -35,6 +35,8 @@ from tests.cluster.durability_kit import (
 from tests.cluster.heal_kit import Load, MonitoredNats, converged, lease_owners
 from tests.integration.harness import Proc, status, wait_ready
 
+pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
+
 TTL_S = 6.0
 PAUSE_S = 15.0
 ENV = {
