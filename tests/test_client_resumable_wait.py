@@ -4,9 +4,10 @@ its kernel still accepts TCP, so neither the open stream nor a new call fails by
 - a Resume and a Generate sent over an established connection to the stopped daemon get no
   first answer: each raises NoAnswer after its `first_answer_timeout` (the call cancelled)
   instead of waiting for SIGCONT;
-- the open resumable stream is abandoned (gRPC keepalive: the paused daemon answers no ping)
-  while the daemon is still stopped, and its Resume attempts keep ending (none waits for the
-  daemon) while it stays stopped;
+- the open resumable stream, silent since its worker was stopped 6 s before (more than the
+  keepalive interval: no token, no flow-control ping), is abandoned while the daemon is still
+  stopped (gRPC keepalive: the paused daemon answers no ping), and its Resume attempts keep
+  ending (none waits for the daemon) while it stays stopped;
 - after SIGCONT the stream resumes with the tokens it holds and ends with exactly the sim's
   tokens (none lost, none twice).
 
@@ -29,7 +30,7 @@ ATTEMPT_S = 0.5
 
 
 def test_paused_daemon_stream_and_attempts_are_abandoned_then_resume_exact() -> None:
-    daemon, address = start_daemon()
+    daemon, address = start_daemon(env={"KVSCHED_HEARTBEAT_TIMEOUT_S": "120"})
     worker = start_worker(address, "rw0", "--speed", "0.3")
     try:
         wait_ready(address, ["rw0"], 60.0)
@@ -56,6 +57,9 @@ def test_paused_daemon_stream_and_attempts_are_abandoned_then_resume_exact() -> 
                     assert time.monotonic() < deadline, "no tokens before the pause"
                     assert not task.done(), "the stream ended before the pause"
                     await asyncio.sleep(0.02)
+                worker.signal(signal.SIGSTOP)  # the stream goes silent, the daemon lives
+                await asyncio.sleep(6.0)
+                assert not stream.broken_at, "a live daemon's silent stream was broken"
                 daemon.signal(signal.SIGSTOP)
                 try:
                     held = len(stream.tokens)
@@ -84,6 +88,7 @@ def test_paused_daemon_stream_and_attempts_are_abandoned_then_resume_exact() -> 
                     assert len(stream.tokens) == held  # nothing came from a stopped daemon
                 finally:
                     daemon.signal(signal.SIGCONT)
+                    worker.signal(signal.SIGCONT)
                 tokens = await asyncio.wait_for(task, 120)
                 await other.close()
                 return tokens, stream.finished, broke, attempts
@@ -94,9 +99,9 @@ def test_paused_daemon_stream_and_attempts_are_abandoned_then_resume_exact() -> 
         assert finished is not None and finished.reason == "length", finished
         wait_pool_free(address)
         print(
-            f"\nSIGSTOP -> stream abandoned {seen['break']:.2f} s (keepalive 5 s, ping timeout "
-            f"1 s); {attempts} attempts ended by {seen['stall']:.2f} s while stopped; exact "
-            "after SIGCONT"
+            f"\nSIGSTOP -> silent stream abandoned {seen['break']:.2f} s (keepalive 5 s, ping "
+            f"timeout 1 s; two NoAnswer calls of {ATTEMPT_S:g} s first); {attempts} attempts "
+            f"ended by {seen['stall']:.2f} s while stopped; exact after SIGCONT"
         )
     except BaseException:
         print("---- daemon\n" + "\n".join(daemon.output().splitlines()[-60:]))
