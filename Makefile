@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROTOS  := $(wildcard protos/kvsched/v1/*.proto)
 
-.PHONY: install install-vllm test-vllm proto proto-check lint typecheck test test-fast demo demo-cluster demo-real demo-real-sim bench bench-peers clean
+.PHONY: install install-vllm test-vllm proto proto-check lint typecheck test test-fast test-faults demo demo-cluster demo-real demo-real-sim bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,7 +38,12 @@ $(NODE_DEPS): examples/node/package.json
 	touch $(NODE_DEPS)
 
 test: $(STAMP) $(NODE_DEPS) proto-check lint typecheck
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not faults"
+
+# Fault scenarios (partitions, pauses, the short nemesis run; ~3 min): a CI step of its own,
+# so that `make test` stays under 12 minutes on 2 cores.
+test-faults: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m faults tests/cluster
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -x -m "not slow"

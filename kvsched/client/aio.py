@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Unpack
@@ -11,7 +12,7 @@ import grpc
 import grpc.aio
 
 from kvsched.client.connection import Connection
-from kvsched.client.errors import Cancelled, KvschedClientError, from_rpc_error
+from kvsched.client.errors import Cancelled, KvschedClientError, NoAnswer, from_rpc_error
 from kvsched.client.types import (
     Finished,
     ModelInfo,
@@ -65,6 +66,24 @@ class AsyncGenerateStream:
     async def __aexit__(self, *exc: object) -> None:
         if self.finished is None:
             self.cancel()
+
+
+async def _first_answer(call: Any, bound: float | None, address: str, request_id: str) -> Any:
+    """The call's first message, waiting at most `bound` seconds (None: no bound). A call
+    that gets no answer in time is cancelled and raises NoAnswer."""
+    try:
+        if bound is None:
+            return await call.read()
+        async with asyncio.timeout(bound):
+            return await call.read()
+    except TimeoutError:
+        call.cancel()
+        raise NoAnswer(
+            f"no answer from {address} within {bound:g} s (daemon paused, hung or unreachable)",
+            request_id=request_id,
+        ) from None
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc, request_id) from None
 
 
 class AsyncSession:
@@ -170,20 +189,20 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        first_answer_timeout: float | None = None,
         **options: Unpack[RequestOptions],
     ) -> AsyncGenerateStream:
         """Submit one request and wait until it is queued (a refusal raises here:
         InvalidArgument, ResourceExhausted, Unavailable, ...). `timeout` bounds the whole
-        stream; `metadata` is sent with the call (e.g. a W3C traceparent)."""
+        stream; `metadata` is sent with the call (e.g. a W3C traceparent);
+        `first_answer_timeout` bounds the wait for `queued` (NoAnswer, the call cancelled)."""
         call = self._requests.Generate(
             build_request(prompt, options),
             timeout=self._conn.deadline(timeout),
             metadata=self._conn.metadata(metadata),
         )
-        try:
-            first = await call.read()
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, options.get("request_id", "")) from None
+        rid = options.get("request_id", "")
+        first = await _first_answer(call, first_answer_timeout, self._conn.address, rid)
         if first is grpc.aio.EOF:
             raise KvschedClientError("stream ended before queued")
         return AsyncGenerateStream(call, first.queued)
@@ -195,20 +214,19 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        first_answer_timeout: float | None = None,
     ) -> AsyncGenerateStream:
         """Take over the rest of a request whose stream broke: its tokens after `token_ids`
         (the ones this client holds), then its finished (RequestService.Resume). NotFound,
         PermissionDenied, InvalidArgument, Unavailable (the daemon is not back yet) raise
-        here. See kvsched.client.resumable for a stream that does this by itself."""
+        here; NoAnswer when `first_answer_timeout` passes without one. See
+        kvsched.client.resumable for a stream that does this by itself."""
         call = self._requests.Resume(
             rpb.RequestServiceResumeRequest(request_id=request_id, token_ids=list(token_ids)),
             timeout=self._conn.deadline(timeout),
             metadata=self._conn.metadata(metadata),
         )
-        try:
-            first = await call.read()
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, request_id) from None
+        first = await _first_answer(call, first_answer_timeout, self._conn.address, request_id)
         if first is grpc.aio.EOF:
             raise KvschedClientError("stream ended before queued", request_id=request_id)
         return AsyncGenerateStream(call, first.queued)

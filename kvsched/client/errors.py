@@ -49,6 +49,12 @@ class Unavailable(KvschedClientError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class NoAnswer(Unavailable):
+    """A call got no first answer within the bound it was given (`first_answer_timeout`): the
+    daemon is paused, hung or cut off (its kernel may still accept TCP, so the connection
+    alone never fails). The call was cancelled; try another daemon."""
+
+
 class Unauthenticated(KvschedClientError):
     """No token, or one the daemon does not know."""
 

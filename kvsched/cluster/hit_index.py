@@ -223,15 +223,20 @@ class HitIndex:
             st_tok = np.zeros(size)
             if ends is not None:
                 st_tok = np.where(fetch_block_ms >= 0, ends[total] - total, 0) * b
-            return gpu * b, total * b + st_tok, st_tok
+            return (
+                np.asarray(gpu * b, np.float64),
+                np.asarray(total * b + st_tok, np.float64),
+                st_tok,
+            )
         gpu_tok, all_tok, st_tok = np.zeros(size), np.zeros(size), np.zeros(size)
         can_fetch = fetch_block_ms >= 0
         for bs in sizes:
             gpu, total, ends = self.runs(hashes_for(bs), size, namespace)
             sel = block_size == bs
-            more = np.where(can_fetch & sel, ends[total] - total, 0) if ends is not None else 0
             gpu_tok[sel] = gpu[sel] * float(bs)
-            st_tok[sel] = (more * float(bs))[sel] if ends is not None else 0.0
+            if ends is not None:
+                more = np.where(can_fetch & sel, ends[total] - total, 0)
+                st_tok[sel] = (more * float(bs))[sel]
             all_tok[sel] = total[sel] * float(bs) + st_tok[sel]
         return gpu_tok, all_tok, st_tok
 

@@ -7,7 +7,8 @@ Every daemon publishes, per instance it owns, batches of KV events on the NATS s
      "block_size": 16,
      "load": {"running": 3, "waiting": 0, "max_num_seqs": 64, "kv_usage": 0.41,
               "queued_prefill_tokens": 512, "predicted_backlog_ms": 230.5,
-              "prefill_token_ms": 0.05, "attention_ms": 2e-7, "swap_block_ms": 0.17},
+              "prefill_token_ms": 0.05, "attention_ms": 2e-7, "swap_block_ms": 0.17,
+              "load": 0.4868},
      "events": [{"type": "BlockStored", "block_hashes": ["<hex>", ...],
                  "parent_block_hash": "<hex>" | null, "token_ids": [...], "block_size": 16,
                  "lora_name": null, "medium": "gpu"},
@@ -19,7 +20,10 @@ memory: a block moved there is a cpu BlockStored, a host eviction a cpu BlockRem
 "storage" (the store every instance shares, `kvsched.core.storage`: a write acknowledged is a
 storage BlockStored, a failed fetch's keys a storage BlockRemoved). Storage events go into ONE
 cluster-wide set of hashes per model (the instance's published model), not into the instance's
-own: any instance with a storage tier can fetch them. The load's cost fields are the instance's
+own: any instance with a storage tier can fetch them. The load's "load" is the instance's one
+load value (`kvsched.core.router.instance_load` of the facts beside it, as its engine computed
+it: the number routers read; facts without it are weighed by the same formula at the default
+`LOAD_SECONDS`). The load's cost fields are the instance's
 step-cost model (ms per prefill token, per unit of the attention term, per block swapped in
 from host memory, per block fetched from storage: `fetch_block_ms`, published only by an
 instance with a storage tier): peers price its hits with them.
@@ -47,6 +51,7 @@ import numpy.typing as npt
 
 from kvsched.cluster.hit_index import HitIndex, keys_of, keys_of_hex, keys_of_packed
 from kvsched.core.kv_events import CPU, GPU, STORAGE, BlockRemoved, BlockStored, KvEvent
+from kvsched.core.router import LOAD_SECONDS, instance_load
 
 EVENTS_SUBJECT = "kvsched.kv.events"  # + ".<instance>"
 MAX_PENDING = 512  # batches kept per instance while a snapshot is awaited (older: dropped)
@@ -159,9 +164,11 @@ class InstanceView:
     model: str = ""
     max_model_len: int = 0
     vocab_size: int = 0
+    role: str = "mixed"  # core.config.Role's value: a decode instance takes no new request
 
     def take_info(self, info: dict[str, Any] | None) -> None:
         if info:
+            self.role = str(info.get("role", "mixed"))
             self.model = str(info.get("model", ""))
             self.max_model_len = int(info.get("max_model_len", 0))
             self.vocab_size = int(info.get("vocab_size", 0))
@@ -198,6 +205,7 @@ class LoadTable:
     COLUMNS = (
         "heard",
         "block_size",
+        "load",
         "backlog_ms",
         "kv_usage",
         "max_num_seqs",
@@ -214,6 +222,7 @@ class LoadTable:
             setattr(self, c, np.zeros(0))
         self.heard: npt.NDArray[np.float64]
         self.block_size: npt.NDArray[np.float64]
+        self.load: npt.NDArray[np.float64]  # the load value it published (`instance_load`)
         self.backlog_ms: npt.NDArray[np.float64]
         self.kv_usage: npt.NDArray[np.float64]
         self.max_num_seqs: npt.NDArray[np.float64]
@@ -243,6 +252,8 @@ class LoadTable:
         # A peer publishing counts only (no cost model): its queued requests at ~1 s each.
         waiting = ld.get("waiting", 0.0)
         self.backlog_ms[i] = ld.get("predicted_backlog_ms", 1e3 * waiting)
+        # Its owner's one load value; facts without one (an older peer): the same formula.
+        self.load[i] = ld["load"] if "load" in ld else instance_load(ld, LOAD_SECONDS)
         self.kv_usage[i] = ld.get("kv_usage", 0.0)
         self.max_num_seqs[i] = max(1.0, ld.get("max_num_seqs", 1.0))
         self.sent[i] = 0.0

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from kvsched.cluster.kv_index import (
@@ -36,6 +36,11 @@ from kvsched.core.kv_events import STORAGE
 from kvsched.core.storage import StorageIndex
 
 log = logging.getLogger("kvsched.cluster")
+
+# A snapshot carries at most this many stored keys of the shared storage tier (the newest): 16
+# bytes each, packed as hex, 8,192 keys are 256 KiB, well within NATS's 1 MiB message limit
+# beside the GPU and host lists.
+SNAPSHOT_STORAGE_KEYS = 8192
 
 
 class KvSource(Protocol):
@@ -75,7 +80,7 @@ class KvStream:
     def __init__(
         self,
         link: ClusterLink,
-        sources: Callable[[], dict[str, KvSource]],
+        sources: Callable[[], Mapping[str, KvSource]],
         flush_s: float = 0.02,
         load_every_s: float = 0.25,
     ) -> None:
@@ -192,9 +197,28 @@ class KvStream:
             src.cached_block_hashes(),
             self._info(iid),
             src.host_block_hashes(),
+            self._stored_hashes(iid, src.block_size),
         )
         with contextlib.suppress(Exception):
             await msg.respond(data)
+
+    def _stored_hashes(self, iid: str, block_size: int) -> list[bytes]:
+        """What this daemon believes the shared store holds in `iid`'s namespace (its newest
+        `SNAPSHOT_STORAGE_KEYS`), for a snapshot: a restarted peer learns the store's
+        contents from it, not only from storage events written after its restart."""
+        info = self._info(iid) or {}
+        model = info.get("model")
+        if self.storage_index is None or not model:
+            return []
+        prefix = f"{model}/{block_size}/"
+        keys = self.storage_index.recent(prefix, SNAPSHOT_STORAGE_KEYS)
+        out = []
+        for k in keys:
+            try:
+                out.append(bytes.fromhex(k[len(prefix) :]))
+            except ValueError:
+                continue
+        return out
 
     # ---- the index --------------------------------------------------------------------------
     async def _on_batch(self, msg: Any) -> None:
@@ -215,7 +239,10 @@ class KvStream:
                     reply = await self.link.nc.request(
                         f"{SNAPSHOT_SUBJECT}.{iid}", b"", timeout=1.0
                     )
-                    self.index.apply_snapshot(decode(reply.data), time.monotonic())
+                    snap = decode(reply.data)
+                    self.index.apply_snapshot(snap, time.monotonic())
+                    if self.storage_index is not None and snap.get("daemon") != self.daemon_id:
+                        learn_stored(self.storage_index, snap)
                     return
                 except Exception as exc:
                     log.debug("kv stream: snapshot of %s: %r", iid, exc)
@@ -224,6 +251,17 @@ class KvStream:
             self.index.forget(iid)
         finally:
             self._syncing.discard(iid)
+
+
+def learn_stored(index: StorageIndex, snap: dict[str, Any]) -> None:
+    """A peer's snapshot's stored keys (`storage_block_hashes`) into this daemon's storage
+    index, oldest first (the snapshot lists them newest first)."""
+    info = snap.get("info") or {}
+    model, bs = info.get("model"), snap.get("block_size")
+    hexes = snapshot_hex(snap, "storage_block_hashes")
+    if model and bs and hexes:
+        prefix = f"{model}/{bs}/"
+        index.add(prefix + h for h in reversed(hexes))
 
 
 def learn_storage(index: StorageIndex, batch: dict[str, Any]) -> None:
@@ -244,3 +282,13 @@ def learn_storage(index: StorageIndex, batch: dict[str, Any]) -> None:
             index.add(keys)
         elif ev.get("type") == "BlockRemoved":
             index.discard(keys)
+
+
+def snapshot_hex(snap: dict[str, Any], name: str) -> list[str]:
+    """A snapshot's hash list `name` as full hex strings (packed or listed), as the storage
+    tier's keys name them (`core.storage`: model / block size / hash hex)."""
+    packed = snap.get("packed_" + name)
+    if packed:
+        text = str(packed)
+        return [text[i : i + 32] for i in range(0, len(text), 32)]
+    return [str(h) for h in snap.get(name) or []]

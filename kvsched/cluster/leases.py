@@ -224,7 +224,9 @@ class Leases:
                 watcher = await self.kv.watchall(inactive_threshold=WATCH_INACTIVE_S)
                 while not self._restart.is_set():
                     restart = asyncio.ensure_future(self._restart.wait())
-                    update = asyncio.ensure_future(watcher.updates(timeout=None))
+                    # nats-py's KeyWatcher methods are unannotated (no types to check against).
+                    updates = watcher.updates(timeout=None)  # type: ignore[no-untyped-call]
+                    update = asyncio.ensure_future(updates)
                     done, _ = await asyncio.wait(
                         {restart, update}, return_when=asyncio.FIRST_COMPLETED
                     )
@@ -244,14 +246,16 @@ class Leases:
             except asyncio.CancelledError:
                 if watcher is not None:  # its subscription would hold up the link's drain
                     with contextlib.suppress(Exception):
-                        await asyncio.wait_for(watcher.stop(), 1.0)
+                        stop = watcher.stop()  # type: ignore[no-untyped-call]  # nats-py: unannotated
+                        await asyncio.wait_for(stop, 1.0)
                 raise
             except Exception as exc:
                 log.debug("leases watcher: %r; restarting", exc)
                 await asyncio.sleep(0.5)
             if watcher is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(watcher.stop(), 1.0)
+                    stop = watcher.stop()  # type: ignore[no-untyped-call]  # nats-py: unannotated
+                    await asyncio.wait_for(stop, 1.0)
                 with contextlib.suppress(Exception):  # its consumer now, not after the threshold
                     await asyncio.wait_for(self._drop_consumer(watcher), 1.0)
             self.num_watchers += 1

@@ -343,9 +343,10 @@ class ClusterNode:
         """An instance's model and limits, published with its load (server/models.py)."""
         eng = self.registry.engines.get(iid)
         lim = None if eng is None else eng.limits
-        if lim is None:
+        if eng is None or lim is None:
             return None
         return {
+            "role": str(eng.role),  # a peer never routes a new request to a decode instance
             "model": lim.model,
             "max_model_len": lim.max_model_len,
             "vocab_size": lim.vocab_size,

@@ -109,9 +109,10 @@ class ClusterRouter:
 
     def refresh(self) -> None:
         """Re-read which indexed instances may take requests (synced, with a load, a peer's,
-        leased to a live member): a loop over every instance, so it runs when the index gains
-        or resyncs one, when the daemon's membership and lease views were refreshed
-        (`ClusterNode`, every 0.2 s) and at least every `refresh_s`, never per decision. An
+        not a decode instance, leased to a live member): a loop over every instance, so it
+        runs when the index gains or resyncs one, when the daemon's membership and lease
+        views were refreshed (`ClusterNode`, every 0.2 s) and at least every `refresh_s`,
+        never per decision. An
         instance this daemon still knows but has no worker of (taken out: its lease went to
         a peer while this daemon was paused or cut off) is the peer's to take requests."""
         index, me, engines = self.index, self.daemon_id, self.registry.engines
@@ -124,6 +125,7 @@ class ClusterRouter:
             and v.daemon in live
             and owner(v.instance_id) == v.daemon
             and not _attached_here(engines.get(v.instance_id))
+            and v.role != "decode"  # it only takes prefilled requests (P/D): never a new one
             for v in index.slots
         ]
         self._base = np.array(ok, dtype=bool)
@@ -260,7 +262,7 @@ class ClusterRouter:
             req.block_hashes = self._hashes(req, e.block_size, by_size)
             worth, hit = e.priced_hit(req)
             local_hits.append(worth / n)
-            local_loads.append(router.load(e))
+            local_loads.append(e.load)
             local_waits.append(router.calibration.factor * e.predicted_wait_ms(req, hit))
         hits, waits, loads = self._remote_scores(req, elig.size, by_size, n, model)
         req.block_hashes = []  # the instance chosen hashes with its own block size
@@ -311,7 +313,8 @@ class ClusterRouter:
         """Per slot (the first `size`; the caller masks the ineligible): the prompt fraction
         its cache is worth (GPU hits whole, host and storage hits priced by its published
         step-cost model: swap-in or fetch vs recompute, `hit_index.price_runs`), its predicted wait for the request in ms (its published backlog
-        plus the request's uncached prefill) and its load (router.load's rule)."""
+        plus the request's uncached prefill) and its load: the load value it published
+        (`InstanceEngine.load`) plus the requests forwarded to it since, per slot."""
         t, index = self.index.table, self.index
         router = self.registry.router
         bs = t.block_size[:size]
@@ -347,11 +350,7 @@ class ClusterRouter:
         own = a_tok * (ntok - start) + a_attn * (ntok * ntok - start * start) / 2
         backlog = t.backlog_ms[:size]
         waits = router.calibration.factor * (backlog + own)
-        loads = (
-            backlog / (1e3 * router.load_seconds)
-            + t.kv_usage[:size]
-            + t.sent[:size] / t.max_num_seqs[:size]
-        )
+        loads = t.load[:size] + t.sent[:size] / t.max_num_seqs[:size]
         return worth / n, waits, loads
 
 

@@ -194,7 +194,8 @@ class SelfFence:
         try:
             await asyncio.wait_for(node.leases.reload(), LOOKUP_TIMEOUT_S)
             node.hand_over_now()  # instances a peer took go to it before anything is placed
-            keep, drop = [], []
+            keep: list[Tracked] = []
+            drop: list[Tracked] = []
             for rid, tr in list(self.parked.items()):
                 (keep if await self._owned_here(rid) else drop).append(tr)
         except Exception as exc:  # NATS still flaky: the next tick tries again

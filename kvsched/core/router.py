@@ -2,7 +2,9 @@
 
 `choose` is the rule over plain candidates (numbers: hit fraction, predicted wait, load) and
 returns a `Choice`; `Router.pick` computes those numbers for this daemon's instances, the
-cluster's router for its own and its peers' instances; the callers send the request.
+cluster's router for its own and its peers' instances; the callers send the request. Each
+instance's load is one value its owner produces with `instance_load` (the daemon's engines,
+`InstanceEngine.load`, published to peers); the router is handed those values.
 
 score(i) = cached_fraction(i) - load_weight * (load(i) - min load)
     cached_fraction = prompt tokens instance i holds cached now / prompt tokens, a GPU hit
@@ -40,6 +42,9 @@ from kvsched.core.errors import CapacityExceeded, Unavailable
 from kvsched.core.request import Request
 
 OVERLOAD_POLICIES = ("demote", "refuse", "off")
+# The predicted queued prefill that weighs as much as a full KV pool (`instance_load`): the
+# router's default, and the weight of a peer's facts that carry no load value of their own.
+LOAD_SECONDS = 3.0
 
 
 def predicted_wait_ms(s: Candidate, req: Request, hit_tokens: int) -> float:
@@ -89,7 +94,8 @@ def priced_hit(s: Candidate, req: Request) -> tuple[float, int]:
 
 class Candidate(Protocol):
     """What the router reads of an instance: a Scheduler, or the daemon's engine of one (which
-    publishes these facts and nothing else of its scheduler)."""
+    publishes these facts and nothing else of its scheduler). Its load comes as a value beside
+    it (`Router.pick`'s `loads`); `load_facts` serves a candidate that publishes none."""
 
     @property
     def paused(self) -> bool: ...
@@ -185,7 +191,7 @@ class Router:
     def __init__(
         self,
         load_weight: float = 0.5,
-        load_seconds: float = 3.0,
+        load_seconds: float = LOAD_SECONDS,
         ttft_target_ms: float = 5000.0,
         overload: str = "demote",
     ) -> None:
@@ -205,6 +211,9 @@ class Router:
         self.num_overflowed = 0  # requests no instance was predicted to serve in time
 
     def load(self, s: Candidate) -> float:
+        """`instance_load` of a candidate's facts, for a candidate that publishes no load value
+        of its own (a bare Scheduler in tests and benches; the daemon's engines publish theirs,
+        `InstanceEngine.load`, and the registry hands those to `pick`)."""
         return instance_load(s.load_facts(), self.load_seconds)
 
     @staticmethod
@@ -212,9 +221,15 @@ class Router:
         """Requests placed or queued per slot, plus KV usage (decode instances)."""
         return instance_load(s.load_facts(), 1.0, by_count=True)
 
-    def pick(self, schedulers: Sequence[Candidate], req: Request) -> int:
+    def pick(
+        self,
+        schedulers: Sequence[Candidate],
+        req: Request,
+        loads: Sequence[float] | None = None,
+    ) -> int:
         """Index of the instance that should take `req` (a new request: never a decode-role
-        instance). A paused instance queues what it is given, so it is chosen only when every
+        instance). `loads[i]`: candidate i's one load value as it published it (None: each
+        one's `instance_load` computed here, `Router.load`). A paused instance queues what it is given, so it is chosen only when every
         candidate is paused (the request waits for Resume there). Raises Unavailable when no
         instance can take new requests, CapacityExceeded when the overload policy is
         "refuse" and no instance is predicted to meet the request's deadline."""
@@ -230,7 +245,7 @@ class Router:
         mixed = len({schedulers[i].block_size for i in cands}) > 1
         hits: list[float] = []
         waits: list[float] = []
-        loads: list[float] = []
+        load_of: list[float] = []
         for i in cands:
             if mixed:
                 req.block_hashes = []
@@ -238,11 +253,11 @@ class Router:
             worth, hit = priced_hit(s, req)
             hits.append(worth / n)
             waits.append(self.calibration.factor * predicted_wait_ms(s, req, hit))
-            loads.append(self.load(s))
+            load_of.append(self.load(s) if loads is None else loads[i])
         if mixed:
             req.block_hashes = []
         target = req.ttft_deadline_ms or self.ttft_target_ms
-        choice = choose(hits, waits, loads, target, self.overload, self.load_weight)
+        choice = choose(hits, waits, load_of, target, self.overload, self.load_weight)
         best = cands[choice.index]
         if choice.overflowed:
             self.num_overflowed += 1
@@ -257,8 +272,15 @@ class Router:
         self.calibration.placed(req, waits[choice.index])
         return best
 
-    def pick_decode(self, schedulers: Sequence[Candidate]) -> int | None:
+    def pick_decode(
+        self, schedulers: Sequence[Candidate], loads: Sequence[float] | None = None
+    ) -> int | None:
         """Least-loaded decode-role instance (by requests per slot and KV usage: a decode
-        instance queues no prefill), or None when there is none."""
+        instance queues no prefill), or None when there is none. `loads[i]`: candidate i's
+        load value as it published it (a decode instance's is by count), None: `count_load`."""
         cands = [i for i, s in enumerate(schedulers) if s.is_decode and not s.paused]
-        return min(cands, key=lambda i: self.count_load(schedulers[i])) if cands else None
+        if not cands:
+            return None
+        if loads is None:
+            return min(cands, key=lambda i: self.count_load(schedulers[i]))
+        return min(cands, key=lambda i: loads[i])

@@ -38,85 +38,20 @@ a storage `BlockStored` (hashes only), a failed fetch's keys a storage `BlockRem
 `reset_prefix_cache` does not touch the store (its keys name content, valid everywhere); it
 drops the writes not yet sent.
 
-Imports `block_pool` and `kv_events` only.
+Imports `block_pool`, `kv_events` and `storage_index` only.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvsched.core.block_pool import BlockPool
 from kvsched.core.kv_events import STORAGE, BlockRemoved, BlockStored
+from kvsched.core.storage_index import DEFAULT_MAX_KEYS, StorageIndex
 
-# The index forgets its least recently stored keys past this many (the store owns capacity and
-# eviction: a key forgotten here is a miss, a key the store dropped a failed fetch).
-DEFAULT_MAX_KEYS = 1 << 22
-
-
-class StorageIndex:
-    """The keys one daemon believes the shared store holds, and the keys being written."""
-
-    def __init__(self, max_keys: int = DEFAULT_MAX_KEYS) -> None:
-        if max_keys < 1:
-            raise ValueError(f"max_keys must be >= 1, got {max_keys}")
-        self.max_keys = max_keys
-        self._stored: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._writing: set[str] = set()
-        self.num_forgotten = 0  # keys dropped past max_keys
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._stored
-
-    def __len__(self) -> int:
-        return len(self._stored)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._stored))
-
-    def run_from(self, keys: Iterable[str]) -> list[str]:
-        """The longest run of `keys` from its start that is stored."""
-        stored, out = self._stored, []
-        for k in keys:
-            if k not in stored:
-                break
-            out.append(k)
-        return out
-
-    def is_writing(self, key: str) -> bool:
-        return key in self._writing
-
-    def begin_write(self, key: str) -> bool:
-        """Claim a write of `key`: False when it is stored or someone is writing it."""
-        if key in self._stored or key in self._writing:
-            return False
-        self._writing.add(key)
-        return True
-
-    def end_write(self, key: str, ok: bool) -> None:
-        """A claimed write was acknowledged (ok) or failed / dropped."""
-        self._writing.discard(key)
-        if ok:
-            self.add([key])
-
-    def add(self, keys: Iterable[str]) -> None:
-        """Keys stored (an acknowledged write, here or at a peer daemon)."""
-        stored = self._stored
-        for k in keys:
-            stored[k] = None
-            stored.move_to_end(k)
-        while len(stored) > self.max_keys:
-            stored.popitem(last=False)
-            self.num_forgotten += 1
-
-    def discard(self, keys: Iterable[str]) -> None:
-        """Keys no longer believed stored (a failed fetch, here or at a peer daemon)."""
-        for k in keys:
-            self._stored.pop(k, None)
-
-    def clear(self) -> None:
-        self._stored.clear()
+__all__ = ["DEFAULT_MAX_KEYS", "StorageIndex", "StorageStats", "StorageTier"]
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 The only module above `kvsched.core` that touches a Scheduler (tests/test_layout.py): the layers
 above call its methods (add_request, abort, pause, ...), hear back through an `EngineListener`
-(the request table), and read the facts it publishes (snapshot, load facts, epoch, counters,
+(the request table), and read the facts it publishes (snapshot, its load value, epoch, counters,
 KV events). It imports nothing above it.
 
     worker rank 0 --StepReport--> reports ─┐
@@ -23,7 +23,6 @@ import collections
 import copy
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvsched import codec
@@ -40,35 +39,17 @@ from kvsched.core import (
     Unavailable,
 )
 from kvsched.core.protocol import StepReport
+from kvsched.core.router import LOAD_SECONDS, instance_load
 from kvsched.core.scheduler import SNAPSHOT_COUNTERS
 from kvsched.server.delivery import TokenDelivery
+from kvsched.server.ranks import RankConn, check_joining_rank
+
+__all__ = ["EngineListener", "InstanceEngine", "RankConn"]
 
 if TYPE_CHECKING:
     from kvsched.server.telemetry import Telemetry
 
 log = logging.getLogger("kvsched.engine")
-
-
-@dataclass(slots=True, eq=False)
-class RankConn:
-    """One connected worker process (one TP rank) of an instance."""
-
-    rank: int
-    num_gpu_blocks: int
-    block_size: int
-    num_slots: int
-    address: str
-    model: str
-    num_host_blocks: int = 0  # the host-memory KV tier (Hello.num_host_blocks)
-    max_model_len: int = 0  # Hello's limits (0: not announced); see server/models.py
-    vocab_size: int = 0
-    storage_backends: tuple[str, ...] = ()  # Hello.storage_backends (step 13)
-    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
-    last_seen: float = field(default_factory=time.monotonic)
-    closed: bool = False
-    # InstanceRegistry.send_heartbeats: the Tasks count last seen, and since when.
-    hb_mark: int = -1
-    hb_since: float = field(default_factory=time.monotonic)
 
 
 class EngineListener(Protocol):
@@ -98,6 +79,7 @@ class InstanceEngine:
         instance_id: str,
         engine_config: EngineConfig,
         world_size: int = 1,
+        load_seconds: float = LOAD_SECONDS,
     ) -> None:
         self.listener = listener
         self.telemetry = telemetry
@@ -118,6 +100,11 @@ class InstanceEngine:
         self.storage_index: StorageIndex | None = None
         self.storage_kind = ""
         self.reports: list[StepReport] = []
+        # The instance's one load value (`load`): `instance_load` of its scheduler's facts at
+        # `load_seconds` (by count for a decode instance), computed again only after a step or
+        # a call that changed them (None: stale).
+        self.load_seconds = load_seconds
+        self._load: float | None = None
         self._next_handle = 0  # handles continue across schedulers of this instance
         # Final counters of the schedulers taken out (SNAPSHOT_COUNTERS; tenants' served / shed).
         self._retired = dict.fromkeys(SNAPSHOT_COUNTERS, 0)
@@ -151,36 +138,7 @@ class InstanceEngine:
 
     def attach(self, conn: RankConn, world_size: int) -> None:
         """Register a rank that said Hello; the instance becomes ready with its last rank."""
-        if world_size != self.world_size:
-            raise ProtocolError(
-                f"instance {self.instance_id!r} has world size {self.world_size}, "
-                f"but rank {conn.rank} says {world_size}"
-            )
-        if not 0 <= conn.rank < self.world_size:
-            raise ProtocolError(f"rank {conn.rank} is outside world size {self.world_size}")
-        if conn.rank in self.ranks:
-            raise ProtocolError(
-                f"rank {conn.rank} of instance {self.instance_id!r} is already connected"
-            )
-        first = next(iter(self.ranks.values()), None)
-        if first is not None:
-            # The ranks run one model sharded: one block table, one slot table, the same
-            # weights. A disagreement is a misconfigured launch, never something to average.
-            for name in (
-                "block_size",
-                "num_gpu_blocks",
-                "num_host_blocks",
-                "num_slots",
-                "model",
-                "max_model_len",
-                "vocab_size",
-            ):
-                mine, theirs = getattr(conn, name), getattr(first, name)
-                if mine != theirs:
-                    raise ProtocolError(
-                        f"rank {conn.rank} says {name} = {mine!r}, rank {first.rank} says "
-                        f"{theirs!r}: all ranks of instance {self.instance_id!r} must agree"
-                    )
+        check_joining_rank(conn, world_size, self.world_size, self.ranks, self.instance_id)
         if len(self.ranks) + 1 == self.world_size:
             self._start([*self.ranks.values(), conn])  # may raise: then nothing is registered
         self.ranks[conn.rank] = conn
@@ -210,6 +168,7 @@ class InstanceEngine:
             )
         except ConfigError as exc:  # the workers' sizes do not fit this instance's config
             raise ProtocolError(f"instance {self.instance_id!r} cannot start: {exc}") from None
+        self._load = None
         if self.kv_events:
             self.sched.enable_kv_events()
         log.info(
@@ -230,6 +189,7 @@ class InstanceEngine:
         `worker_fault` False: the loss is the cluster's (its lease was taken, a rank went
         silent: a pause or a partition), never counted against its requests (poison.py)."""
         sched, self.sched = self.sched, None
+        self._load = None
         if sched is not None:
             sched.close()  # its storage writes' claims in the daemon's shared index
             self._next_handle = sched.next_handle
@@ -292,13 +252,16 @@ class InstanceEngine:
         try:
             telemetry = self.telemetry
             for report in reports:
-                self.dispatch(sched.apply_report(report))
+                events = sched.apply_report(report)
+                self._load = None  # a report and a schedule() change what the load is from
+                self.dispatch(events)
                 telemetry.report_applied(self, report)
         except ProtocolError as exc:
             self.take_out(f"protocol violation: {exc}", exc)
             return
         t0 = time.perf_counter()
         tasks = sched.schedule()
+        self._load = None
         self.telemetry.scheduler_step(self.instance_id, time.perf_counter() - t0)
         self.dispatch(sched.take_events())
         # Reports applied are always answered (Tasks.report_step), even with nothing to do:
@@ -327,6 +290,7 @@ class InstanceEngine:
     def add_request(self, req: Request) -> None:
         """Queue a new (or a lost instance's) request; raises the core's typed errors."""
         assert self.sched is not None
+        self._load = None
         self.sched.add_request(req)
 
     def holds(self, req: Request) -> bool:
@@ -337,11 +301,13 @@ class InstanceEngine:
     def abort(self, req_id: str, reason: FinishReason, message: str) -> None:
         """End a request the scheduler holds; RequestNotFound when it holds none by that id."""
         assert self.sched is not None
+        self._load = None
         self.sched.abort(req_id, reason, message)
 
     def preallocate(self, req: Request) -> tuple[int, list[int]] | None:
         """Decode role: reserve a slot and blocks for `req`'s hand-off (None: no room now)."""
         assert self.sched is not None
+        self._load = None
         return self.sched.preallocate(req)
 
     def add_prefilled(
@@ -350,6 +316,7 @@ class InstanceEngine:
         """Decode role: the request prefilled elsewhere takes its reservation; RequestNotFound
         when the reservation is gone."""
         assert self.sched is not None
+        self._load = None
         return self.sched.add_prefilled(req_id, output_token_ids, num_cached_tokens)
 
     # ---- admin ------------------------------------------------------------------------------
@@ -359,16 +326,19 @@ class InstanceEngine:
 
     def pause(self) -> None:
         if self.sched is not None:
+            self._load = None
             self.sched.pause()
 
     def resume(self) -> None:
         """Lift a drain and a pause."""
         self.draining = False
         if self.sched is not None:
+            self._load = None
             self.sched.resume()
 
     def reset_prefix_cache(self) -> None:
         if self.sched is not None:
+            self._load = None
             self.sched.reset_prefix_cache()
 
     # ---- status -----------------------------------------------------------------------------
@@ -390,9 +360,26 @@ class InstanceEngine:
         """What this instance's load is computed from (`kvsched.core.router.instance_load`)."""
         return {} if self.sched is None else self.sched.load_facts()
 
+    @property
+    def load(self) -> float:
+        """This instance's one load value, the number every router reads of it (local routing,
+        cluster routing, and its peers through `published_load`): `instance_load` of its
+        scheduler's facts, by count for a decode instance (it queues no prefill); 0 while it
+        is not up. Computed once after each step or call that changed those facts."""
+        got = self._load
+        if got is None:
+            by_count = self.is_decode
+            got = self._load = instance_load(self.load_facts(), self.load_seconds, by_count)
+        return got
+
     def published_load(self) -> dict[str, float]:
-        """What a cluster publishes of this instance's load ({} while it is not up)."""
-        return {} if self.sched is None else self.sched.published_load()
+        """What a cluster publishes of this instance's load ({} while it is not up): its facts
+        with the step-cost model peers price its hits with, and its load value (`load`)."""
+        if self.sched is None:
+            return {}
+        facts = self.sched.published_load()
+        facts["load"] = round(self.load, 6)
+        return facts
 
     def validate(self, req: Request) -> None:
         """InvalidRequest naming the first field of `req` out of range here (nothing changes)."""

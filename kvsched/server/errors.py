@@ -114,7 +114,7 @@ def status_for(exc: BaseException, where: str = "") -> tuple[grpc.StatusCode, st
 def _release(exc: BaseException) -> None:
     """Let go of what a failed call's frames hold (its request above all) now: the abort that
     follows chains `exc`, whose traceback would keep a refused 60 MB request alive until the
-    cycle collector runs, hundreds of requests later. Returns None for the caller's `request`."""
+    cycle collector runs, hundreds of requests later. The caller drops its `request` too."""
     traceback.clear_frames(exc.__traceback__)
 
 
@@ -137,7 +137,8 @@ def _wrap_unary_response(behavior: Behavior, where: str) -> Behavior:
         except grpc.aio.AbortError:
             raise  # the handler called context.abort itself
         except Exception as exc:
-            request = _release(exc)
+            _release(exc)
+            request = None  # the failed request is let go of now (see _release)
             await _abort(context, exc, where)
 
     return handler
@@ -162,7 +163,8 @@ def _wrap_stream_response(behavior: Behavior, where: str) -> Behavior:
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            request = _release(exc)
+            _release(exc)
+            request = None  # the failed request is let go of now (see _release)
             await _abort(context, exc, where)
         finally:
             # A cancelled call (the client went away) closes the handler's generator now, so its

@@ -11,9 +11,9 @@ the limit), never queued for a worker to crash on.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvsched.core import InvalidRequest, Request, RequestNotFound, Unavailable
 
@@ -100,7 +100,10 @@ def resolve_model(
     )
 
 
-def fitting(req: Request, model: str, candidates: list[tuple[object, Limits]]) -> list[object]:
+_C = TypeVar("_C")
+
+
+def fitting(req: Request, model: str, candidates: Sequence[tuple[_C, Limits]]) -> list[_C]:
     """The candidates (ready instances, with their limits) of `model` that `req` fits.
     Unavailable when none of that model is ready; InvalidRequest naming the limit when the
     model's instances are ready but none could run it."""

@@ -28,7 +28,7 @@ log = logging.getLogger("kvsched.daemon")
 
 def progressed(tr: Any) -> bool:
     """Whether the request produced output since its last placement."""
-    return len(tr.req.output_token_ids) > tr.out_at_place
+    return bool(len(tr.req.output_token_ids) > tr.out_at_place)
 
 
 class PoisonGuard:

@@ -76,7 +76,14 @@ class InstanceRegistry:
 
     def _engine(self, instance_id: str, engine_config: Any, world_size: int) -> InstanceEngine:
         assert self._listener is not None, "InstanceRegistry.open() was not called"
-        eng = InstanceEngine(self._listener, self.telemetry, instance_id, engine_config, world_size)
+        eng = InstanceEngine(
+            self._listener,
+            self.telemetry,
+            instance_id,
+            engine_config,
+            world_size,
+            load_seconds=self.router.load_seconds,
+        )
         eng.kv_events = bool(self.config.cluster)  # a cluster publishes them (kvsched.cluster)
         eng.storage_index, eng.storage_kind = self.storage_index, self.storage_kind
         return eng
@@ -292,7 +299,9 @@ class InstanceRegistry:
         got = [e.limits.max_model_len for e in self.engines.values() if e.limits is not None]
         return max(got, default=self.config.engine.scheduler.max_model_len)
 
-    def candidates(self, req: Request, model: str, engines: list[InstanceEngine]) -> list[Any]:
+    def candidates(
+        self, req: Request, model: str, engines: list[InstanceEngine]
+    ) -> list[InstanceEngine]:
         """`engines` (ready ones) that serve `model` and whose limits `req` fits; raises
         InvalidRequest naming the limit when the model's instances can never run it."""
         pairs = [(e, _limits(e, self.config.model)) for e in engines]
@@ -363,10 +372,10 @@ def _route(router: Router, engines: list[InstanceEngine], req: Request) -> Insta
     """The engine `router` places a new request on, among `engines` (ready, taking requests)."""
     if len(engines) == 1:
         return engines[0]
-    return engines[router.pick(engines, req)]
+    return engines[router.pick(engines, req, [e.load for e in engines])]
 
 
 def _route_decode(router: Router, engines: list[InstanceEngine]) -> InstanceEngine:
     """The decode engine `router` reserves a hand-off on, among ready, accepting `engines`."""
-    idx = router.pick_decode(engines)
+    idx = router.pick_decode(engines, [e.load for e in engines])
     return engines[idx or 0]

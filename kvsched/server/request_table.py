@@ -21,8 +21,8 @@ import heapq
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kvsched.core import (
     FinishReason,
@@ -33,6 +33,7 @@ from kvsched.core import (
     Unavailable,
 )
 from kvsched.core.request import FINISHED_STATUS
+from kvsched.server.cluster_port import ClusterPort
 from kvsched.server.engine import InstanceEngine
 from kvsched.server.poison import PoisonGuard
 from kvsched.server.record import (
@@ -45,7 +46,6 @@ from kvsched.server.record import (
     Tracked,
     fresh_copy,
 )
-from kvsched.v1 import request_service_pb2
 
 if TYPE_CHECKING:
     from kvsched.server.config import ServerConfig
@@ -57,48 +57,6 @@ __all__ = ["RECENT_FINISHED", "ClusterPort", "RequestTable", "Sink", "Tracked"]
 log = logging.getLogger("kvsched.daemon")
 
 RECENT_FINISHED = 10_000  # ids remembered so a late Abort of a finished request is a no-op
-
-
-class ClusterPort(Protocol):
-    """What the server asks of a cluster (`kvsched.cluster.node.ClusterNode`); the server
-    imports nothing of kvsched.cluster."""
-
-    def route_new(
-        self, req: Request, carrier: dict[str, str], owner: str, model: str = ""
-    ) -> tuple[InstanceEngine | PeerInstance, str]:
-        """Choose where a new request runs (an engine here or a peer's instance) and the
-        owner it is tracked under."""
-        ...
-
-    def forward(
-        self,
-        tr: Tracked,
-        msg: request_service_pb2.GenerateRequest,
-        remote: Any,
-        carrier: dict[str, str],
-        deadline_s: float | None,
-    ) -> asyncio.Task[None]:
-        """Relay `tr` from the peer's instance `remote` (the one `route_new` chose)."""
-        ...
-
-    async def abort_elsewhere(self, request_id: str, owner: str | None) -> bool: ...
-
-    def caller_of(self, carrier: dict[str, str], caller: str) -> str: ...
-
-    def hand_over_from(self, carrier: dict[str, str], caller: str) -> str:
-        """The daemon handing this Resume's request over to this one (its live owner, with no
-        instance to run it: adopt it here, then serve the Resume), or ""."""
-        ...
-
-    def resume_at(
-        self,
-        daemon_id: str,
-        msg: request_service_pb2.RequestServiceResumeRequest,
-        owner: str,
-        carrier: dict[str, str],
-    ) -> AsyncIterator[request_service_pb2.RequestServiceResumeResponse]: ...
-
-    def cluster_status(self) -> Any: ...
 
 
 class RequestTable:
@@ -400,9 +358,12 @@ class RequestTable:
     # ---- parked requests ------------------------------------------------------------------
     def place_parked(self) -> None:
         """Place parked requests (their instance was lost, or recovered from the journal);
-        fail those past their deadline."""
+        fail those past their deadline. The walk takes the list: a request parked while it
+        runs (a finish's observers may lose an instance, whose requests `requeue_lost` parks
+        and places in a walk of their own) goes into a new one, kept after the walk."""
         now, keep = time.monotonic(), []
-        for tr in self.parked:
+        walked, self.parked = self.parked, []
+        for tr in walked:
             loc = tr.location
             if self.tracked.get(tr.req.req_id) is not tr or type(loc) is not Parked:
                 continue  # aborted meanwhile
@@ -427,6 +388,11 @@ class RequestTable:
                     f"{self.config.requeue_timeout_s:g} s",
                 )
             else:
+                keep.append(tr)
+        kept = {id(tr) for tr in keep}
+        for tr in self.parked:  # parked during the walk: kept too, each once
+            if id(tr) not in kept:
+                kept.add(id(tr))
                 keep.append(tr)
         self.parked = keep
 

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, DEFAULT_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -59,7 +60,7 @@ def _trace_of(req: Any) -> RequestTrace | None:
         return None
     if trace is ROOT:
         trace = tr.span = RequestTrace()
-    return trace  # type: ignore[no-any-return]
+    return trace
 
 
 class Tracing:
@@ -133,13 +134,13 @@ class Tracing:
     def request_accepted(self, tr: Any, carrier: Mapping[str, str]) -> None:
         """Start the request's trace: a child of the caller's W3C trace context when the
         metadata carries one (a new trace otherwise), if the sampler keeps it."""
+        parent_ctx: Context | None = None
+        parent: SpanContext | None = None
         if "traceparent" in carrier:
             parent_ctx = _W3C.extract(carrier)
-            parent: SpanContext | None = get_current_span(parent_ctx).get_span_context()
+            parent = get_current_span(parent_ctx).get_span_context()
             if parent is not None and not parent.is_valid:
                 parent = None
-        else:
-            parent_ctx = parent = None
         if parent is None and self._roots_sampled:
             tr.span = ROOT  # what the sampler would say: sampled, no parent's state
             return

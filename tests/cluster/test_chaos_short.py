@@ -17,7 +17,7 @@ from bench.chaos.checker import table
 from bench.chaos.main import Options, run
 from bench.chaos.schedule import make_schedule
 
-pytestmark = pytest.mark.slow  # ~100 s: in `make test`, not in `make test-fast`
+pytestmark = [pytest.mark.slow, pytest.mark.faults]  # ~100 s: `make test-faults` (a CI step)
 
 SEED = int(os.environ.get("KVSCHED_CHAOS_SEED", "23"))
 TTL_S = 2.0

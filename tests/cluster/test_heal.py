@@ -17,6 +17,8 @@ from tests.cluster.heal_kit import MonitoredNats, lease_owners
 from tests.cluster.tcp_proxy import TcpProxy
 from tests.integration.harness import Proc, status, wait_ready
 
+pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
+
 CYCLES = 100
 BUDGET_S = 240.0  # the cycles stop here even if fewer than CYCLES ran (asserted below)
 

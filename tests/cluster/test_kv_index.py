@@ -7,6 +7,7 @@ import json
 from kvsched.cluster.hit_index import keys_of
 from kvsched.cluster.kv_index import ClusterIndex, decode, encode_batch, encode_snapshot
 from kvsched.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvsched.core.router import LOAD_SECONDS, instance_load
 
 H = [bytes([i]) * 16 for i in range(8)]
 
@@ -60,3 +61,17 @@ def test_a_new_epoch_starts_empty_without_a_snapshot() -> None:
     assert idx.apply_batch(batch(1, [AllBlocksCleared(), BlockStored([H[7]], None, [], 16)], "e2"))
     assert idx.instances["i0"].hashes == keys([H[7]]) and idx.num_gaps == 0
     assert idx.instances["i0"].prefix_blocks([H[7], H[1]]) == 1
+
+
+def test_the_load_column_is_the_load_value_the_owner_published() -> None:
+    """Routing weighs a peer's instance by the load value its engine published (`load`); facts
+    that carry none (an older peer) are weighed by the one formula at the default weight."""
+    facts = {"running": 2.0, "waiting": 1.0, "max_num_seqs": 8.0, "kv_usage": 0.25}
+    facts["predicted_backlog_ms"] = 600.0
+    idx = ClusterIndex()
+    snap = encode_snapshot("i0", "d", "e1", 0, 16, {**facts, "load": 0.7}, [], None, [])
+    idx.apply_snapshot(decode(snap))
+    slot = idx.instances["i0"].slot
+    assert idx.table.load[slot] == 0.7  # not the 0.45 its facts would give here
+    assert idx.apply_batch(decode(encode_batch("i0", "d", "e1", 1, 0.0, 16, facts, [])))
+    assert idx.table.load[slot] == instance_load(facts, LOAD_SECONDS) == 600 / 3000 + 0.25

@@ -34,6 +34,8 @@ from tests.cluster.heal_kit import Load, MonitoredNats, converged, lease_owners
 from tests.cluster.tcp_proxy import TcpProxy
 from tests.integration.harness import Proc, wait_ready
 
+pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
+
 TTL_S = 2.0
 CUT_S = 8.0
 ENV = {

@@ -7,9 +7,14 @@ two `kvsched serve`, two sim workers that know both daemons, resumable clients.
 - after SIGCONT the paused daemon fences itself at once (its loop stood still past the margin),
   drops the requests adopted elsewhere and keeps no instance: ownership converges;
 - nothing is driven twice after convergence: the continued daemon holds no request and no
-  instance, while every stream ends once with exactly the sim's tokens and no KV block is held.
+  instance, while every stream ends once with exactly the sim's tokens and no KV block is held;
+- streams whose client talks to the paused daemon itself ("direct") move while it is still
+  stopped: the resumable client's keepalive breaks the silent stream and its attempts are
+  bounded (`attempt_timeout_s`), so it resumes through the live daemon once that one adopted
+  the request. Streams a peer forwarded to the paused daemon's instance move too.
 
-The streams' stall (break -> next token) and the convergence time are printed, not asserted."""
+The streams' stall (pause -> next token, direct and forwarded apart) and the convergence time
+are printed, not asserted."""
 
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ from tests.cluster.durability_kit import (
 )
 from tests.cluster.heal_kit import Load, MonitoredNats, converged, lease_owners
 from tests.integration.harness import Proc, status, wait_ready
+
+pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
 
 TTL_S = 6.0
 PAUSE_S = 15.0
@@ -57,6 +64,7 @@ def test_paused_daemon_streams_move_and_ownership_converges() -> None:
         requests = [(f"pz-{i}", p, 600, i % 2) for i, p in enumerate(prompts(12, seed=43))]
         base_consumers = nats.consumers()
         figures: dict[str, float] = {}
+        ids: dict[str, list[int]] = {}  # the streams on d0's instance; those moved meanwhile
         assert d0.proc is not None and d1.proc is not None
 
         async def run() -> tuple[Load, list[BaseException]]:
@@ -71,10 +79,19 @@ def test_paused_daemon_streams_move_and_ownership_converges() -> None:
                 await asyncio.sleep(PAUSE_S)
             finally:
                 d0.proc.signal(signal.SIGCONT)
+            # The streams that got a token while d0 was still stopped (no await since SIGCONT).
+            moved_during = [i for i in on_d0 if load.stalls_after(paused, [i])]
+            ids["moved_during"] = moved_during
+            for i in on_d0:  # where each stream stood at SIGCONT (the figures' context)
+                s = load.streams[i]
+                print(
+                    f"{s.request_id}: breaks {[round(b - paused, 2) for b in s.broken_at]}, "
+                    f"{s.attempts} attempts, {s.unanswered} unanswered, last {s.last_error!r}"
+                )
             moved = load.stalls_after(paused, on_d0)  # a token after the pause began
             figures["moved"] = float(sum(1 for t in moved if t < PAUSE_S))
             figures["on_d0"] = float(len(on_d0))
-            figures["on_d0_list"] = on_d0  # type: ignore[assignment]
+            ids["on_d0"] = on_d0
             resumed = time.monotonic()
             while not await asyncio.to_thread(converged, nats.url, addresses, IIDS):
                 assert time.monotonic() - resumed < 60, "ownership never converged"
@@ -105,24 +122,42 @@ def test_paused_daemon_streams_move_and_ownership_converges() -> None:
         for d in (d0, d1):
             pool_free(d.address)
         # pause -> the next token of each stream on the paused daemon's instance
-        stalls = load.stalls_after(figures["paused_at"], figures["on_d0_list"])  # type: ignore[arg-type]
-        assert len(stalls) == len(figures["on_d0_list"])  # type: ignore[arg-type]
-        p50, p99 = quantiles(stalls) if stalls else (0.0, 0.0)
+        on_d0 = ids["on_d0"]
+        stalls = load.stalls_after(figures["paused_at"], on_d0)
+        assert len(stalls) == len(on_d0)
+        # Direct streams (submitted through d0: its client talked to the paused daemon) and
+        # forwarded ones (submitted through d1, placed on d0's instance) both moved while d0
+        # was stopped: none waited for SIGCONT.
+        direct = [i for i in on_d0 if requests[i][3] == 0]
+        forwarded = [i for i in on_d0 if requests[i][3] == 1]
+        assert direct, "no stream of the paused daemon's own clients ran on its instance"
+        waited = sorted(set(on_d0) - set(ids["moved_during"]))
+        assert not waited, f"streams that waited for SIGCONT: {waited}"
         end_consumers = nats.consumers()
+        parts = []
+        for name, idx in (("direct", direct), ("forwarded", forwarded)):
+            st_ = load.stalls_after(figures["paused_at"], idx)
+            q50, q99 = quantiles(st_) if st_ else (0.0, 0.0)
+            unanswered = sum(load.streams[i].unanswered for i in idx)
+            parts.append(
+                f"{name} {len(idx)}: pause -> next token p50/p99 {q50:.2f}/{q99:.2f} s "
+                f"(each {sorted(round(t, 2) for t in st_)}; {unanswered} attempts unanswered)"
+            )
+        p50, p99 = quantiles(stalls) if stalls else (0.0, 0.0)
         print(
             f"\nTTL {TTL_S:g} s, pause {PAUSE_S:g} s: {figures['moved']:.0f} of "
             f"{figures['on_d0']:.0f} streams on the paused daemon's instance moved during the "
-            f"pause; pause -> next token p50/p99 {p50:.2f}/{p99:.2f} s over {len(stalls)} streams; converged "
+            f"pause; all: p50/p99 {p50:.2f}/{p99:.2f} s; {'; '.join(parts)}; converged "
             f"{figures['converged_s']:.2f} s after SIGCONT; consumers {base_consumers} -> "
-            f"{end_consumers}; each: {sorted(round(t, 2) for t in stalls)}"
+            f"{end_consumers}"
         )
     except BaseException:
         for d in (d0, d1):
             print(f"---- {d.daemon_id}\n" + "\n".join(d.output().splitlines()[-80:]))
         raise
     finally:
-        for p in reversed(workers):
-            p.stop()
+        for w in reversed(workers):
+            w.stop()
         d0.stop()
         d1.stop()
         nats.close()

@@ -223,3 +223,26 @@ def test_peer_sees_host_hits_over_nats_and_after_a_snapshot(nats_server: NatsSer
                 await link.close()
 
     asyncio.run(go())
+
+
+def test_a_peers_decode_instance_never_takes_a_new_request() -> None:
+    """A decode instance (P/D) takes only prefilled requests: a peer's, though it holds the
+    whole prompt and is idle, is never chosen for a new one; its mixed twin is."""
+    s = host_sched()
+    prompt = prompts(1, seed=11)[0]
+    req = make_request(prompt, max_tokens=2)
+    s.kv.ensure_hashes(req, (req.num_tokens - 1) // BS)
+    blocks = list(req.block_hashes)
+    load = {"running": 0.0, "waiting": 0.0, "max_num_seqs": 64.0, "kv_usage": 0.0}
+    load |= {"predicted_backlog_ms": 0.0, "prefill_token_ms": 0.05, "attention_ms": 1e-6}
+    for role, busy_ms in (("decode", 0.0), ("mixed", 500.0)):
+        index = ClusterIndex()
+        snap = encode_snapshot("p-cached", "peer", "e", 0, BS, load, blocks, {"role": role})
+        index.apply_snapshot(decode(snap), time.monotonic())
+        other = load | {"predicted_backlog_ms": busy_ms}
+        snap = encode_snapshot("p-other", "peer", "e", 0, BS, other, [])
+        index.apply_snapshot(decode(snap), time.monotonic())
+        router = _router(index, {"p-cached": "peer", "p-other": "peer"})
+        got = router.route(make_request(prompt, max_tokens=2))
+        want = "p-other" if role == "decode" else "p-cached"
+        assert isinstance(got, RemoteInstance) and got.instance_id == want, (role, got)

@@ -1,0 +1,61 @@
+"""What the server asks of a cluster: the `ClusterPort` protocol the request table holds
+(`RequestTable.cluster`; `kvsched.cluster.node.ClusterNode` implements it, set by the
+composition root). The server imports nothing of kvsched.cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from kvsched.core import Request
+from kvsched.server.engine import InstanceEngine
+from kvsched.server.record import PeerInstance, Tracked
+from kvsched.v1 import request_service_pb2
+
+
+class ClusterPort(Protocol):
+    """What the server asks of a cluster (`kvsched.cluster.node.ClusterNode`); the server
+    imports nothing of kvsched.cluster."""
+
+    def route_new(
+        self, req: Request, carrier: dict[str, str], owner: str, model: str = ""
+    ) -> tuple[InstanceEngine | PeerInstance, str]:
+        """Choose where a new request runs (an engine here or a peer's instance) and the
+        owner it is tracked under."""
+        ...
+
+    def forward(
+        self,
+        tr: Tracked,
+        msg: request_service_pb2.GenerateRequest,
+        remote: Any,
+        carrier: dict[str, str],
+        deadline_s: float | None,
+    ) -> asyncio.Task[None]:
+        """Relay `tr` from the peer's instance `remote` (the one `route_new` chose)."""
+        ...
+
+    async def abort_elsewhere(self, request_id: str, owner: str | None) -> bool: ...
+
+    def caller_of(self, carrier: dict[str, str], caller: str) -> str: ...
+
+    def hand_over_from(self, carrier: dict[str, str], caller: str) -> str:
+        """The daemon handing this Resume's request over to this one (its live owner, with no
+        instance to run it: adopt it here, then serve the Resume), or ""."""
+        ...
+
+    def resume_at(
+        self,
+        daemon_id: str,
+        msg: request_service_pb2.RequestServiceResumeRequest,
+        owner: str,
+        carrier: dict[str, str],
+    ) -> AsyncIterator[request_service_pb2.RequestServiceResumeResponse]: ...
+
+    def refuse_if_fenced(self) -> None:
+        """Unavailable while this daemon is fenced: a Resume of a request it does not hold
+        is not looked up in a journal it cannot reach."""
+        ...
+
+    def cluster_status(self) -> Any: ...
