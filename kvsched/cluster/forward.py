@@ -12,6 +12,9 @@ a `RemotePeer`: the peer's `RemoteInstance` and this relay's task) and calls the
                              token, or when the peer runs without auth)
     authorization            `Bearer <cluster_token>` when the daemon has one (role client)
 
+A Resume this daemon sends as the request's owner to hand it over (`hand_over`) carries
+`x-kvsched-hand-over` besides `x-kvsched-forwarded-by` and `x-kvsched-owner`.
+
 Tokens are appended to the local request as they arrive and handed to its sink; the peer's
 Finished becomes the local request's one finished state (`RequestTable.finish`). The forwarder
 is a lifecycle observer of the table: a relayed request that ends here first (aborted, its
