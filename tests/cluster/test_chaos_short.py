@@ -86,13 +86,6 @@ def test_no_kv_block_is_held_at_the_end(report: dict[str, Any]) -> None:
     assert p["result"] == "PASS", p
 
 
-@pytest.mark.xfail(
-    reason="known bug (fence2's heal work, fixed on h-fence2 872b323, not yet on main): every "
-    "kv.keys() (membership refresh every TTL/4, lease reloads) leaves an ordered consumer on the "
-    "server for nats-py's default inactive_threshold of 5 min: ~5 more a second with 3 daemons, "
-    "faults or not",
-    strict=False,
-)
 def test_jetstream_consumers_are_bounded(report: dict[str, Any]) -> None:
     p = prop(report, "consumers_bounded")
     assert p["after_settle"] is not None and p["before_faults"] is not None, p
