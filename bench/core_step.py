@@ -237,7 +237,7 @@ def print_table(records: list[Record], vllm: dict[tuple[int, int], float]) -> No
 
 BREAKDOWN = (  # (part of the scheduler, method): each timed by a wrapper
     ("admission.Admitter", "extend_decoders"),  # schedule(): block extensions
-    ("report.ReportApplier", "_check_report"),  # apply_report(): validation, columns
+    ("report_check.ReportChecker", "check"),  # apply_report(): validation, columns
     ("report.ReportApplier", "_apply_round"),  # the vectorized rows
     ("report.ReportApplier", "_after_report"),  # the visits (caching, extensions, finishes)
 )

@@ -19,6 +19,7 @@ from kvsched.data import CONVERSATION_SLICE
 from kvsched.demo_args import add_demo_arguments
 from kvsched.http.args import add_http_parser
 from kvsched.replay.args import add_replay_arguments
+from kvsched.server.args import add_serve_parser
 from kvsched.worker_stub.args import add_worker_parser
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -26,109 +27,6 @@ DEFAULT_TRACE = CONVERSATION_SLICE  # shipped in the package, so a wheel or clon
 EXIT_CONFIG = 2
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _sleep = time.sleep  # a seam for tests of --watch
-
-
-def _add_serve(sub: Any) -> None:
-    p = sub.add_parser("serve", help="run the daemon", description="Run the kvsched daemon.")
-    p.add_argument(
-        "--config",
-        metavar="FILE",
-        help="TOML file (see examples/kvsched.toml; default: $KVSCHED_CONFIG, else none)",
-    )
-    p.add_argument(
-        "--listen", metavar="HOST:PORT", help=f"gRPC address (default: {DEFAULT_SERVER})"
-    )
-    p.add_argument(
-        "--metrics-listen",
-        metavar="HOST:PORT",
-        help='Prometheus address; "off" disables (default: 127.0.0.1:9464)',
-    )
-    p.add_argument("--log-level", choices=LOG_LEVELS, help="log threshold (default: info)")
-    p.add_argument(
-        "--log-json", action="store_true", default=None, help="JSON lines logs (default: text)"
-    )
-    p.add_argument(
-        "--auth-file", metavar="FILE", help="tokens and their permissions (default: no auth)"
-    )
-    p.add_argument("--tls-cert", metavar="FILE", help="server certificate (PEM; default: no TLS)")
-    p.add_argument("--tls-key", metavar="FILE", help="server private key (PEM; default: no TLS)")
-    p.add_argument(
-        "--tls-client-ca",
-        metavar="FILE",
-        help="require client certs from this CA (default: none required)",
-    )
-    p.add_argument(
-        "--tracing",
-        "--tracing-exporter",
-        dest="tracing_exporter",
-        choices=("none", "console", "otlp"),
-        help="OpenTelemetry exporter (default: none, or $OTEL_TRACES_EXPORTER)",
-    )
-    p.add_argument(
-        "--host-write-policy",
-        choices=("write_through", "write_through_selective", "write_back"),
-        help="when KV blocks are copied to a worker's host tier, every instance "
-        "(engine.cache.host_write_policy; default write_back)",
-    )
-    p.add_argument(
-        "--storage",
-        metavar="URL",
-        help='the shared storage KV tier: "mooncake" (a Mooncake master at its default '
-        "address) or mooncake://HOST:PORT (default: none; docs/STORAGE.md)",
-    )
-    p.add_argument(
-        "--storage-write-policy",
-        choices=("write_back", "write_through"),
-        help="when KV blocks are written to the storage tier, every instance "
-        "(engine.cache.storage_write_policy; default write_back: on eviction)",
-    )
-    p.add_argument(
-        "--encoder-cache-size",
-        type=int,
-        metavar="N",
-        help="multimodal encoder outputs a worker keeps, in embeddings, every instance "
-        "(engine.cache.encoder_cache_size; default 0: off)",
-    )
-    p.add_argument(
-        "--itl-target-ms",
-        type=float,
-        metavar="MS",
-        help="time budget of a worker step while requests decode, every instance "
-        "(engine.scheduler.itl_target_ms; default 100; 0: off)",
-    )
-    p.add_argument(
-        "--cluster",
-        metavar="NATS_URL",
-        help="join a cluster: nats://HOST:PORT (default: none, a standalone daemon)",
-    )
-    p.add_argument(
-        "--daemon-id",
-        metavar="ID",
-        help="this daemon's id in the cluster (default: derived from the listen address)",
-    )
-    p.add_argument(
-        "--advertise",
-        metavar="HOST:PORT",
-        help="address peers and workers reach this daemon at (default: the listen address)",
-    )
-    p.add_argument(
-        "--take-over",
-        metavar="ID",
-        help="also take over this dead daemon's unfinished requests from the journal "
-        "(default: none)",
-    )
-    p.add_argument(
-        "--cluster-fallback",
-        choices=("fail", "standalone"),
-        help="NATS unreachable at start: fail (default) or run standalone",
-    )
-    p.add_argument(
-        "--cluster-token",
-        metavar="TOKEN",
-        help="bearer token (role client) sent to peer daemons when forwarding requests "
-        "(default: none)",
-    )
-    p.set_defaults(func=_serve)
 
 
 def _add_nats(sub: Any) -> None:
@@ -175,6 +73,10 @@ def _nats(args: argparse.Namespace) -> int:
 
     host, port = split_host_port(args.listen)
     return run_nats(host, port, args.store_dir)
+
+
+def _add_serve(sub: Any) -> None:
+    add_serve_parser(sub, DEFAULT_SERVER, LOG_LEVELS, _serve)
 
 
 def _add_worker(sub: Any) -> None:

@@ -40,6 +40,21 @@ class BlockPool:
         self.events: list[KvEvent] | None = None
         self.medium = GPU  # the tier its events name (kv_events.MEDIA)
 
+    def record_events(self) -> None:
+        """Record the prefix cache's changes from now on (`take_events` drains them). The
+        first event is AllBlocksCleared: a consumer's view starts empty. Once is enough."""
+        if self.events is None:
+            self.events = [AllBlocksCleared()]
+
+    def take_events(self) -> list[KvEvent]:
+        """The events recorded since the last call, oldest first ([] when not recording). The
+        list is swapped out, not emptied: whoever holds the old one keeps what it had."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
+
     # ---- free list primitives -------------------------------------------------------------
     def _unlink(self, b: int) -> None:
         p, n = self._prev[b], self._next[b]

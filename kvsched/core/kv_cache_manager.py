@@ -1,23 +1,17 @@
 """Per-request block tables and the prefix cache, over a BlockPool.
 
 A block's hash chains its parent's hash, its token ids and its extra keys, so equal hashes mean
-equal prefixes:
-
-    h[i] = blake2b(h[i-1] | tokens[i*bs : (i+1)*bs] | extra_keys(i))
-    extra_keys(i) = LoRA name, cache_salt (block 0 only), and for every multimodal range
-                    overlapping the block: (content hash, block start - range offset)
-
-Only full blocks are hashed, and a block is registered in the cache only after the worker has
-reported writing it (`cache_reported`), never when it is merely scheduled: a reader put into
-the same step as the writer would read KV that is not there yet.
+equal prefixes (`block_hash.BlockHasher`, which draws the chain). Only full blocks are hashed,
+and a block is registered in the cache only after the worker has reported writing it
+(`cache_reported`), never when it is merely scheduled: a reader put into the same step as the
+writer would read KV that is not there yet.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from typing import NamedTuple
 
+from kvsched.core.block_hash import BlockHasher
 from kvsched.core.block_pool import BlockPool
 from kvsched.core.config import WritePolicy
 from kvsched.core.kv_events import BlockStored
@@ -80,65 +74,21 @@ class KVCacheManager:
                 self.pool.on_evict = st.on_gpu_evicted
             self.storage = st
         self.num_storage_hits = 0  # prefix-cache hit tokens fetched from the storage tier
-        # Only full blocks are hashed: one precompiled packer (faster than array().tobytes()).
-        self._pack_block = struct.Struct(f"<{block_size}q").pack
+        self.hasher = BlockHasher(block_size)  # only full blocks are hashed
         # Prefix-cache statistics, in tokens (as vLLM's prefix_cache_queries / _hits).
         self.num_queries = 0
         self.num_hits = 0
 
-    # ---- hashing --------------------------------------------------------------------------
+    # ---- hashing (`block_hash.BlockHasher`) -----------------------------------------------
     def block_extra_keys(self, req: Request, i: int) -> bytes:
-        if not (req.lora_name or req.cache_salt or req.mm_ranges):
-            return b""  # the common case, on the decode hot path
-        bs = self.block_size
-        start, end = i * bs, (i + 1) * bs
-        parts = []
-        if req.lora_name:
-            parts.append(f"lora={req.lora_name}")
-        if i == 0 and req.cache_salt:
-            parts.append(f"salt={req.cache_salt}")
-        for r in req.mm_ranges:
-            if r.offset < end and r.offset + r.length > start:
-                parts.append(f"mm={r.content_hash}@{start - r.offset}")
-        return "\x1f".join(parts).encode()
+        return self.hasher.block_extra_keys(req, i)
 
     def hash_block(self, parent: bytes, tokens: list[int], extra: bytes) -> bytes:
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(self._pack_block(*tokens))
-        h.update(extra)
-        return h.digest()
+        return self.hasher.hash_block(parent, tokens, extra)
 
     def ensure_hashes(self, req: Request, num_blocks: int) -> None:
         """Extend req.block_hashes to cover its first `num_blocks` full blocks (tokens known)."""
-        bs, hashes = self.block_size, req.block_hashes
-        p = len(req.prompt_token_ids)
-        num_blocks = min(num_blocks, (p + len(req.output_token_ids)) // bs)
-        k = len(hashes)
-        if k >= num_blocks:
-            return
-        if not (req.lora_name or req.cache_salt or req.mm_ranges):
-            # No extra keys (the common case, and the decode path): a tight loop. Output blocks
-            # a placed request decoded lately are read from its slot's ring as packed bytes
-            # (the same bytes `pack` makes), without touching 64 Python ints per block.
-            parent = hashes[-1] if hashes else b""
-            blake2b = hashlib.blake2b
-            data = None
-            if req._rows is not None and k * bs >= p:
-                data = req._rows.packed(req, k * bs - p, num_blocks * bs - p)
-            if data is None:
-                pack = self._pack_block
-                tokens = req.token_ids(k * bs, num_blocks * bs)
-                data = b"".join([pack(*tokens[j : j + bs]) for j in range(0, len(tokens), bs)])
-            width = 8 * bs  # bytes per block
-            for j in range(0, len(data), width):
-                parent = blake2b(parent + data[j : j + width], digest_size=16).digest()
-                hashes.append(parent)
-            return
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else b""
-            tokens = req.token_ids(i * bs, (i + 1) * bs)
-            hashes.append(self.hash_block(parent, tokens, self.block_extra_keys(req, i)))
+        self.hasher.ensure_hashes(req, num_blocks)
 
     # ---- lookup and allocation ------------------------------------------------------------
     def lookup(self, req: Request) -> KvHit:
@@ -149,7 +99,7 @@ class KVCacheManager:
             return KvHit([], [], [])
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
-        self.ensure_hashes(req, max_blocks)
+        self.hasher.ensure_hashes(req, max_blocks)
         hits: list[int] = []
         lookup = self.pool.cached.get
         hashes = req.block_hashes[:max_blocks]
@@ -168,7 +118,7 @@ class KVCacheManager:
         predictions); no side effects but req's hashes."""
         if not self.enable_caching:
             return 0
-        self.ensure_hashes(req, (req.num_tokens - 1) // self.block_size)
+        self.hasher.ensure_hashes(req, (req.num_tokens - 1) // self.block_size)
         lookup = self.pool.cached.get
         n = 0
         for h in req.block_hashes:
@@ -186,7 +136,7 @@ class KVCacheManager:
         the GPU prefix, then its continuation in host memory); no side effects but hashes."""
         if not self.enable_caching:
             return 0, 0
-        self.ensure_hashes(req, (req.num_tokens - 1) // self.block_size)
+        self.hasher.ensure_hashes(req, (req.num_tokens - 1) // self.block_size)
         lookup, n = self.pool.cached.get, 0
         for h in req.block_hashes:
             if lookup(h) is None:
@@ -264,7 +214,7 @@ class KVCacheManager:
         start = req.num_cached_blocks
         if n <= start:
             return
-        self.ensure_hashes(req, n)
+        self.hasher.ensure_hashes(req, n)
         hashes = req.block_hashes
         n = min(n, len(hashes))
         block_hash, cached = self.pool.block_hash, self.pool.cached

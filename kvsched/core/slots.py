@@ -143,7 +143,7 @@ class SlotTable:
         order = self._order[:n]
         mark = self._mark
         mark[s] = order
-        if mark[s].tobytes() == order.tobytes():  # (bytes: no cold ufunc, see _check_report)
+        if mark[s].tobytes() == order.tobytes():  # (bytes: no cold ufunc, see report_check)
             return [None]
         by_handle = np.argsort(h, kind="stable")
         sh = h[by_handle]

@@ -1,6 +1,8 @@
 """One instance's engine loop: owns its Scheduler, talks to its worker ranks.
 
-The only module above `kvsched.core` that touches a Scheduler (tests/test_layout.py): the layers
+The only module above `kvsched.core` that holds a Scheduler (tests/test_layout.py; `instance_start`
+builds it, `engine_totals` keeps the counters of those taken out, `report_inbox` the reports
+not applied yet): the layers
 above call its methods (add_request, abort, pause, ...), hear back through an `EngineListener`
 (the request table), and read the facts it publishes (snapshot, its load value, epoch, counters,
 KV events). It imports nothing above it.
@@ -19,15 +21,12 @@ rest. Every wake runs at most one `schedule()`, so a burst of reports or arrival
 from __future__ import annotations
 
 import asyncio
-import collections
-import copy
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvsched import codec
 from kvsched.core import (
-    ConfigError,
     EngineConfig,
     FinishReason,
     ProtocolError,
@@ -40,9 +39,11 @@ from kvsched.core import (
 )
 from kvsched.core.protocol import StepReport
 from kvsched.core.router import LOAD_SECONDS, instance_load
-from kvsched.core.scheduler import SNAPSHOT_COUNTERS
 from kvsched.server.delivery import TokenDelivery
+from kvsched.server.engine_totals import RetiredTotals
+from kvsched.server.instance_start import start_scheduler
 from kvsched.server.ranks import RankConn, check_joining_rank
+from kvsched.server.report_inbox import ReportInbox
 
 __all__ = ["EngineListener", "InstanceEngine", "RankConn"]
 
@@ -99,7 +100,6 @@ class InstanceEngine:
         # no storage tier); used when every rank's Hello lists the kind.
         self.storage_index: StorageIndex | None = None
         self.storage_kind = ""
-        self.reports: list[StepReport] = []
         # The instance's one load value (`load`): `instance_load` of its scheduler's facts at
         # `load_seconds` (by count for a decode instance), computed again only after a step or
         # a call that changed them (None: stale).
@@ -107,11 +107,8 @@ class InstanceEngine:
         self._load: float | None = None
         self._next_handle = 0  # handles continue across schedulers of this instance
         # Final counters of the schedulers taken out (SNAPSHOT_COUNTERS; tenants' served / shed).
-        self._retired = dict.fromkeys(SNAPSHOT_COUNTERS, 0)
-        self._retired_served: dict[str, int] = {}
-        self._retired_shed: dict[str, int] = {}
-        self._wake = asyncio.Event()
-        self._report_times: collections.deque[float] = collections.deque(maxlen=256)
+        self._retired = RetiredTotals()
+        self._inbox = ReportInbox()
         self._deliver = TokenDelivery()
         self._task = asyncio.get_running_loop().create_task(
             self._loop(), name=f"engine-{instance_id}"
@@ -147,39 +144,13 @@ class InstanceEngine:
             self.wake()
 
     def _start(self, conns: list[RankConn]) -> None:
-        cfg = copy.deepcopy(self.engine_config)
-        cfg.cache.block_size = conns[0].block_size
-        cfg.cache.num_gpu_blocks = conns[0].num_gpu_blocks  # every rank says the same (attach)
-        cfg.cache.num_host_blocks = conns[0].num_host_blocks
-        cfg.scheduler.max_num_seqs = min(cfg.scheduler.max_num_seqs, conns[0].num_slots)
-        if self.limits is not None:  # the smaller of the daemon's and the worker's
-            cfg.scheduler.max_model_len = self.limits.max_model_len
-        index = self.storage_index
-        if index is not None and not all(self.storage_kind in c.storage_backends for c in conns):
-            index = None  # a rank cannot reach the store: no storage tasks to this instance
-        try:
-            self.sched = Scheduler(
-                cfg,
-                clock=time.monotonic,
-                instance_id=self.instance_id,
-                first_handle=self._next_handle,
-                storage=index,
-                storage_namespace=self.limits.model if self.limits else conns[0].model,
-            )
-        except ConfigError as exc:  # the workers' sizes do not fit this instance's config
-            raise ProtocolError(f"instance {self.instance_id!r} cannot start: {exc}") from None
+        storage = (self.storage_index, self.storage_kind)
+        self.sched = start_scheduler(
+            self.instance_id, self.engine_config, conns, self.limits, storage, self._next_handle
+        )
         self._load = None
         if self.kv_events:
             self.sched.enable_kv_events()
-        log.info(
-            "instance %s ready: %d rank(s), %d blocks of %d tokens, %d slots, role %s",
-            self.instance_id,
-            self.world_size,
-            cfg.cache.num_gpu_blocks,
-            cfg.cache.block_size,
-            cfg.scheduler.max_num_seqs,
-            self.role.value,
-        )
 
     def take_out(
         self, reason: str, error: Exception | None = None, worker_fault: bool = True
@@ -193,17 +164,13 @@ class InstanceEngine:
         if sched is not None:
             sched.close()  # its storage writes' claims in the daemon's shared index
             self._next_handle = sched.next_handle
-            snap = sched.snapshot()
-            for name in SNAPSHOT_COUNTERS:
-                self._retired[name] += getattr(snap, name)
-            _add_counts(self._retired_served, sched.tenants.served)
-            _add_counts(self._retired_shed, sched.tenants.shed)
+            self._retired.retire(sched.snapshot(), sched.tenants.served, sched.tenants.shed)
         for conn in self.ranks.values():
             if not conn.closed:
                 conn.closed = True
                 conn.queue.put_nowait(error if error is not None else Unavailable(reason))
         self.ranks.clear()
-        self.reports.clear()
+        self._inbox.clear()
         if sched is None:
             return
         log.warning("instance %s taken out: %s", self.instance_id, reason)
@@ -226,17 +193,14 @@ class InstanceEngine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def wake(self) -> None:
-        self._wake.set()
+        self._inbox.wake()
 
     def submit_report(self, report: StepReport) -> None:
-        self.reports.append(report)
-        self._report_times.append(time.monotonic())
-        self._wake.set()
+        self._inbox.submit(report)
 
     async def _loop(self) -> None:
         while True:
-            await self._wake.wait()
-            self._wake.clear()
+            await self._inbox.wait()
             try:
                 self.step()
             except Exception as exc:  # a bug must not kill the loop silently
@@ -248,7 +212,7 @@ class InstanceEngine:
         sched = self.sched
         if sched is None:
             return
-        reports, self.reports = self.reports, []
+        reports = self._inbox.take()
         try:
             telemetry = self.telemetry
             for report in reports:
@@ -420,18 +384,11 @@ class InstanceEngine:
 
     def counters(self) -> dict[str, int]:
         """SNAPSHOT_COUNTERS totalled over every scheduler this instance has had."""
-        out, snap = dict(self._retired), self.snapshot()
-        for name in SNAPSHOT_COUNTERS if snap is not None else ():
-            out[name] += getattr(snap, name)
-        return out
+        return self._retired.counters(self.snapshot())
 
     def tenant_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """Tokens served and requests shed per tenant, over every scheduler it has had."""
-        served, shed = dict(self._retired_served), dict(self._retired_shed)
-        if self.sched is not None:
-            _add_counts(served, self.sched.tenants.served)
-            _add_counts(shed, self.sched.tenants.shed)
-        return served, shed
+        return self._retired.tenant_counts(None if self.sched is None else self.sched.tenants)
 
     def enable_kv_events(self) -> None:
         if self.sched is not None:
@@ -444,11 +401,7 @@ class InstanceEngine:
         return [] if self.sched is None else self.sched.cached_block_hashes()
 
     def steps_per_s(self) -> float:
-        times = self._report_times
-        if len(times) < 2:
-            return 0.0
-        span = time.monotonic() - times[0]
-        return (len(times) - 1) / span if span > 0 else 0.0
+        return self._inbox.steps_per_s()
 
     def peers(self) -> list[tuple[str, int, str]]:
         return [(self.instance_id, c.rank, c.address) for c in self.ranks.values() if c.address]
@@ -456,8 +409,3 @@ class InstanceEngine:
     @property
     def is_decode(self) -> bool:
         return self.role == Role.DECODE
-
-
-def _add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
-    for k, n in counts.items():
-        into[k] = into.get(k, 0) + n

@@ -1,29 +1,13 @@
 """The worker's slot state machine: apply the daemon's Tasks, run steps, report (the rules are
-in the WorkerService comment of protos/kvsched/v1/worker_service.proto).
-
-Positions and counters of one handle (prompt of 4 tokens, block_size 4, two blocks):
-
-    position        0    1    2    3  |  4    5    6    7
-    token           p0   p1   p2   p3 |  o0   o1   o2
-    chunks          [start=0, 2 tokens]  [start=2, 2 tokens, sample] -> o0 at position 4
-      after:        num_computed = 4, num_tokens = 5        (o0 has no KV yet)
-    decode          feeds o0 at 4, writes KV(4), samples o1 -> num_computed 5, num_tokens 6
-    + k drafts      feeds [o1, d1 .. dk] at 5 .. 5+k; accepted a: num_computed 5+a+1
-
-After every sampling step num_computed == num_tokens - 1: the newest token's KV is written by the
-next decode, so a decode needs block room for positions num_computed .. num_computed + k, i.e.
-num_computed + k < len(block_ids) * block_size. `StepReport.num_computed` is that count after
-the step; a handle that stopped mid-way through accepted drafts reports only the kept ones.
-
-A Placement whose num_cached_tokens == num_prefill_tokens decodes at once from last_token_id,
-which sits at position num_prefill_tokens (the prefill/decode hand-off, a full prefix hit).
+in the WorkerService comment of protos/kvsched/v1/worker_service.proto). The engine owns the
+handles it holds; one handle's SeqWork and the counters its tokens advance are `rows.Rows`'
+(the positions and counters are drawn there).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
@@ -32,23 +16,20 @@ from kvsched.core.errors import ProtocolError
 from kvsched.core.protocol import (
     Chunk,
     Extension,
-    FinishReason,
     KvSend,
-    MultimodalRange,
     Placement,
-    SamplingParams,
     StepReport,
     Tasks,
 )
 from kvsched.worker_stub.encoder_drops import check_encoder_drops
 from kvsched.worker_stub.executor import ColumnarExecutor, Executor, SeqWork
 from kvsched.worker_stub.host_kv import HostCopies
+from kvsched.worker_stub.rows import After, Held, Rows
 from kvsched.worker_stub.slots import IntArray, SlotTable
 from kvsched.worker_stub.storage_kv import StorageTasks
 from kvsched.worker_stub.tokens import DraftFn, check_stop, ngram_draft
 
 log = logging.getLogger(__name__)
-_NONE = int(FinishReason.NONE)
 
 __all__ = ["ProtocolError", "WorkerEngine", "check_stop", "ngram_draft"]
 
@@ -58,23 +39,6 @@ KvSender = Callable[[KvSend, bytes], None]
 class _Ready(Enum):
     RUN = 1
     NO_ROOM = 2  # its next positions lie past its block table
-
-
-@dataclass(slots=True)
-class _Slot:
-    """One handle held by this worker. Its counters live in the engine's SlotTable (columns
-    indexed by slot): num_computed, num_output, last_token, capacity, paused."""
-
-    handle: int
-    slot: int
-    req_id: str
-    block_ids: list[int]
-    num_prefill: int
-    sampling: SamplingParams
-    history: list[int] = field(default_factory=list)  # tokens seen here, for draft proposers
-    chunks: dict[int, list[int]] = field(default_factory=dict)  # start -> token ids
-    kv_send: KvSend | None = None
-    mm_ranges: list[MultimodalRange] = field(default_factory=list)
 
 
 class WorkerEngine:
@@ -127,9 +91,17 @@ class WorkerEngine:
         self._clear()
 
     def _clear(self) -> None:
-        self._held: dict[int, _Slot] = {}  # handle -> state, in placement order
+        self._held: dict[int, Held] = {}  # handle -> state, in placement order
         self._occupant: dict[int, int] = {}  # slot -> handle
         self._table = SlotTable(self.num_slots)
+        self._rows = Rows(
+            self._table,
+            self.executor.name,
+            self.eos_token_id,
+            self.max_model_len,
+            self.num_speculative_tokens,
+            self._draft,
+        )
         self._prefills: dict[int, None] = {}  # prompt not done, chunk at num_computed queued
         self._acked: dict[int, None] = {}  # ordered sets of handles for the next report
         self._failed: dict[int, None] = {}
@@ -219,7 +191,7 @@ class WorkerEngine:
             occupant.get(p.slot) is None or occupant[p.slot] in dropped for p in tasks.placements
         )
 
-    def _lookup(self, handle: int) -> _Slot | None:
+    def _lookup(self, handle: int) -> Held | None:
         """The handle's state; None, and acknowledged, when this worker does not hold it."""
         s = self._held.get(handle)
         if s is None:
@@ -248,7 +220,7 @@ class WorkerEngine:
         if decoding and p.last_token_id < 0:
             raise ProtocolError(f"handle {p.handle}: nothing to prefill and no last_token_id")
         self._occupant[p.slot] = p.handle
-        self._held[p.handle] = _Slot(
+        self._held[p.handle] = Held(
             handle=p.handle,
             slot=p.slot,
             req_id=p.req_id,
@@ -335,7 +307,7 @@ class WorkerEngine:
         elif prefills or len(decodes):
             held, occupant = self._held, self._occupant
             batch = prefills + [
-                (s, self._work(s)) for s in (held[occupant[i]] for i in decodes.tolist())
+                (s, self._rows.work(s)) for s in (held[occupant[i]] for i in decodes.tolist())
             ]
             result = self.executor.execute([w for _, w in batch])
             for (s, w), tokens in zip(batch, result.tokens, strict=True):
@@ -350,27 +322,27 @@ class WorkerEngine:
         self.storage.fill(report)
         return report
 
-    def _chunk_readiness(self, s: _Slot) -> _Ready:
+    def _chunk_readiness(self, s: Held) -> _Ready:
         """Of a handle in _prefills: whether its queued chunk fits its blocks."""
         num_computed = int(self._table.num_computed[s.slot])
         fits = num_computed + len(s.chunks[num_computed]) <= self._table.capacity[s.slot]
         return _Ready.RUN if fits else _Ready.NO_ROOM
 
-    def _take_prefills(self, report: StepReport) -> list[tuple[_Slot, SeqWork]]:
+    def _take_prefills(self, report: StepReport) -> list[tuple[Held, SeqWork]]:
         """The SeqWork of every queued chunk that fits; the others are reported paused once."""
         batch = []
         for handle in list(self._prefills):
             s = self._held[handle]
             if self._chunk_readiness(s) is _Ready.RUN:
                 del self._prefills[handle]
-                batch.append((s, self._work(s)))
+                batch.append((s, self._rows.work(s)))
             elif not self._table.paused[s.slot]:
                 self._table.paused[s.slot] = True
                 report.paused.append(handle)
         return batch
 
     def _run_columns(
-        self, prefills: list[tuple[_Slot, SeqWork]], decodes: IntArray, report: StepReport
+        self, prefills: list[tuple[Held, SeqWork]], decodes: IntArray, report: StepReport
     ) -> None:
         """Run prefills as SeqWorks and the decodes as columns, in one executor step."""
         if not prefills and not len(decodes):
@@ -384,96 +356,19 @@ class WorkerEngine:
         for (s, w), sampled in zip(prefills, result.tokens, strict=True):
             self._record(s, w, sampled, report)
         if len(decodes):
-            reasons = t.stop_reasons(decodes, tokens, self.eos_token_id, self.max_model_len)
-            report.handles.extend(t.handle[decodes].tolist())
-            report.num_computed.extend(t.advance_decodes(decodes, tokens).tolist())
-            report.num_new_tokens.extend([1] * len(decodes))
-            report.token_ids.extend(tokens.tolist())
-            report.finish_reasons.extend(reasons.tolist())
-            for slot in decodes[reasons != _NONE].tolist():
+            for slot in self._rows.record_columns(decodes, tokens, report).tolist():
                 self._free(self._occupant[slot])
         report.step_time_ns = round(result.step_time_s * 1e9)
 
-    def _work(self, s: _Slot) -> SeqWork:
-        t, i = self._table, s.slot
-        start = int(t.num_computed[i])
-        if not t.decoding[i]:
-            tokens = s.chunks.pop(start)
-            sample = start + len(tokens) == s.num_prefill
-            return SeqWork(
-                s.handle, s.req_id, s.block_ids, start, tokens, sample, 0, s.sampling, s.mm_ranges
-            )
-        drafts = self._propose(s, start)
-        tokens = [int(t.last_token[i]), *drafts]
-        return SeqWork(
-            s.handle, s.req_id, s.block_ids, start, tokens, True, len(drafts), s.sampling
-        )
-
-    def _propose(self, s: _Slot, num_computed: int) -> list[int]:
-        """Drafts that fit the block room, max_tokens and max_model_len even if all accepted."""
-        if self._draft is None:
-            return []
-        t = self._table
-        num_tokens = num_computed + 1
-        k = min(
-            self.num_speculative_tokens,
-            int(t.capacity[s.slot]) - num_computed - 1,
-            s.sampling.max_tokens - int(t.num_output[s.slot]) - 1,
-            self.max_model_len - num_tokens - 1,
-        )
-        if k <= 0:
-            return []
-        return list(self._draft(s.history, k))[:k]
-
-    def _record(self, s: _Slot, w: SeqWork, tokens: list[int], report: StepReport) -> None:
-        """Advance a handle by what its SeqWork produced; add its report row."""
-        t, i = self._table, s.slot
-        prompt_done = not t.decoding[i]
-        if prompt_done:
-            if self._draft is not None:
-                s.history.extend(w.token_ids)
-            t.num_computed[i] = num_computed = w.start + len(w.token_ids)
-        else:
-            num_computed = int(t.num_computed[i])
-        if not w.sample:
-            if num_computed in s.chunks:
-                self._prefills[s.handle] = None
-            self._add_row(report, s.handle, num_computed, [], FinishReason.NONE)
-            return
-        if not 1 <= len(tokens) <= w.num_draft + 1:
-            raise RuntimeError(
-                f"{self.executor.name} returned {len(tokens)} tokens for "
-                f"a step with {w.num_draft} drafts"
-            )
-        num_tokens = num_computed if prompt_done else num_computed + 1
-        num_output = int(t.num_output[i])
-        num_kept, reason = check_stop(
-            s.sampling, tokens, num_tokens, num_output, self.eos_token_id, self.max_model_len
-        )
-        kept = tokens[:num_kept]
-        if not prompt_done:
-            num_computed += num_kept  # KV of the last token and the kept drafts
-            t.num_computed[i] = num_computed
-        t.num_output[i] = num_output + num_kept
-        if self._draft is not None:
-            s.history.extend(kept)
-        t.last_token[i] = kept[-1]
-        t.decoding[i] = True
-        self._add_row(report, s.handle, num_computed, kept, reason)
-        if reason is not FinishReason.NONE:
+    def _record(self, s: Held, w: SeqWork, tokens: list[int], report: StepReport) -> None:
+        """Advance a handle by what its SeqWork produced (its report row), then act on it."""
+        after = self._rows.record(s, w, tokens, report)
+        if after is After.NEXT_CHUNK:
+            self._prefills[s.handle] = None
+        elif after is After.FINISHED:
             self._free(s.handle)
-        elif prompt_done and s.kv_send is not None:
+        elif after is After.SEND_KV and s.kv_send is not None:
             self._sends_due[s.handle] = s.kv_send
-
-    @staticmethod
-    def _add_row(
-        report: StepReport, handle: int, num_computed: int, kept: list[int], reason: FinishReason
-    ) -> None:
-        report.handles.append(handle)
-        report.num_computed.append(num_computed)
-        report.num_new_tokens.append(len(kept))
-        report.token_ids.extend(kept)
-        report.finish_reasons.append(int(reason))
 
     def _push_kv(self) -> None:
         """Push each due handle's prompt KV through kv_sender, then drop the handle (the

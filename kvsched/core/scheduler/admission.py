@@ -14,8 +14,10 @@ second limit: the step-cost model's predicted step time stays under `itl_target_
 
 Every change it makes goes through an owner: slots and sets through the placement table,
 the queue and its backlog through `Backlog`, preemptions and ends through `Exits`, chunk
-records through `StepPlan`; it writes only its own budget and the Tasks it fills. Imported by
-the scheduler facade only; imports `table`, `step_plan`, `backlog`, `exits`, `outbox`, `events`.
+records through `StepPlan`; it writes only its own budget and the Tasks it fills. Multimodal
+prompts' chunk and hit boundaries and their encoder cost are `multimodal`'s functions. Imported
+by the scheduler facade only; imports `table`, `step_plan`, `backlog`, `exits`, `outbox`,
+`events`, `multimodal`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.backlog import Backlog
 from kvsched.core.scheduler.events import Events, SchedulerStats
 from kvsched.core.scheduler.exits import Exits
+from kvsched.core.scheduler.multimodal import charge_encoder, trim_chunk, trim_hit
 from kvsched.core.scheduler.outbox import Outbox
 from kvsched.core.scheduler.step_plan import PIPELINE_DEPTH, StepPlan
 from kvsched.core.scheduler.table import PlacementTable
@@ -190,9 +193,8 @@ class Admitter:
             # recomputing those tokens: `_host_hits`), the storage tier the host hits (fetches
             # into fresh blocks after the swap-ins, likewise priced: `_storage_hits`).
             hits, host_hits, stored = kv.lookup(req)
-            num_hit = self._trim_hits_for_mm(
-                req, (len(hits) + len(host_hits) + len(stored)) * self.block_size
-            )
+            num_hit = (len(hits) + len(host_hits) + len(stored)) * self.block_size
+            num_hit = trim_hit(req, num_hit, self.block_size, self.config.scheduler)
             hits = hits[: num_hit // self.block_size]
             declined = declined_fetches = 0
             if host_hits:
@@ -358,77 +360,8 @@ class Admitter:
                 budget.floor = 0
             n = n_time
         if req.mm_ranges:
-            n = self._trim_chunk_for_mm(req, start, n, budget.encoder)
+            n = trim_chunk(req, start, n, budget.encoder, sc, self.enc, self.table.enc_needed)
         return n
-
-    def _trim_chunk_for_mm(self, req: Request, start: int, n: int, enc_left: int) -> int:
-        """Never end a chunk inside an image range (disable_chunked_mm_input), and keep the
-        step's multimodal tokens within the encoder budget (`enc_left`, -1: unlimited): roll
-        back to the range start. With the encoder cache on, only misses cost budget (the whole
-        item, encoded at once; one larger than the budget runs alone in a step) and a miss
-        needs room in the cache."""
-        sc = self.config.scheduler
-        enc = self.enc
-        end = start + n
-        missed: dict[str, int] = {}  # the chunk's misses so far and their sizes
-        touched: set[str] = set()  # every item the chunk reads: none is evicted for it
-        for r in req.mm_ranges:
-            r_end = r.offset + r.length
-            if r_end <= start or r.offset >= end:
-                continue
-            if sc.disable_chunked_mm_input and r.offset < end < r_end:
-                end = max(r.offset, start)
-                break
-            if enc is not None:
-                h = r.content_hash
-                if h in enc or h in missed:
-                    touched.add(h)
-                    continue
-                full = sc.max_num_encoder_tokens
-                if enc_left >= 0 and r.length > enc_left and not (enc_left == full and not missed):
-                    end = max(r.offset, start)
-                    break
-                if not enc.can_fit(sum(missed.values()) + r.length, self.table.enc_needed, touched):
-                    end = max(r.offset, start)
-                    break
-                missed[h] = r.length
-                touched.add(h)
-                enc_left -= r.length if enc_left >= 0 else 0
-                continue
-            used = min(r_end, end) - max(r.offset, start)
-            if enc_left >= 0 and used > enc_left:
-                end = max(r.offset, start)
-                break
-            enc_left -= used if enc_left >= 0 else 0
-        return end - start
-
-    def _use_encoder_budget(self, req: Request, start: int, end: int, budget: StepBudget) -> None:
-        enc = self.enc
-        if enc is not None:  # the items the chunk reads: misses pay, hits are free
-            ranges = [r for r in req.mm_ranges if r.offset < end and r.offset + r.length > start]
-            # Hits first: once this request uses them, no miss below evicts them (as sized).
-            ranges.sort(key=lambda r: r.content_hash not in enc)
-            for r in ranges:
-                miss = enc.use(req, r.content_hash, r.length, self.table.enc_needed)
-                if miss and budget.encoder >= 0:  # (a lone larger item leaves 0)
-                    budget.encoder = max(0, budget.encoder - r.length)
-            return
-        if budget.encoder < 0:
-            return
-        for r in req.mm_ranges:
-            budget.encoder -= max(0, min(r.offset + r.length, end) - max(r.offset, start))
-
-    def _trim_hits_for_mm(self, req: Request, num_hit: int) -> int:
-        """A prefix hit may not end inside an image range when chunked mm input is disabled:
-        roll it back to the block boundary at or before the range start (the seed's
-        revert_chunked_mm_input)."""
-        if not (req.mm_ranges and self.config.scheduler.disable_chunked_mm_input):
-            return num_hit
-        bs = self.block_size
-        for r in sorted(req.mm_ranges, key=lambda r: r.offset, reverse=True):
-            if r.offset < num_hit < r.offset + r.length:
-                num_hit = (r.offset // bs) * bs
-        return num_hit
 
     def _emit_chunk(self, req: Request, n: int) -> None:
         budget, plan = self.budget, self.plan
@@ -441,7 +374,10 @@ class Admitter:
         self.tasks.chunks.append(Chunk(req.handle, start, req.token_ids(start, start + n)))
         req.num_computed_tokens = start + n
         if req.mm_ranges:
-            self._use_encoder_budget(req, start, start + n, budget)
+            enc_needed = self.table.enc_needed
+            budget.encoder = charge_encoder(
+                req, start, start + n, budget.encoder, self.enc, enc_needed
+            )
         if req.num_computed_tokens >= req.num_prefill_tokens:
             self.table.prefill_sent(req, self.outbox.threshold)
         self.backlog.on_chunk(req, start, n)

@@ -19,8 +19,8 @@ shedding (scheduling rule 12 in docs/ARCHITECTURE.md).
   chunk is sent, output tokens on the report visits of a request and when it leaves its slot.
 
 `Backlog` owns the queue (built once, over the tenants' counters), the counters, the prefill
-backlog and the shed/demote counts; it reads the placement table and the step plan. Imports
-`table` and `step_plan`.
+backlog and the shed/demote counts; it reads the placement table and the step plan, and queues a new request (`add`: validated,
+stamped, shed or demoted, tracked). Imports `table`, `step_plan` and `validation`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from kvsched.core.config import EngineConfig, QueuePolicy, ShedPolicy
 from kvsched.core.errors import CapacityExceeded
 from kvsched.core.fairness import TenantCounters, make_queue
 from kvsched.core.kv_cache_manager import KVCacheManager
-from kvsched.core.request import Request
+from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.scheduler.table import Freed, PlacementTable
+from kvsched.core.scheduler.validation import validate
 
 # Below this share of a step left to prefill by the decodes, the wait is predicted at it
 # (the min_prefill_chunk floor keeps prompts moving however full the decodes are).
@@ -62,6 +63,24 @@ class Backlog:
         self.num_demoted = 0
 
     # ==== the queue ===========================================================================
+    def add(self, req: Request) -> None:
+        """A new request, validated, stamped, checked against its deadline, tracked and queued.
+        Raises InvalidRequest (bad fields, duplicate id) or CapacityExceeded (the queue is at
+        max_waiting, or it is shed); state is unchanged when it raises."""
+        table, sc = self._table, self._config.scheduler
+        validate(req, self._config, table.requests, self._kv.pool.num_blocks)
+        if len(self.waiting) >= sc.max_waiting:
+            raise CapacityExceeded(
+                f"waiting queue is full ({sc.max_waiting} requests); "
+                "retry later or raise scheduler.max_waiting"
+            )
+        req.status = RequestStatus.WAITING
+        if req.arrival_time == 0.0:
+            req.arrival_time = self._clock()
+        self.check_deadline(req)  # may shed it (CapacityExceeded) or demote it
+        table.track(req)
+        self.push(req)
+
     def push(self, req: Request) -> None:
         self.waiting.push(req)
 

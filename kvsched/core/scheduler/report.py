@@ -1,6 +1,6 @@
 """The report path: a worker's StepReport folded into the scheduler (`apply_report`).
 
-Validation first, before anything changes (`_check_report`, `_check_handles`); then the rows:
+Validation first, before anything changes (`report_check.ReportChecker`); then the rows:
 plain decode rows (one token, handle still on its slot) as a few vectorized operations over the
 slot table (`_apply_round`), every other row one by one (`_apply_rows`); then a visit to each
 request that needs the scheduler (`_after_report`: caching, finish, hand-off, block extension).
@@ -18,8 +18,6 @@ ran and cost), `Backlog` (the tenants' output). Imported by the scheduler facade
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -32,25 +30,10 @@ from kvsched.core.scheduler.backlog import Backlog
 from kvsched.core.scheduler.events import DecodeColumn, Events, RowTokens, SchedulerStats
 from kvsched.core.scheduler.exits import Exits
 from kvsched.core.scheduler.outbox import Outbox
+from kvsched.core.scheduler.report_check import Columns, ReportChecker
 from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.scheduler.table import PlacementTable
 from kvsched.core.slots import RING, RING_SHIFT
-
-
-@dataclass(slots=True)
-class _Columns:
-    """A validated report's columns as arrays: handles, their slots (handle & mask), tokens;
-    `row_tok` is the token of each one-token row, `one` marks those rows (None: all are),
-    `match` marks rows whose handle is on its slot now (None: not computed)."""
-
-    h: np.ndarray
-    s: np.ndarray
-    toks: np.ndarray
-    row_tok: np.ndarray | None = None
-    one: np.ndarray | None = None
-    match: np.ndarray | None = None
-    all_match: bool = False  # every row's handle is on its slot (match not computed)
-    fins: np.ndarray | None = None  # finish reasons; None: no row finished
 
 
 class ReportApplier:
@@ -81,8 +64,7 @@ class ReportApplier:
         self._learn_step = plan.learn_step
         self._last_step = -1  # the last report's step
         self._last_applied_seq = -1  # the last Tasks seq a report said the worker applied
-        self._ones_bytes = b""  # int64 ones, as bytes (_check_report)
-        self._zero_bytes = b""  # int64 zeros, as bytes (_check_report)
+        self._checker = ReportChecker(table)
 
     @property
     def last_report_step(self) -> int:
@@ -92,7 +74,9 @@ class ReportApplier:
         """Fold a worker's step report in: append tokens, register written blocks in the prefix
         cache, finish what the worker stopped, re-queue acknowledged preemptions. Raises
         ProtocolError (state unchanged) for reports that break the protocol."""
-        cols = self._check_report(report)
+        cols = self._checker.check(
+            report, self._last_step, self._last_applied_seq, self._outbox.seq
+        )
         swaps = 0
         live, events, exits = self._live, self._events, self._exits
         if self._kv.host is not None and report.applied_seq > self._last_applied_seq:
@@ -173,7 +157,7 @@ class ReportApplier:
     def _apply_round(
         self,
         report: StepReport,
-        cols: _Columns,
+        cols: Columns,
         idx: np.ndarray | None,
         slow: list[Request],
         last: bool = True,
@@ -318,91 +302,3 @@ class ReportApplier:
                 if new:
                     self._outbox.extend(Extension(req.handle, new))
             table.set_check_at(req, threshold)
-
-    def _check_report(self, report: StepReport) -> _Columns:
-        """Validate a report before anything changes; returns its columns as arrays."""
-        if report.step <= self._last_step:
-            raise ProtocolError(
-                f"report for step {report.step} after step {self._last_step}: steps must increase"
-            )
-        seq = self._outbox.seq
-        if not self._last_applied_seq <= report.applied_seq <= seq:
-            raise ProtocolError(
-                f"report says it applied tasks {report.applied_seq}, but tasks "
-                f"{self._last_applied_seq + 1}..{seq} are the only ones it could have"
-            )
-        n = len(report.handles)
-        if not (len(report.num_computed) == len(report.num_new_tokens) == n):
-            raise ProtocolError(
-                "report columns handles/num_computed/num_new_tokens differ in length"
-            )
-        fins = report.finish_reasons
-        if len(fins) and len(fins) != n:
-            raise ProtocolError("report column finish_reasons must be empty or one per handle")
-        fin: np.ndarray | None = None  # None: no row finished (the common report)
-        if len(fins):
-            fin = np.asarray(fins, dtype=np.int64)
-            if 8 * n > len(self._zero_bytes):
-                self._zero_bytes = bytes(16 * n)
-            if fin.tobytes() == self._zero_bytes[: 8 * n]:
-                fin = None
-            elif not 0 <= int(fin.min()) <= int(fin.max()) <= FinishReason.ERROR:
-                raise ProtocolError("report has an unknown finish reason")
-        try:
-            toks = np.asarray(report.token_ids, dtype=np.int64)
-            h = np.asarray(report.handles, dtype=np.int64)
-            nums = np.asarray(report.num_new_tokens, dtype=np.int64)
-        except (OverflowError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"report columns must be 64-bit integers: {exc}") from None
-        cols = _Columns(h, h & self._slots.mask, toks)
-        if n:
-            # The common report (every row one token, every handle on its slot) is recognised
-            # by comparing bytes: after the worker's conversion numpy's ufunc machinery is cold
-            # in the CPU's caches (~2 us a call), a memcmp is not.
-            ones = self._ones_bytes
-            if len(ones) < 8 * n:
-                ones = self._ones_bytes = np.ones(2 * n, dtype=np.int64).tobytes()
-            if len(toks) == n and nums.tobytes() == ones[: 8 * n]:
-                cols.row_tok = toks  # every row sampled exactly one token: row i has toks[i]
-            else:
-                if int(nums.min()) < 0:
-                    raise ProtocolError("report has a negative token count")
-                if int(nums.sum()) != len(toks):
-                    raise ProtocolError("report token_ids length != sum(num_new_tokens)")
-                cols.one = nums == 1
-                cols.row_tok = toks.take(np.cumsum(nums) - 1, mode="clip") if len(toks) else nums
-            # A handle on its slot was issued; only the others need the range check.
-            on_slot = self._slots.handle[cols.s]
-            if on_slot.tobytes() == h.tobytes():
-                # An empty slot holds -1: a row naming -1 (or any handle below the first one
-                # issued) would match it.
-                if int(h.min()) < self._table.first_handle:
-                    self._check_handles(h)  # raises
-                cols.all_match = True
-            else:
-                cols.match = match = on_slot == h
-                self._check_handles(h[~match])
-        elif len(toks):
-            raise ProtocolError("report token_ids length != sum(num_new_tokens)")
-        for col in (
-            report.acked,
-            report.paused,
-            report.failed,
-            report.failed_swap_ins,
-            report.failed_storage_fetches,
-        ):
-            if len(col):
-                self._check_handles(col)
-        cols.fins = fin
-        return cols
-
-    def _check_handles(self, handles: Any) -> None:
-        try:
-            handles = np.asarray(handles, dtype=np.int64)
-        except (OverflowError, TypeError, ValueError):
-            raise ProtocolError("report names a handle that is not a 64-bit integer") from None
-        first, next_handle = self._table.first_handle, self._table.next_handle
-        if len(handles) and (int(handles.min()) < first or int(handles.max()) >= next_handle):
-            raise ProtocolError(
-                f"report names handle(s) never issued (issued so far: {first}..{next_handle - 1})"
-            )

@@ -21,6 +21,7 @@ construction (none inherits another; each field has one writer):
                 step's StepBudget and decides extensions, chunks, admissions
     roles       Roles: the decode role's preallocate / add_prefilled
     report      ReportApplier: apply_report and its tuned hot path
+    facts       Facts: what it shows others (snapshot, load facts, the priced hit), read-only
     integrity   check_integrity (tests)
     events      Events and their typed token deltas, SchedulerStats, SchedulerSnapshot
 
@@ -31,19 +32,21 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 from kvsched.core.config import EngineConfig, Role
 from kvsched.core.encoder_cache import EncoderCache
-from kvsched.core.errors import CapacityExceeded, RequestNotFound
+from kvsched.core.errors import RequestNotFound
 from kvsched.core.kv_cache_manager import KVCacheManager
-from kvsched.core.kv_events import AllBlocksCleared, KvEvent
+from kvsched.core.kv_events import KvEvent
 from kvsched.core.protocol import FinishReason, StepReport, Tasks
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.admission import Admitter
 from kvsched.core.scheduler.backlog import Backlog
 from kvsched.core.scheduler.events import Events, SchedulerSnapshot, SchedulerStats
 from kvsched.core.scheduler.exits import Exits
+from kvsched.core.scheduler.facts import Facts
 from kvsched.core.scheduler.integrity import check_integrity
 from kvsched.core.scheduler.outbox import Outbox
 from kvsched.core.scheduler.report import ReportApplier
@@ -51,13 +54,12 @@ from kvsched.core.scheduler.roles import Roles
 from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.scheduler.table import PlacementTable
 from kvsched.core.scheduler.validation import validate
-from kvsched.core.scheduler.views import cache_views
-from kvsched.core.step_cost import priced_hit_tokens
 from kvsched.core.storage import StorageIndex
 
 # Every scheduler made in this process gets the next epoch: an engine whose scheduler is
 # replaced (its workers reconnected) shows a new one, and readers know their numbers restarted.
 _epochs = itertools.count(1)
+_EVENT_LISTS = tuple(f.name for f in fields(Events))  # every field of Events is a list
 
 
 class Scheduler:
@@ -109,8 +111,11 @@ class Scheduler:
         self.exits = exits = Exits(config, table, backlog, outbox, events, stats, clock)
         spec_k = config.speculative.num_speculative_tokens
         self.roles = Roles(table, kv, outbox, clock, instance_id, spec_k)
-        self.reports = ReportApplier(
+        self.reports = reports = ReportApplier(
             config, table, kv, plan, backlog, exits, outbox, events, stats, clock
+        )
+        self.facts = Facts(
+            config, table, kv, self.enc, plan, backlog, exits, outbox, reports, stats
         )
 
     # ==== the two verbs =======================================================================
@@ -171,19 +176,9 @@ class Scheduler:
     def take_events(self) -> Events:
         """The events since the last call (the parts keep appending to `events`)."""
         ev = self.events
-        out = Events(
-            ev.scheduled,
-            ev.first_token,
-            ev.tokens,
-            ev.preempted,
-            ev.requeued,
-            ev.finished,
-            ev.handed_off,
-            ev.out_of_blocks,
-            ev.host_hits,
-        )
-        ev.scheduled, ev.first_token, ev.tokens, ev.preempted, ev.requeued = [], [], [], [], []
-        ev.finished, ev.handed_off, ev.out_of_blocks, ev.host_hits = [], [], [], []
+        out = Events(*(getattr(ev, name) for name in _EVENT_LISTS))
+        for name in _EVENT_LISTS:  # fresh lists: `out` keeps the old ones
+            setattr(ev, name, [])
         return out
 
     def validate(self, req: Request) -> None:
@@ -194,19 +189,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Queue a new request. Raises InvalidRequest (bad fields, duplicate id) or
         CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises."""
-        table, backlog = self.table, self.backlog
-        validate(req, self.config, table.requests, self.kv.pool.num_blocks)
-        if len(backlog.waiting) >= self.config.scheduler.max_waiting:
-            raise CapacityExceeded(
-                f"waiting queue is full ({self.config.scheduler.max_waiting} requests); "
-                "retry later or raise scheduler.max_waiting"
-            )
-        req.status = RequestStatus.WAITING
-        if req.arrival_time == 0.0:
-            req.arrival_time = self.clock()
-        backlog.check_deadline(req)  # may shed it (CapacityExceeded) or demote it
-        table.track(req)
-        backlog.push(req)
+        self.backlog.add(req)
 
     def abort(
         self, req_id: str, reason: FinishReason = FinishReason.ABORT, message: str = ""
@@ -239,17 +222,11 @@ class Scheduler:
     def enable_kv_events(self) -> None:
         """Record the prefix cache's changes from now on (`take_kv_events` drains them). The
         first event is AllBlocksCleared: a consumer's view of this instance starts empty."""
-        if self.kv.pool.events is None:
-            self.kv.pool.events = [AllBlocksCleared()]
+        self.kv.pool.record_events()
 
     def take_kv_events(self) -> list[KvEvent]:
         """The KV events recorded since the last call, oldest first ([] when not enabled)."""
-        pool = self.kv.pool
-        events = pool.events
-        if not events:
-            return []
-        pool.events = []
-        return events
+        return self.kv.pool.take_events()
 
     def cached_block_hashes(self) -> list[bytes]:
         """Every hash the prefix cache holds now (a snapshot for KV-event consumers)."""
@@ -370,23 +347,12 @@ class Scheduler:
         return self.backlog.predicted_wait_ms(req, hit_tokens)
 
     def priced_hit(self, req: Request) -> tuple[float, int]:
-        """(tokens req's hit is worth here, tokens cached in any tier): GPU hits whole, host
-        hits by the share of their recompute time a swap-in saves, storage hits likewise by
-        a fetch's (`priced_hit_tokens`)."""
-        gpu, host, stored = self.kv.tier_hits(req)
-        if not host and not stored:
-            return float(gpu), gpu
-        cost = self.plan.cost
-        a_tok, a_attn = cost.prefill_costs
-        swap_ms = cost.swap_block_ms * host / self.block_size
-        fetch_ms = cost.fetch_block_ms * stored / self.block_size
-        runs = [(host, swap_ms), (stored, fetch_ms)]
-        return priced_hit_tokens(gpu, runs, a_tok, a_attn), gpu + host + stored
+        """(tokens req's hit is worth here, tokens cached in any tier): `Facts.priced_hit`."""
+        return self.facts.priced_hit(req)
 
     def host_block_hashes(self) -> list[bytes]:
         """Every hash the host-memory tier holds now ([] without one)."""
-        host = self.kv.host
-        return list(host.pool.cached) if host is not None else []
+        return self.facts.host_block_hashes()
 
     @property
     def cost(self) -> Any:
@@ -409,65 +375,16 @@ class Scheduler:
 
     def snapshot(self) -> SchedulerSnapshot:
         """The numbers the daemon's status, admin and metrics show, read at once."""
-        kv, st = self.kv, self.stats
-        table = self.table
-        num_slots = self.config.scheduler.max_num_seqs
-        # A preempted request counts as running until its worker acknowledges the preempt:
-        # tokens it reports before that are still streamed (O(live): status reads only).
-        preempting = sum(1 for r in table.live.values() if r.status == RequestStatus.PREEMPTED)
-        return SchedulerSnapshot(
-            num_waiting=len(self.backlog.waiting),
-            num_running=len(table.running) + preempting,
-            num_slots=num_slots,
-            num_slots_used=num_slots - len(table.free_slots),
-            num_gpu_blocks=kv.pool.num_blocks,
-            num_free_blocks=kv.num_free_blocks,
-            kv_cache_usage=kv.usage,
-            num_steps=st.num_steps,
-            num_preemptions=st.num_preemptions,
-            num_preemption_skips=st.num_preemption_skips,
-            num_prompt_tokens=st.num_prompt_tokens,
-            num_generation_tokens=st.num_generation_tokens,
-            prefix_cache_query_tokens=kv.num_queries,
-            prefix_cache_hit_tokens=kv.num_hits,
-            paused=self.exits.paused,
-            decode_headroom=self.outbox.threshold,
-            reserve_blocks_per_running=self.exits.reserve_blocks_per_running,
-            last_report_step=self.reports.last_report_step,
-            last_tasks_seq=self.outbox.seq,
-            **self.plan.view(),
-            **cache_views(self.kv, self.enc),
-        )
+        return self.facts.snapshot()
 
     def load_facts(self, queued: bool = False) -> dict[str, float]:
         """The numbers an instance's load is computed from (`kvsched.core.router.instance_load`)
         and a cluster publishes; `queued`: with the prompt tokens waiting (O(waiting))."""
-        facts = {
-            "running": float(self.num_running),
-            "waiting": float(self.num_waiting),
-            "max_num_seqs": float(self.config.scheduler.max_num_seqs),
-            "kv_usage": self.kv.usage,
-        }
-        if queued:
-            waiting = self.backlog.waiting
-            facts["queued_prefill_tokens"] = float(
-                sum(req.num_tokens - req.num_computed_tokens for req in waiting)
-            )
-        facts["predicted_backlog_ms"] = self.backlog.predicted_backlog_ms()
-        return facts
+        return self.facts.load_facts(queued)
 
     def published_load(self) -> dict[str, float]:
         """The load facts a cluster publishes (with the queued prompt tokens; rounded)."""
-        facts = self.load_facts(queued=True)
-        facts["kv_usage"] = round(facts["kv_usage"], 4)
-        facts["predicted_backlog_ms"] = round(facts["predicted_backlog_ms"], 3)
-        # The step-cost model peers price this instance's hits with (recompute vs swap-in).
-        cost = self.plan.cost
-        facts["prefill_token_ms"], facts["attention_ms"] = cost.prefill_costs
-        facts["swap_block_ms"] = cost.swap_block_ms
-        if self.kv.storage is not None:
-            facts["fetch_block_ms"] = cost.fetch_block_ms
-        return facts
+        return self.facts.published_load()
 
     def prefix_hit_tokens(self, req: Request) -> int:
         """Tokens of req's prompt this instance holds cached now (for routing); no side effects."""

@@ -4,13 +4,9 @@ Importing this package imports numpy only; Paddle is imported when a Paddle back
 """
 
 from kvsched.worker_stub.model.backend import Backend, get_backend, paddle_import_error
+from kvsched.worker_stub.model.paged import PagedModelExecutor
 from kvsched.worker_stub.model.reference import generate_reference
-from kvsched.worker_stub.model.transformer import (
-    ModelConfig,
-    PagedModelExecutor,
-    Transformer,
-    accept_greedy,
-)
+from kvsched.worker_stub.model.transformer import ModelConfig, Transformer, accept_greedy
 
 __all__ = [
     "Backend",
