@@ -320,12 +320,19 @@ def test_reconnect_starts_from_an_empty_engine() -> None:
 
 
 def test_refused_hello_is_fatal() -> None:
+    """A hello the daemon refuses for good ends the worker. (A refusal because the rank's old
+    stream is still attached, "already connected", is retried instead:
+    tests/integration/test_worker_already_connected.py.)"""
+
     async def script(conn: Conn) -> None:
         await conn.wait_hello()
-        await conn.context.abort(grpc.StatusCode.FAILED_PRECONDITION, "rank 0 already connected")
+        await conn.context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "rank 0 disagrees with the instance's ranks: block_size 16, theirs 32",
+        )
 
     async def body(daemon: FakeDaemon) -> None:
-        with pytest.raises(WorkerError, match="already connected"):
+        with pytest.raises(WorkerError, match="disagrees with the instance's ranks"):
             await daemon.run(make_worker(daemon))
 
     run_test(script, body)
