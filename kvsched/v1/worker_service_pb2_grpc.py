@@ -108,6 +108,9 @@ class WorkerServiceStub:
     stream ended with OK means "leave for good"; this daemon does not send it today.
     Status codes that mean "do not reconnect": FAILED_PRECONDITION, INVALID_ARGUMENT,
     UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED. Anything else: reconnect with backoff.
+    One exception: FAILED_PRECONDITION for "rank N of instance I is already connected" means
+    the daemon still holds this rank's previous stream (it has not seen it break: a
+    partition, a pause) and drops it within its heartbeat timeout: retry with backoff.
     11. Clusters (several daemons sharing instances through NATS, docs/CLUSTER.md): each instance
     is owned by exactly one daemon. A daemon that receives a hello for an instance another
     live daemon owns answers `redirect` (instead of `welcome`) with the owner's address and
@@ -237,6 +240,9 @@ class WorkerServiceServicer:
     stream ended with OK means "leave for good"; this daemon does not send it today.
     Status codes that mean "do not reconnect": FAILED_PRECONDITION, INVALID_ARGUMENT,
     UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED. Anything else: reconnect with backoff.
+    One exception: FAILED_PRECONDITION for "rank N of instance I is already connected" means
+    the daemon still holds this rank's previous stream (it has not seen it break: a
+    partition, a pause) and drops it within its heartbeat timeout: retry with backoff.
     11. Clusters (several daemons sharing instances through NATS, docs/CLUSTER.md): each instance
     is owned by exactly one daemon. A daemon that receives a hello for an instance another
     live daemon owns answers `redirect` (instead of `welcome`) with the owner's address and
@@ -376,6 +382,9 @@ class WorkerService:
     stream ended with OK means "leave for good"; this daemon does not send it today.
     Status codes that mean "do not reconnect": FAILED_PRECONDITION, INVALID_ARGUMENT,
     UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED. Anything else: reconnect with backoff.
+    One exception: FAILED_PRECONDITION for "rank N of instance I is already connected" means
+    the daemon still holds this rank's previous stream (it has not seen it break: a
+    partition, a pause) and drops it within its heartbeat timeout: retry with backoff.
     11. Clusters (several daemons sharing instances through NATS, docs/CLUSTER.md): each instance
     is owned by exactly one daemon. A daemon that receives a hello for an instance another
     live daemon owns answers `redirect` (instead of `welcome`) with the owner's address and
