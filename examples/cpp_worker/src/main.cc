@@ -196,6 +196,10 @@ class Worker {
     }
     Log("stream to " + o_.server + " broke: " + std::to_string(status.error_code()) + ": " +
         status.error_message());
+    if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION &&
+        status.error_message().find("already connected") != std::string::npos) {
+      return End::kRetry;  // the daemon still holds this rank's old stream: it drops it soon
+    }
     switch (status.error_code()) {  // the daemon refused this worker: the same hello won't help
       case grpc::StatusCode::FAILED_PRECONDITION:
       case grpc::StatusCode::INVALID_ARGUMENT:
