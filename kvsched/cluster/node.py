@@ -31,17 +31,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvsched.cluster.cluster_view import cluster_status, refuses_connections
 from kvsched.cluster.fencing import hand_over_fenced
-from kvsched.cluster.forward import (
-    FORWARD_INSTANCE,
-    FORWARDED_BY,
-    HAND_OVER,
-    RELAYED,
-    Forwarder,
-    relay_owner,
-)
+from kvsched.cluster.forward import Forwarder
 from kvsched.cluster.kv_stream import KvStream
 from kvsched.cluster.leases import Leases
 from kvsched.cluster.membership import Member, Membership
+from kvsched.cluster.peer_rpc import FORWARD_INSTANCE, FORWARDED_BY, HAND_OVER, RELAYED, relay_owner
 from kvsched.cluster.routing import ClusterRouter, RemoteInstance
 from kvsched.cluster.selffence import SelfFence
 from kvsched.core import Request, Unavailable
