@@ -2,18 +2,8 @@
 
 The forwarding daemon keeps the request in its own request table (a `Tracked` whose location is
 a `RemotePeer`: the peer's `RemoteInstance` and this relay's task) and calls the peer's
-`RequestService.Generate` with the same request id and these metadata keys:
-
-    x-kvsched-forwarded-by   this daemon's id: the peer places the request itself, never
-                             forwards it again
-    x-kvsched-instance       the instance chosen (the peer uses it while it takes requests)
-    x-kvsched-owner          the submitting client's principal, so an Abort by that client works
-                             on the peer too (honoured only from a caller holding the cluster
-                             token, or when the peer runs without auth)
-    authorization            `Bearer <cluster_token>` when the daemon has one (role client)
-
-A Resume this daemon sends as the request's owner to hand it over (`hand_over`) carries
-`x-kvsched-hand-over` besides `x-kvsched-forwarded-by` and `x-kvsched-owner`.
+`RequestService.Generate` with the same request id and the metadata keys peer_rpc.py lists
+(the wire: keys, channels, a Finished read back).
 
 Tokens are appended to the local request as they arrive and handed to its sink; the peer's
 Finished becomes the local request's one finished state (`RequestTable.finish`). The forwarder
@@ -31,20 +21,27 @@ streamed) and journaled here.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
 
 import grpc
 
-from kvsched import codec
+from kvsched.cluster.peer_rpc import (
+    FORWARD_INSTANCE,
+    FORWARD_OWNER,
+    FORWARDED_BY,
+    HAND_OVER,
+    RELAYED,
+    RETRYABLE,
+    PeerStubs,
+    apply_finished,
+    ended,
+)
 from kvsched.cluster.routing import RemoteInstance
 from kvsched.core import KvschedError
-from kvsched.core.request import FINISHED_STATUS
 from kvsched.server.record import Parked, RemotePeer
 from kvsched.v1 import request_service_pb2 as rpb
-from kvsched.v1 import request_service_pb2_grpc
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Mapping
@@ -57,18 +54,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvsched.cluster")
 
-FORWARDED_BY = "x-kvsched-forwarded-by"
-FORWARD_INSTANCE = "x-kvsched-instance"
-FORWARD_OWNER = "x-kvsched-owner"
-RELAYED = "x-kvsched-relayed"  # a Resume relayed to the request's owner: never relayed again
-HAND_OVER = "x-kvsched-hand-over"  # a Resume from the request's owner: adopt it, then serve it
 HAND_OVER_AFTER_S = 2.0  # a request parked this long with no instance here is handed over
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.CANCELLED,
-}
 
 
 class Forwarder:
@@ -76,7 +62,7 @@ class Forwarder:
         self.daemon_id = daemon_id
         self.requests = requests
         self.token = token
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.stubs = PeerStubs(token)  # peer_rpc.py: channels to peers, the cluster token
         self.num_relayed_tokens = 0
         self.num_requeued = 0
         self.num_reattached = 0
@@ -93,14 +79,6 @@ class Forwarder:
         self.durable: Durability | None = None
         self.num_rerouted = 0
         self.num_handed_over = 0
-
-    def _stub(self, address: str) -> request_service_pb2_grpc.RequestServiceStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", 64 << 20)]
-            )
-        return request_service_pb2_grpc.RequestServiceStub(ch)  # type: ignore[no-untyped-call]
 
     def start(
         self,
@@ -121,8 +99,7 @@ class Forwarder:
             (FORWARD_OWNER, tr.owner),
         ]
         md += [(k, v) for k, v in carrier.items() if k in ("traceparent", "tracestate")]
-        if self.token:
-            md.append(("authorization", f"Bearer {self.token}"))
+        md += self.stubs.auth()
         return asyncio.get_running_loop().create_task(
             self._relay(tr, fwd, remote, md, deadline_s), name=f"forward-{tr.req.req_id}"
         )
@@ -139,7 +116,7 @@ class Forwarder:
         refused: set[str] = set()  # daemons that refused it (chosen again without them)
         while True:
             accepted = False  # the peer answered: it took (and journaled) the request
-            call = self._stub(remote.address).Generate(msg, metadata=md, timeout=deadline_s)
+            call = self.stubs.stub(remote.address).Generate(msg, metadata=md, timeout=deadline_s)
             try:
                 async for out in call:
                     if not accepted:
@@ -148,12 +125,12 @@ class Forwarder:
                             self.durable.moved_to(tr, remote.daemon_id)
                     if self._take(tr, out):
                         return
-                raise _ended()
+                raise ended()
             except grpc.aio.AioRpcError as exc:
                 if tr.finished:
                     return
                 why = f"forwarded to daemon {remote.daemon_id}: {exc.code().name}: {exc.details()}"
-                retryable = exc.code() in _RETRYABLE
+                retryable = exc.code() in RETRYABLE
                 if retryable and not accepted and not req.output_token_ids:
                     # Refused before it was accepted there (no instance ready, its journal cut
                     # off): choose again, without that daemon, instead of ending it.
@@ -264,7 +241,7 @@ class Forwarder:
         req = tr.req
         msg = rpb.RequestServiceResumeRequest(request_id=req.req_id, token_ids=req.output_token_ids)
         md = [(FORWARDED_BY, self.daemon_id), (FORWARD_OWNER, tr.owner), (HAND_OVER, "1")]
-        call = self._stub(remote.address).Resume(msg, metadata=md + self._auth())
+        call = self.stubs.stub(remote.address).Resume(msg, metadata=md + self.stubs.auth())
         taken = False
         try:
             async for out in call:
@@ -276,7 +253,7 @@ class Forwarder:
                     log.info("request %s handed over to daemon %s", req.req_id, remote.daemon_id)
                 if self._take(tr, out):
                     return
-            raise _ended()
+            raise ended()
         except grpc.aio.AioRpcError as exc:
             if tr.finished:
                 return
@@ -286,7 +263,7 @@ class Forwarder:
                 log.info("%s; request %s waits here", why, req.req_id)
                 self.requests.park_again(tr, parked)  # still this daemon's
                 return
-            if exc.code() in _RETRYABLE and await self._reattach(tr, why):
+            if exc.code() in RETRYABLE and await self._reattach(tr, why):
                 return
             if not tr.finished:
                 self.requests.requeue_lost(req, why)
@@ -334,8 +311,8 @@ class Forwarder:
                 msg = rpb.RequestServiceResumeRequest(
                     request_id=req.req_id, token_ids=req.output_token_ids
                 )
-                md = [(FORWARDED_BY, self.daemon_id), (FORWARD_OWNER, tr.owner), *self._auth()]
-                call = self._stub(address).Resume(msg, metadata=md)
+                md = [(FORWARDED_BY, self.daemon_id), (FORWARD_OWNER, tr.owner), *self.stubs.auth()]
+                call = self.stubs.stub(address).Resume(msg, metadata=md)
                 try:
                     async for out in call:
                         if self._take(tr, out):
@@ -344,7 +321,7 @@ class Forwarder:
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.NOT_FOUND:
                         return False  # its owner never journaled it: recompute here
-                    if exc.code() not in _RETRYABLE:
+                    if exc.code() not in RETRYABLE:
                         self.requests.relay_ended(tr)
                         self.requests.abort_tracked(tr, f"{why}; resuming: {exc.details()}")
                         return True
@@ -353,21 +330,8 @@ class Forwarder:
             await asyncio.sleep(0.2)
         return tr.finished
 
-    def _auth(self) -> list[tuple[str, str]]:
-        return [("authorization", f"Bearer {self.token}")] if self.token else []
-
     def _finish(self, tr: Tracked, fin: rpb.Finished) -> None:
-        req = tr.req
-        reason = codec.finish_reason_from_proto(fin.reason)
-        now = time.monotonic()
-        req.status = FINISHED_STATUS[reason]
-        req.finish_reason, req.finish_message = reason, fin.message
-        req.num_cached_tokens = fin.usage.cached_tokens
-        t0 = req.arrival_time
-        req.first_scheduled_time = t0 + fin.timings.queue_s
-        if fin.timings.ttft_s > 0:
-            req.first_token_time = t0 + fin.timings.ttft_s
-        req.finished_time = max(now, t0 + fin.timings.e2e_s)
+        apply_finished(tr.req, fin, time.monotonic())
         self.requests.relay_ended(tr)
         self.requests.finish(tr)
 
@@ -395,7 +359,7 @@ class Forwarder:
         client's principal (`x-kvsched-owner`, honoured from a cluster-token caller). Its
         errors reach the caller as `grpc.aio.AioRpcError`."""
         md = [(FORWARDED_BY, self.daemon_id), (FORWARD_OWNER, owner), (RELAYED, "1")]
-        call = self._stub(address).Resume(msg, metadata=md + self._auth())
+        call = self.stubs.stub(address).Resume(msg, metadata=md + self.stubs.auth())
         try:
             async for out in call:
                 yield out
@@ -403,26 +367,4 @@ class Forwarder:
             call.cancel()
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            with contextlib.suppress(Exception):
-                await ch.close()
-        self._channels.clear()
-
-
-def _ended() -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.aio.Metadata(),
-        grpc.aio.Metadata(),
-        details="peer ended the stream without Finished",
-    )
-
-
-def relay_owner(carrier: dict[str, str], caller: str, cluster_principal: str | None) -> str | None:
-    """The owner a forwarded request keeps on the peer: the original client's principal when
-    the call came from a daemon (cluster token, or no auth configured); None otherwise."""
-    if FORWARDED_BY not in carrier:
-        return None
-    if cluster_principal is not None and caller != cluster_principal:
-        return None
-    return carrier.get(FORWARD_OWNER, "")
+        await self.stubs.close()

@@ -3,7 +3,7 @@
     ClusterNode.start: Membership (this daemon's entry: address, instances, load), Leases,
                        KvStream (publish own instances' KV events, index everyone's),
                        ClusterRouter + Forwarder (the request table's `cluster` hook),
-                       the abort responder (subject kvsched.abort)
+                       the abort responder (subject kvsched.abort: aborts.py)
     admit_worker:      the WorkerService's Hello gate: own the instance (lease by CAS) or
                        answer a Redirect to its owner
     stop:              release this daemon's leases, mark its membership entry `leaving`
@@ -25,23 +25,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvsched.cluster.aborts import ABORT_SUBJECT as ABORT_SUBJECT
+from kvsched.cluster.aborts import AbortBus
 from kvsched.cluster.cluster_view import cluster_status, refuses_connections
 from kvsched.cluster.fencing import hand_over_fenced
-from kvsched.cluster.forward import (
-    FORWARD_INSTANCE,
-    FORWARDED_BY,
-    HAND_OVER,
-    RELAYED,
-    Forwarder,
-    relay_owner,
-)
+from kvsched.cluster.forward import Forwarder
 from kvsched.cluster.kv_stream import KvStream
 from kvsched.cluster.leases import Leases
 from kvsched.cluster.membership import Member, Membership
+from kvsched.cluster.peer_rpc import FORWARD_INSTANCE, FORWARDED_BY, HAND_OVER, RELAYED, relay_owner
 from kvsched.cluster.routing import ClusterRouter, RemoteInstance
 from kvsched.cluster.selffence import SelfFence
 from kvsched.core import Request, Unavailable
@@ -62,7 +57,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvsched.cluster")
 
-ABORT_SUBJECT = "kvsched.abort"
 NATS_TIMEOUT_S = 2.0
 
 
@@ -107,7 +101,7 @@ class ClusterNode:
         self._cluster_principal = principal_of(token) if config.auth_file and token else None
         if config.auth_file and not token:
             self._cluster_principal = "\0no cluster token"  # nobody may act as a peer
-        self._subs: list[Any] = []
+        self.aborts = AbortBus(link, requests)  # the kvsched.abort subject
         self.num_fenced = 0  # attached instances handed to a daemon that took their lease
         self.fence = SelfFence(self)  # stops this daemon before its membership can expire
         self._task: asyncio.Task[None] | None = None
@@ -119,7 +113,7 @@ class ClusterNode:
         await self.membership.start()
         await self.leases.start()
         await self.stream.start()
-        self._subs.append(await self.link.nc.subscribe(ABORT_SUBJECT, cb=self._on_abort))
+        await self.aborts.start()
         await self.link.nc.flush()
         self._refresh_views()
         for iid, lease in self.leases.owners().items():
@@ -138,9 +132,7 @@ class ClusterNode:
             await self.takeover.stop()
         if self._task is not None:
             self._task.cancel()
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        await self.aborts.stop()
         await self.stream.stop()
         for iid, lease in self.leases.owners().items():
             if lease.owner == self.daemon_id:
@@ -403,29 +395,7 @@ class ClusterNode:
 
     async def abort_elsewhere(self, request_id: str, owner: str | None) -> bool:
         """Ask every daemon to abort `request_id` (True: one of them tracked it)."""
-        if not self.connected:
-            return False
-        body = json.dumps({"request_id": request_id, "owner": owner, "from": self.daemon_id})
-        try:
-            await self.link.nc.request(ABORT_SUBJECT, body.encode(), timeout=1.0)
-        except Exception:  # no daemon answered: nobody tracks it
-            return False
-        return True
-
-    async def _on_abort(self, msg: Any) -> None:
-        try:
-            d = json.loads(msg.data)
-            rid, owner = str(d["request_id"]), d.get("owner")
-        except (ValueError, KeyError):
-            return
-        if d.get("from") == self.daemon_id:
-            return
-        tr = self.requests.tracked.get(rid)
-        if tr is None or (owner is not None and tr.owner != owner):
-            return  # not ours: stay silent (the asker times out when nobody has it)
-        self.requests.abort_tracked(tr, f"aborted by client (through daemon {d.get('from')})")
-        with contextlib.suppress(Exception):
-            await msg.respond(b"ok")
+        return await self.aborts.ask(request_id, owner)
 
     # ---- status ---------------------------------------------------------------------------
     def cluster_status(self) -> apb.ClusterStatus:

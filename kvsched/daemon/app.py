@@ -183,9 +183,9 @@ class Daemon:
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
-            requests.tick(now)  # first: a pause this daemon stood still is noticed at once
+            requests.watchdog.tick(now)  # first: a pause this daemon stood still is seen at once
             requests.expire(now)
-            requests.cut_stalled(now)
+            requests.watchdog.cut_stalled(now)
             registry.take_out_silent(now)
             registry.send_heartbeats(now)
             registry.forget_lost(now)

@@ -17,12 +17,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import heapq
 import logging
 import math
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvsched.core import (
     FinishReason,
@@ -46,6 +45,7 @@ from kvsched.server.record import (
     Tracked,
     fresh_copy,
 )
+from kvsched.server.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from kvsched.server.config import ServerConfig
@@ -71,13 +71,11 @@ class RequestTable:
         self.draining = False  # shutting down: no new requests
         self.all_done = asyncio.Event()
         self.parked: list[Tracked] = []  # waiting for an instance (location: Parked)
-        self.timers: list[tuple[float, int, Tracked, str]] = []  # heap: when, seq, request, kind
-        self._timer_seq = 0
-        self.streams: set[Any] = set()  # open Generate / Session sinks (stall watchdog)
+        # Timers, open streams (cut when stalled), stood-still (watchdog.py; app.py ticks it)
+        self.watchdog = Watchdog(config)
+        self.streams = self.watchdog.streams  # open Generate / Session sinks (the same set)
         self.num_requeued = 0
         self.poison = PoisonGuard(config.poison_max_losses)
-        self._last_tick = 0.0  # the watchdog's last pass (`tick`)
-        self._stood_still_until = 0.0  # losses until then are not the workers' fault
         # Told of every request's accepted / moved / progressed / finished, in this order:
         # telemetry; the journal glue and a cluster's forwarder subscribe (`observe`).
         self.observers: list[Lifecycle] = [telemetry]
@@ -109,9 +107,9 @@ class RequestTable:
         self.all_done.clear()
         now = time.monotonic()
         if queue_timeout and self.config.queue_timeout_s > 0:
-            self._timer(now + self.config.queue_timeout_s, tr, "queue")
+            self.watchdog.add(now + self.config.queue_timeout_s, tr, "queue")
         if deadline_s is not None:
-            self._timer(now + deadline_s, tr, "deadline")
+            self.watchdog.add(now + deadline_s, tr, "deadline")
         for obs in self.observers:
             obs.request_accepted(tr, carrier)
 
@@ -293,7 +291,7 @@ class RequestTable:
         if tr.decode_engine is not None or (eng is not None and eng.role != Role.MIXED):
             self.finish(tr, FinishReason.ERROR, f"{reason}; disaggregated requests are not moved")
             return
-        fault = worker_fault and not self.stood_still(time.monotonic())
+        fault = worker_fault and not self.watchdog.stood_still(time.monotonic())
         quarantined = self.poison.lost(tr, reason) if fault else None
         if quarantined is not None:
             self.telemetry.request_quarantined(tr)
@@ -308,20 +306,6 @@ class RequestTable:
         self.num_requeued += 1
         self.parked.append(tr)
         self.place_parked()
-
-    def tick(self, now: float) -> None:
-        """The watchdog's pass (every 0.1 s). A gap longer than heartbeat_interval_s means this
-        daemon stood still (SIGSTOP, a stalled host): its workers may have left it as silent,
-        so instance losses seen until heartbeat_timeout_s later are not their fault."""
-        if self._last_tick and now - self._last_tick > self.config.heartbeat_interval_s:
-            self._stood_still_until = now + self.config.heartbeat_timeout_s
-        self._last_tick = now
-
-    def stood_still(self, now: float) -> bool:
-        """Whether this daemon stands still or just did (`tick`): the watchdog has not run
-        for more than heartbeat_interval_s, or ran late lately."""
-        gap = now - self._last_tick if self._last_tick else 0.0
-        return now < self._stood_still_until or gap > self.config.heartbeat_interval_s
 
     # ---- set aside by a self-fenced daemon (kvsched/cluster/selffence.py) --------------------
     def set_aside(self, tr: Tracked, sink: Sink) -> Sink:
@@ -400,15 +384,9 @@ class RequestTable:
         return self.tracked.get(tr.req.req_id) is tr and tr.on_engine()
 
     # ---- the watchdog's checks ------------------------------------------------------------------
-    def _timer(self, when: float, tr: Tracked, kind: str) -> None:
-        self._timer_seq += 1
-        heapq.heappush(self.timers, (when, self._timer_seq, tr, kind))
-
     def expire(self, now: float) -> None:
         """Queue timeouts and deadlines that have passed (a heap: O(expired) per tick)."""
-        timers = self.timers
-        while timers and timers[0][0] <= now:
-            _, _, tr, kind = heapq.heappop(timers)
+        for tr, kind in self.watchdog.due(now):
             if self.tracked.get(tr.req.req_id) is not tr:
                 continue
             if kind == "deadline":
@@ -417,14 +395,3 @@ class RequestTable:
                 self.abort_tracked(
                     tr, f"queue timeout: not scheduled within {self.config.queue_timeout_s:g} s"
                 )
-
-    def cut_stalled(self, now: float) -> None:
-        """Cut streams with news their client has not read for more than stall_timeout_s."""
-        limit = self.config.stall_timeout_s
-        for sink in list(self.streams):
-            since = sink.pending_since
-            if since is not None and now - since > limit and sink.task is not None:
-                log.warning("cutting a stream that has not read its outputs for %.1f s", limit)
-                sink.stalled = True
-                self.streams.discard(sink)
-                sink.task.cancel()

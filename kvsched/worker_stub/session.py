@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -24,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 
 from kvsched import codec
-from kvsched.core.errors import KvschedError, ProtocolError
+from kvsched.core.errors import ProtocolError
 from kvsched.core.protocol import StepReport
 from kvsched.v1 import kv_transfer_service_pb2 as kv_pb2
 from kvsched.v1 import worker_service_pb2 as pb
@@ -32,6 +31,14 @@ from kvsched.worker_stub.channels import open_channel
 from kvsched.worker_stub.factories import EngineFactory
 from kvsched.worker_stub.guard import DaemonGuard, DaemonSilent, Fenced
 from kvsched.worker_stub.kv_push import KvPush
+from kvsched.worker_stub.reconnect import (
+    FATAL_CODES,
+    Backoff,
+    Redirected,
+    WorkerError,
+    next_server,
+    still_attached,
+)
 from kvsched.worker_stub.stats import WorkerStats
 from kvsched.worker_stub.steps import InboxItem, Outbox, StepLoop
 from kvsched.worker_stub.storage_kv import reachable_backends
@@ -39,35 +46,6 @@ from kvsched.worker_stub.storage_kv import reachable_backends
 log = logging.getLogger(__name__)
 
 _CONNECT = "/kvsched.v1.WorkerService/Connect"
-# The daemon refused this worker: retrying the same hello cannot help.
-_FATAL_CODES = frozenset(
-    {
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNIMPLEMENTED,
-    }
-)
-
-
-def _still_attached(e: grpc.aio.AioRpcError) -> bool:
-    """The daemon refused the hello because this rank's old stream is still attached there."""
-    return e.code() == grpc.StatusCode.FAILED_PRECONDITION and "already connected" in (
-        e.details() or ""
-    )
-
-
-class WorkerError(KvschedError):
-    """The daemon refused this worker for good (bad hello, credentials, protocol version)."""
-
-
-class Redirected(Exception):
-    """The daemon reached does not own this instance: go to `address` (protocol step 11)."""
-
-    def __init__(self, address: str, reason: str) -> None:
-        super().__init__(reason)
-        self.address = address
 
 
 class Worker(StepLoop):
@@ -148,16 +126,12 @@ class Worker(StepLoop):
         self._credentials = channel_credentials
         self._metadata = tuple(metadata)
         self._default_heartbeat_s = heartbeat_interval_s
-        self._backoff_s = reconnect_backoff_s
+        self.backoff = Backoff(reconnect_backoff_s, give_up_after_s)  # reconnect.py
         self._stopping = asyncio.Event()
         self._inbox: asyncio.Queue[InboxItem] | None = None
         self._heartbeat_s = heartbeat_interval_s
         self._last_sent = 0.0
         self._welcomed = asyncio.Event()  # set once the current session is welcomed
-        # No daemon reached since then (None: the last session was welcomed); with
-        # give_up_after_s > 0, run() raises WorkerError once it has lasted that long.
-        self._unreachable_since: float | None = None
-        self.give_up_after_s = give_up_after_s
         # Fencing epoch and the silence bound (protocol steps 12 and 8): guard.py.
         self.guard = DaemonGuard(instance_id)
 
@@ -175,7 +149,6 @@ class Worker(StepLoop):
         stream is retried with jittered exponential backoff. Raises WorkerError when the daemon
         refuses this worker (FAILED_PRECONDITION, INVALID_ARGUMENT, UNAUTHENTICATED, ...)."""
         kv_server = await self.kv.start_server(self) if self.kv.listen else None
-        backoff = self._backoff_s[0]
         try:
             while not self._stopping.is_set():
                 started = time.monotonic()
@@ -185,14 +158,14 @@ class Worker(StepLoop):
                             log.info("daemon %s ended the stream (OK): leaving", self.server)
                         return
                 except grpc.aio.AioRpcError as e:
-                    if _still_attached(e):
+                    if still_attached(e):
                         # The daemon still holds this rank's previous stream (it has not seen
                         # it break yet: a partition, a pause): it drops it within its
                         # heartbeat timeout, so this is retried with backoff, not fatal.
                         log.warning(
                             "daemon %s: %s; retrying with backoff", self.server, e.details()
                         )
-                    elif e.code() in _FATAL_CODES:
+                    elif e.code() in FATAL_CODES:
                         msg = f"daemon refused worker: {e.code().name}: {e.details()}"
                         raise WorkerError(msg) from e
                     elif self._welcomed.is_set():
@@ -200,7 +173,7 @@ class Worker(StepLoop):
                             "stream to %s broke: %s: %s", self.server, e.code().name, e.details()
                         )
                     else:
-                        self._unreachable(e)
+                        self.backoff.unreachable(e, self.servers, self.server)
                 except Redirected as r:
                     self.num_redirects += 1
                     log.info("redirected from %s to %s: %s", self.server, r.address, r)
@@ -215,14 +188,9 @@ class Worker(StepLoop):
                     log.warning("refusing daemon %s: %s", self.server, e)
                 except (ProtocolError, ValueError) as e:  # the daemon sent something unusable
                     log.error("dropping the stream to %s: %s", self.server, e)
-                if len(self.servers) > 1:  # try the next daemon of the cluster
-                    i = self.servers.index(self.server) if self.server in self.servers else -1
-                    self.server = self.servers[(i + 1) % len(self.servers)]
-                if time.monotonic() - started >= self._backoff_s[1]:
-                    backoff = self._backoff_s[0]  # it ran a while: not a crash loop
-                delay = backoff * random.uniform(0.5, 1.0)
-                backoff = min(2 * backoff, self._backoff_s[1])
-                quiet = self._unreachable_since is not None  # said once; not every try
+                self.server = next_server(self.servers, self.server)  # in a cluster
+                delay = self.backoff.delay(started)
+                quiet = self.backoff.unreachable_since is not None  # said once; not every try
                 log.log(
                     logging.DEBUG if quiet else logging.INFO,
                     "reconnecting to %s in %.2f s",
@@ -236,34 +204,6 @@ class Worker(StepLoop):
             await self.kv.close()
             if kv_server is not None:
                 await kv_server.stop(grace=0.5)
-
-    def _unreachable(self, e: grpc.aio.AioRpcError) -> None:
-        """A session that never reached a daemon: say so once per outage (then quietly retry
-        with backoff); raise WorkerError past give_up_after_s."""
-        now = time.monotonic()
-        if self._unreachable_since is None:
-            self._unreachable_since = now
-            give_up = (
-                f"; giving up after {self.give_up_after_s:g} s"
-                if self.give_up_after_s > 0
-                else " (--give-up-after S to stop trying)"
-            )
-            log.error(
-                "cannot reach any daemon at %s (%s: %s): is `kvsched serve` running there "
-                "and the address right? retrying with backoff up to %g s between tries%s",
-                ",".join(self.servers),
-                e.code().name,
-                e.details(),
-                self._backoff_s[1],
-                give_up,
-            )
-        else:
-            log.debug("still no daemon at %s: %s", self.server, e.details())
-        if self.give_up_after_s > 0 and now - self._unreachable_since >= self.give_up_after_s:
-            raise WorkerError(
-                f"no daemon reachable at {','.join(self.servers)} for "
-                f"{self.give_up_after_s:g} s: giving up"
-            ) from e
 
     # ---- KV pushes this rank receives (the Push servicer calls these) ---------------------------
 
@@ -345,9 +285,7 @@ class Worker(StepLoop):
         engine = self._start_engine(welcome)
         self._welcomed.set()
         self.stats.num_connects += 1  # connects that reached a daemon (welcomed), only
-        if self._unreachable_since is not None:
-            log.info("reached the daemon at %s", self.server)
-            self._unreachable_since = None
+        self.backoff.reached(self.server)
         if welcome.heartbeat_interval_ns:
             self._heartbeat_s = welcome.heartbeat_interval_ns / 1e9
         self.guard.silence_timeout_s = welcome.silence_timeout_ns / 1e9
