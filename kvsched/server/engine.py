@@ -400,6 +400,11 @@ class InstanceEngine:
     def cached_block_hashes(self) -> list[bytes]:
         return [] if self.sched is None else self.sched.cached_block_hashes()
 
+    @property
+    def reports(self) -> list[StepReport]:
+        """The reports queued for the engine loop, not applied yet (a copy)."""
+        return self._inbox.pending()
+
     def steps_per_s(self) -> float:
         return self._inbox.steps_per_s()
 

@@ -40,6 +40,10 @@ class ReportInbox:
         reports, self._reports = self._reports, []
         return reports
 
+    def pending(self) -> list[StepReport]:
+        """The reports queued, not applied yet (a copy)."""
+        return list(self._reports)
+
     def clear(self) -> None:
         """Drop the queued reports (their instance was taken out)."""
         self._reports.clear()
