@@ -82,12 +82,28 @@ class Durability:
         request is aborted and its client must be told the error, not `queued` (its sink
         holds its outputs until this returns)."""
         assert self.journal is not None
+        write = asyncio.ensure_future(self.journal.accept(tr, pb, tr.instance_id))
         try:
-            await self.journal.accept(tr, pb, tr.instance_id)
-        except Unavailable:
-            if not tr.finished:
-                self.table.abort_tracked(tr, "refused: the journal did not store the request")
+            # Shielded: a caller that goes away (its deadline, a cancel) does not cancel the
+            # write. A cancelled write could still land (its bytes were sent) as an accepted
+            # record that nobody runs or closes; finished, it is stored (the request's end is
+            # recorded after it) or refused (purged, the request aborted).
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            write.add_done_callback(lambda w: self._settled(tr, w))
             raise
+        except Unavailable:
+            self._refused(tr)
+            raise
+
+    def _settled(self, tr: Tracked, write: asyncio.Future[None]) -> None:
+        """A write whose caller went away has ended: refused, its request is aborted."""
+        if not write.cancelled() and isinstance(write.exception(), Unavailable):
+            self._refused(tr)
+
+    def _refused(self, tr: Tracked) -> None:
+        if not tr.finished:
+            self.table.abort_tracked(tr, "refused: the journal did not store the request")
 
     async def record_here(self, tr: Tracked, pb: request_service_pb2.GenerateRequest) -> bool:
         """A request this daemon accepted and forwarded comes back (its peer refused it before
