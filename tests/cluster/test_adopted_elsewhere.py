@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kvsched.client import AsyncClient
 from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, resumable
 from kvsched.cluster.natsd import NatsServer
@@ -25,6 +27,8 @@ from tests.cluster.durability_kit import (
     until_tokens,
 )
 from tests.integration.harness import Proc, wait_ready
+
+pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
 
 
 async def _stream_and_take_over(

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from kvsched.client import AsyncClient
 from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, resumable
 from kvsched.cluster.link import connect_cluster
@@ -28,6 +30,8 @@ from tests.cluster.durability_kit import (
 )
 from tests.integration.clients import Outcome, Spec
 from tests.integration.harness import Proc, wait_ready
+
+pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
 
 
 def _kill(worker: Proc) -> None:
