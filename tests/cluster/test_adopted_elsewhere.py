@@ -78,9 +78,14 @@ def test_requests_adopted_by_a_peer_are_dropped_here_and_resumed_there(
             d.stop()
 
 
-async def _stream_andtake_lease(
-    a: Daemon, url: str, requests: list[tuple[str, list[int], int]]
+async def _stream_and_take_lease(
+    a: Daemon,
+    url: str,
+    requests: list[tuple[str, list[int], int]],
+    lease: tuple[str, str, str],
 ) -> list[list[int]]:
+    """Stream `requests` through `a`; once each has 3 tokens, move a lease by compare-and-set
+    (`take_lease(url, *lease)`: new owner, instance, old owner); the streams' tokens."""
     async with AsyncClient(a.address, options=RESUMABLE_CHANNEL_OPTIONS) as client:
         streams = [
             resumable(client, p, request_id=rid, max_tokens=n, retry_for_s=90)
@@ -88,7 +93,7 @@ async def _stream_andtake_lease(
         ]
         tasks = [asyncio.create_task(s.read_all()) for s in streams]
         await until_tokens(streams, tasks, 3, "lease taken", 60)
-        await take_lease(url, "ho-b", "ho0", "ho-a")  # nobody adopts the requests
+        await take_lease(url, *lease)
         await asyncio.wait_for(asyncio.gather(*tasks), 100)
         return [s.tokens for s in streams]
 
@@ -110,8 +115,11 @@ def test_requests_still_owned_here_are_handed_to_the_peer_that_took_their_instan
         workers.append(start_sim_worker(a.address, "ho0", *args))
         wait_ready(a.address, ["ho0"], 60.0)
         requests = [(f"ho-{i}", p, 60) for i, p in enumerate(prompts(4, seed=6))]
+        # ho-b takes the lease only: nobody adopts the requests
         got = asyncio.run(
-            asyncio.wait_for(_stream_andtake_lease(a, nats_server.url, requests), 150)
+            asyncio.wait_for(
+                _stream_and_take_lease(a, nats_server.url, requests, ("ho-b", "ho0", "ho-a")), 150
+            )
         )
         for (rid, p, n), tokens in zip(requests, got, strict=True):
             assert tokens == sim_expected(rid, len(p), n), rid
@@ -124,21 +132,6 @@ def test_requests_still_owned_here_are_handed_to_the_peer_that_took_their_instan
             w.stop()
         a.stop()
         b.stop()
-
-
-async def _stream_via_a_and_take_lease_to_a(
-    a: Daemon, url: str, requests: list[tuple[str, list[int], int]]
-) -> list[list[int]]:
-    async with AsyncClient(a.address, options=RESUMABLE_CHANNEL_OPTIONS) as client:
-        streams = [
-            resumable(client, p, request_id=rid, max_tokens=n, retry_for_s=90)
-            for rid, p, n in requests
-        ]
-        tasks = [asyncio.create_task(s.read_all()) for s in streams]
-        await until_tokens(streams, tasks, 3, "lease taken", 60)
-        await take_lease(url, "hc-a", "hc0", "hc-b")
-        await asyncio.wait_for(asyncio.gather(*tasks), 100)
-        return [s.tokens for s in streams]
 
 
 def test_a_request_handed_back_to_the_daemon_that_forwarded_it_continues_there(
@@ -159,7 +152,9 @@ def test_a_request_handed_back_to_the_daemon_that_forwarded_it_continues_there(
         routes_to(a.address, "hc0", "hc")
         requests = [(f"hc-{i}", p, 60) for i, p in enumerate(prompts(3, seed=8))]
         got = asyncio.run(
-            asyncio.wait_for(_stream_via_a_and_take_lease_to_a(a, nats_server.url, requests), 150)
+            asyncio.wait_for(
+                _stream_and_take_lease(a, nats_server.url, requests, ("hc-a", "hc0", "hc-b")), 150
+            )
         )
         for (rid, p, n), tokens in zip(requests, got, strict=True):
             assert tokens == sim_expected(rid, len(p), n), rid
