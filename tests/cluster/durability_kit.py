@@ -102,8 +102,9 @@ async def run_with_kill(
     timeout_s: float = 120.0,
 ) -> LoadResult:
     """Run `requests` (id, prompt, max_tokens) as resumable streams against `daemon`; once
-    every stream holds `kill_after_tokens` tokens, kill -9 the daemon and restart it; wait for
-    every stream to finish (bounded by timeout_s)."""
+    every stream holds `kill_after_tokens` tokens (or one stream holds half of its tokens: on
+    a loaded box the first streams may otherwise finish before the last one starts), kill -9
+    the daemon and restart it; wait for every stream to finish (bounded by timeout_s)."""
     async with AsyncClient(daemon.address, options=RESUMABLE_CHANNEL_OPTIONS) as client:
         streams = [
             resumable(client, p, request_id=rid, max_tokens=n, retry_for_s=timeout_s)
@@ -115,7 +116,15 @@ async def run_with_kill(
         async def kill_when_ready() -> None:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout_s / 2
-            while any(len(s.tokens) < kill_after_tokens for s in streams):
+
+            def ready() -> bool:
+                if all(len(s.tokens) >= kill_after_tokens for s in streams):
+                    return True
+                return any(
+                    2 * len(s.tokens) >= r[2] for s, r in zip(streams, requests, strict=True)
+                )
+
+            while not ready():
                 if loop.time() > deadline:
                     raise AssertionError("the load never reached the kill point")
                 await asyncio.sleep(0.02)
