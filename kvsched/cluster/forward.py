@@ -15,7 +15,10 @@ recorded in this daemon's journal and placed again by the cluster's routing with
 another peer's instance or one here (`_choose_again`), never ended for it. A peer that fails
 the stream later with UNAVAILABLE has the request followed to its new owner (`_reattach`), or
 parked in the local table (`requeue_lost`: recomputed here, keeping the tokens already
-streamed) and journaled here.
+streamed) and journaled here. A peer that refuses the forward because it runs that very
+request already (an earlier forward of it reached the peer and that call broke: the typed
+`RequestAlreadyLive` refusal, peer_rpc.live_there) has it followed there by Resume from the
+tokens relayed so far (`_follow_there`), so its client gets each token once and one Finished.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvsched.cluster.peer_rpc import (
     PeerStubs,
     apply_finished,
     ended,
+    live_there,
 )
 from kvsched.cluster.routing import RemoteInstance
 from kvsched.core import KvschedError
@@ -130,6 +134,10 @@ class Forwarder:
                 if tr.finished:
                     return
                 why = f"forwarded to daemon {remote.daemon_id}: {exc.code().name}: {exc.details()}"
+                if not accepted and live_there(exc):
+                    # An earlier forward of it reached that daemon (and its call broke).
+                    await self._follow_there(tr, msg, remote, why)
+                    return
                 retryable = exc.code() in RETRYABLE
                 if retryable and not accepted and not req.output_token_ids:
                     # Refused before it was accepted there (no instance ready, its journal cut
@@ -156,6 +164,24 @@ class Forwarder:
                 return
             finally:
                 call.cancel()
+
+    async def _follow_there(
+        self, tr: Tracked, msg: rpb.GenerateRequest, remote: RemoteInstance, why: str
+    ) -> None:
+        """`remote`'s daemon runs `tr` already (peer_rpc.live_there): followed there by Resume
+        past the tokens relayed so far (`_reattach`, asking that daemon first); recomputed
+        here when nobody holds it any more."""
+        rid = tr.req.req_id
+        log.info(
+            "request %s is live at daemon %s already: following it there", rid, remote.daemon_id
+        )
+        if await self._reattach(tr, why, first=remote) or tr.finished:
+            return
+        self.requests.relay_ended(tr)
+        self.num_requeued += 1
+        log.warning("%s; recomputing request %s here", why, rid)
+        self.requests.requeue_lost(tr.req, why)
+        await self._record_here(tr, msg)  # never parked here unjournaled
 
     async def _choose_again(
         self, tr: Tracked, msg: rpb.GenerateRequest, why: str, refused: set[str]
@@ -291,20 +317,25 @@ class Forwarder:
             req.first_scheduled_time = time.monotonic()
         return False
 
-    async def _reattach(self, tr: Tracked, why: str) -> bool:
+    async def _reattach(self, tr: Tracked, why: str, first: RemoteInstance | None = None) -> bool:
         """The peer running `tr` went away: follow the request to wherever its journal says it
         lives now (its daemon restarted, or a peer adopted it) with a Resume through any live
-        peer (which relays it to the owner), carrying the tokens already relayed. True when
-        the request ended that way (finished or aborted); False: not journaled anywhere (or
-        nobody took it within `reattach_s`), the caller recomputes it here."""
-        if self.peers is None:
+        peer (which relays it to the owner), carrying the tokens already relayed; `first`: the
+        daemon known to hold it, asked first (its record here, if any, then names that daemon
+        once it streams: `Durability.moved_to`). True when the request ended that way
+        (finished or aborted); False: not journaled anywhere (or nobody took it within
+        `reattach_s`), the caller recomputes it here."""
+        if self.peers is None and first is None:
             return False
         req = tr.req
         give_up = time.monotonic() + self.reattach_s
-        log.info("%s; following request %s to its new owner", why, req.req_id)
+        if first is None:
+            log.info("%s; following request %s to its new owner", why, req.req_id)
         tries = 0
         while time.monotonic() < give_up and not tr.finished:
-            peers = self.peers()
+            peers = [] if self.peers is None else self.peers()
+            if first is not None and tries == 0:
+                peers = [first.address]
             if peers:
                 address = peers[tries % len(peers)]
                 tries += 1
@@ -313,8 +344,12 @@ class Forwarder:
                 )
                 md = [(FORWARDED_BY, self.daemon_id), (FORWARD_OWNER, tr.owner), *self.stubs.auth()]
                 call = self.stubs.stub(address).Resume(msg, metadata=md)
+                holder = first.daemon_id if first is not None and tries == 1 else ""
                 try:
                     async for out in call:
+                        if holder and self.durable is not None:
+                            self.durable.moved_to(tr, holder)  # that daemon journals it
+                            holder = ""
                         if self._take(tr, out):
                             self.num_reattached += 1
                             return True

@@ -14,6 +14,11 @@ back into the local request (`apply_finished`, pure). The keys:
 A Resume this daemon sends as the request's owner to hand it over carries `x-kvsched-hand-over`
 besides `x-kvsched-forwarded-by` and `x-kvsched-owner`; a client's Resume relayed to the
 request's owner carries `x-kvsched-relayed`.
+
+A peer that already runs the very request a forward sends it (same id, model and prompt: an
+earlier forward of it reached the peer and its call broke) refuses it with INVALID_ARGUMENT and
+the error type `RequestAlreadyLive` in the `kvsched-error` trailer (server/errors.py):
+`live_there` reads that marker, never the message, and the forwarder follows the request there.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import grpc
 
 from kvsched import codec
 from kvsched.core import Request
+from kvsched.core.errors import RequestAlreadyLive
 from kvsched.core.request import FINISHED_STATUS
+from kvsched.server.errors import ERROR_TYPE_KEY
 from kvsched.v1 import request_service_pb2 as rpb
 from kvsched.v1 import request_service_pb2_grpc
 
@@ -78,6 +85,16 @@ def ended() -> grpc.aio.AioRpcError:
         grpc.aio.Metadata(),
         details="peer ended the stream without Finished",
     )
+
+
+def live_there(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a peer refused a forwarded Generate because it runs that same request already
+    (the typed `RequestAlreadyLive` marker in the trailer; an id reused for another request,
+    or any other refusal, is not)."""
+    if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+        return False
+    trailer = dict(exc.trailing_metadata() or ())
+    return trailer.get(ERROR_TYPE_KEY) == RequestAlreadyLive.__name__
 
 
 def apply_finished(req: Request, fin: rpb.Finished, now: float) -> None:

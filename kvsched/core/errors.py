@@ -15,6 +15,14 @@ class InvalidRequest(KvschedError, ValueError):
     """A request cannot be accepted as given (INVALID_ARGUMENT)."""
 
 
+class RequestAlreadyLive(InvalidRequest):
+    """A new request whose id a live request holds that has the same model and prompt: the same
+    request sent again (INVALID_ARGUMENT, like any id in use). Its type travels in the status's
+    trailing metadata, so a forwarding daemon whose earlier forward reached the peer follows
+    that request there by Resume instead of ending it; an id reused with another prompt is a
+    plain InvalidRequest."""
+
+
 class RequestNotFound(KvschedError, KeyError):
     """No live request has this id (NOT_FOUND)."""
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 from kvsched import codec
 from kvsched.core import InvalidRequest, Request, Role, Unavailable
+from kvsched.core.errors import RequestAlreadyLive
 from kvsched.server.durable import Durability
 from kvsched.server.engine import InstanceEngine
 from kvsched.server.models import too_long
@@ -51,8 +52,9 @@ class Acceptor:
             raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
         model = registry.model_for(pb.model)
         req_id = pb.request_id or uuid.uuid4().hex
-        if req_id in table.tracked:
-            raise InvalidRequest(f"request_id {req_id!r} is already in use by a live request")
+        live = table.tracked.get(req_id)
+        if live is not None:
+            raise _in_use(req_id, live, pb, model)
         limit = registry.largest_max_model_len()
         if len(pb.prompt_token_ids) > limit:  # before the prompt becomes a Python list
             raise too_long(pb, req_id, limit, config.default_max_tokens)
@@ -116,3 +118,16 @@ class Acceptor:
         if self.durable.journals(tr):
             await self.durable.confirm(tr, pb)
         return tr
+
+
+def _in_use(
+    req_id: str, live: Tracked, pb: request_service_pb2.GenerateRequest, model: str
+) -> InvalidRequest:
+    """The refusal of a request whose id `live` holds: `RequestAlreadyLive` when it is the same
+    request sent again (same model, same prompt; a forwarder's earlier forward that reached
+    this daemon, its call broken since), which a forwarder follows here by Resume; a plain
+    InvalidRequest when the id was reused for another request."""
+    why = f"request_id {req_id!r} is already in use by a live request"
+    if live.model == model and pb.prompt_token_ids == live.req.prompt_token_ids:
+        return RequestAlreadyLive(f"{why} (the same request: Resume follows it)")
+    return InvalidRequest(why)

@@ -1,0 +1,161 @@
+"""A forward that finds its request already live on the peer (issue 23, the one error of the
+25-minute nemesis run): real daemons on a real nats-server, a sim worker, loopback.
+
+In the run a forwarder's Generate to a peer broke after the peer had accepted the request; the
+forwarder sent it again, the peer answered INVALID_ARGUMENT "request_id ... is already in use by
+a live request" and the forwarder ended the client's request with that error. Here the earlier
+forward is made by hand (a Generate to `lv-b` carrying `lv-a`'s forwarding metadata, detachable
+like the resumable clients' requests, its stream dropped after a few tokens), so the request is
+live on `lv-b` when `lv-a`'s forward of it arrives, every time. `lv-a` has no instance: it
+forwards to `lv-b`'s, the only one.
+
+- The same request (same id, same prompt): `lv-a` follows it on `lv-b` by Resume; its client
+  gets every token once, exactly the sim's, and one Finished.
+- The id reused with another prompt: still INVALID_ARGUMENT (the peer's refusal carries no
+  "same request" marker, so nothing follows it), and the request live on `lv-b` goes on
+  untouched: a Resume there gets all of its own tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from kvsched.cluster.natsd import NatsServer
+from kvsched.cluster.peer_rpc import FORWARD_OWNER, FORWARDED_BY
+from kvsched.core.errors import RequestAlreadyLive
+from kvsched.server.errors import ERROR_TYPE_KEY
+from kvsched.v1 import common_pb2, request_service_pb2_grpc
+from kvsched.v1 import request_service_pb2 as rpb
+from tests.cluster.durability_kit import Daemon, routes_to, sim_expected, start_sim_worker, through
+from tests.integration.clients import Outcome, Spec
+from tests.integration.harness import Proc, wait_ready
+
+pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
+
+MAX_TOKENS = 80  # at --speed 0.1 a few seconds of decoding: live on b through the whole test
+
+
+async def _live_on(address: str, spec: Spec, tokens: int) -> list[int]:
+    """`spec` submitted to `address` as `lv-a`'s forward of it would be (detachable, the
+    forwarding metadata); its stream dropped once it has `tokens` tokens (the peer keeps
+    running it). Returns the tokens it got."""
+    md = ((FORWARDED_BY, "lv-a"), (FORWARD_OWNER, ""))
+    got: list[int] = []
+    async with grpc.aio.insecure_channel(address) as ch:
+        call = request_service_pb2_grpc.RequestServiceStub(ch).Generate(
+            spec.message(detachable=True), metadata=md, timeout=60
+        )
+        async for r in call:
+            assert r.WhichOneof("kind") != "finished", "finished before the forward came"
+            got.extend(r.tokens.token_ids)
+            if len(got) >= tokens:
+                break
+        call.cancel()
+    return got
+
+
+async def _refusal(address: str, msg: rpb.GenerateRequest) -> tuple[grpc.StatusCode, str, str]:
+    """A Generate straight to `address`: its status code, details and error-type trailer."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        call = request_service_pb2_grpc.RequestServiceStub(ch).Generate(msg, timeout=30)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call:
+                pass
+        trailer = dict(await call.trailing_metadata() or ())
+        return err.value.code(), err.value.details() or "", str(trailer.get(ERROR_TYPE_KEY))
+
+
+async def _resume_all(address: str, rid: str) -> tuple[list[int], rpb.Finished | None]:
+    """Every token of `rid` (Resume from none) and its Finished, straight from `address`."""
+    tokens: list[int] = []
+    fin = None
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = request_service_pb2_grpc.RequestServiceStub(ch)
+        msg = rpb.RequestServiceResumeRequest(request_id=rid)
+        async for r in stub.Resume(msg, timeout=90):
+            kind = r.WhichOneof("kind")
+            if kind == "tokens":
+                tokens.extend(r.tokens.token_ids)
+            elif kind == "finished":
+                assert fin is None, "two finished messages"
+                fin = r.finished
+    return tokens, fin
+
+
+@pytest.fixture(scope="module")
+def pair(nats_server: NatsServer) -> Iterator[tuple[Daemon, Daemon]]:
+    """`lv-a` (no instance) forwarding to `lv-b`'s slow sim instance `lv0`."""
+    a = Daemon(nats_server.url, "lv-a").start()
+    b = Daemon(nats_server.url, "lv-b").start()
+    workers: list[Proc] = []
+    try:
+        workers.append(start_sim_worker(b.address, "lv0", "--speed", "0.1"))
+        wait_ready(b.address, ["lv0"], 60.0)
+        routes_to(a.address, "lv0", "lv")
+        yield a, b
+    finally:
+        for w in workers:
+            w.stop()
+        a.stop()
+        b.stop()
+
+
+def test_a_forward_of_a_request_live_on_the_peer_follows_it_there(
+    pair: tuple[Daemon, Daemon],
+) -> None:
+    a, b = pair
+    spec = Spec("lv-1", [11] * 40, MAX_TOKENS)
+
+    async def scenario() -> tuple[list[int], Outcome]:
+        first = await _live_on(b.address, spec, 3)
+        (out,) = await through(a.address, [spec])
+        return first, out
+
+    first, out = asyncio.run(asyncio.wait_for(scenario(), 120))
+    want = sim_expected("lv-1", 40, MAX_TOKENS)
+    assert first == want[: len(first)]
+    assert out.code is None, (out.code, out.details)
+    assert out.finished is not None
+    assert out.finished.reason == common_pb2.FINISH_REASON_LENGTH, out.finished.message
+    assert out.tokens == want  # each token once, all of them
+    assert a.proc is not None
+    # It was live on b when a's forward came (not finished and sent again): followed there.
+    a.proc.wait_for(r"request lv-1 is live at daemon lv-b already: following it there", 1)
+
+
+def test_an_id_reused_with_another_prompt_is_still_refused(pair: tuple[Daemon, Daemon]) -> None:
+    a, b = pair
+    spec = Spec("lv-2", [12] * 40, MAX_TOKENS)
+    other = Spec("lv-2", [13] * 41, MAX_TOKENS)
+
+    Refusal = tuple[grpc.StatusCode, str, str]
+
+    async def scenario() -> tuple[Refusal, Refusal, Outcome, tuple[list[int], rpb.Finished | None]]:
+        await _live_on(b.address, spec, 3)
+        same = await _refusal(b.address, spec.message())
+        differs = await _refusal(b.address, other.message())
+        (through_a,) = await through(a.address, [other])
+        rest = await _resume_all(b.address, "lv-2")
+        return same, differs, through_a, rest
+
+    same, differs, through_a, (tokens, fin) = asyncio.run(asyncio.wait_for(scenario(), 120))
+    # Straight from a client, a duplicate is refused either way; the same request is marked.
+    assert same[0] == grpc.StatusCode.INVALID_ARGUMENT, same
+    assert "already in use by a live request" in same[1]
+    assert same[2] == RequestAlreadyLive.__name__
+    assert differs[0] == grpc.StatusCode.INVALID_ARGUMENT, differs
+    assert "already in use by a live request" in differs[1]
+    assert differs[2] == "InvalidRequest"
+    # Forwarded with another prompt: ended with the peer's refusal, never given lv-2's tokens.
+    assert through_a.tokens == [], through_a.tokens
+    assert through_a.finished is not None, (through_a.code, through_a.details)
+    assert through_a.finished.reason == common_pb2.FINISH_REASON_ABORT
+    assert "INVALID_ARGUMENT" in through_a.finished.message
+    assert "already in use by a live request" in through_a.finished.message
+    # The request live on b is untouched: all of its own tokens, one Finished.
+    assert tokens == sim_expected("lv-2", 40, MAX_TOKENS)
+    assert fin is not None and fin.reason == common_pb2.FINISH_REASON_LENGTH, fin
