@@ -20,11 +20,15 @@ import asyncio
 import signal
 import time
 
+import pytest
+
 from kvsched.client import AsyncClient, NoAnswer
 from kvsched.client.resumable import resumable, resumable_channel_options
 from kvsched.client.types import Finished
 from tests.cluster.durability_kit import sim_expected
 from tests.integration.harness import start_daemon, start_worker, wait_pool_free, wait_ready
+
+pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
 
 ATTEMPT_S = 0.5
 

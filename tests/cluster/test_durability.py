@@ -31,6 +31,7 @@ from tests.cluster.durability_kit import (
 from tests.integration.harness import Proc, status, wait_ready
 
 
+@pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
 def test_kill9_under_load_loses_nothing_and_resumed_tokens_are_exact(
     nats_server: NatsServer,
 ) -> None:
@@ -221,6 +222,7 @@ def test_kill9_with_model_workers_resumed_outputs_equal_the_unpaged_reference(
         daemon.stop()
 
 
+@pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
 def test_soak_with_daemon_kills_loses_nothing_and_leaks_nothing() -> None:
     from bench.soak import soak
 

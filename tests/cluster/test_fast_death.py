@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 
+import pytest
 from nats.js.errors import KeyNotFoundError
 
 from kvsched.client import AsyncClient
@@ -25,6 +26,8 @@ from tests.cluster.durability_kit import (
     until_tokens,
 )
 from tests.integration.harness import Proc, wait_ready
+
+pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
 
 
 async def _entries(url: str, iid: str, daemon_id: str) -> tuple[str | None, bool]:

@@ -10,6 +10,7 @@ import re
 import time
 
 import grpc
+import pytest
 
 from kvsched.client import AsyncClient
 from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, resumable
@@ -26,6 +27,8 @@ from tests.cluster.durability_kit import (
 )
 from tests.integration.clients import Outcome, Spec, generate
 from tests.integration.harness import Proc, status, wait_ready
+
+pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
 
 
 def _ready(address: str) -> dict[str, bool]:

@@ -21,6 +21,8 @@ from tests.cluster.conftest import start_cluster
 from tests.integration.clients import Outcome, Spec, generate
 from tests.integration.harness import status, wait_pool_free
 
+pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
+
 
 def _wait(cond, what: str, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout

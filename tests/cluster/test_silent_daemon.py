@@ -10,6 +10,7 @@ import re
 import signal
 import time
 
+import pytest
 from nats.js.errors import KeyNotFoundError
 
 from kvsched.cluster.leases import LEASES_BUCKET
@@ -17,6 +18,8 @@ from kvsched.cluster.link import connect_cluster
 from kvsched.cluster.natsd import NatsServer
 from tests.cluster.durability_kit import Daemon, start_sim_worker
 from tests.integration.harness import Proc, status, wait_ready
+
+pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
 
 # heartbeats every 0.5 s, a worker leaves after 4 silent intervals (2 s); membership TTL 2 s
 ENV = {

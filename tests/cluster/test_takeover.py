@@ -14,6 +14,8 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from kvsched.client import AsyncClient
 from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, ResumableStream, resumable
 from kvsched.cluster.natsd import NatsServer
@@ -27,6 +29,8 @@ from tests.cluster.durability_kit import (
     until_tokens,
 )
 from tests.integration.harness import Proc, status, wait_ready
+
+pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI step)
 
 TTL_S = 2.0  # member_ttl_s: the victim is presumed dead ~2-2.5 s after its last refresh
 

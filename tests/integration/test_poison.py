@@ -10,6 +10,7 @@ import signal
 import time
 
 import grpc
+import pytest
 
 from kvsched.v1 import common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
@@ -159,6 +160,7 @@ async def _submit_then_pause_daemon(address: str, specs: list[Spec], daemon: Pro
         return list(await asyncio.gather(*tasks))
 
 
+@pytest.mark.faults  # a pause scenario: `make test-faults` (a CI step)
 def test_a_worker_that_left_a_paused_daemon_is_not_counted_against_its_requests() -> None:
     """Issue 23: the daemon paused (SIGSTOP) past its workers' silence bound; they leave it and
     their streams end, which the daemon reads when it continues. Not the requests' fault:
