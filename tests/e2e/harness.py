@@ -292,6 +292,10 @@ async def model_daemon(
     await server.start()
     h = ModelHarness(daemon, port, nodes, backend, block_size)
     h.patch_executor = patch_executor
+    # The daemon's watchdog pass, as `serve` runs it: heartbeats to workers it has sent nothing
+    # for an interval (a worker leaves a daemon silent past Welcome.silence_timeout_ns), silent
+    # workers taken out, queue timeouts and deadlines.
+    watch = asyncio.get_running_loop().create_task(daemon.watch(), name="watch")
     try:
         for iid in nodes:
             h.start_worker(iid)
@@ -300,6 +304,7 @@ async def model_daemon(
     finally:
         for iid in list(h.workers):
             await h.stop_worker(iid)
+        watch.cancel()
         await h.channel.close()
         await server.stop(None)
         daemon.telemetry.shutdown()
