@@ -125,8 +125,7 @@ class StoreLink:
         try:
             store = self._connect(url)
         except Exception as e:
-            self._not_yet()
-            self.num_connect_failures += 1
+            self._not_yet(connect_failed=True)
             log.error(
                 "storage tier: cannot connect to %s (%s): every storage task fails "
                 "(fetches recompute) until it can",
@@ -164,9 +163,10 @@ class StoreLink:
                 self._retry_s = _RETRY_S
         log.info("storage tier: %s answers again", url)
 
-    def _not_yet(self) -> None:
+    def _not_yet(self, connect_failed: bool = False) -> None:
         """A connect or re-check failed: the next one waits longer."""
         with self._lock:
+            self.num_connect_failures += connect_failed
             self._connecting = False
             self._retry_at = time.monotonic() + self._retry_s
             self._retry_s = min(2 * self._retry_s, _MAX_RETRY_S)
@@ -181,7 +181,7 @@ class StoreLink:
             self._retry_at = time.monotonic() + self._retry_s
 
     def close(self) -> None:
-        """Drop the client (a new store named, or the worker leaving): its close holds the
+        """Drop the client (the Welcome named another store): its close holds the
         GIL for up to seconds, so call it off the step loop and not per outage."""
         with self._lock:
             store, self.store = self.store, None
