@@ -344,7 +344,8 @@ class MooncakeStore:
         return runs
 
     def _missing(self, key: str) -> StorageError:
-        if self._client().is_exist(key) < 0:
+        self._client()  # closed: StoreUnavailable
+        if not self.healthy():
             return StoreUnavailable(f"get {key!r}: the master at {self.address.master} is down")
         return KeyMissing(f"key {key!r} is not in the store at {self.address.url}")
 

@@ -191,7 +191,9 @@ def test_master_down_between_write_and_fetch_recomputes_and_the_worker_keeps_its
                 fresh_mooncake.pause_master()
             second = await h.generate("f", prefix + make_prompt(2703, 12), 8)
             await h.wait_pool_free([other], timeout=30.0)
-            return [first, second], h.reports[other], _kept_its_stream(h, other)
+            stream = _kept_its_stream(h, other)
+            fresh_mooncake.resume_master()  # the worker's client closes as it leaves
+            return [first, second], h.reports[other], stream
 
     try:
         results, reports, stream = run(go())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -109,9 +110,22 @@ def _block(ex: PagedModelExecutor, gpu_id: int) -> np.ndarray:
     return np.asarray(ex.k_cache[1][gpu_id * BLOCK : (gpu_id + 1) * BLOCK]).copy()
 
 
+_links: list[StoreLink] = []  # the running test's, closed at its end (`_close_links`)
+
+
+@pytest.fixture(autouse=True)
+def _close_links() -> Iterator[None]:
+    """A Mooncake client's close holds the GIL (~1 s): each test closes its own, rather than
+    leaving them to the garbage collector during a later test of the same process."""
+    yield
+    while _links:
+        _links.pop().close()
+
+
 def _engine(ex: PagedModelExecutor, url: str) -> WorkerEngine:
     eng = WorkerEngine(ex, BLOCK, 4, ModelConfig().eos_token_id, 64)
     eng.storage.link = StoreLink()
+    _links.append(eng.storage.link)
     eng.storage.link.use(url)
     return eng
 
