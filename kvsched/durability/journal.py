@@ -36,6 +36,7 @@ from kvsched.codec import finished_to_proto
 from kvsched.core import Request, Unavailable
 from kvsched.core.journal_state import JournalState
 from kvsched.durability import records as R
+from kvsched.durability.acks import AckedPublisher
 from kvsched.v1 import journal_pb2, request_service_pb2
 
 ADOPTED_BY = "Kvsched-Adopted-By"  # header of a takeover's tombstone: the adopting daemon
@@ -55,6 +56,12 @@ class Journaled(Protocol):
     finished: bool
     journal_state: JournalState  # written here only
     journaled: int  # output tokens recorded (written here only)
+
+
+def _error_of(ack: asyncio.Future[None]) -> BaseException | None:
+    if ack.cancelled():
+        return ConnectionError("the record's publish was cancelled")
+    return ack.exception()
 
 
 class Journal:
@@ -80,6 +87,7 @@ class Journal:
         self.timeout_s = timeout_s
         self.max_age_s = max_age_s
         self.max_bytes = max_bytes
+        self.acks = AckedPublisher(self.nc, timeout_s)
         self._outbox: asyncio.Queue[tuple[str, bytes, dict[str, str] | None]] = asyncio.Queue()
         self._reconnects = 0
         self._since_compaction = 0  # tokens written to tok.<daemon> since its last compaction
@@ -106,35 +114,63 @@ class Journal:
         except Exception:
             await self.js.update_stream(cfg)
         self._reconnects = self.nc.stats.get("reconnects", 0)
+        await self.acks.open()
 
     # ---- writing ------------------------------------------------------------------------------
     async def accept(
         self, tr: Journaled, pb: request_service_pb2.GenerateRequest, instance: str
     ) -> None:
         """Store the accepted record; `Unavailable` when NATS does not acknowledge it in time."""
+        await self.begin_accept(tr, pb, instance)
+
+    def begin_accept(
+        self, tr: Journaled, pb: request_service_pb2.GenerateRequest, instance: str
+    ) -> asyncio.Future[None]:
+        """Publish the accepted record (pipelined with concurrent accepts: `acks`); the future
+        ends when it is stored (None) or refused (`Unavailable`). `tr`'s journal state is
+        settled when the acknowledgement comes, whether or not anyone still awaits it."""
         req_id = tr.req.req_id
         data = R.accepted_record(pb, req_id, self.daemon_id, instance, tr.owner, tr.client_tag)
         subject = R.req_subject(self.daemon_id, req_id)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not self.nc.is_connected:  # refuse at once: a buffered record could land later
+            self._settle(tr, subject, ConnectionError("not connected"), 0.0, done)
+            return done
+        tr.journal_state = JournalState.IN_FLIGHT
         t0 = time.monotonic()
-        try:
-            if not self.nc.is_connected:  # refuse at once: a buffered record could land later
-                raise ConnectionError("not connected")
-            tr.journal_state = JournalState.IN_FLIGHT
-            await self.js.publish(subject, data, timeout=self.timeout_s)
-        except Exception as exc:
-            if tr.journal_state == JournalState.IN_FLIGHT:
-                # It may still be stored (sent, then the link broke before the ack): purge it
-                # after it, in order, so that a refused request leaves nothing behind.
-                self._emit(subject, b"", PURGE)
-            tr.journal_state = JournalState.NONE
-            self.num_refused += 1
-            raise Unavailable(self._refusal(exc, time.monotonic() - t0)) from None
-        tr.journal_state = JournalState.STORED
-        self.num_accepted += 1
-        if tr.finished:  # it finished while its record was in flight
-            self.finished(tr)
+        ack = self.acks.publish(subject, data)
+        ack.add_done_callback(
+            lambda a: self._settle(tr, subject, _error_of(a), time.monotonic() - t0, done)
+        )
+        return done
 
-    def _refusal(self, exc: Exception, elapsed: float) -> str:
+    def _settle(
+        self,
+        tr: Journaled,
+        subject: str,
+        exc: BaseException | None,
+        elapsed: float,
+        done: asyncio.Future[None],
+    ) -> None:
+        if exc is None:
+            tr.journal_state = JournalState.STORED
+            self.num_accepted += 1
+            if tr.finished:  # it finished while its record was in flight
+                self.finished(tr)
+            done.set_result(None)
+            return
+        if tr.journal_state == JournalState.IN_FLIGHT:
+            # It may still be stored (sent, then the link broke before the ack, its bytes
+            # delivered later): an expiring tombstone follows it on the same subject, so that
+            # a refused request leaves nothing behind. Not a purge: JetStream orders a
+            # subject's messages on one connection, not a message and a later API request
+            # (a purge could run before the record it should remove is stored).
+            self._emit(subject, b"", R.TOMBSTONE_HEADERS)
+        tr.journal_state = JournalState.NONE
+        self.num_refused += 1
+        done.set_exception(Unavailable(self._refusal(exc, elapsed)))
+
+    def _refusal(self, exc: BaseException, elapsed: float) -> str:
         """Why a record was not stored, as it happened: the link was down (refused at once),
         no acknowledgement within journal_timeout_s, or another failure after `elapsed`."""
         where = f"the request journal (NATS JetStream at {self.link.url})"

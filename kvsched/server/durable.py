@@ -36,6 +36,10 @@ class Journal(Protocol):
         self, tr: Tracked, pb: request_service_pb2.GenerateRequest, instance: str
     ) -> None: ...
 
+    def begin_accept(
+        self, tr: Tracked, pb: request_service_pb2.GenerateRequest, instance: str
+    ) -> asyncio.Future[None]: ...
+
     async def recover(self) -> list[Any]: ...
 
     async def adopt(self, dead_id: str, only: str = "") -> list[Any]: ...
@@ -82,7 +86,9 @@ class Durability:
         request is aborted and its client must be told the error, not `queued` (its sink
         holds its outputs until this returns)."""
         assert self.journal is not None
-        write = asyncio.ensure_future(self.journal.accept(tr, pb, tr.instance_id))
+        # A future, not a task: the journal settles the record's state in the acknowledgement's
+        # callback, with or without this caller.
+        write = self.journal.begin_accept(tr, pb, tr.instance_id)
         try:
             # Shielded: a caller that goes away (its deadline, a cancel) does not cancel the
             # write. A cancelled write could still land (its bytes were sent) as an accepted
