@@ -58,12 +58,6 @@ class Journaled(Protocol):
     journaled: int  # output tokens recorded (written here only)
 
 
-def _error_of(ack: asyncio.Future[None]) -> BaseException | None:
-    if ack.cancelled():
-        return ConnectionError("the record's publish was cancelled")
-    return ack.exception()
-
-
 class Journal:
     @staticmethod
     def output_tokens(rec: journal_pb2.JournalRecord) -> list[int]:
@@ -138,9 +132,10 @@ class Journal:
             return done
         tr.journal_state = JournalState.IN_FLIGHT
         t0 = time.monotonic()
-        ack = self.acks.publish(subject, data)
-        ack.add_done_callback(
-            lambda a: self._settle(tr, subject, _error_of(a), time.monotonic() - t0, done)
+        self.acks.publish(
+            subject,
+            data,
+            then=lambda exc: self._settle(tr, subject, exc, time.monotonic() - t0, done),
         )
         return done
 
@@ -157,7 +152,8 @@ class Journal:
             self.num_accepted += 1
             if tr.finished:  # it finished while its record was in flight
                 self.finished(tr)
-            done.set_result(None)
+            if not done.done():  # (cancelled: `accept`'s caller went away)
+                done.set_result(None)
             return
         if tr.journal_state == JournalState.IN_FLIGHT:
             # It may still be stored (sent, then the link broke before the ack, its bytes
@@ -168,7 +164,8 @@ class Journal:
             self._emit(subject, b"", R.TOMBSTONE_HEADERS)
         tr.journal_state = JournalState.NONE
         self.num_refused += 1
-        done.set_exception(Unavailable(self._refusal(exc, elapsed)))
+        if not done.done():
+            done.set_exception(Unavailable(self._refusal(exc, elapsed)))
 
     def _refusal(self, exc: BaseException, elapsed: float) -> str:
         """Why a record was not stored, as it happened: the link was down (refused at once),
