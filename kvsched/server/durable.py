@@ -102,6 +102,17 @@ class Durability:
             self._refused(tr)
             raise
 
+    def begin_confirm(
+        self, tr: Tracked, pb: request_service_pb2.GenerateRequest
+    ) -> asyncio.Future[None]:
+        """`confirm` for a caller that does not wait (a Session submit): the write's future,
+        its exception `Unavailable` when refused; a refused request is aborted before any
+        callback the caller adds runs."""
+        assert self.journal is not None
+        write = self.journal.begin_accept(tr, pb, tr.instance_id)
+        write.add_done_callback(lambda w: self._settled(tr, w))
+        return write
+
     def _settled(self, tr: Tracked, write: asyncio.Future[None]) -> None:
         """A write whose caller went away has ended: refused, its request is aborted."""
         if not write.cancelled() and isinstance(write.exception(), Unavailable):

@@ -65,11 +65,11 @@ class SessionSink:
         self.client_done = False
         self.closed = False  # the stream ended
         # Journal on: accepted requests whose record the journal has not stored yet (their
-        # outputs are held: nothing about them is sent before `accepted`), and the tasks
-        # waiting for those records.
+        # outputs are held: nothing about them is sent before `accepted`), and the journal
+        # writes of those records.
         self.held: dict[str, Tracked] = {}
         self.held_set: set[Tracked] = set()  # the same requests (a C-speed overlap test)
-        self.inflight: set[asyncio.Task[None]] = set()
+        self.inflight: set[asyncio.Future[None]] = set()
 
     def notify(self, tr: Tracked) -> None:
         if self.pending_since is None:
