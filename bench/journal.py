@@ -6,7 +6,8 @@ submit latency the journal adds.
 
 One nats-server with JetStream (kvsched.cluster.natsd) serves the whole run. For each R the
 transport case (bench.transport: real daemon, one zero-cost sim worker with R slots, a Session
-front end keeping R requests running) runs back to back in each mode, a round per repeat:
+front end keeping R requests running) runs back to back in each mode, a round per repeat (the
+order rotated each round):
 
     off       a standalone daemon (no NATS)
     cluster   `--cluster` with the journal off (KVSCHED_JOURNAL=false): membership, leases,
@@ -167,7 +168,8 @@ def main() -> None:
         for n in sizes:
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
             for i in range(args.repeat):
-                for mode in modes:
+                # Rotated each round: no mode always runs first (the machine's load drifts).
+                for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
                     env, cwd = mode_setup(mode, nats, f"bench-{mode}-{n}-{i}", args.old_src)
                     rec = one_case(n, args, env, cwd)
                     rec["load_average"] = load_average()
