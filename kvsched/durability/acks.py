@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from nats.js.errors import APIError, NoStreamResponseError
+
+log = logging.getLogger("kvsched.journal")
 
 Then = Callable[[BaseException | None], None]  # a record's fate: None (stored) or why not
 
@@ -112,7 +115,10 @@ class AckedPublisher:
     async def _on_ack(self, msg: Any) -> None:
         then = self._pending.pop(msg.subject[len(self._prefix) :], None)
         if then is not None:  # else expired already (it was refused), or not ours
-            then(ack_error(msg.data))
+            try:
+                then(ack_error(msg.data))
+            except Exception:  # not into nats-py's error callback, which logs at debug
+                log.exception("journal: settling an acknowledged record failed")
 
     def fail_all(self, exc: BaseException) -> None:
         """Every record not acknowledged yet is refused with `exc` (the link closes)."""

@@ -280,7 +280,8 @@ class Journal:
 
     async def _write(self) -> None:
         """Publish queued records in order (core publishes: the stream stores them; a loss is
-        repaired by the next compaction); purges (requests) after the records before them."""
+        repaired by the next compaction); purges (API requests: a takeover's, of the dead
+        daemon's token deltas) are sent after the records before them."""
         box = self._outbox
         while True:
             items = [await box.get()]
@@ -305,7 +306,7 @@ class Journal:
                 log.debug("journal publish to %s failed: %s", subject, exc)
         for r in await asyncio.gather(*purges, return_exceptions=True):
             if isinstance(r, BaseException):
-                log.debug("purging a refused request's record failed: %s", r)
+                log.debug("purging a taken-over daemon's token deltas failed: %s", r)
 
     async def close(self, live: Iterable[Journaled], timeout_s: float = 5.0) -> None:
         """At shutdown, before the NATS link closes: the live requests' last tokens and every

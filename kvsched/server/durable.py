@@ -93,7 +93,7 @@ class Durability:
             # Shielded: a caller that goes away (its deadline, a cancel) does not cancel the
             # write. A cancelled write could still land (its bytes were sent) as an accepted
             # record that nobody runs or closes; finished, it is stored (the request's end is
-            # recorded after it) or refused (purged, the request aborted).
+            # recorded after it) or refused (a tombstone follows it, the request aborted).
             await asyncio.shield(write)
         except asyncio.CancelledError:
             write.add_done_callback(lambda w: self._settled(tr, w))
