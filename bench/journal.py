@@ -42,7 +42,7 @@ from typing import Any
 
 from bench import transport_stack as ts
 from bench.transport_stack import machine, start_stack
-from kvsched.client import AsyncClient
+from kvsched.client import AsyncClient, KvschedClientError
 from kvsched.cluster.natsd import NatsServer
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "journal.json"
@@ -105,7 +105,7 @@ def one_case(
         return ts.run_case(
             n, "none", args.seconds, args.warmup, 1, args.max_tokens, env, cwd, args.ramp_s
         )
-    except (ts.NotRunning, RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, OSError, KvschedClientError) as exc:  # NotRunning too
         return {"failed": f"{type(exc).__name__}: {exc}"}
 
 
@@ -198,7 +198,7 @@ def main() -> None:
             env, cwd = mode_setup(mode, nats, f"bench-submit-{mode}", args.old_src)
             try:
                 lat[mode] = submit_latency(args.submits, env, cwd)
-            except (RuntimeError, TimeoutError) as exc:
+            except (RuntimeError, TimeoutError, OSError, KvschedClientError) as exc:
                 lat[mode] = {"failed": f"{type(exc).__name__}: {exc}"}
     records["submit_latency"] = lat
     records["load_average_end"] = load_average()
