@@ -45,6 +45,7 @@ from kvsched.cluster.peer_rpc import (
 from kvsched.cluster.routing import RemoteInstance
 from kvsched.core import KvschedError
 from kvsched.server.record import Parked, RemotePeer
+from kvsched.server.resume import ParkedSink
 from kvsched.v1 import request_service_pb2 as rpb
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class Forwarder:
         self.num_relayed_tokens = 0
         self.num_requeued = 0
         self.num_reattached = 0
+        self.num_streamed_elsewhere = 0  # relays ended by a Resume that took the stream over
         # Live peers' addresses (set by the cluster node): where a request whose peer died is
         # followed to its new owner, for up to `reattach_s` (None: recompute it here at once).
         self.peers: Callable[[], list[str]] | None = None
@@ -129,6 +131,9 @@ class Forwarder:
                             self.durable.moved_to(tr, remote.daemon_id)
                     if self._take(tr, out):
                         return
+                if accepted:  # OK, no Finished: a Resume took its stream over (see below)
+                    self._streamed_elsewhere(tr, remote.daemon_id)
+                    return
                 raise ended()
             except grpc.aio.AioRpcError as exc:
                 if tr.finished:
@@ -279,6 +284,9 @@ class Forwarder:
                     log.info("request %s handed over to daemon %s", req.req_id, remote.daemon_id)
                 if self._take(tr, out):
                     return
+            if taken:  # OK, no Finished: a Resume there took its stream over
+                self._streamed_elsewhere(tr, remote.daemon_id)
+                return
             raise ended()
         except grpc.aio.AioRpcError as exc:
             if tr.finished:
@@ -345,14 +353,19 @@ class Forwarder:
                 md = [(FORWARDED_BY, self.daemon_id), (FORWARD_OWNER, tr.owner), *self.stubs.auth()]
                 call = self.stubs.stub(address).Resume(msg, metadata=md)
                 holder = first.daemon_id if first is not None and tries == 1 else ""
+                answered = False
                 try:
                     async for out in call:
+                        answered = True
                         if holder and self.durable is not None:
                             self.durable.moved_to(tr, holder)  # that daemon journals it
                             holder = ""
                         if self._take(tr, out):
                             self.num_reattached += 1
                             return True
+                    if answered:  # OK, no Finished: another Resume took its stream over
+                        self._streamed_elsewhere(tr, "")
+                        return True
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.NOT_FOUND:
                         return False  # its owner never journaled it: recompute here
@@ -364,6 +377,25 @@ class Forwarder:
                     call.cancel()
             await asyncio.sleep(0.2)
         return tr.finished
+
+    def _streamed_elsewhere(self, tr: Tracked, daemon_id: str) -> None:
+        """The peer ended the relay's stream with OK and no Finished: a Resume took the
+        request's stream over there (RequestService.Resume, step 3), its client following it
+        elsewhere now (the client whose call broke here, resuming straight at the peer). The
+        relay stops and the request leaves this daemon, unfinished (it runs on there); its
+        stream here ends the same way. Following it again, as after a peer's death, would
+        take the stream back from that client, which would take it back in turn, until one
+        of the two gave up (the 30-minute nemesis run lost a request that way)."""
+        if daemon_id and self.durable is not None:
+            self.durable.moved_to(tr, daemon_id)  # recorded here meanwhile: that peer's now
+        self.num_streamed_elsewhere += 1
+        where = f"daemon {daemon_id}" if daemon_id else "a peer"
+        log.info(
+            "request %s: a Resume at %s took its stream over; not relayed here any more",
+            tr.req.req_id,
+            where,
+        )
+        self.requests.streamed_elsewhere(tr, ParkedSink())
 
     def _finish(self, tr: Tracked, fin: rpb.Finished) -> None:
         apply_finished(tr.req, fin, time.monotonic())

@@ -18,6 +18,8 @@ class ClusterPort(Protocol):
     """What the server asks of a cluster (`kvsched.cluster.node.ClusterNode`); the server
     imports nothing of kvsched.cluster."""
 
+    daemon_id: str  # this daemon's id in the cluster (its journal records name it)
+
     def route_new(
         self, req: Request, carrier: dict[str, str], owner: str, model: str = ""
     ) -> tuple[InstanceEngine | PeerInstance, str]:

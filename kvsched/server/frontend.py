@@ -95,9 +95,13 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         except OwnedElsewhere as exc:
             if node is None:
                 raise
-            if giver and giver == exc.daemon_id:
-                # Its owner hands it over: adopted here (the journal's CAS), then resumed.
-                await self.resumer.recover(exc.daemon_id, only=request.request_id)
+            mine = exc.daemon_id == node.daemon_id
+            if mine or (giver and giver == exc.daemon_id):
+                # Its owner hands it over: adopted here (the journal's CAS), then resumed. Or
+                # its record names this daemon, which does not run it (an accept whose write
+                # landed after its call had given up and been refused): recovered from this
+                # daemon's journal now, as at a restart, then resumed.
+                await self.resumer.recover("" if mine else exc.daemon_id, only=request.request_id)
                 got = await self.resumer.resume(request, owner, sink)
                 if isinstance(got, Tracked):
                     async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse):

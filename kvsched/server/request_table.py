@@ -167,6 +167,23 @@ class RequestTable:
         if type(loc) is RemotePeer and loc.relay is not None:
             tr.location = RemotePeer(loc.instance, None)
 
+    def streamed_elsewhere(self, tr: Tracked, sink: Sink) -> None:
+        """A Resume at another daemon took `tr`'s stream over (the peer ended the relay's
+        stream with OK and no Finished: one request streams to one place): `tr` leaves this
+        daemon unfinished, its outputs going to `sink` (nowhere) from now on; it runs on there
+        and the journal record of its owner tells any Resume where. Its stream here ends the
+        way a stream taken over by a Resume here does (OK, no Finished; a Session request
+        leaves its session)."""
+        self.relay_ended(tr)
+        self.cancel_reservation(tr)
+        rid = tr.req.req_id
+        if self.tracked.get(rid) is tr:
+            del self.tracked[rid]
+        if not self.tracked:
+            self.all_done.set()
+        old, tr.sink = tr.sink, sink
+        old.notify(tr)
+
     def redirect(self, tr: Tracked, sink: Sink) -> Sink:
         """Send `tr`'s outputs to `sink` from now on (a Resume); returns the old sink."""
         old, tr.sink = tr.sink, sink

@@ -67,7 +67,8 @@ class Resumer:
     async def recover(self, dead_id: str = "", only: str = "") -> int:
         """Park this daemon's unfinished requests from the journal (with `dead_id`: take over
         that daemon's, `Journal.adopt`; with `only`, that one request, which its live owner
-        hands over); returns how many."""
+        hands over, or, without `dead_id`, this daemon's own record of it when this daemon
+        does not track it); returns how many."""
         journal = self.durable.journal
         if journal is None:
             return 0
@@ -75,11 +76,14 @@ class Resumer:
         now = time.monotonic()
         deadline = now + max(table.config.requeue_timeout_s, 1.0)
         found = await (journal.adopt(dead_id, only) if dead_id else journal.recover())
+        if only and not dead_id:  # one of this daemon's own records, that it does not run
+            found = [u for u in found if u.record.request_id == only]
         for u in found:
             rec = u.record
             mine = table.tracked.get(rec.request_id)
             if mine is not None:  # accepted here, forwarded to the dead daemon's instance
-                self._continue_here(mine, dead_id)
+                if dead_id:  # (an own record of a request tracked here: live, left alone)
+                    self._continue_here(mine, dead_id)
                 continue
             req = codec.request_from_proto(
                 rec.request, rec.request_id, now, table.config.default_max_tokens

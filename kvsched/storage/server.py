@@ -51,7 +51,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 class MooncakeServer:
     """A master and one segment holder on loopback; a context manager. `url` is what
     `--storage` and Welcome.storage_url take. `kill_master()` / `start_master()` let tests
-    take the store down and bring it back (empty: the master keeps no data of its own)."""
+    take the store down and bring it back (empty: the master keeps no data of its own);
+    `pause_master()` / `resume_master()` make it hang and go on."""
 
     def __init__(
         self,
@@ -148,6 +149,16 @@ class MooncakeServer:
             self.master.wait(5)
         self.master = None
 
+    def pause_master(self) -> None:
+        """SIGSTOP the master (a hung store: the kernel still accepts its connections, nothing
+        answers them); `resume_master` lets it go on."""
+        if self.master is not None and self.master.poll() is None:
+            self.master.send_signal(signal.SIGSTOP)
+
+    def resume_master(self) -> None:
+        if self.master is not None and self.master.poll() is None:
+            self.master.send_signal(signal.SIGCONT)
+
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
         log = open(Path(self.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 (closed in stop)
         self._logs.append(log)
@@ -178,6 +189,7 @@ class MooncakeServer:
         return " | ".join(tails)
 
     def stop(self) -> None:
+        self.resume_master()  # a paused master would not act on SIGTERM
         for proc in (self.holder, self.master):
             if proc is not None and proc.poll() is None:
                 proc.terminate()

@@ -200,7 +200,7 @@ class Worker(StepLoop):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), delay)
         finally:
-            self._close_io()
+            await self._leave_storage()
             await self.kv.close()
             if kv_server is not None:
                 await kv_server.stop(grace=0.5)

@@ -178,6 +178,15 @@ class StepLoop:
             self._io_pool.shutdown(wait=False)
             self._io_pool = None
 
+    async def _leave_storage(self) -> None:
+        """The worker leaves: let a storage apply still running finish (bounded by the store
+        client's timeouts), then close the store's client. Its close holds the GIL (~1 s with
+        the master up): done here, once, rather than by the garbage collector's finalizer at
+        any later moment of a process that goes on (a worker run in-process, by tests)."""
+        await self._settle_io()
+        self._close_io()
+        await asyncio.to_thread(self.store_link.use, "")
+
     def _accept(
         self, engine: WorkerEngine, item: InboxItem, outbox: Outbox, applied: bool = False
     ) -> None:

@@ -45,6 +45,8 @@ class BlockStore(Protocol):
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]: ...
 
+    def healthy(self) -> bool: ...
+
     def close(self) -> None: ...
 
 
@@ -70,19 +72,26 @@ def reachable_backends(executor_name: str) -> tuple[str, ...]:
 
 class StoreLink:
     """The worker's connection to the store Welcome.storage_url names, kept across sessions
-    while the URL stays the same. `use` connects at once (a session's start, in a thread);
-    while the store is unreachable `get` answers None at once (the task fails) and a
-    background thread reconnects, at most every _RETRY_S doubling to _MAX_RETRY_S: a store
-    that is down never stalls the step loop for more than the one call that found it down."""
+    while the URL stays the same. `use` connects at once (a session's start, in a thread).
+    While the store cannot be used `get` answers None at once (the task fails) and a
+    background thread looks again, at most every _RETRY_S doubling to _MAX_RETRY_S: it
+    connects (a store never reached) or asks the client it has whether the master answers
+    again (a store found down: `down`). A client is never closed for an outage: the
+    Mooncake client's close (and its setup against a master that is down) holds the GIL for
+    seconds, which would stop the worker's heartbeats; the same client serves a restarted
+    master. So a store that is down costs the step loop at most the one call that found it
+    down (bounded: kvsched.storage.client), never the stream."""
 
     def __init__(self, connect: Callable[[str], BlockStore] = _connect_mooncake) -> None:
         self._connect = connect
         self.url = ""  # "": no storage tier this session
         self.store: BlockStore | None = None
-        self._retry_at = 0.0  # no reconnect before this monotonic time
+        self.is_down = False  # the store was found down: tasks fail until it answers again
+        self._retry_at = 0.0  # no reconnect / re-check before this monotonic time
         self._retry_s = _RETRY_S
-        self._connecting = False  # a background connect runs
+        self._connecting = False  # a background connect or re-check runs
         self.num_connect_failures = 0
+        self.num_outages = 0  # times an operation found the store down
         self._lock = threading.RLock()
 
     def use(self, url: str) -> None:
@@ -94,19 +103,21 @@ class StoreLink:
                 return
             self.close()
             self.url = url
+            self.is_down = False
             self._retry_s = _RETRY_S
         if url:
             self._attempt(url)
 
     def get(self) -> BlockStore | None:
-        """The connected store; None (tasks fail) while it cannot be reached."""
+        """The connected store; None (tasks fail) while it cannot be reached or is down."""
         with self._lock:
-            if self.store is not None or not self.url:
+            if not self.url or (self.store is not None and not self.is_down):
                 return self.store
             if not self._connecting and time.monotonic() >= self._retry_at:
                 self._connecting = True
+                look = self._recheck if self.store is not None else self._attempt
                 threading.Thread(
-                    target=self._attempt, args=(self.url,), name="kvsched-store", daemon=True
+                    target=look, args=(self.url,), name="kvsched-store", daemon=True
                 ).start()
             return None
 
@@ -114,11 +125,7 @@ class StoreLink:
         try:
             store = self._connect(url)
         except Exception as e:
-            with self._lock:
-                self._connecting = False
-                self.num_connect_failures += 1
-                self._retry_at = time.monotonic() + self._retry_s
-                self._retry_s = min(2 * self._retry_s, _MAX_RETRY_S)
+            self._not_yet(connect_failed=True)
             log.error(
                 "storage tier: cannot connect to %s (%s): every storage task fails "
                 "(fetches recompute) until it can",
@@ -131,20 +138,51 @@ class StoreLink:
             keep = url == self.url and self.store is None
             if keep:
                 self.store = store
+                self.is_down = False
                 self._retry_s = _RETRY_S
         if keep:
             log.info("storage tier: connected to %s", url)
         else:  # the Welcome named another store meanwhile
             store.close()
 
-    def down(self) -> None:
-        """An operation found the store unreachable: tasks fail at once, and the link
-        connects afresh (a restarted master knows nothing of this client) after a while."""
+    def _recheck(self, url: str) -> None:
+        """Whether the store found down answers again (its client kept)."""
         with self._lock:
-            self.close()
+            store = self.store
+        try:
+            up = store is not None and store.healthy()
+        except Exception:
+            up = False
+        if not up:
+            self._not_yet()
+            return
+        with self._lock:
+            self._connecting = False
+            if store is self.store and url == self.url:
+                self.is_down = False
+                self._retry_s = _RETRY_S
+        log.info("storage tier: %s answers again", url)
+
+    def _not_yet(self, connect_failed: bool = False) -> None:
+        """A connect or re-check failed: the next one waits longer."""
+        with self._lock:
+            self.num_connect_failures += connect_failed
+            self._connecting = False
+            self._retry_at = time.monotonic() + self._retry_s
+            self._retry_s = min(2 * self._retry_s, _MAX_RETRY_S)
+
+    def down(self) -> None:
+        """An operation found the store unreachable: tasks fail at once until a re-check
+        (after _RETRY_S, doubling) finds its master answering again."""
+        with self._lock:
+            if not self.is_down:
+                self.num_outages += 1
+            self.is_down = True
             self._retry_at = time.monotonic() + self._retry_s
 
     def close(self) -> None:
+        """Drop the client (the Welcome named another store): its close holds the
+        GIL for up to seconds, so call it off the step loop and not per outage."""
         with self._lock:
             store, self.store = self.store, None
         if store is not None:
@@ -224,17 +262,20 @@ class StorageTasks:
         store = self._store()
         write = getattr(self.executor, "storage_write", None)
         blobs: list[bytes | None] = [None] * len(keys)
+        why = "the store is down or not connected" if store is None else ""
         if store is not None and write is not None:
             try:
                 blobs = store.get_many([k + self.key_suffix for k in keys])
             except Exception as e:
                 self._failed("fetch", len(keys), e)
+                why = str(e)
         failed: list[int] = []
         for i, j in runs:
             got = blobs[i:j]
             try:
                 if write is None or any(b is None for b in got):
-                    raise LookupError(f"{sum(b is None for b in got)} of {j - i} keys missing")
+                    missing = f"{sum(b is None for b in got)} of {j - i} keys missing"
+                    raise LookupError(f"{missing} ({why})" if why else missing)
                 write(gpu_ids[i:j], got)
                 self.num_fetched += j - i
             except Exception as e:

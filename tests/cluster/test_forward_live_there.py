@@ -39,11 +39,15 @@ pytestmark = pytest.mark.faults  # a fault scenario: `make test-faults` (a CI st
 MAX_TOKENS = 80  # at --speed 0.1 a few seconds of decoding: live on b through the whole test
 
 
-async def _live_on(address: str, spec: Spec, tokens: int) -> list[int]:
+async def _live_on(
+    address: str, spec: Spec, tokens: int, md: tuple[tuple[str, str], ...] | None = None
+) -> list[int]:
     """`spec` submitted to `address` as `lv-a`'s forward of it would be (detachable, the
-    forwarding metadata); its stream dropped once it has `tokens` tokens (the peer keeps
-    running it). Returns the tokens it got."""
-    md = ((FORWARDED_BY, "lv-a"), (FORWARD_OWNER, ""))
+    forwarding metadata; `md`: other metadata, e.g. none for a client's own call); its stream
+    dropped once it has `tokens` tokens (the request keeps running). Returns the tokens it
+    got."""
+    if md is None:
+        md = ((FORWARDED_BY, "lv-a"), (FORWARD_OWNER, ""))
     got: list[int] = []
     async with grpc.aio.insecure_channel(address) as ch:
         call = request_service_pb2_grpc.RequestServiceStub(ch).Generate(
@@ -69,13 +73,15 @@ async def _refusal(address: str, msg: rpb.GenerateRequest) -> tuple[grpc.StatusC
         return err.value.code(), err.value.details() or "", str(trailer.get(ERROR_TYPE_KEY))
 
 
-async def _resume_all(address: str, rid: str) -> tuple[list[int], rpb.Finished | None]:
-    """Every token of `rid` (Resume from none) and its Finished, straight from `address`."""
+async def _resume_all(
+    address: str, rid: str, have: list[int] | None = None
+) -> tuple[list[int], rpb.Finished | None]:
+    """Every token of `rid` after `have` (Resume) and its Finished, straight from `address`."""
     tokens: list[int] = []
     fin = None
     async with grpc.aio.insecure_channel(address) as ch:
         stub = request_service_pb2_grpc.RequestServiceStub(ch)
-        msg = rpb.RequestServiceResumeRequest(request_id=rid)
+        msg = rpb.RequestServiceResumeRequest(request_id=rid, token_ids=have or [])
         async for r in stub.Resume(msg, timeout=90):
             kind = r.WhichOneof("kind")
             if kind == "tokens":
@@ -159,3 +165,25 @@ def test_an_id_reused_with_another_prompt_is_still_refused(pair: tuple[Daemon, D
     # The request live on b is untouched: all of its own tokens, one Finished.
     assert tokens == sim_expected("lv-2", 40, MAX_TOKENS)
     assert fin is not None and fin.reason == common_pb2.FINISH_REASON_LENGTH, fin
+
+
+def test_a_client_resuming_at_the_peer_keeps_the_stream(pair: tuple[Daemon, Daemon]) -> None:
+    """The other half of the 30-minute run's one lost request: a client's Generate through
+    `lv-a` (forwarded to `lv-b`, detachable) breaks after a few tokens and the client resumes
+    straight at `lv-b`. `lv-b` ends `lv-a`'s relay (OK, no Finished: one request streams to
+    one place); `lv-a` must not follow the request there again: that Resume would take the
+    stream back from the client (whose stream would end without Finished)."""
+    a, b = pair
+    spec = Spec("lv-3", [14] * 40, MAX_TOKENS)
+
+    async def scenario() -> tuple[list[int], list[int], rpb.Finished | None]:
+        first = await _live_on(a.address, spec, 3, md=())
+        rest, fin = await _resume_all(b.address, "lv-3", first)
+        return first, rest, fin
+
+    first, rest, fin = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert fin is not None, "the client's Resume stream was taken from it (no Finished)"
+    assert fin.reason == common_pb2.FINISH_REASON_LENGTH, fin.message
+    assert first + rest == sim_expected("lv-3", 40, MAX_TOKENS)  # each token once, all
+    assert a.proc is not None
+    a.proc.wait_for(r"request lv-3: a Resume at daemon lv-b took its stream over", 1)

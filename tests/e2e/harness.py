@@ -174,10 +174,15 @@ class ModelHarness:
         return build
 
     async def stop_worker(self, iid: str) -> None:
-        """Stop the worker and wait until it has left (its KV server closed too)."""
+        """Stop the worker and wait until it has left (its KV server closed too) and the daemon
+        has taken its instance out: until then the daemon may still route a request to it (the
+        stream's end reaches the daemon's side a moment after the worker's)."""
         self.workers[iid].stop()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.tasks[iid], 10.0)
+        engine = self.daemon.engines.get(iid)
+        if engine is not None:
+            await wait_until(lambda: not engine.ready, 10.0, f"instance {iid} taken out")
 
     async def wait_ready(self, iids: list[str] | None = None, timeout: float = 20.0) -> None:
         want = iids if iids is not None else list(self.nodes)
@@ -292,6 +297,10 @@ async def model_daemon(
     await server.start()
     h = ModelHarness(daemon, port, nodes, backend, block_size)
     h.patch_executor = patch_executor
+    # The daemon's watchdog pass, as `serve` runs it: heartbeats to workers it has sent nothing
+    # for an interval (a worker leaves a daemon silent past Welcome.silence_timeout_ns), silent
+    # workers taken out, queue timeouts and deadlines.
+    watch = asyncio.get_running_loop().create_task(daemon.watch(), name="watch")
     try:
         for iid in nodes:
             h.start_worker(iid)
@@ -300,6 +309,7 @@ async def model_daemon(
     finally:
         for iid in list(h.workers):
             await h.stop_worker(iid)
+        watch.cancel()
         await h.channel.close()
         await server.stop(None)
         daemon.telemetry.shutdown()

@@ -154,12 +154,26 @@ def test_fetch_of_keys_removed_from_the_store_recomputes(mooncake: MooncakeServe
     assert st.num_storage_failures > 0 and st.num_preemptions > 0
 
 
-def test_master_killed_between_write_and_fetch_recomputes(
+def _kept_its_stream(h: ModelHarness, iid: str) -> tuple[int, int]:
+    """(sessions the worker was welcomed to, streams it left for the daemon's silence): (1, 0)
+    when its first stream never broke."""
+    w = h.workers[iid]
+    return w.stats.num_connects, w.guard.num_silent
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_master_down_between_write_and_fetch_recomputes_and_the_worker_keeps_its_stream(
     fresh_mooncake: MooncakeServer,  # noqa: F811
+    fault: str,
 ) -> None:
+    """The master crashes (SIGKILL: connections refused) or hangs (SIGSTOP: connections
+    accepted, nothing answered) after the write: the fetch fails, the worker reports it, the
+    request recomputes exactly; and the worker keeps its stream to the daemon throughout (a
+    Mooncake call holding the GIL for seconds, or a step loop stuck past the daemon's silence
+    bound, cost it its stream, and the request a loss before its first token)."""
     prefix = make_prompt(2701, 64)
 
-    async def go() -> tuple[list[Result], Any]:
+    async def go() -> tuple[list[Result], Any, tuple[int, int]]:
         async with model_daemon(
             NODES,
             engine=ENGINE,
@@ -171,14 +185,23 @@ def test_master_killed_between_write_and_fetch_recomputes(
             other = next(i for i in NODES if i != first.instance)
             await _stored(h, first.instance, len(prefix) // 8)
             await h.stop_worker(first.instance)
-            fresh_mooncake.kill_master()
+            if fault == "killed":
+                fresh_mooncake.kill_master()
+            else:
+                fresh_mooncake.pause_master()
             second = await h.generate("f", prefix + make_prompt(2703, 12), 8)
             await h.wait_pool_free([other], timeout=30.0)
-            return [first, second], h.reports[other]
+            stream = _kept_its_stream(h, other)
+            fresh_mooncake.resume_master()  # the worker's client closes as it leaves
+            return [first, second], h.reports[other], stream
 
-    results, reports = run(go())
+    try:
+        results, reports, stream = run(go())
+    finally:
+        fresh_mooncake.resume_master()
     _assert_exact(results)
     assert any(r.failed_storage_fetches for r in reports), "the worker reported no failed fetch"
+    assert stream == (1, 0), f"the worker's stream broke (sessions, silence drops) = {stream}"
 
 
 def test_skipped_fetch_is_detected(mooncake: MooncakeServer) -> None:  # noqa: F811
@@ -205,15 +228,12 @@ def test_skipped_fetch_is_detected(mooncake: MooncakeServer) -> None:  # noqa: F
     assert results[1].tokens != results[1].expected, "skipped fetches went unnoticed"
 
 
-def test_unreachable_store_fails_storage_tasks_and_tokens_stay_exact(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """The Welcome names a store nobody serves: the worker logs an ERROR, reports its writes
-    failed (the daemon never counts them stored), and serves every request exactly."""
-    url = f"mooncake://127.0.0.1:{free_port()}?metadata=127.0.0.1:{free_port()}"
+def _serve_without_the_store(
+    url: str, caplog: pytest.LogCaptureFixture
+) -> tuple[list[Result], apb.InstanceStatus, Any, tuple[int, int]]:
     prefix = make_prompt(2901, 64)
 
-    async def go() -> tuple[list[Result], apb.InstanceStatus, Any]:
+    async def go() -> tuple[list[Result], apb.InstanceStatus, Any, tuple[int, int]]:
         async with model_daemon(
             {"i0": Node(num_gpu_blocks=64)},
             engine=ENGINE,
@@ -224,15 +244,53 @@ def test_unreachable_store_fails_storage_tasks_and_tokens_stay_exact(
             b = await h.generate("b", prefix + make_prompt(2903, 4), 6)
             await h.wait_pool_free()
             index = h.daemon.engines["i0"].storage_index
-            return [a, b], await _status(h, "i0"), (h.reports["i0"], index)
+            out = (h.reports["i0"], index)
+            return [a, b], await _status(h, "i0"), out, _kept_its_stream(h, "i0")
 
     with caplog.at_level(logging.ERROR, logger="kvsched.worker_stub.storage_kv"):
-        results, st, (reports, index) = run(go())
+        result: tuple[list[Result], apb.InstanceStatus, Any, tuple[int, int]] = run(go())
+    return result
+
+
+def _assert_served_without_the_store(
+    caplog: pytest.LogCaptureFixture,
+    results: list[Result],
+    st: apb.InstanceStatus,
+    reports: list[Any],
+    index: Any,
+    stream: tuple[int, int],
+) -> None:
     _assert_exact(results)
     assert any("cannot connect" in r.message for r in caplog.records)
     failed = [k for r in reports for k in r.failed_storage_writes]
     assert failed and not any(k in index for k in failed)
     assert st.num_storage_failures > 0
+    assert stream == (1, 0), f"the worker's stream broke (sessions, silence drops) = {stream}"
+
+
+def test_unreachable_store_fails_storage_tasks_and_tokens_stay_exact(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The Welcome names a store nobody serves: the worker logs an ERROR, reports its writes
+    failed (the daemon never counts them stored), and serves every request exactly."""
+    url = f"mooncake://127.0.0.1:{free_port()}?metadata=127.0.0.1:{free_port()}"
+    results, st, (reports, index), stream = _serve_without_the_store(url, caplog)
+    _assert_served_without_the_store(caplog, results, st, reports, index, stream)
+
+
+def test_store_hung_when_the_worker_connects_fails_tasks_and_keeps_the_stream(
+    fresh_mooncake: MooncakeServer,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The store's master hangs (SIGSTOP) before the worker connects: connecting fails
+    without stopping the worker (the Mooncake client's setup holds the GIL while it waits),
+    every storage task fails, requests are served exactly on the first stream."""
+    fresh_mooncake.pause_master()
+    try:
+        results, st, (reports, index), stream = _serve_without_the_store(fresh_mooncake.url, caplog)
+    finally:
+        fresh_mooncake.resume_master()
+    _assert_served_without_the_store(caplog, results, st, reports, index, stream)
 
 
 def test_write_back_on_gpu_eviction_writes_the_blocks_before_they_are_reused(

@@ -80,3 +80,20 @@ def test_connecting_to_no_master_is_a_typed_error() -> None:
     port = free_port()
     with pytest.raises(StoreUnavailable, match=f"127.0.0.1:{port}"):
         MooncakeStore.connect(f"mooncake://127.0.0.1:{port}?metadata=127.0.0.1:{free_port()}")
+
+
+def test_hung_master_is_told_by_a_probe_not_by_the_client(fresh_mooncake: MooncakeServer) -> None:
+    """A master that hangs (SIGSTOP: connections accepted, nothing answered): connecting
+    raises StoreUnavailable naming its silent metadata server (the Mooncake client's setup
+    would wait for it holding the GIL) and a connected client's healthy() is False; both
+    answer again once the master goes on."""
+    store = MooncakeStore.connect(fresh_mooncake.url)
+    fresh_mooncake.pause_master()
+    try:
+        assert not store.healthy()
+        with pytest.raises(StoreUnavailable, match=r"metadata server \S+ does not answer"):
+            MooncakeStore.connect(fresh_mooncake.url)
+    finally:
+        fresh_mooncake.resume_master()
+    assert store.healthy()
+    store.close()

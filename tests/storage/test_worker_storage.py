@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -109,9 +110,22 @@ def _block(ex: PagedModelExecutor, gpu_id: int) -> np.ndarray:
     return np.asarray(ex.k_cache[1][gpu_id * BLOCK : (gpu_id + 1) * BLOCK]).copy()
 
 
+_links: list[StoreLink] = []  # the running test's, closed at its end (`_close_links`)
+
+
+@pytest.fixture(autouse=True)
+def _close_links() -> Iterator[None]:
+    """A Mooncake client's close holds the GIL (~1 s): each test closes its own, rather than
+    leaving them to the garbage collector during a later test of the same process."""
+    yield
+    while _links:
+        _links.pop().close()
+
+
 def _engine(ex: PagedModelExecutor, url: str) -> WorkerEngine:
     eng = WorkerEngine(ex, BLOCK, 4, ModelConfig().eos_token_id, 64)
     eng.storage.link = StoreLink()
+    _links.append(eng.storage.link)
     eng.storage.link.use(url)
     return eng
 
@@ -239,8 +253,12 @@ def test_master_killed_mid_way_fails_tasks_then_recovers(fresh_mooncake: Mooncak
 
 def test_store_restarted_after_a_crash_is_used_again(fresh_mooncake: MooncakeServer) -> None:
     """Master killed: tasks fail (and for _RETRY_S fail at once); the store comes back empty:
-    the link connects afresh and the next tasks succeed."""
+    the link finds it answering again and the next tasks succeed, through the same client
+    (never closed for the outage: its close holds the GIL for up to seconds)."""
     eng = _engine(_model(), fresh_mooncake.url)
+    link = eng.storage.link
+    assert link is not None and link.store is not None
+    client = link.store
     fresh_mooncake.kill_master()
     eng.apply(Tasks(1, storage_write_keys=["r/a"], storage_write_blocks=[5]))
     assert eng.step().failed_storage_writes == ["r/a"]  # type: ignore[union-attr]
@@ -253,5 +271,6 @@ def test_store_restarted_after_a_crash_is_used_again(fresh_mooncake: MooncakeSer
         eng.apply(Tasks(seq, storage_write_keys=["r/a"], storage_write_blocks=[5]))
         failed = eng.step().failed_storage_writes  # type: ignore[union-attr]
     assert not failed, "the worker never wrote to the restarted store"
+    assert link.store is client and link.num_outages == 1 and not link.is_down
     with MooncakeStore.connect(fresh_mooncake.url) as store:
         assert store.exists("r/a")
