@@ -21,6 +21,7 @@ Each record is acknowledged (or refused) alone: a batch never decides for its ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -79,11 +80,14 @@ class AckedPublisher:
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
+        batch: list[tuple[str, bytes, dict[str, str] | None, Then]] = []
         try:
             while self._queue:  # records queued while this one published join the next round
                 batch, self._queue = self._queue, []
+                batch.reverse()  # popped from the end: in order, and what is left is unsent
                 tokens = []
-                for subject, data, headers, then in batch:
+                while batch:
+                    subject, data, headers, then = batch.pop()
                     if not self.nc.is_connected:  # not buffered: it could land after a refusal
                         then(ConnectionError("not connected"))
                         continue
@@ -105,6 +109,12 @@ class AckedPublisher:
                     loop.call_later(self.timeout_s, self._expire, tokens)
         finally:
             self._drainer = None
+            # Cancelled (the loop closes) or a fate's callback failed: what was not sent is
+            # refused, never left without a fate.
+            for *_, then in [*reversed(batch), *self._queue]:
+                with contextlib.suppress(Exception):
+                    then(ConnectionError("the journal's publisher stopped"))
+            self._queue = []
 
     def _expire(self, tokens: list[str]) -> None:
         for token in tokens:
