@@ -37,8 +37,10 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # ---- child processes ------------------------------------------------------------------------
 
 
-def spawn(name: str, argv: list[str], env: dict[str, str]) -> Child:
-    """Start `python argv...` with stdout+stderr pumped into a Child (kvsched.replay.launch)."""
+def spawn(name: str, argv: list[str], env: dict[str, str], cwd: str | None = None) -> Child:
+    """Start `python argv...` with stdout+stderr pumped into a Child (kvsched.replay.launch).
+    `cwd`: run it there (`python -m kvsched.cli` then imports the kvsched found there first:
+    bench.journal's `--old-src`, another checkout of the daemon, side by side)."""
     full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
     for var in list(full_env):  # the bench decides tracing, not the caller's shell
         if var.startswith("OTEL_"):
@@ -49,6 +51,7 @@ def spawn(name: str, argv: list[str], env: dict[str, str]) -> Child:
         stderr=subprocess.STDOUT,
         text=True,
         env=full_env,
+        cwd=cwd,
     )
     child = Child(name, popen)
     threading.Thread(target=child.pump, daemon=True).start()
@@ -110,12 +113,18 @@ def last_match(child: Child, pattern: str) -> re.Match[str] | None:
     return None
 
 
-def start_stack(running: int, tracing: str, daemon_env: dict[str, str] | None = None) -> Stack:
+def start_stack(
+    running: int,
+    tracing: str,
+    daemon_env: dict[str, str] | None = None,
+    daemon_cwd: str | None = None,
+) -> Stack:
     """Start sink (when tracing), daemon and worker; on a failure, stop what was started.
-    `daemon_env`: more KVSCHED_* settings for the daemon (bench.journal: the cluster)."""
+    `daemon_env`: more KVSCHED_* settings for the daemon (bench.journal: the cluster);
+    `daemon_cwd`: the daemon's source tree when not this one (see `spawn`)."""
     started: list[Child] = []
     try:
-        return _start_stack(running, tracing, started, daemon_env or {})
+        return _start_stack(running, tracing, started, daemon_env or {}, daemon_cwd)
     except BaseException:
         for child in reversed(started):
             child.stop()
@@ -123,7 +132,11 @@ def start_stack(running: int, tracing: str, daemon_env: dict[str, str] | None = 
 
 
 def _start_stack(
-    running: int, tracing: str, started: list[Child], daemon_env: dict[str, str]
+    running: int,
+    tracing: str,
+    started: list[Child],
+    daemon_env: dict[str, str],
+    daemon_cwd: str | None = None,
 ) -> Stack:
     sink = None
     env = {
@@ -142,6 +155,7 @@ def _start_stack(
         "daemon",
         [*prof, "-m", "kvsched.cli", *serve, "--log-level", "warning", "--tracing", tracing],
         env,
+        daemon_cwd,
     )
     started.append(daemon)
     address = daemon.wait_for(r"kvsched listening on (\S+:\d+)").group(1)
@@ -227,22 +241,31 @@ class FrontEnd:
 # ---- one case -------------------------------------------------------------------------------
 
 
+class NotRunning(RuntimeError):
+    """The front end's requests did not all start within the ramp's time bound."""
+
+
 async def wait_running(
     admin: AsyncClient, fe: FrontEnd, running: int, timeout: float = 120.0
 ) -> None:
+    """Until the batch is full: `running` requests running and none waiting, or, when requests
+    turn over (short ones: some are always between their end and their successor's accept),
+    `running` of them finished since the start (the batch has turned over once). Polled every
+    0.5 s: a cluster daemon's GetStatus costs CPU (the prefix index's digests)."""
     deadline = time.monotonic() + timeout
     while True:
         st = await admin.status()
-        if st.num_running == running and st.num_waiting == 0:
+        if (st.num_running == running and st.num_waiting == 0) or fe.num_finished >= running:
             return
         if fe.errors:
             raise RuntimeError(f"front end errors: {fe.errors[:3]}")
         if time.monotonic() > deadline:
-            raise RuntimeError(
+            raise NotRunning(
                 f"{running} requests not all running after {timeout:.0f} s "
-                f"(running {st.num_running}, waiting {st.num_waiting})"
+                f"(running {st.num_running}, waiting {st.num_waiting}, "
+                f"{fe.num_finished} finished)"
             )
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
 
 
 async def wait_idle(admin: AsyncClient, timeout: float = 30.0) -> None:
@@ -285,13 +308,19 @@ class Snapshot:
 
 
 async def measure(
-    stack: Stack, running: int, seconds: float, warmup: float, sessions: int, max_tokens: int
+    stack: Stack,
+    running: int,
+    seconds: float,
+    warmup: float,
+    sessions: int,
+    max_tokens: int,
+    ramp_s: float = 120.0,
 ) -> dict[str, Any]:
     async with AsyncClient(stack.address, timeout=None) as admin:
         fe = FrontEnd(admin, running, sessions, max_tokens)
         try:
             await fe.start()
-            await wait_running(admin, fe, running)
+            await wait_running(admin, fe, running, ramp_s)
             await asyncio.sleep(warmup)
             a = await Snapshot.take(admin, fe, stack)
             await asyncio.sleep(seconds)
@@ -312,6 +341,10 @@ async def measure(
         "daemon_cpu_us_per_step": round((b.daemon_cpu - a.daemon_cpu) * per_step_us, 1),
         "tokens_per_s": round(tokens / dt),
         "daemon_schedules_per_s": round((b.schedules - a.schedules) / dt, 1),
+        # Per step the daemon scheduled (the batch may run below R while requests turn over).
+        "daemon_cpu_us_per_schedule": round(
+            1e6 * (b.daemon_cpu - a.daemon_cpu) / max(1, b.schedules - a.schedules), 1
+        ),
         "daemon_reports_per_s": round(sum(i.steps_per_s for i in st.instances), 1),
         "daemon_cpu_frac": round((b.daemon_cpu - a.daemon_cpu) / dt, 3),
         "worker_cpu_us_per_step": round((b.worker_cpu - a.worker_cpu) * per_step_us, 1),
@@ -319,6 +352,9 @@ async def measure(
         "sink_cpu_us_per_step": round((b.sink_cpu - a.sink_cpu) * per_step_us, 1),
         "other_load_cores": round(other_load(a, b) / dt, 2),
         "finished_in_window": b.finished - a.finished,
+        "daemon_cpu_us_per_finished": round(
+            1e6 * (b.daemon_cpu - a.daemon_cpu) / max(1, b.finished - a.finished), 1
+        ),
         "session_messages_per_s": round((b.messages - a.messages) / dt, 1),
         "running_at_end": st.num_running,
         "seconds": round(dt, 2),
@@ -346,11 +382,13 @@ def run_case(
     sessions: int,
     max_tokens: int,
     daemon_env: dict[str, str] | None = None,
+    daemon_cwd: str | None = None,
+    ramp_s: float = 120.0,
 ) -> dict[str, Any]:
-    stack = start_stack(running, tracing, daemon_env)
+    stack = start_stack(running, tracing, daemon_env, daemon_cwd)
     extra: dict[str, Any] = {}
     try:
-        rec = asyncio.run(measure(stack, running, seconds, warmup, sessions, max_tokens))
+        rec = asyncio.run(measure(stack, running, seconds, warmup, sessions, max_tokens, ramp_s))
     finally:
         extra = stack.stop()
     rec["tracing"] = tracing

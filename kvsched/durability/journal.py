@@ -36,6 +36,7 @@ from kvsched.codec import finished_to_proto
 from kvsched.core import Request, Unavailable
 from kvsched.core.journal_state import JournalState
 from kvsched.durability import records as R
+from kvsched.durability.acks import AckedPublisher
 from kvsched.v1 import journal_pb2, request_service_pb2
 
 ADOPTED_BY = "Kvsched-Adopted-By"  # header of a takeover's tombstone: the adopting daemon
@@ -80,6 +81,7 @@ class Journal:
         self.timeout_s = timeout_s
         self.max_age_s = max_age_s
         self.max_bytes = max_bytes
+        self.acks = AckedPublisher(self.nc, timeout_s)
         self._outbox: asyncio.Queue[tuple[str, bytes, dict[str, str] | None]] = asyncio.Queue()
         self._reconnects = 0
         self._since_compaction = 0  # tokens written to tok.<daemon> since its last compaction
@@ -106,35 +108,66 @@ class Journal:
         except Exception:
             await self.js.update_stream(cfg)
         self._reconnects = self.nc.stats.get("reconnects", 0)
+        await self.acks.open()
 
     # ---- writing ------------------------------------------------------------------------------
     async def accept(
         self, tr: Journaled, pb: request_service_pb2.GenerateRequest, instance: str
     ) -> None:
         """Store the accepted record; `Unavailable` when NATS does not acknowledge it in time."""
+        await self.begin_accept(tr, pb, instance)
+
+    def begin_accept(
+        self, tr: Journaled, pb: request_service_pb2.GenerateRequest, instance: str
+    ) -> asyncio.Future[None]:
+        """Publish the accepted record (pipelined with concurrent accepts: `acks`); the future
+        ends when it is stored (None) or refused (`Unavailable`). `tr`'s journal state is
+        settled when the acknowledgement comes, whether or not anyone still awaits it."""
         req_id = tr.req.req_id
         data = R.accepted_record(pb, req_id, self.daemon_id, instance, tr.owner, tr.client_tag)
         subject = R.req_subject(self.daemon_id, req_id)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not self.nc.is_connected:  # refuse at once: a buffered record could land later
+            self._settle(tr, subject, ConnectionError("not connected"), 0.0, done)
+            return done
+        tr.journal_state = JournalState.IN_FLIGHT
         t0 = time.monotonic()
-        try:
-            if not self.nc.is_connected:  # refuse at once: a buffered record could land later
-                raise ConnectionError("not connected")
-            tr.journal_state = JournalState.IN_FLIGHT
-            await self.js.publish(subject, data, timeout=self.timeout_s)
-        except Exception as exc:
-            if tr.journal_state == JournalState.IN_FLIGHT:
-                # It may still be stored (sent, then the link broke before the ack): purge it
-                # after it, in order, so that a refused request leaves nothing behind.
-                self._emit(subject, b"", PURGE)
-            tr.journal_state = JournalState.NONE
-            self.num_refused += 1
-            raise Unavailable(self._refusal(exc, time.monotonic() - t0)) from None
-        tr.journal_state = JournalState.STORED
-        self.num_accepted += 1
-        if tr.finished:  # it finished while its record was in flight
-            self.finished(tr)
+        self.acks.publish(
+            subject,
+            data,
+            then=lambda exc: self._settle(tr, subject, exc, time.monotonic() - t0, done),
+        )
+        return done
 
-    def _refusal(self, exc: Exception, elapsed: float) -> str:
+    def _settle(
+        self,
+        tr: Journaled,
+        subject: str,
+        exc: BaseException | None,
+        elapsed: float,
+        done: asyncio.Future[None],
+    ) -> None:
+        if exc is None:
+            tr.journal_state = JournalState.STORED
+            self.num_accepted += 1
+            if tr.finished:  # it finished while its record was in flight
+                self.finished(tr)
+            if not done.done():  # (cancelled: `accept`'s caller went away)
+                done.set_result(None)
+            return
+        if tr.journal_state == JournalState.IN_FLIGHT:
+            # It may still be stored (sent, then the link broke before the ack, its bytes
+            # delivered later): an expiring tombstone follows it on the same subject, so that
+            # a refused request leaves nothing behind. Not a purge: JetStream orders a
+            # subject's messages on one connection, not a message and a later API request
+            # (a purge could run before the record it should remove is stored).
+            self._emit(subject, b"", R.TOMBSTONE_HEADERS)
+        tr.journal_state = JournalState.NONE
+        self.num_refused += 1
+        if not done.done():
+            done.set_exception(Unavailable(self._refusal(exc, elapsed)))
+
+    def _refusal(self, exc: BaseException, elapsed: float) -> str:
         """Why a record was not stored, as it happened: the link was down (refused at once),
         no acknowledgement within journal_timeout_s, or another failure after `elapsed`."""
         where = f"the request journal (NATS JetStream at {self.link.url})"
@@ -247,7 +280,8 @@ class Journal:
 
     async def _write(self) -> None:
         """Publish queued records in order (core publishes: the stream stores them; a loss is
-        repaired by the next compaction); purges (requests) after the records before them."""
+        repaired by the next compaction); purges (API requests: a takeover's, of the dead
+        daemon's token deltas) are sent after the records before them."""
         box = self._outbox
         while True:
             items = [await box.get()]
@@ -272,7 +306,7 @@ class Journal:
                 log.debug("journal publish to %s failed: %s", subject, exc)
         for r in await asyncio.gather(*purges, return_exceptions=True):
             if isinstance(r, BaseException):
-                log.debug("purging a refused request's record failed: %s", r)
+                log.debug("purging a taken-over daemon's token deltas failed: %s", r)
 
     async def close(self, live: Iterable[Journaled], timeout_s: float = 5.0) -> None:
         """At shutdown, before the NATS link closes: the live requests' last tokens and every

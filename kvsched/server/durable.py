@@ -36,6 +36,10 @@ class Journal(Protocol):
         self, tr: Tracked, pb: request_service_pb2.GenerateRequest, instance: str
     ) -> None: ...
 
+    def begin_accept(
+        self, tr: Tracked, pb: request_service_pb2.GenerateRequest, instance: str
+    ) -> asyncio.Future[None]: ...
+
     async def recover(self) -> list[Any]: ...
 
     async def adopt(self, dead_id: str, only: str = "") -> list[Any]: ...
@@ -82,12 +86,14 @@ class Durability:
         request is aborted and its client must be told the error, not `queued` (its sink
         holds its outputs until this returns)."""
         assert self.journal is not None
-        write = asyncio.ensure_future(self.journal.accept(tr, pb, tr.instance_id))
+        # A future, not a task: the journal settles the record's state in the acknowledgement's
+        # callback, with or without this caller.
+        write = self.journal.begin_accept(tr, pb, tr.instance_id)
         try:
             # Shielded: a caller that goes away (its deadline, a cancel) does not cancel the
             # write. A cancelled write could still land (its bytes were sent) as an accepted
             # record that nobody runs or closes; finished, it is stored (the request's end is
-            # recorded after it) or refused (purged, the request aborted).
+            # recorded after it) or refused (a tombstone follows it, the request aborted).
             await asyncio.shield(write)
         except asyncio.CancelledError:
             write.add_done_callback(lambda w: self._settled(tr, w))
@@ -95,6 +101,17 @@ class Durability:
         except Unavailable:
             self._refused(tr)
             raise
+
+    def begin_confirm(
+        self, tr: Tracked, pb: request_service_pb2.GenerateRequest
+    ) -> asyncio.Future[None]:
+        """`confirm` for a caller that does not wait (a Session submit): the write's future,
+        its exception `Unavailable` when refused; a refused request is aborted before any
+        callback the caller adds runs."""
+        assert self.journal is not None
+        write = self.journal.begin_accept(tr, pb, tr.instance_id)
+        write.add_done_callback(lambda w: self._settled(tr, w))
+        return write
 
     def _settled(self, tr: Tracked, write: asyncio.Future[None]) -> None:
         """A write whose caller went away has ended: refused, its request is aborted."""

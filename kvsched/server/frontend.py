@@ -242,18 +242,13 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         carrier: dict[str, str],
     ) -> None:
         limit = self.max_session_requests
-        loop = asyncio.get_running_loop()
-        journal = self.durable.journal is not None
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
-                if kind == "submit" and journal:
-                    # Submits wait for the journal concurrently: one round trip each, overlapped.
-                    task = loop.create_task(self._submit(msg.submit, sink, owner, limit, carrier))
-                    sink.inflight.add(task)
-                    task.add_done_callback(sink.inflight.discard)
-                elif kind == "submit":
-                    await self._submit(msg.submit, sink, owner, limit, carrier)
+                if kind == "submit":
+                    # With the journal, submits wait for it concurrently: one round trip each,
+                    # overlapped (no task each: the acknowledgement's callback tells the client).
+                    self._submit(msg.submit, sink, owner, limit, carrier)
                 elif kind == "abort":
                     rid = msg.abort.request_id
                     tr = sink.open.get(rid) or sink.held.get(rid)
@@ -281,7 +276,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             sink.client_done = True
             sink.event.set()
 
-    async def _submit(
+    def _submit(
         self,
         submit: pb.SessionRequest.Submit,
         sink: SessionSink,
@@ -289,33 +284,58 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         limit: int,
         carrier: dict[str, str],
     ) -> None:
-        tag = submit.client_tag
+        """One Session submit, without awaiting: the request is queued now; with the journal,
+        held and told `accepted` (or its refusal) from the journal's acknowledgement."""
         try:
             if len(sink.open) + len(sink.held) >= limit:
                 raise_limit(limit)
             tr = self.acceptor.submit(
-                submit.request, sink, owner=owner, client_tag=tag, carrier=carrier
+                submit.request, sink, owner=owner, client_tag=submit.client_tag, carrier=carrier
             )
-            if self.durable.journals(tr):
-                sink.hold(tr)
-                try:
-                    await self.durable.confirm(tr, submit.request)
-                except KvschedError:
-                    sink.release(tr)
-                    raise
         except KvschedError as exc:
-            self._refused(submit.request, exc, carrier)
-            code, message = status_for(exc)
-            sink.errors.append(
-                pb.SessionResponse.Error(
-                    client_tag=tag,
-                    request_id=submit.request.request_id,
-                    code=code.value[0],
-                    message=message,
-                )
-            )
-            sink.event.set()
+            self._submit_refused(submit, sink, exc, carrier)
             return
+        if not self.durable.journals(tr):  # on a peer's instance: that daemon journals it
+            self._announce(sink, tr)
+            return
+        sink.hold(tr)
+        write = self.durable.begin_confirm(tr, submit.request)  # a refusal aborts it first
+        sink.inflight.add(write)
+
+        def confirmed(w: asyncio.Future[None]) -> None:
+            sink.inflight.discard(w)
+            exc = w.exception() if not w.cancelled() else Unavailable("journal write cancelled")
+            if exc is None:
+                self._announce(sink, tr)
+                return
+            sink.release(tr)
+            if isinstance(exc, KvschedError):
+                self._submit_refused(submit, sink, exc, carrier)
+            else:
+                log.error("journal write of %s failed: %r", tr.req.req_id, exc)
+
+        write.add_done_callback(confirmed)
+
+    def _submit_refused(
+        self,
+        submit: pb.SessionRequest.Submit,
+        sink: SessionSink,
+        exc: KvschedError,
+        carrier: dict[str, str],
+    ) -> None:
+        self._refused(submit.request, exc, carrier)
+        code, message = status_for(exc)
+        sink.errors.append(
+            pb.SessionResponse.Error(
+                client_tag=submit.client_tag,
+                request_id=submit.request.request_id,
+                code=code.value[0],
+                message=message,
+            )
+        )
+        sink.event.set()
+
+    def _announce(self, sink: SessionSink, tr: Tracked) -> None:
         sink.announce(tr)
         if sink.closed and not tr.detachable and not tr.finished:
             self.requests.abort_tracked(tr, sink_close_reason(sink))

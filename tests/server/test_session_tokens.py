@@ -113,3 +113,31 @@ def test_a_session_keeps_the_ids_of_a_steady_batch_and_redoes_them_when_it_chang
         assert _token_columns([(other, None, [5, 6])], sink) == (["c", "b"], [1, 1], [5, 6])
 
     asyncio.run(go())
+
+
+def test_held_requests_rows_are_cut_out_of_a_step_until_announced() -> None:
+    """Journal on: a request whose accepted record is not stored yet is held; its rows of a
+    step (wherever they are: first, middle, last, adjacent) stay out of the stream, every
+    other row keeps its token in order; `announce` then sends the held one's tokens."""
+
+    async def go() -> None:
+        sink = SessionSink()
+        trs = [tracked(f"r{i}", sink) for i in range(8)]
+        for i in (0, 3, 4, 7):
+            sink.hold(trs[i])
+        sink.add_tokens(trs, None, [100 + i for i in range(8)])
+        assert _token_columns(sink.chunks) == (
+            ["r1", "r2", "r5", "r6"],
+            [1] * 4,
+            [101, 102, 105, 106],
+        )
+        sink.chunks = []
+        sink.release(trs[0])  # refused: dropped from the held set, nothing sent for it
+        trs[3].req.output_token_ids.extend([103])
+        sink.announce(trs[3])
+        sink.add_tokens(trs, None, [200 + i for i in range(8)])
+        ids, counts, toks = _token_columns(sink.chunks)
+        assert ids == ["r3", "r0", "r1", "r2", "r5", "r6"]
+        assert counts == [2, 1, 1, 1, 1, 1] and toks == [103, 203, 200, 201, 202, 205, 206]
+
+    asyncio.run(go())
