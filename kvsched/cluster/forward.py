@@ -85,9 +85,6 @@ class Forwarder:
         self.durable: Durability | None = None
         self.num_rerouted = 0
         self.num_handed_over = 0
-        # Relays whose peer has not accepted the request yet (by request id): the Generate
-        # that forwarded it waits on this before its client is told `queued` (`confirmed`).
-        self._unconfirmed: dict[str, asyncio.Future[None]] = {}
 
     def start(
         self,
@@ -109,26 +106,9 @@ class Forwarder:
         ]
         md += [(k, v) for k, v in carrier.items() if k in ("traceparent", "tracestate")]
         md += self.stubs.auth()
-        loop = asyncio.get_running_loop()
-        self._unconfirmed[tr.req.req_id] = loop.create_future()
-        task = loop.create_task(
+        return asyncio.get_running_loop().create_task(
             self._relay(tr, fwd, remote, md, deadline_s), name=f"forward-{tr.req.req_id}"
         )
-        task.add_done_callback(lambda _: self._confirm(tr))  # however it ends (cancelled too)
-        return task
-
-    async def confirmed(self, tr: Tracked) -> None:
-        """Wait until the peer `tr` was forwarded to has accepted it (its first answer, sent
-        once its journal stored it), it is recorded in this daemon's journal (a refusal
-        brought it back), or its relay has ended (it finished or was aborted here)."""
-        fut = self._unconfirmed.get(tr.req.req_id)
-        if fut is not None:
-            await asyncio.shield(fut)
-
-    def _confirm(self, tr: Tracked) -> None:
-        fut = self._unconfirmed.pop(tr.req.req_id, None)
-        if fut is not None and not fut.done():
-            fut.set_result(None)
 
     async def _relay(
         self,
@@ -147,7 +127,6 @@ class Forwarder:
                 async for out in call:
                     if not accepted:
                         accepted = True
-                        self._confirm(tr)  # that peer journals it: its client may be told
                         if self.durable is not None:  # recorded here meanwhile: that peer's now
                             self.durable.moved_to(tr, remote.daemon_id)
                     if self._take(tr, out):
@@ -198,7 +177,6 @@ class Forwarder:
         past the tokens relayed so far (`_reattach`, asking that daemon first); recomputed
         here when nobody holds it any more."""
         rid = tr.req.req_id
-        self._confirm(tr)  # that daemon journals it: its client may be told
         log.info(
             "request %s is live at daemon %s already: following it there", rid, remote.daemon_id
         )
@@ -262,7 +240,6 @@ class Forwarder:
         durable = self.durable
         if durable is not None and not tr.finished and await durable.record_here(tr, msg):
             log.info("request %s recorded in this daemon's journal", tr.req.req_id)
-            self._confirm(tr)  # journaled here: its client may be told
 
     def hand_over(self, tr: Tracked) -> bool:
         """`tr` is parked here, journaled and still this daemon's, and no instance here can

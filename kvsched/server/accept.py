@@ -111,18 +111,12 @@ class Acceptor:
         deadline_s: float | None = None,
     ) -> Tracked:
         """Accept one request: queued on its instance at once, returned once its accepted
-        record is stored when this daemon journals it (`Durability.confirm`), or, forwarded
-        to a peer's instance, once that peer accepted it."""
+        record is stored when this daemon journals it (`Durability.confirm`)."""
         tr = self.submit(pb, sink, owner, client_tag, carrier, deadline_s)
         # A request forwarded to a peer's instance is journaled by that peer, its owner (the
-        # forwarded call comes through this same path there), never twice. Its client is told
-        # `queued` only once the peer has answered (after its journal stored the request):
-        # told before, a client whose daemon died in between would hold a `queued` for a
-        # request no journal has (the 30-minute nemesis run lost one so).
+        # forwarded call comes through this same path there), never twice.
         if self.durable.journals(tr):
             await self.durable.confirm(tr, pb)
-        elif type(tr.location) is RemotePeer and (cluster := self.table.cluster) is not None:
-            await cluster.forward_confirmed(tr)
         return tr
 
 
