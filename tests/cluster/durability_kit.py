@@ -18,6 +18,7 @@ from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, ResumableStream,
 from kvsched.cluster.leases import Lease, Leases
 from kvsched.cluster.link import connect_cluster
 from kvsched.cluster.natsd import free_port
+from kvsched.v1 import request_service_pb2 as rpb
 from kvsched.v1 import request_service_pb2_grpc
 from kvsched.worker_stub.sim import SimExecutor
 from tests.integration.clients import Outcome, Spec, generate
@@ -221,3 +222,22 @@ def routes_to(address: str, instance: str, tag: str) -> None:
             return
         assert time.monotonic() < deadline, (out.code, out.details, out.instance)
         time.sleep(0.2)
+
+
+async def resume_all(
+    address: str, rid: str, have: list[int] | None = None, timeout_s: float = 90.0
+) -> tuple[list[int], rpb.Finished | None]:
+    """Every token of `rid` after `have` (a Resume straight to `address`) and its Finished."""
+    tokens: list[int] = []
+    fin = None
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = request_service_pb2_grpc.RequestServiceStub(ch)
+        msg = rpb.RequestServiceResumeRequest(request_id=rid, token_ids=have or [])
+        async for r in stub.Resume(msg, timeout=timeout_s):
+            kind = r.WhichOneof("kind")
+            if kind == "tokens":
+                tokens.extend(r.tokens.token_ids)
+            elif kind == "finished":
+                assert fin is None, "two finished messages"
+                fin = r.finished
+    return tokens, fin

@@ -30,7 +30,14 @@ from kvsched.core.errors import RequestAlreadyLive
 from kvsched.server.errors import ERROR_TYPE_KEY
 from kvsched.v1 import common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
-from tests.cluster.durability_kit import Daemon, routes_to, sim_expected, start_sim_worker, through
+from tests.cluster.durability_kit import (
+    Daemon,
+    resume_all,
+    routes_to,
+    sim_expected,
+    start_sim_worker,
+    through,
+)
 from tests.integration.clients import Outcome, Spec
 from tests.integration.harness import Proc, wait_ready
 
@@ -71,25 +78,6 @@ async def _refusal(address: str, msg: rpb.GenerateRequest) -> tuple[grpc.StatusC
                 pass
         trailer = dict(await call.trailing_metadata() or ())
         return err.value.code(), err.value.details() or "", str(trailer.get(ERROR_TYPE_KEY))
-
-
-async def _resume_all(
-    address: str, rid: str, have: list[int] | None = None
-) -> tuple[list[int], rpb.Finished | None]:
-    """Every token of `rid` after `have` (Resume) and its Finished, straight from `address`."""
-    tokens: list[int] = []
-    fin = None
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = request_service_pb2_grpc.RequestServiceStub(ch)
-        msg = rpb.RequestServiceResumeRequest(request_id=rid, token_ids=have or [])
-        async for r in stub.Resume(msg, timeout=90):
-            kind = r.WhichOneof("kind")
-            if kind == "tokens":
-                tokens.extend(r.tokens.token_ids)
-            elif kind == "finished":
-                assert fin is None, "two finished messages"
-                fin = r.finished
-    return tokens, fin
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +133,7 @@ def test_an_id_reused_with_another_prompt_is_still_refused(pair: tuple[Daemon, D
         same = await _refusal(b.address, spec.message())
         differs = await _refusal(b.address, other.message())
         (through_a,) = await through(a.address, [other])
-        rest = await _resume_all(b.address, "lv-2")
+        rest = await resume_all(b.address, "lv-2")
         return same, differs, through_a, rest
 
     same, differs, through_a, (tokens, fin) = asyncio.run(asyncio.wait_for(scenario(), 120))
@@ -178,7 +166,7 @@ def test_a_client_resuming_at_the_peer_keeps_the_stream(pair: tuple[Daemon, Daem
 
     async def scenario() -> tuple[list[int], list[int], rpb.Finished | None]:
         first = await _live_on(a.address, spec, 3, md=())
-        rest, fin = await _resume_all(b.address, "lv-3", first)
+        rest, fin = await resume_all(b.address, "lv-3", first)
         return first, rest, fin
 
     first, rest, fin = asyncio.run(asyncio.wait_for(scenario(), 120))

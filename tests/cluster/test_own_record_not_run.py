@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
 from kvsched.cluster.link import connect_cluster
 from kvsched.cluster.natsd import NatsServer
 from kvsched.durability import records as R
-from kvsched.v1 import common_pb2, request_service_pb2_grpc
+from kvsched.v1 import common_pb2
 from kvsched.v1 import request_service_pb2 as rpb
-from tests.cluster.durability_kit import Daemon, sim_expected, start_sim_worker
+from tests.cluster.durability_kit import Daemon, resume_all, sim_expected, start_sim_worker
 from tests.integration.clients import Spec
 from tests.integration.harness import Proc, wait_ready
 
@@ -43,22 +42,6 @@ async def _write_accepted(url: str, daemon_id: str, spec: Spec) -> None:
         await link.close()
 
 
-async def _resume_all(address: str, rid: str) -> tuple[list[int], rpb.Finished | None]:
-    tokens: list[int] = []
-    fin = None
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = request_service_pb2_grpc.RequestServiceStub(ch)
-        msg = rpb.RequestServiceResumeRequest(request_id=rid)
-        async for r in stub.Resume(msg, timeout=60):
-            kind = r.WhichOneof("kind")
-            if kind == "tokens":
-                tokens.extend(r.tokens.token_ids)
-            elif kind == "finished":
-                assert fin is None, "two finished messages"
-                fin = r.finished
-    return tokens, fin
-
-
 def test_a_record_its_daemon_does_not_run_is_recovered_on_resume(
     nats_server: NatsServer,
 ) -> None:
@@ -74,8 +57,8 @@ def test_a_record_its_daemon_does_not_run_is_recovered_on_resume(
             await _write_accepted(nats_server.url, "own-a", here)
             await _write_accepted(nats_server.url, "own-a", through_b)
             return [
-                await _resume_all(a.address, "own-1"),  # at its owner
-                await _resume_all(b.address, "own-2"),  # relayed to its owner by a peer
+                await resume_all(a.address, "own-1"),  # at its owner
+                await resume_all(b.address, "own-2"),  # relayed to its owner by a peer
             ]
 
         results = asyncio.run(asyncio.wait_for(scenario(), 120))
