@@ -15,6 +15,7 @@ imports the daemon. Errors: kvsched.client.errors. Guide: docs/CLIENT.md.
 
 from kvsched.client.aio import AsyncClient, AsyncGenerateStream, AsyncSession
 from kvsched.client.errors import (
+    AlreadyLive,
     Cancelled,
     DeadlineExceeded,
     InvalidArgument,
@@ -40,6 +41,7 @@ from kvsched.client.types import (
 
 __all__ = [
     "Accepted",
+    "AlreadyLive",
     "AsyncClient",
     "AsyncGenerateStream",
     "AsyncSession",

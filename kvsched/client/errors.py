@@ -31,6 +31,14 @@ class InvalidArgument(KvschedClientError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class AlreadyLive(InvalidArgument):
+    """A Generate whose request id names a live request that is this same request (same
+    model, same prompt): an earlier submit of it was accepted (e.g. through another daemon,
+    after this client had given up waiting for its answer). Resume follows it; nothing is
+    submitted twice. The daemon marks it with `kvsched-error: RequestAlreadyLive` in the
+    call's trailing metadata (any client language can read it)."""
+
+
 class NotFound(KvschedClientError):
     """An unknown request id (Abort) or instance id (status)."""
 
@@ -106,8 +114,26 @@ def error_for(
     return cls(message, code, request_id)
 
 
+ERROR_TYPE_KEY = "kvsched-error"  # the daemon's error type, in a failed call's trailing metadata
+
+
 def from_rpc_error(exc: Any, request_id: str = "") -> KvschedClientError:
     """The typed error for a grpc.RpcError / grpc.aio.AioRpcError."""
     code = exc.code() if callable(getattr(exc, "code", None)) else None
     details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    if code == grpc.StatusCode.INVALID_ARGUMENT and _error_type(exc) == "RequestAlreadyLive":
+        return AlreadyLive(details or "", code, request_id)
     return error_for(code or grpc.StatusCode.UNKNOWN, details or "", request_id)
+
+
+def _error_type(exc: Any) -> str:
+    """The `kvsched-error` entry of a failed call's trailing metadata ("" if none)."""
+    trailing = getattr(exc, "trailing_metadata", None)
+    try:
+        entries = trailing() if callable(trailing) else None
+    except Exception:  # a call that never got its trailers
+        return ""
+    for key, value in entries or ():
+        if key == ERROR_TYPE_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return ""

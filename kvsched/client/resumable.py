@@ -9,7 +9,9 @@ The request gets a client-chosen id (unless one is given). When the stream break
 UNAVAILABLE or CANCELLED (daemon killed or restarting, connection lost), the helper calls
 Resume with the tokens it holds, retrying with a short backoff for `retry_for_s`. A submit that
 broke before `queued` may or may not have been accepted: Resume answers that (NotFound: it
-was not, so it is submitted again). Any other error is raised. Use a client whose channel
+was not, so it is submitted again); a submit refused because the same request is live already
+(AlreadyLive: an attempt given up on was accepted after all) is followed by Resume. Any
+other error is raised. Use a client whose channel
 retries connections quickly (`RESUMABLE_CHANNEL_OPTIONS`).
 
 In a cluster, give it one client per daemon (`resumable([c_a, c_b, c_c], prompt, ...)`): it
@@ -54,7 +56,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Unpack
 
 from kvsched.client.aio import AsyncClient, AsyncGenerateStream
-from kvsched.client.errors import Cancelled, NoAnswer, NotFound, Unavailable
+from kvsched.client.errors import AlreadyLive, Cancelled, NoAnswer, NotFound, Unavailable
 from kvsched.client.types import Finished, RequestOptions
 
 ATTEMPT_TIMEOUT_S = 2.0  # default bound on a Generate/Resume attempt's first answer
@@ -143,12 +145,27 @@ class ResumableStream:
             except NotFound:
                 if queued:
                     raise  # accepted, and now unknown: lost (the journal is off or expired)
-        stream = await self.client.generate(
-            self.prompt,
-            metadata=self.metadata,
-            first_answer_timeout=self.attempt_timeout_s,
-            **self.options,
-        )
+        try:
+            stream = await self.client.generate(
+                self.prompt,
+                metadata=self.metadata,
+                first_answer_timeout=self.attempt_timeout_s,
+                **self.options,
+            )
+        except AlreadyLive:
+            # An earlier submit of it was accepted after all (an attempt this helper gave up
+            # on, that a daemon forwarded on): follow that one, never a second copy.
+            try:
+                stream = await self.client.resume(
+                    self.request_id,
+                    self.tokens,
+                    metadata=self.metadata,
+                    first_answer_timeout=self.attempt_timeout_s,
+                )
+            except NotFound as exc:  # live, its record not stored yet: ask again shortly
+                raise Unavailable(exc.message, request_id=self.request_id) from None
+            self.resumes += 1
+            return stream, True
         self.instance = self.instance or stream.instance
         return stream, True
 

@@ -19,6 +19,9 @@ streamed) and journaled here. A peer that refuses the forward because it runs th
 request already (an earlier forward of it reached the peer and that call broke: the typed
 `RequestAlreadyLive` refusal, peer_rpc.live_there) has it followed there by Resume from the
 tokens relayed so far (`_follow_there`), so its client gets each token once and one Finished.
+Only while its client still reads it here: a client that gave up on this daemon follows the
+request itself (through the journal), and a Resume from here would take the stream from it,
+so such a request is let go, running on at the peer (`_client_gone`).
 """
 
 from __future__ import annotations
@@ -85,6 +88,9 @@ class Forwarder:
         self.durable: Durability | None = None
         self.num_rerouted = 0
         self.num_handed_over = 0
+        # Relays whose peer has not accepted the request yet (by request id): the Generate
+        # that forwarded it waits on this before its client is told `queued` (`confirmed`).
+        self._unconfirmed: dict[str, asyncio.Future[None]] = {}
 
     def start(
         self,
@@ -106,9 +112,26 @@ class Forwarder:
         ]
         md += [(k, v) for k, v in carrier.items() if k in ("traceparent", "tracestate")]
         md += self.stubs.auth()
-        return asyncio.get_running_loop().create_task(
+        loop = asyncio.get_running_loop()
+        self._unconfirmed[tr.req.req_id] = loop.create_future()
+        task = loop.create_task(
             self._relay(tr, fwd, remote, md, deadline_s), name=f"forward-{tr.req.req_id}"
         )
+        task.add_done_callback(lambda _: self._confirm(tr))  # however it ends (cancelled too)
+        return task
+
+    async def confirmed(self, tr: Tracked) -> None:
+        """Wait until the peer `tr` was forwarded to has accepted it (its first answer, sent
+        once its journal stored it), it is recorded in this daemon's journal (a refusal
+        brought it back), or its relay has ended (it finished or was aborted here)."""
+        fut = self._unconfirmed.get(tr.req.req_id)
+        if fut is not None:
+            await asyncio.shield(fut)
+
+    def _confirm(self, tr: Tracked) -> None:
+        fut = self._unconfirmed.pop(tr.req.req_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     async def _relay(
         self,
@@ -127,6 +150,7 @@ class Forwarder:
                 async for out in call:
                     if not accepted:
                         accepted = True
+                        self._confirm(tr)  # that peer journals it: its client may be told
                         if self.durable is not None:  # recorded here meanwhile: that peer's now
                             self.durable.moved_to(tr, remote.daemon_id)
                     if self._take(tr, out):
@@ -140,8 +164,12 @@ class Forwarder:
                     return
                 why = f"forwarded to daemon {remote.daemon_id}: {exc.code().name}: {exc.details()}"
                 if not accepted and live_there(exc):
-                    # An earlier forward of it reached that daemon (and its call broke).
-                    await self._follow_there(tr, msg, remote, why)
+                    # An earlier forward of it reached that daemon (and its call broke), or
+                    # its client, tired of waiting here, had it accepted there directly.
+                    if self._client_gone(tr):
+                        self._streamed_elsewhere(tr, remote.daemon_id, "its client left")
+                    else:
+                        await self._follow_there(tr, msg, remote, why)
                     return
                 retryable = exc.code() in RETRYABLE
                 if retryable and not accepted and not req.output_token_ids:
@@ -177,6 +205,7 @@ class Forwarder:
         past the tokens relayed so far (`_reattach`, asking that daemon first); recomputed
         here when nobody holds it any more."""
         rid = tr.req.req_id
+        self._confirm(tr)  # that daemon journals it: its client may be told
         log.info(
             "request %s is live at daemon %s already: following it there", rid, remote.daemon_id
         )
@@ -240,6 +269,7 @@ class Forwarder:
         durable = self.durable
         if durable is not None and not tr.finished and await durable.record_here(tr, msg):
             log.info("request %s recorded in this daemon's journal", tr.req.req_id)
+            self._confirm(tr)  # journaled here: its client may be told
 
     def hand_over(self, tr: Tracked) -> bool:
         """`tr` is parked here, journaled and still this daemon's, and no instance here can
@@ -341,6 +371,9 @@ class Forwarder:
             log.info("%s; following request %s to its new owner", why, req.req_id)
         tries = 0
         while time.monotonic() < give_up and not tr.finished:
+            if self._client_gone(tr):
+                self._streamed_elsewhere(tr, first.daemon_id if first else "", "its client left")
+                return True
             peers = [] if self.peers is None else self.peers()
             if first is not None and tries == 0:
                 peers = [first.address]
@@ -378,22 +411,33 @@ class Forwarder:
             await asyncio.sleep(0.2)
         return tr.finished
 
-    def _streamed_elsewhere(self, tr: Tracked, daemon_id: str) -> None:
-        """The peer ended the relay's stream with OK and no Finished: a Resume took the
-        request's stream over there (RequestService.Resume, step 3), its client following it
-        elsewhere now (the client whose call broke here, resuming straight at the peer). The
-        relay stops and the request leaves this daemon, unfinished (it runs on there); its
-        stream here ends the same way. Following it again, as after a peer's death, would
-        take the stream back from that client, which would take it back in turn, until one
-        of the two gave up (the 30-minute nemesis run lost a request that way)."""
+    def _client_gone(self, tr: Tracked) -> bool:
+        """`tr`'s client no longer reads its stream here (it gave up waiting for this daemon
+        and resumed, or submitted again, elsewhere; or it went away) and the cluster's journal
+        will lead it to the request wherever it runs. Such a request is not followed by a
+        Resume from here: that Resume would take the stream from the client, reading it at
+        the owner by then (the 30-minute nemesis run lost 12 requests so, in partitions
+        between daemons). Without a journal it is followed: only this daemon can serve it."""
+        durable = self.durable
+        return durable is not None and durable.journal is not None and not tr.sink.attached()
+
+    def _streamed_elsewhere(
+        self, tr: Tracked, daemon_id: str, why: str = "a Resume there took its stream over"
+    ) -> None:
+        """The request leaves this daemon, unfinished: it runs on at the peer, its client
+        following it there. So when the peer ended the relay's stream with OK and no
+        Finished (a Resume took the request's stream over there, RequestService.Resume,
+        step 3: the client whose call broke here, resuming straight at the peer), and when
+        its client left (`_client_gone`). The relay stops; its stream here ends the same way.
+        Following it again, as after a peer's death, would take the stream back from that
+        client, which would take it back in turn, until one of the two gave up (the 30-minute
+        nemesis run lost a request that way)."""
         if daemon_id and self.durable is not None:
             self.durable.moved_to(tr, daemon_id)  # recorded here meanwhile: that peer's now
         self.num_streamed_elsewhere += 1
         where = f"daemon {daemon_id}" if daemon_id else "a peer"
         log.info(
-            "request %s: a Resume at %s took its stream over; not relayed here any more",
-            tr.req.req_id,
-            where,
+            "request %s runs on at %s (%s); not relayed here any more", tr.req.req_id, where, why
         )
         self.requests.streamed_elsewhere(tr, ParkedSink())
 

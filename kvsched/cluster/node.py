@@ -355,6 +355,10 @@ class ClusterNode:
         """Relay `tr` from the peer's instance `remote`: the relay's task."""
         return self.forwarder.start(tr, msg, remote, carrier, deadline_s)
 
+    async def forward_confirmed(self, tr: Tracked) -> None:
+        """Wait until the peer `tr` was forwarded to accepted it (see Forwarder.confirmed)."""
+        await self.forwarder.confirmed(tr)
+
     async def resume_at(
         self,
         daemon_id: str,

@@ -15,6 +15,7 @@ forwarded until the choice is made, and a refusal leaves nothing behind.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Mapping
@@ -111,12 +112,23 @@ class Acceptor:
         deadline_s: float | None = None,
     ) -> Tracked:
         """Accept one request: queued on its instance at once, returned once its accepted
-        record is stored when this daemon journals it (`Durability.confirm`)."""
+        record is stored when this daemon journals it (`Durability.confirm`), or, forwarded
+        to a peer's instance, once that peer accepted it."""
         tr = self.submit(pb, sink, owner, client_tag, carrier, deadline_s)
         # A request forwarded to a peer's instance is journaled by that peer, its owner (the
-        # forwarded call comes through this same path there), never twice.
+        # forwarded call comes through this same path there), never twice. Its client is told
+        # `queued` only once the peer has answered (after its journal stored the request):
+        # told before, a client whose daemon died in between would hold a `queued` for a
+        # request no journal has (the 30-minute nemesis run lost one so).
         if self.durable.journals(tr):
             await self.durable.confirm(tr, pb)
+        elif type(tr.location) is RemotePeer and (cluster := self.table.cluster) is not None:
+            try:
+                await cluster.forward_confirmed(tr)
+            except asyncio.CancelledError:  # its client went away before `queued`
+                if not tr.detachable and tr.sink is sink and not tr.finished:
+                    self.table.abort_tracked(tr, "client stream closed before it was queued")
+                raise
         return tr
 
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 class Sink(Protocol):
     """Where a request's outputs go. `notify`: it has news (it finished: `Tracked.finished`).
-    `add_tokens`: new output tokens of several requests, in order, each request at most once:
+    `attached`: a client reads it now. `add_tokens`: new output tokens of several requests, in order, each request at most once:
     trs[i] produced counts[i] tokens (counts None: one each), consecutive in toks. The same
     tokens are already in each request's `output_token_ids`: a sink may take them from the
     call (a Session joins the deltas) or take the call as news and read its requests (a
@@ -46,6 +46,11 @@ class Sink(Protocol):
     def add_tokens(
         self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /
     ) -> None: ...
+
+    def attached(self) -> bool:
+        """A client reads this sink now (its stream is open): False once that stream ended
+        (its client went away or gave up waiting) and for a sink no client reads."""
+        ...
 
 
 class PeerInstance(Protocol):

@@ -57,6 +57,9 @@ class ParkedSink:
     def add_tokens(self, trs: list[Tracked], counts: list[int] | None, toks: list[int], /) -> None:
         pass
 
+    def attached(self) -> bool:
+        return False  # no client reads it until one resumes
+
 
 class Resumer:
     def __init__(self, table: RequestTable, durable: Durability) -> None:

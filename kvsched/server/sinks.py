@@ -44,6 +44,11 @@ class StreamSink:
         """News only: the tokens are in the request already (see the `Sink` contract)."""
         self.notify(trs[0])
 
+    def attached(self) -> bool:
+        """Its Generate/Resume call is still open (the handler's task runs: a client that
+        gave up waiting, or went away, cancelled it)."""
+        return self.task is not None and not self.task.done()
+
 
 class SessionSink:
     """One Session stream: what to put in its next batched response. Tokens arrive as the
@@ -98,6 +103,10 @@ class SessionSink:
             self.pending_since = time.monotonic()
         self.chunks.append((trs, counts, toks))
         self.event.set()
+
+    def attached(self) -> bool:
+        """Its Session stream is still open."""
+        return not self.closed and (self.task is None or not self.task.done())
 
     def hold(self, tr: Tracked) -> None:
         """Hold `tr`'s outputs until its record is stored (`announce`) or refused

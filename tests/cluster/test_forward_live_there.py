@@ -19,11 +19,14 @@ forwards to `lv-b`'s, the only one.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
+from kvsched.client import AlreadyLive, AsyncClient, InvalidArgument
+from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, resumable
 from kvsched.cluster.natsd import NatsServer
 from kvsched.cluster.peer_rpc import FORWARD_OWNER, FORWARDED_BY
 from kvsched.core.errors import RequestAlreadyLive
@@ -174,4 +177,88 @@ def test_a_client_resuming_at_the_peer_keeps_the_stream(pair: tuple[Daemon, Daem
     assert fin.reason == common_pb2.FINISH_REASON_LENGTH, fin.message
     assert first + rest == sim_expected("lv-3", 40, MAX_TOKENS)  # each token once, all
     assert a.proc is not None
-    a.proc.wait_for(r"request lv-3: a Resume at daemon lv-b took its stream over", 1)
+    a.proc.wait_for(
+        r"request lv-3 runs on at daemon lv-b \(a Resume there took its stream over\)", 1
+    )
+
+
+def test_a_forwarded_request_is_queued_only_once_the_peer_accepted_it(
+    pair: tuple[Daemon, Daemon],
+) -> None:
+    """The 30-minute run's other lost request: `lv-a` told its client `queued` as soon as it
+    had started forwarding, before `lv-b` had accepted (and journaled) the request; killed in
+    between, it left a client holding `queued` for a request no journal had (Resume: NOT_FOUND).
+    With `lv-b` paused, `lv-a`'s client must get no `queued` until `lv-b` answers; then every
+    token once and one Finished."""
+    a, b = pair
+    spec = Spec("lv-4", [15] * 40, 20)
+    assert b.proc is not None
+
+    async def scenario() -> tuple[bool, list[int], rpb.Finished | None]:
+        async with grpc.aio.insecure_channel(a.address) as ch:
+            stub = request_service_pb2_grpc.RequestServiceStub(ch)
+            b.proc.signal(signal.SIGSTOP)
+            try:
+                call = stub.Generate(spec.message(detachable=True), timeout=90)
+                first = asyncio.ensure_future(call.read())
+                await asyncio.wait({first}, timeout=1.5)
+                early = first.done()
+            finally:
+                b.proc.signal(signal.SIGCONT)
+            msg = await first
+            assert msg.WhichOneof("kind") == "queued", msg
+            tokens: list[int] = []
+            fin = None
+            while (r := await call.read()) is not grpc.aio.EOF:
+                if r.WhichOneof("kind") == "tokens":
+                    tokens.extend(r.tokens.token_ids)
+                elif r.WhichOneof("kind") == "finished":
+                    assert fin is None, "two finished messages"
+                    fin = r.finished
+            return early, tokens, fin
+
+    early, tokens, fin = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert not early, "lv-a said queued while lv-b, paused, had not accepted the request"
+    assert fin is not None and fin.reason == common_pb2.FINISH_REASON_LENGTH, fin
+    assert tokens == sim_expected("lv-4", 40, 20)
+
+
+def test_a_resumable_client_whose_submit_meets_its_own_live_request_follows_it(
+    pair: tuple[Daemon, Daemon],
+) -> None:
+    """The 30-minute run's INVALID_ARGUMENT loss: an attempt the resumable client gave up on
+    (no answer in time) was accepted after all, so its next Generate meets the request live
+    at the daemon. The client library reads the typed marker (AlreadyLive, an InvalidArgument)
+    and follows the live request by Resume instead of failing; another prompt under the same
+    id is still a plain InvalidArgument."""
+    _, b = pair
+    spec = Spec("lv-5", [16] * 40, MAX_TOKENS)
+
+    async def scenario() -> tuple[BaseException, BaseException, list[int], int]:
+        await _live_on(b.address, spec, 3, md=())  # the attempt it gave up on
+        async with AsyncClient(b.address, options=RESUMABLE_CHANNEL_OPTIONS) as client:
+            same = await _raised(
+                client.generate(spec.prompt, request_id="lv-5", max_tokens=MAX_TOKENS)
+            )
+            other = await _raised(client.generate([17] * 41, request_id="lv-5", max_tokens=5))
+            stream = resumable(
+                client, spec.prompt, request_id="lv-5", max_tokens=MAX_TOKENS, ignore_eos=True
+            )
+            tokens = await stream.read_all()
+            assert stream.finished is not None, stream.last_error
+            assert stream.finished.reason == "length", stream.finished
+            return same, other, tokens, stream.resumes
+
+    same, other, tokens, resumes = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert isinstance(same, AlreadyLive), repr(same)
+    assert isinstance(other, InvalidArgument) and not isinstance(other, AlreadyLive), repr(other)
+    assert tokens == sim_expected("lv-5", 40, MAX_TOKENS)  # followed from its first token
+    assert resumes == 1
+
+
+async def _raised(aw: object) -> BaseException:
+    try:
+        await aw  # type: ignore[misc]
+    except Exception as exc:
+        return exc
+    raise AssertionError("no error")
