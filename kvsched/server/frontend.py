@@ -19,7 +19,7 @@ from kvsched.core import KvschedError, RequestNotFound, Unavailable
 from kvsched.server.accept import Acceptor
 from kvsched.server.auth import current_principal
 from kvsched.server.errors import status_for
-from kvsched.server.record import Tracked
+from kvsched.server.record import RemotePeer, Tracked
 from kvsched.server.resume import OwnedElsewhere, Resumer
 from kvsched.server.sinks import (
     SessionSink,
@@ -296,7 +296,21 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             self._submit_refused(submit, sink, exc, carrier)
             return
         if not self.durable.journals(tr):  # on a peer's instance: that daemon journals it
-            self._announce(sink, tr)
+            cluster = self.requests.cluster
+            if type(tr.location) is not RemotePeer or cluster is None:
+                self._announce(sink, tr)
+                return
+            # Told `accepted` only once the peer accepted (journaled) it, as a Generate is told
+            # `queued` (Acceptor.accept): its outputs are held until then.
+            sink.hold(tr)
+            wait = asyncio.ensure_future(cluster.forward_confirmed(tr))
+            sink.inflight.add(wait)
+
+            def forwarded(w: asyncio.Future[None]) -> None:
+                sink.inflight.discard(w)
+                self._announce(sink, tr)
+
+            wait.add_done_callback(forwarded)
             return
         sink.hold(tr)
         write = self.durable.begin_confirm(tr, submit.request)  # a refusal aborts it first

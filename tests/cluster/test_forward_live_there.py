@@ -262,3 +262,53 @@ async def _raised(aw: object) -> BaseException:
     except Exception as exc:
         return exc
     raise AssertionError("no error")
+
+
+def test_a_forwarded_session_request_is_accepted_only_once_the_peer_accepted_it(
+    pair: tuple[Daemon, Daemon],
+) -> None:
+    """The Session form of the queued-before-accepted loss: a request a Session submits at
+    `lv-a` runs on `lv-b`'s instance; with `lv-b` paused, the session must say nothing about
+    it (no `accepted`) until `lv-b` answers; then its tokens, each once, and one Finished."""
+    a, b = pair
+    spec = Spec("lv-6", [18] * 40, 20)
+    assert b.proc is not None
+
+    async def scenario() -> tuple[bool, list[str], list[int], list[rpb.Finished]]:
+        async with grpc.aio.insecure_channel(a.address) as ch:
+            call = request_service_pb2_grpc.RequestServiceStub(ch).Session(timeout=90)
+            b.proc.signal(signal.SIGSTOP)
+            try:
+                await call.write(
+                    rpb.SessionRequest(
+                        submit=rpb.SessionRequest.Submit(
+                            request=spec.message(detachable=True), client_tag="t6"
+                        )
+                    )
+                )
+                first = asyncio.ensure_future(call.read())
+                await asyncio.wait({first}, timeout=1.5)
+                early = first.done()
+            finally:
+                b.proc.signal(signal.SIGCONT)
+            accepted: list[str] = []
+            tokens: list[int] = []
+            fins: list[rpb.Finished] = []
+            msg = await first
+            while msg is not grpc.aio.EOF:
+                accepted.extend(msg.accepted.request_ids)
+                if msg.HasField("tokens"):
+                    assert accepted, "tokens before accepted"
+                    tokens.extend(msg.tokens.token_ids)
+                fins.extend(msg.finished)
+                assert not msg.errors, msg.errors
+                if fins:
+                    await call.done_writing()
+                msg = await call.read()
+            return early, accepted, tokens, fins
+
+    early, accepted, tokens, fins = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert not early, "lv-a told the session accepted while lv-b, paused, had not accepted it"
+    assert accepted == ["lv-6"]
+    assert len(fins) == 1 and fins[0].reason == common_pb2.FINISH_REASON_LENGTH, fins
+    assert tokens == sim_expected("lv-6", 40, 20)
