@@ -13,7 +13,7 @@ sees its client go and aborts. A peer that refuses the request before accepting 
 instance ready there, its journal out of reach, its address refusing connections) has it
 recorded in this daemon's journal and placed again by the cluster's routing without that peer:
 another peer's instance or one here (`_choose_again`), never ended for it. A peer that fails
-the stream later with UNAVAILABLE has the request followed to its new owner (`_reattach`), or
+the stream later with UNAVAILABLE has the request followed to its new owner (`Follower.reattach`), or
 parked in the local table (`requeue_lost`: recomputed here, keeping the tokens already
 streamed) and journaled here. A peer that refuses the forward because it runs that very
 request already (an earlier forward of it reached the peer and that call broke: the typed
@@ -21,7 +21,7 @@ request already (an earlier forward of it reached the peer and that call broke: 
 tokens relayed so far (`_follow_there`), so its client gets each token once and one Finished.
 Only while its client still reads it here: a client that gave up on this daemon follows the
 request itself (through the journal), and a Resume from here would take the stream from it,
-so such a request is let go, running on at the peer (`_client_gone`).
+so such a request is let go, running on at the peer (`Follower.client_gone`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from kvsched.cluster.follow import Follower
 from kvsched.cluster.peer_rpc import (
     FORWARD_INSTANCE,
     FORWARD_OWNER,
@@ -41,14 +42,12 @@ from kvsched.cluster.peer_rpc import (
     RELAYED,
     RETRYABLE,
     PeerStubs,
-    apply_finished,
     ended,
     live_there,
 )
 from kvsched.cluster.routing import RemoteInstance
 from kvsched.core import KvschedError
 from kvsched.server.record import Parked, RemotePeer
-from kvsched.server.resume import ParkedSink
 from kvsched.v1 import request_service_pb2 as rpb
 
 if TYPE_CHECKING:
@@ -71,26 +70,26 @@ class Forwarder:
         self.requests = requests
         self.token = token
         self.stubs = PeerStubs(token)  # peer_rpc.py: channels to peers, the cluster token
-        self.num_relayed_tokens = 0
+        # Following a relayed request: its outputs, its peer's death, a Resume taking it over.
+        self.follow = Follower(daemon_id, requests, self.stubs)
         self.num_requeued = 0
-        self.num_reattached = 0
-        self.num_streamed_elsewhere = 0  # relays ended by a Resume that took the stream over
-        # Live peers' addresses (set by the cluster node): where a request whose peer died is
-        # followed to its new owner, for up to `reattach_s` (None: recompute it here at once).
-        self.peers: Callable[[], list[str]] | None = None
-        self.reattach_s = 20.0
         # A request a peer refused is placed again through this (the cluster node's routing,
         # the refusing daemons excluded; None: not at all) and recorded in this daemon's
         # journal meanwhile (`durable`, set by the daemon when it journals).
         self.reroute: (
             Callable[[Request, str, frozenset[str]], InstanceEngine | RemoteInstance] | None
         ) = None
-        self.durable: Durability | None = None
+        self.durable: Durability | None = None  # `use_journal`
         self.num_rerouted = 0
         self.num_handed_over = 0
         # Relays whose peer has not accepted the request yet (by request id): the Generate
         # that forwarded it waits on this before its client is told `queued` (`confirmed`).
         self._unconfirmed: dict[str, asyncio.Future[None]] = {}
+
+    def use_journal(self, durable: Durability) -> None:
+        """Record requests in this daemon's journal (refused by a peer, or parked here)."""
+        self.durable = durable
+        self.follow.durable = durable
 
     def start(
         self,
@@ -153,10 +152,10 @@ class Forwarder:
                         self._confirm(tr)  # that peer journals it: its client may be told
                         if self.durable is not None:  # recorded here meanwhile: that peer's now
                             self.durable.moved_to(tr, remote.daemon_id)
-                    if self._take(tr, out):
+                    if self.follow.take(tr, out):
                         return
                 if accepted:  # OK, no Finished: a Resume took its stream over (see below)
-                    self._streamed_elsewhere(tr, remote.daemon_id)
+                    self.follow.streamed_elsewhere(tr, remote.daemon_id)
                     return
                 raise ended()
             except grpc.aio.AioRpcError as exc:
@@ -166,8 +165,8 @@ class Forwarder:
                 if not accepted and live_there(exc):
                     # An earlier forward of it reached that daemon (and its call broke), or
                     # its client, tired of waiting here, had it accepted there directly.
-                    if self._client_gone(tr):
-                        self._streamed_elsewhere(tr, remote.daemon_id, "its client left")
+                    if self.follow.client_gone(tr):
+                        self.follow.streamed_elsewhere(tr, remote.daemon_id, "its client left")
                     else:
                         await self._follow_there(tr, msg, remote, why)
                     return
@@ -182,7 +181,7 @@ class Forwarder:
                     remote = nxt
                     md = [(k, v) if k != FORWARD_INSTANCE else (k, nxt.instance_id) for k, v in md]
                     continue
-                if retryable and await self._reattach(tr, why):
+                if retryable and await self.follow.reattach(tr, why):
                     return
                 if tr.finished:
                     return
@@ -202,14 +201,14 @@ class Forwarder:
         self, tr: Tracked, msg: rpb.GenerateRequest, remote: RemoteInstance, why: str
     ) -> None:
         """`remote`'s daemon runs `tr` already (peer_rpc.live_there): followed there by Resume
-        past the tokens relayed so far (`_reattach`, asking that daemon first); recomputed
+        past the tokens relayed so far (`Follower.reattach`, asking that daemon first); recomputed
         here when nobody holds it any more."""
         rid = tr.req.req_id
         self._confirm(tr)  # that daemon journals it: its client may be told
         log.info(
             "request %s is live at daemon %s already: following it there", rid, remote.daemon_id
         )
-        if await self._reattach(tr, why, first=remote) or tr.finished:
+        if await self.follow.reattach(tr, why, first=remote) or tr.finished:
             return
         self.requests.relay_ended(tr)
         self.num_requeued += 1
@@ -312,10 +311,10 @@ class Forwarder:
                     if self.durable is not None and self.durable.journal is not None:
                         self.durable.journal.adopted_elsewhere(tr)
                     log.info("request %s handed over to daemon %s", req.req_id, remote.daemon_id)
-                if self._take(tr, out):
+                if self.follow.take(tr, out):
                     return
             if taken:  # OK, no Finished: a Resume there took its stream over
-                self._streamed_elsewhere(tr, remote.daemon_id)
+                self.follow.streamed_elsewhere(tr, remote.daemon_id)
                 return
             raise ended()
         except grpc.aio.AioRpcError as exc:
@@ -327,124 +326,12 @@ class Forwarder:
                 log.info("%s; request %s waits here", why, req.req_id)
                 self.requests.park_again(tr, parked)  # still this daemon's
                 return
-            if exc.code() in RETRYABLE and await self._reattach(tr, why):
+            if exc.code() in RETRYABLE and await self.follow.reattach(tr, why):
                 return
             if not tr.finished:
                 self.requests.requeue_lost(req, why)
         finally:
             call.cancel()
-
-    def _take(
-        self, tr: Tracked, out: rpb.GenerateResponse | rpb.RequestServiceResumeResponse
-    ) -> bool:
-        """One output of the peer's stream into the local request; True at its Finished."""
-        req = tr.req
-        kind = out.WhichOneof("kind")
-        if kind == "tokens":
-            toks = list(out.tokens.token_ids)
-            if toks:
-                if req.first_token_time < 0:
-                    req.first_token_time = time.monotonic()
-                req.output_token_ids.extend(toks)
-                self.num_relayed_tokens += len(toks)
-                tr.sink.add_tokens([tr], [len(toks)], toks)
-        elif kind == "finished":
-            self._finish(tr, out.finished)
-            return True
-        elif kind == "queued" and req.first_scheduled_time < 0:
-            req.first_scheduled_time = time.monotonic()
-        return False
-
-    async def _reattach(self, tr: Tracked, why: str, first: RemoteInstance | None = None) -> bool:
-        """The peer running `tr` went away: follow the request to wherever its journal says it
-        lives now (its daemon restarted, or a peer adopted it) with a Resume through any live
-        peer (which relays it to the owner), carrying the tokens already relayed; `first`: the
-        daemon known to hold it, asked first (its record here, if any, then names that daemon
-        once it streams: `Durability.moved_to`). True when the request ended that way
-        (finished or aborted); False: not journaled anywhere (or nobody took it within
-        `reattach_s`), the caller recomputes it here."""
-        if self.peers is None and first is None:
-            return False
-        req = tr.req
-        give_up = time.monotonic() + self.reattach_s
-        if first is None:
-            log.info("%s; following request %s to its new owner", why, req.req_id)
-        tries = 0
-        while time.monotonic() < give_up and not tr.finished:
-            if self._client_gone(tr):
-                self._streamed_elsewhere(tr, first.daemon_id if first else "", "its client left")
-                return True
-            peers = [] if self.peers is None else self.peers()
-            if first is not None and tries == 0:
-                peers = [first.address]
-            if peers:
-                address = peers[tries % len(peers)]
-                tries += 1
-                msg = rpb.RequestServiceResumeRequest(
-                    request_id=req.req_id, token_ids=req.output_token_ids
-                )
-                md = [(FORWARDED_BY, self.daemon_id), (FORWARD_OWNER, tr.owner), *self.stubs.auth()]
-                call = self.stubs.stub(address).Resume(msg, metadata=md)
-                holder = first.daemon_id if first is not None and tries == 1 else ""
-                answered = False
-                try:
-                    async for out in call:
-                        answered = True
-                        if holder and self.durable is not None:
-                            self.durable.moved_to(tr, holder)  # that daemon journals it
-                            holder = ""
-                        if self._take(tr, out):
-                            self.num_reattached += 1
-                            return True
-                    if answered:  # OK, no Finished: another Resume took its stream over
-                        self._streamed_elsewhere(tr, "")
-                        return True
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.NOT_FOUND:
-                        return False  # its owner never journaled it: recompute here
-                    if exc.code() not in RETRYABLE:
-                        self.requests.relay_ended(tr)
-                        self.requests.abort_tracked(tr, f"{why}; resuming: {exc.details()}")
-                        return True
-                finally:
-                    call.cancel()
-            await asyncio.sleep(0.2)
-        return tr.finished
-
-    def _client_gone(self, tr: Tracked) -> bool:
-        """`tr`'s client no longer reads its stream here (it gave up waiting for this daemon
-        and resumed, or submitted again, elsewhere; or it went away) and the cluster's journal
-        will lead it to the request wherever it runs. Such a request is not followed by a
-        Resume from here: that Resume would take the stream from the client, reading it at
-        the owner by then (the 30-minute nemesis run lost 12 requests so, in partitions
-        between daemons). Without a journal it is followed: only this daemon can serve it."""
-        durable = self.durable
-        return durable is not None and durable.journal is not None and not tr.sink.attached()
-
-    def _streamed_elsewhere(
-        self, tr: Tracked, daemon_id: str, why: str = "a Resume there took its stream over"
-    ) -> None:
-        """The request leaves this daemon, unfinished: it runs on at the peer, its client
-        following it there. So when the peer ended the relay's stream with OK and no
-        Finished (a Resume took the request's stream over there, RequestService.Resume,
-        step 3: the client whose call broke here, resuming straight at the peer), and when
-        its client left (`_client_gone`). The relay stops; its stream here ends the same way.
-        Following it again, as after a peer's death, would take the stream back from that
-        client, which would take it back in turn, until one of the two gave up (the 30-minute
-        nemesis run lost a request that way)."""
-        if daemon_id and self.durable is not None:
-            self.durable.moved_to(tr, daemon_id)  # recorded here meanwhile: that peer's now
-        self.num_streamed_elsewhere += 1
-        where = f"daemon {daemon_id}" if daemon_id else "a peer"
-        log.info(
-            "request %s runs on at %s (%s); not relayed here any more", tr.req.req_id, where, why
-        )
-        self.requests.streamed_elsewhere(tr, ParkedSink())
-
-    def _finish(self, tr: Tracked, fin: rpb.Finished) -> None:
-        apply_finished(tr.req, fin, time.monotonic())
-        self.requests.relay_ended(tr)
-        self.requests.finish(tr)
 
     # ---- Lifecycle (an observer of the request table) ---------------------------------------
     def request_accepted(self, tr: Tracked, carrier: Mapping[str, str], /) -> None:

@@ -94,8 +94,8 @@ class ClusterNode:
         registry.peer_models = self.router.peer_models
         registry.peer_limits = self.router.peer_limits
         self.forwarder = Forwarder(self.daemon_id, requests, config.cluster_token)
-        self.forwarder.peers = self._peer_addresses
-        self.forwarder.reattach_s = max(20.0, 4 * config.member_ttl_s)
+        self.forwarder.follow.peers = self._peer_addresses
+        self.forwarder.follow.reattach_s = max(20.0, 4 * config.member_ttl_s)
         self.forwarder.reroute = self._reroute
         token = config.cluster_token
         self._cluster_principal = principal_of(token) if config.auth_file and token else None

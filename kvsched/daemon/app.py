@@ -121,7 +121,7 @@ class Daemon:
         # when this daemon wins their leases (without a journal: the instances only).
         self.cluster_node.fence.durable = self.durable  # parks and looks up journaled requests
         if config.journal:  # a forwarded request a peer refused is journaled here meanwhile
-            self.cluster_node.forwarder.durable = self.durable
+            self.cluster_node.forwarder.use_journal(self.durable)
         takeover = self.cluster_node.takeover = Takeover(self.cluster_node, self.resumer.recover)
         if config.take_over:  # by hand: the operator says it is dead; its leases come here too
             dead = config.take_over
