@@ -7,7 +7,6 @@ await refuses_connections(addr)   True: nothing listens there (a death, not a pa
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from typing import Any, Protocol
 
@@ -80,8 +79,9 @@ def cluster_status(node: _Node) -> apb.ClusterStatus:
 
 
 def hash_digest(hashes: set[int]) -> str:
-    """A short digest of an instance's indexed hash keys (`hit_index.key64`)."""
-    h = hashlib.blake2b(digest_size=8)
-    for x in sorted(hashes):
-        h.update(x.to_bytes(8, "little"))
-    return h.hexdigest()
+    """A short digest of an instance's indexed hash keys (`hit_index.key64`, themselves
+    uniform 64-bit hashes): their count and their sum mod 2**64, which needs no sort (sorting
+    and hashing 46k keys took ~52 ms of a GetStatus; the sum ~1 ms). Two daemons whose
+    indexes of an instance agree show the same digest; a differing key changes it but for a
+    chance of 2**-64."""
+    return f"{len(hashes):x}-{sum(hashes) & 0xFFFFFFFFFFFFFFFF:016x}"
