@@ -67,10 +67,10 @@ HOT_STAGES = ("decode report", "apply_report", "notify sinks", "schedule", "Sess
 async def hot_path(running: int, steps: int) -> dict[str, float]:
     """Median microseconds per step of what the daemon does in Python for one full report (every
     running request one token, all on one Session), in process: the report's bytes decoded
-    (FromString + report_from_proto), apply_report, the sinks notified (engine.dispatch's token
-    loop), schedule() + tasks_to_bytes, the Session message built and serialized. Steady decode
-    as bench.core_step sets it up. CPU time of this thread, so that other processes taking the
-    core do not count. Run inside a loop: sinks hold asyncio objects."""
+    (FromString + report_from_proto), apply_report, the sinks notified (the token loop of the
+    engine's EventDispatch), schedule() + tasks_to_bytes, the Session message built and
+    serialized. Steady decode as bench.core_step sets it up. CPU time of this thread, so that
+    other processes taking the core do not count. Run inside a loop: sinks hold asyncio objects."""
     from types import SimpleNamespace
 
     from bench.core_step import Worker, build, warm_up
@@ -93,7 +93,7 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
     acceptor = SimpleNamespace(table=daemon, durable=SimpleNamespace(journal=None))
     servicer = RequestServicer(acceptor, None, 0)  # type: ignore[arg-type]
     times: dict[str, list[float]] = {k: [] for k in HOT_STAGES}
-    deliver = TokenDelivery()  # as the engine holds one
+    deliver = TokenDelivery()  # as the engine's EventDispatch holds one
     tasks = sched.schedule()
     for _ in range(steps):
         worker.engine.apply(tasks)

@@ -111,7 +111,7 @@ class Daemon:
         )
         await self.cluster_node.start()
         # Its forwarder cancels the relays of requests that end here first.
-        self.requests.observe(self.cluster_node.forwarder)
+        self.requests.observers.observe(self.cluster_node.forwarder)
         log.info("joined cluster %s as daemon %s", config.cluster, daemon_id)
         if config.journal:
             await self.open_journal(self.cluster_link)

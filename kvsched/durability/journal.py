@@ -9,7 +9,11 @@
     finished()   the finished record (`done.<id>`) and the accepted record's expiring
                  tombstone, in order, off the caller's path
     recover()    the unfinished requests this daemon owns, with their recorded tokens
+    adopt()      a dead (or handing-over) daemon's unfinished requests, taken over by CAS
     lookup()     a request's finished record, or its accepted one on any daemon (Resume)
+
+What recover(), adopt() and lookup() read back from the stream, `JournalReader` reads
+(reads.py); the journal itself writes.
 
 Subjects, records and retention: journal.proto (records.py encodes them).
 """
@@ -17,29 +21,20 @@ Subjects, records and retention: journal.proto (records.py encodes them).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from nats.js.api import (
-    AckPolicy,
-    ConsumerConfig,
-    DeliverPolicy,
-    DiscardPolicy,
-    StorageType,
-    StreamConfig,
-)
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 from kvsched.codec import finished_to_proto
 from kvsched.core import Request, Unavailable
 from kvsched.core.journal_state import JournalState
 from kvsched.durability import records as R
 from kvsched.durability.acks import AckedPublisher
+from kvsched.durability.reads import JournalReader
 from kvsched.v1 import journal_pb2, request_service_pb2
-
-ADOPTED_BY = "Kvsched-Adopted-By"  # header of a takeover's tombstone: the adopting daemon
 
 log = logging.getLogger("kvsched.journal")
 
@@ -82,6 +77,7 @@ class Journal:
         self.max_age_s = max_age_s
         self.max_bytes = max_bytes
         self.acks = AckedPublisher(self.nc, timeout_s)
+        self.reads = JournalReader(self.js, timeout_s)
         self._outbox: asyncio.Queue[tuple[str, bytes, dict[str, str] | None]] = asyncio.Queue()
         self._reconnects = 0
         self._since_compaction = 0  # tokens written to tok.<daemon> since its last compaction
@@ -219,7 +215,7 @@ class Journal:
         if tr.journal_state != JournalState.STORED:
             return
         tr.journal_state = JournalState.CLOSED
-        headers = {**R.TOMBSTONE_HEADERS, ADOPTED_BY: daemon_id}
+        headers = {**R.TOMBSTONE_HEADERS, R.ADOPTED_BY: daemon_id}
         self._emit(R.req_subject(self.daemon_id, tr.req.req_id), b"", headers)
 
     def finished(self, tr: Journaled) -> None:
@@ -317,43 +313,11 @@ class Journal:
         except TimeoutError:
             log.warning("journal: %d record(s) not written at shutdown", self._outbox.qsize())
 
-    # ---- reading ------------------------------------------------------------------------------
-    async def _read(self, subject: str, policy: DeliverPolicy) -> list[Any]:
-        psub = await self.js.pull_subscribe(
-            subject,
-            config=ConsumerConfig(
-                deliver_policy=policy, ack_policy=AckPolicy.NONE, inactive_threshold=30.0
-            ),
-        )
-        try:
-            left = (await psub.consumer_info()).num_pending or 0
-            out: list[Any] = []
-            while left > 0:
-                msgs = await psub.fetch(min(left, 1000), timeout=max(self.timeout_s, 5.0))
-                out.extend(msgs)
-                left -= len(msgs)
-            return out
-        finally:
-            with contextlib.suppress(Exception):
-                await psub.unsubscribe()
-            with contextlib.suppress(Exception):  # now, not after its inactive threshold
-                await self.js.delete_consumer(psub._stream, psub._consumer)
-
+    # ---- recovery, takeover, lookups (the reads are JournalReader's: reads.py) -------------------
     async def recover(self, daemon_id: str | None = None) -> list[R.Unfinished]:
         """The accepted, unfinished requests of this daemon (or of `daemon_id`: the seam of a
         takeover of a dead peer's journal), with their recorded tokens."""
-        owner = daemon_id or self.daemon_id
-        live: dict[str, R.Unfinished] = {}
-        for msg in await self._read(f"{R.REQ}.{owner}.>", DeliverPolicy.LAST_PER_SUBJECT):
-            if msg.data:  # empty: a finished request's tombstone
-                rec = R.parse_record(msg.data)
-                if rec.kind == R.ACCEPTED:
-                    live[rec.request_id] = R.Unfinished(rec, seq=msg.metadata.sequence.stream)
-        if live:
-            tokens_of = {rid: u.tokens for rid, u in live.items()}
-            for msg in await self._read(R.tok_subject(owner), DeliverPolicy.ALL):
-                R.apply_batch(tokens_of, msg.data)
-        return list(live.values())
+        return await self.reads.unfinished(daemon_id or self.daemon_id)
 
     async def adopt(self, dead_id: str, only: str = "") -> list[R.Unfinished]:
         """Take over daemon `dead_id`'s unfinished requests: for each, its accepted record is
@@ -376,7 +340,7 @@ class Journal:
             cas = {
                 **R.TOMBSTONE_HEADERS,
                 "Nats-Expected-Last-Subject-Sequence": str(u.seq),
-                ADOPTED_BY: self.daemon_id,
+                R.ADOPTED_BY: self.daemon_id,
             }
             try:
                 await self.js.publish(
@@ -385,10 +349,10 @@ class Journal:
             except Exception as exc:  # another daemon took it first (or NATS failed): withdraw
                 log.info("takeover of %s from %s not won: %s", rid, dead_id, exc)
                 # The withdrawal names the winner (from its tombstone), for `lookup`.
-                winner = await self._last_headers(R.req_subject(dead_id, rid))
+                winner = await self.reads.last_headers(R.req_subject(dead_id, rid))
                 headers = dict(R.TOMBSTONE_HEADERS)
-                if winner.get(ADOPTED_BY):
-                    headers[ADOPTED_BY] = winner[ADOPTED_BY]
+                if winner.get(R.ADOPTED_BY):
+                    headers[R.ADOPTED_BY] = winner[R.ADOPTED_BY]
                 self._emit(mine, b"", headers)
                 continue
             # Stored again, now after the tombstone: a lookup of the request's last record
@@ -405,39 +369,6 @@ class Journal:
         return won
 
     async def lookup(self, req_id: str) -> journal_pb2.JournalRecord | None:
-        """`req_id`'s finished record, else its accepted record on any daemon; None when the
-        journal holds neither. A takeover's tombstones name the adopter (`Kvsched-Adopted-By`),
-        followed here; a tombstone that names nobody, with no finished record, is a record
-        changing hands (or a refused request's, for 2 s): Unavailable, retry."""
-        done = await self._last(R.done_subject(req_id))
-        if done is not None and done.data:
-            return R.parse_record(done.data)
-        msg = await self._last(f"{R.REQ}.*.{R.id_token(req_id)}")
-        for _ in range(4):
-            if msg is None:
-                return None
-            if msg.data:
-                return R.parse_record(msg.data)
-            adopter = (msg.headers or {}).get(ADOPTED_BY)
-            if not adopter:
-                break
-            msg = await self._last(R.req_subject(adopter, req_id))
-        raise Unavailable(f"request {req_id!r} is changing owner in the journal; retry")
-
-    async def _last(self, subject: str) -> Any:
-        """The stream's last message on `subject` (None: none); Unavailable when NATS fails."""
-        from nats.js.errors import NotFoundError
-
-        try:
-            return await self.js.get_last_msg(R.STREAM, subject)
-        except NotFoundError:
-            return None
-        except Exception as exc:
-            raise Unavailable(f"the request journal cannot be read now ({exc}); retry") from None
-
-    async def _last_headers(self, subject: str) -> dict[str, str]:
-        try:
-            msg = await self._last(subject)
-        except Unavailable:
-            return {}
-        return dict(msg.headers or {}) if msg is not None else {}
+        """`req_id`'s finished record, else its accepted record on any daemon (None: neither);
+        Unavailable while it changes owner (`JournalReader.lookup`)."""
+        return await self.reads.lookup(req_id)

@@ -22,6 +22,7 @@ TOK = f"{PREFIX}.tok"
 # then holds live requests only, and recovery reads nothing of finished ones).
 TOMBSTONE_HEADERS = {"Nats-Rollup": "sub", "Nats-TTL": "2s"}
 ROLLUP = {"Nats-Rollup": "sub"}
+ADOPTED_BY = "Kvsched-Adopted-By"  # header of a takeover's tombstone: the adopting daemon
 MAX_BATCH_TOKENS = 200_000  # per TokenBatch message: under NATS's 1 MB default max_payload
 
 ACCEPTED = journal_pb2.JournalRecord.KIND_ACCEPTED

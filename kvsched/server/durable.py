@@ -74,7 +74,7 @@ class Durability:
     def use(self, journal: Journal) -> None:
         """Journal every request accepted from now on (set before serving)."""
         self.journal = journal
-        self.table.observe(self)
+        self.table.observers.observe(self)
 
     def journals(self, tr: Tracked) -> bool:
         """Whether this daemon journals `tr`: with a journal, when it runs here (not on a

@@ -2,7 +2,7 @@
 
 The only module above `kvsched.core` that holds a Scheduler (tests/test_layout.py; `instance_start`
 builds it, `engine_totals` keeps the counters of those taken out, `report_inbox` the reports
-not applied yet): the layers
+not applied yet, `engine_events` routes its events upward): the layers
 above call its methods (add_request, abort, pause, ...), hear back through an `EngineListener`
 (the request table), and read the facts it publishes (snapshot, its load value, epoch, counters,
 KV events). It imports nothing above it.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kvsched import codec
 from kvsched.core import (
@@ -39,13 +39,13 @@ from kvsched.core import (
 )
 from kvsched.core.protocol import StepReport
 from kvsched.core.router import LOAD_SECONDS, instance_load
-from kvsched.server.delivery import TokenDelivery
+from kvsched.server.engine_events import EngineListener, EventDispatch
 from kvsched.server.engine_totals import RetiredTotals
 from kvsched.server.instance_start import start_scheduler
 from kvsched.server.ranks import RankConn, check_joining_rank
 from kvsched.server.report_inbox import ReportInbox
 
-__all__ = ["EngineListener", "InstanceEngine", "RankConn"]
+__all__ = ["InstanceEngine", "RankConn"]
 
 if TYPE_CHECKING:
     from kvsched.server.telemetry import Telemetry
@@ -53,29 +53,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvsched.engine")
 
 
-class EngineListener(Protocol):
-    """What an engine reports upwards, synchronously from its loop or from `attach` /
-    `take_out` (implemented by the request table; the engine knows no more of it than this)."""
-
-    def on_instance_ready(self, eng: InstanceEngine) -> None:
-        """The instance's last rank registered: it takes requests now."""
-
-    def on_handed_off(self, eng: InstanceEngine, req: Request) -> None:
-        """A prefill instance finished `req`'s prefill and pushed its KV: it moves to its
-        decode reservation."""
-
-    def on_finished(self, eng: InstanceEngine, req: Request) -> None:
-        """`req` reached a finished state (it may be a stale copy or a decode reservation)."""
-
-    def requeue_lost(self, req: Request, reason: str, worker_fault: bool = False) -> None:
-        """`req` was live on an instance that was lost (`reason`); `worker_fault`: its worker
-        died or broke the protocol (what a poison request does), not the cluster's doing."""
-
-
 class InstanceEngine:
     def __init__(
         self,
-        listener: EngineListener,
+        listener: EngineListener[InstanceEngine],
         telemetry: Telemetry,
         instance_id: str,
         engine_config: EngineConfig,
@@ -109,7 +90,7 @@ class InstanceEngine:
         # Final counters of the schedulers taken out (SNAPSHOT_COUNTERS; tenants' served / shed).
         self._retired = RetiredTotals()
         self._inbox = ReportInbox()
-        self._deliver = TokenDelivery()
+        self._dispatch = EventDispatch(self, listener, telemetry)
         self._task = asyncio.get_running_loop().create_task(
             self._loop(), name=f"engine-{instance_id}"
         )
@@ -126,7 +107,7 @@ class InstanceEngine:
 
     def sinks_changed(self) -> None:
         """A tracked request's sink was replaced (Resume): drop the cached sink grouping."""
-        self._deliver = TokenDelivery()
+        self._dispatch.forget_sinks()
 
     @property
     def queueing(self) -> bool:
@@ -176,8 +157,8 @@ class InstanceEngine:
         log.warning("instance %s taken out: %s", self.instance_id, reason)
         # Deliver what the scheduler already produced, then move its live requests elsewhere:
         # none of this instance's blocks is used again until its workers register anew.
-        self.dispatch(sched.take_events())
-        self._deliver = TokenDelivery()  # let go of the lost scheduler's last batch
+        self._dispatch(sched.take_events())
+        self._dispatch.forget_sinks()  # let go of the lost scheduler's last batch
         for req in list(sched.requests.values()):
             self.listener.requeue_lost(
                 req, f"instance {self.instance_id} lost: {reason}", worker_fault
@@ -218,7 +199,7 @@ class InstanceEngine:
             for report in reports:
                 events = sched.apply_report(report)
                 self._load = None  # a report and a schedule() change what the load is from
-                self.dispatch(events)
+                self._dispatch(events)
                 telemetry.report_applied(self, report)
         except ProtocolError as exc:
             self.take_out(f"protocol violation: {exc}", exc)
@@ -227,7 +208,7 @@ class InstanceEngine:
         tasks = sched.schedule()
         self._load = None
         self.telemetry.scheduler_step(self.instance_id, time.perf_counter() - t0)
-        self.dispatch(sched.take_events())
+        self._dispatch(sched.take_events())
         # Reports applied are always answered (Tasks.report_step), even with nothing to do:
         # the worker paces its reports by these answers. The core numbers exactly the
         # messages worth sending (seq 0: no task and no report to answer).
@@ -235,18 +216,6 @@ class InstanceEngine:
             data = codec.tasks_to_bytes(tasks, self.fencing_epoch)
             for conn in self.ranks.values():
                 conn.queue.put_nowait(data)
-
-    def dispatch(self, ev: Any) -> None:
-        """Route a batch of core Events to the requests' sinks and the listener."""
-        if ev.tokens:
-            self._deliver(ev.tokens)
-        listener = self.listener
-        if ev.scheduled or ev.first_token or ev.preempted or ev.requeued:
-            self.telemetry.lifecycle(self, ev)
-        for req in ev.handed_off:
-            listener.on_handed_off(self, req)
-        for req in ev.finished:
-            listener.on_finished(self, req)
 
     # ---- requests (the scheduler's, for the layers above) ------------------------------------
     # Core calls are synchronous: a caller on the event loop may make them between two steps.

@@ -26,7 +26,8 @@ from kvsched.core import (
     StorageIndex,
     Unavailable,
 )
-from kvsched.server.engine import EngineListener, InstanceEngine, RankConn
+from kvsched.server.engine import InstanceEngine, RankConn
+from kvsched.server.engine_events import EngineListener
 from kvsched.server.models import Limits, fitting, limits_of, resolve_model
 from kvsched.v1 import worker_service_pb2
 
@@ -50,7 +51,7 @@ class InstanceRegistry:
         )
         self._empty_since: dict[str, float] = {}  # instance -> since when it has no worker
         self.paused = False  # AdminService Pause without an instance id (shown by GetStatus)
-        self._listener: EngineListener | None = None
+        self._listener: EngineListener[InstanceEngine] | None = None
         # A cluster's Hello gate (kvsched.cluster.node.ClusterNode.admit_worker; None: alone):
         # awaited before a worker attaches; returns None (attach here) or the serialized
         # ConnectResponse that redirects the worker to its instance's owner.
@@ -67,7 +68,7 @@ class InstanceRegistry:
         self.storage_kind = config.storage.partition("://")[0] if config.storage else ""
         self.storage_index = StorageIndex() if config.storage else None
 
-    def open(self, listener: EngineListener) -> None:
+    def open(self, listener: EngineListener[InstanceEngine]) -> None:
         """Create the configured instances' engines, reporting to `listener`. Called once, by
         the composition root, before any worker attaches."""
         self._listener = listener

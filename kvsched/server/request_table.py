@@ -34,9 +34,9 @@ from kvsched.core import (
 from kvsched.core.request import FINISHED_STATUS
 from kvsched.server.cluster_port import ClusterPort
 from kvsched.server.engine import InstanceEngine
+from kvsched.server.observers import Observers
 from kvsched.server.poison import PoisonGuard
 from kvsched.server.record import (
-    Lifecycle,
     LocalEngine,
     Parked,
     PeerInstance,
@@ -77,20 +77,11 @@ class RequestTable:
         self.num_requeued = 0
         self.poison = PoisonGuard(config.poison_max_losses)
         # Told of every request's accepted / moved / progressed / finished, in this order:
-        # telemetry; the journal glue and a cluster's forwarder subscribe (`observe`).
-        self.observers: list[Lifecycle] = [telemetry]
+        # telemetry; the journal glue and a cluster's forwarder subscribe (`observers.observe`).
+        self.observers = Observers(telemetry)
         # A cluster's routing and forwarding (kvsched.cluster.node.ClusterNode, set by it;
         # None: alone): server/accept.py, frontend.py and admin.py call it through this port.
         self.cluster: ClusterPort | None = None
-
-    def observe(self, observer: Lifecycle) -> None:
-        """Tell `observer` of every request's lifecycle from now on."""
-        if observer not in self.observers:
-            self.observers.append(observer)
-
-    def unobserve(self, observer: Lifecycle) -> None:
-        if observer in self.observers:
-            self.observers.remove(observer)
 
     # ---- entering the table (server/accept.py, server/resume.py) ----------------------------
     def track(
@@ -105,13 +96,8 @@ class RequestTable:
         tr.req.tag = tr
         self.tracked[tr.req.req_id] = tr
         self.all_done.clear()
-        now = time.monotonic()
-        if queue_timeout and self.config.queue_timeout_s > 0:
-            self.watchdog.add(now + self.config.queue_timeout_s, tr, "queue")
-        if deadline_s is not None:
-            self.watchdog.add(now + deadline_s, tr, "deadline")
-        for obs in self.observers:
-            obs.request_accepted(tr, carrier)
+        self.watchdog.start(tr, deadline_s, queue_timeout)
+        self.observers.request_accepted(tr, carrier)
 
     def track_parked(self, tr: Tracked) -> None:
         """Track a request recovered from the journal (location `Parked`): placed when an
@@ -176,13 +162,18 @@ class RequestTable:
         leaves its session)."""
         self.relay_ended(tr)
         self.cancel_reservation(tr)
+        self._untrack(tr, sink).notify(tr)
+
+    def _untrack(self, tr: Tracked, sink: Sink) -> Sink:
+        """`tr` leaves the table unfinished (nothing finished or journaled here), its outputs
+        going to `sink` from now on; returns its old sink."""
         rid = tr.req.req_id
         if self.tracked.get(rid) is tr:
             del self.tracked[rid]
         if not self.tracked:
             self.all_done.set()
         old, tr.sink = tr.sink, sink
-        old.notify(tr)
+        return old
 
     def redirect(self, tr: Tracked, sink: Sink) -> Sink:
         """Send `tr`'s outputs to `sink` from now on (a Resume); returns the old sink."""
@@ -253,8 +244,7 @@ class RequestTable:
         if self.tracked.pop(req.req_id, None) is None:
             return
         tr.finished = True
-        for obs in self.observers:
-            obs.request_finished(tr)
+        self.observers.request_finished(tr)
         self.recent[req.req_id] = None
         if len(self.recent) > RECENT_FINISHED:
             self.recent.popitem(last=False)
@@ -285,8 +275,7 @@ class RequestTable:
         dreq.first_scheduled_time = req.first_scheduled_time
         dreq.num_cached_tokens = req.num_cached_tokens
         tr.req, tr.location = dreq, LocalEngine(d)
-        for obs in self.observers:
-            obs.request_progressed(tr)
+        self.observers.request_progressed(tr)
         d.wake()
 
     def on_finished(self, eng: InstanceEngine, req: Request) -> None:
@@ -317,8 +306,7 @@ class RequestTable:
         new = fresh_copy(old)
         new.tag = tr
         tr.req = new
-        for obs in self.observers:  # its location still names the instance it lost
-            obs.request_moved(tr, reason)
+        self.observers.request_moved(tr, reason)  # its location still names the lost instance
         tr.location = Parked(time.monotonic() + self.config.requeue_timeout_s, reason)
         self.num_requeued += 1
         self.parked.append(tr)
@@ -337,12 +325,7 @@ class RequestTable:
                 eng.abort(old.req_id, FinishReason.ABORT, "self-fenced: set aside")
             eng.wake()
         tr.location = Parked(math.inf, "set aside")
-        if self.tracked.get(old.req_id) is tr:
-            del self.tracked[old.req_id]
-        if not self.tracked:
-            self.all_done.set()
-        before, tr.sink = tr.sink, sink
-        return before
+        return self._untrack(tr, sink)
 
     def take_back(self, tr: Tracked, deadline: float, reason: str) -> bool:
         """Track a request set aside again (parked until `deadline`); False when a record of
@@ -402,13 +385,8 @@ class RequestTable:
 
     # ---- the watchdog's checks ------------------------------------------------------------------
     def expire(self, now: float) -> None:
-        """Queue timeouts and deadlines that have passed (a heap: O(expired) per tick)."""
-        for tr, kind in self.watchdog.due(now):
-            if self.tracked.get(tr.req.req_id) is not tr:
-                continue
-            if kind == "deadline":
-                self.abort_tracked(tr, "deadline exceeded (the call's gRPC deadline passed)")
-            elif tr.req.first_scheduled_time < 0:
-                self.abort_tracked(
-                    tr, f"queue timeout: not scheduled within {self.config.queue_timeout_s:g} s"
-                )
+        """Abort the requests still tracked whose queue timeout or deadline has passed
+        (`Watchdog.expired`: a heap, O(expired) per tick)."""
+        for tr, why in self.watchdog.expired(now):
+            if self.tracked.get(tr.req.req_id) is tr:
+                self.abort_tracked(tr, why)

@@ -1,14 +1,16 @@
 """`Watchdog`: the request table's clocks, run by the daemon's watchdog pass (every 0.1 s,
-daemon/app.py). It owns the queue-timeout and deadline timers (a heap: `add`, then `due`
-pops the ones that passed; the table decides what each ends), the open streams it cuts when
-their client stopped reading (`cut_stalled`), and whether this daemon stood still lately
-(`tick` / `stood_still`: instance losses then are not the workers' fault). It writes no
-field of a request's record."""
+daemon/app.py). It owns the queue-timeout and deadline timers (a heap: `start` sets a tracked
+request's, `expired` pops the ones that passed with why each ends: a deadline, or a queue
+timeout while the request was never scheduled; the table aborts those it still tracks), the
+open streams it cuts when their client stopped reading (`cut_stalled`), and whether this
+daemon stood still lately (`tick` / `stood_still`: instance losses then are not the workers'
+fault). It writes no field of a request's record."""
 
 from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,24 @@ class Watchdog:
         self.streams: set[Any] = set()  # open Generate / Session sinks (stall watchdog)
         self._last_tick = 0.0  # the watchdog's last pass (`tick`)
         self._stood_still_until = 0.0  # losses until then are not the workers' fault
+
+    def start(self, tr: Tracked, deadline_s: float | None, queue_timeout: bool) -> None:
+        """`tr`'s timers, from now: its queue timeout (`queue_timeout`: it has one, when
+        queue_timeout_s is on) and its call's deadline (`deadline_s` from now; None: none)."""
+        now = time.monotonic()
+        if queue_timeout and self.config.queue_timeout_s > 0:
+            self.add(now + self.config.queue_timeout_s, tr, "queue")
+        if deadline_s is not None:
+            self.add(now + deadline_s, tr, "deadline")
+
+    def expired(self, now: float) -> Iterator[tuple[Tracked, str]]:
+        """The requests whose timers passed by `now`, popped, each with why it ends: its
+        deadline, or its queue timeout while it was never scheduled (else nothing ends)."""
+        for tr, kind in self.due(now):
+            if kind == "deadline":
+                yield tr, "deadline exceeded (the call's gRPC deadline passed)"
+            elif tr.req.first_scheduled_time < 0:
+                yield tr, f"queue timeout: not scheduled within {self.config.queue_timeout_s:g} s"
 
     def add(self, when: float, tr: Tracked, kind: str) -> None:
         """A timer of `kind` ("queue" or "deadline") for `tr` at `when` (monotonic)."""

@@ -73,7 +73,7 @@ def test_requests_parked_during_the_walk_are_kept() -> None:
             assert table.take_back(a, time.monotonic() - 1.0, "test: out of time")
             table.redirect(a, old_sink)
             observer = LoseInstancesOnFinish("a", {"b", "c"}, table)
-            table.observe(observer)
+            table.observers.observe(observer)
             table.place_parked()
             assert observer.lost  # the finish of "a" lost the instances of "b" and "c"
             assert "a" not in table.tracked

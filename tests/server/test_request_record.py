@@ -48,7 +48,7 @@ def test_observers_see_accepted_moved_finished_once_each() -> None:
     async def go() -> tuple[Result, str]:
         async with running_daemon({}, zero_cost=False, instances=("i0", "i1")) as h:
             table = h.daemon.requests
-            table.observe(rec)
+            table.observers.observe(rec)
             call = h.stub.Generate(request("mv", 16, 200))
             out, first = Result(), ""
             while (r := await asyncio.wait_for(call.read(), 10)) is not grpc.aio.EOF:
@@ -95,7 +95,7 @@ def test_an_abort_of_a_queued_request_finishes_it_once() -> None:
     async def go() -> Result:
         async with running_daemon({}, zero_cost=False) as h:
             table = h.daemon.requests
-            table.observe(rec)
+            table.observers.observe(rec)
             call = h.stub.Generate(request("ab", 16, 100_000))
             out = Result()
             while (r := await asyncio.wait_for(call.read(), 10)) is not grpc.aio.EOF:

@@ -1,13 +1,14 @@
 """What a scheduler tells its caller: the events of a step (`Events`, with typed token deltas),
 its running counters (`SchedulerStats`) and a read-only view of its state (`SchedulerSnapshot`).
 
-Plain data, no behaviour: every module of the scheduler package may import this one, and so may
-the server (through `kvsched.core.scheduler`). It imports nothing of the scheduler.
+Plain data (`Events.take` hands a step's lists out and starts fresh ones): every module of the
+scheduler package may import this one, and so may the server (through
+`kvsched.core.scheduler`). It imports nothing of the scheduler.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import numpy as np
@@ -65,6 +66,17 @@ class Events:
                 reqs = d.reqs
                 out.extend(r for r in map(reqs.__getitem__, d.slots.tolist()) if r is not None)
         return out
+
+    def take(self) -> Events:
+        """The events so far, handed out (the scheduler's `take_events`): a new `Events` holds
+        the lists, and this one starts fresh ones for the parts to append to."""
+        out = Events(*(getattr(self, name) for name in _EVENT_LISTS))
+        for name in _EVENT_LISTS:  # fresh lists: `out` keeps the old ones
+            setattr(self, name, [])
+        return out
+
+
+_EVENT_LISTS = tuple(f.name for f in fields(Events))  # every field of Events is a list
 
 
 @dataclass(slots=True)

@@ -23,7 +23,8 @@ construction (none inherits another; each field has one writer):
     report      ReportApplier: apply_report and its tuned hot path
     facts       Facts: what it shows others (snapshot, load facts, the priced hit), read-only
     integrity   check_integrity (tests)
-    events      Events and their typed token deltas, SchedulerStats, SchedulerSnapshot
+    events      Events and their typed token deltas (`Events.take` hands them out),
+                SchedulerStats, SchedulerSnapshot
 
 Imported by `kvsched.core.scheduler` (the package) only; imports the parts.
 """
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import fields
 from typing import Any
 
 from kvsched.core.config import EngineConfig, Role
@@ -59,7 +59,6 @@ from kvsched.core.storage import StorageIndex
 # Every scheduler made in this process gets the next epoch: an engine whose scheduler is
 # replaced (its workers reconnected) shows a new one, and readers know their numbers restarted.
 _epochs = itertools.count(1)
-_EVENT_LISTS = tuple(f.name for f in fields(Events))  # every field of Events is a list
 
 
 class Scheduler:
@@ -175,11 +174,7 @@ class Scheduler:
 
     def take_events(self) -> Events:
         """The events since the last call (the parts keep appending to `events`)."""
-        ev = self.events
-        out = Events(*(getattr(ev, name) for name in _EVENT_LISTS))
-        for name in _EVENT_LISTS:  # fresh lists: `out` keeps the old ones
-            setattr(ev, name, [])
-        return out
+        return self.events.take()
 
     def validate(self, req: Request) -> None:
         """Raise InvalidRequest naming the first field of `req` this instance refuses, as
