@@ -90,8 +90,7 @@ def _set(arr: IntArray, mask: int, value: int) -> None:
         return
     size = arr.size
     raw = np.frombuffer(mask.to_bytes((2 * size + 7) // 8, "little"), np.uint8)
-    bits = np.unpackbits(raw, bitorder="little", count=2 * size)[::2]
-    arr[bits.view(bool)] = value
+    np.putmask(arr, np.unpackbits(raw, bitorder="little", count=2 * size)[::2], value)
 
 
 class HitIndex:
