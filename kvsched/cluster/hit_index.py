@@ -33,6 +33,8 @@ from kvsched.core.kv_events import CPU, GPU, STORAGE
 IntArray = npt.NDArray[np.int32]
 FloatArray = npt.NDArray[np.float64]
 _EVEN = int("55" * 128, 16)  # GPU bits of the first 512 slots (widened on demand: `_even`)
+_BULK_MIN = 4096  # keys from which `HitIndex.add_many` groups them by key first
+_BULK_ROWS = 1 << 16  # distinct keys per matrix of holder bytes (64 Ki x 250 B: 1,000 slots)
 
 
 def key64(h: bytes) -> int:
@@ -117,6 +119,50 @@ class HitIndex:
         d = self.holders
         bit = self._bit(medium, slot)
         d.update(zip(keys, map(bit.__or__, map(d.get, keys, _zeros(keys))), strict=True))
+
+    def add_many(self, parts: Sequence[tuple[str, int, Sequence[int]]]) -> None:
+        """`add` of every (medium, slot, keys) of `parts` (private tiers; the same holders as
+        adding them one by one, e.g. many snapshots at once). Many keys are grouped by key
+        first (a numpy sort) so that each key's holder int is built once and stored once:
+        one dict update per distinct key instead of one per (slot, key)."""
+        parts = [p for p in parts if p[0] in (GPU, CPU) and len(p[2])]
+        n = sum(len(p[2]) for p in parts)
+        if n < _BULK_MIN or len({p[1] for p in parts}) < 2:  # one slot: nothing to group
+            for medium, slot, keys in parts:
+                self.add(medium, slot, keys)
+            return
+        keys = np.fromiter(itertools.chain.from_iterable(p[2] for p in parts), np.uint64, n)
+        pos = np.repeat(
+            np.array([2 * slot + (medium == CPU) for medium, slot, _ in parts], np.int64),
+            [len(k) for _, _, k in parts],
+        )
+        order = np.argsort(keys)
+        keys, pos = keys[order], pos[order]
+        first = np.empty(keys.size, bool)
+        first[0] = True
+        np.not_equal(keys[1:], keys[:-1], out=first[1:])
+        group = np.cumsum(first) - 1  # each (slot, key)'s distinct key, in key order
+        starts = np.flatnonzero(first)
+        width = int(pos.max()) // 8 + 1  # bytes of the widest holder int
+        unpack = int.from_bytes
+        held: list[int] = []
+        for a in range(0, starts.size, _BULK_ROWS):  # a bounded matrix of bytes at a time
+            b = min(starts.size, a + _BULK_ROWS)
+            lo, hi = int(starts[a]), int(starts[b]) if b < starts.size else keys.size
+            rows = np.zeros((b - a, width), np.uint8)
+            at = pos[lo:hi]
+            np.bitwise_or.at(
+                rows, (group[lo:hi] - a, at >> 3), np.left_shift(1, at & 7).astype(np.uint8)
+            )
+            raw = rows.tobytes()
+            held.extend([unpack(raw[i : i + width], "little") for i in range(0, len(raw), width)])
+        d = self.holders
+        distinct: list[int] = keys[starts].tolist()
+        d.update(
+            zip(
+                distinct, map(int.__or__, held, map(d.get, distinct, _zeros(distinct))), strict=True
+            )
+        )
 
     def remove(self, medium: str, slot: int, keys: Sequence[int], namespace: str = "") -> None:
         if medium == STORAGE:

@@ -12,6 +12,7 @@ clear membership).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -266,33 +267,68 @@ class ClusterIndex:
                 self._clear(v, medium)
 
     def apply_snapshot(self, snap: dict[str, Any], now: float = 0.0) -> None:
-        v = self.view(str(snap["instance"]))
-        v.heard = max(v.heard, now)
-        self.table.heard[v.slot] = v.heard
-        self.num_snapshots += 1
-        v.daemon, v.epoch, v.seq = str(snap["daemon"]), str(snap["epoch"]), int(snap["seq"])
-        v.block_size = int(snap["block_size"])
-        v.take_info(snap.get("info"))
-        self._clear(v)
-        for medium, hs, name in (
-            (GPU, v.hashes, "block_hashes"),
-            (CPU, v.host, "host_block_hashes"),
+        self.apply_snapshots([snap], now)
+
+    def apply_snapshots(self, snaps: Sequence[dict[str, Any]], now: float = 0.0) -> None:
+        """`apply_snapshot` of each, in order (the same index as one by one), with the holders
+        of every snapshot's hashes added at once (`HitIndex.add_many`: a restarted daemon
+        hearing from many instances). A second snapshot of one instance starts a new group."""
+        i = 0
+        while i < len(snaps):
+            seen: set[str] = set()
+            j = i
+            while j < len(snaps) and str(snaps[j]["instance"]) not in seen:
+                seen.add(str(snaps[j]["instance"]))
+                j += 1
+            self._apply_snapshots(snaps[i:j], now)
+            i = j
+
+    def _apply_snapshots(self, snaps: Sequence[dict[str, Any]], now: float) -> None:
+        """Snapshots of distinct instances: read whole first (a malformed one raises before
+        anything changes), then every view's sets, then the holders at once, then per
+        snapshot its storage keys, load and the batches that waited for it."""
+        read = [
+            (
+                str(snap["instance"]),
+                (str(snap["daemon"]), str(snap["epoch"]), int(snap["seq"])),
+                int(snap["block_size"]),
+                snapshot_keys(snap, "block_hashes"),
+                snapshot_keys(snap, "host_block_hashes"),
+                snapshot_keys(snap, "storage_block_hashes"),
+            )
+            for snap in snaps
+        ]
+        parts: list[tuple[str, int, list[int]]] = []
+        views: list[InstanceView] = []
+        for snap, (iid, (daemon, epoch, seq), block_size, gpu, host, _) in zip(
+            snaps, read, strict=True
         ):
-            keys = snapshot_keys(snap, name)
-            hs.update(keys)
-            self.hits.add(medium, v.slot, keys)
-        stored = snapshot_keys(snap, "storage_block_hashes")
-        if stored:  # what the owner believes the shared store holds (added, never cleared)
-            self.hits.add(STORAGE, v.slot, stored, v.model)
-        if snap.get("load"):
-            v.load = dict(snap["load"])
-        self.table.set(v)
-        v.synced = True
-        self.version += 1
-        pending, v.pending = v.pending, []
-        for batch in sorted(pending, key=lambda b: int(b["seq"])):
-            if str(batch["epoch"]) == v.epoch and int(batch["seq"]) > v.seq:
-                self.apply_batch(batch)
+            v = self.view(iid)
+            v.heard = max(v.heard, now)
+            self.table.heard[v.slot] = v.heard
+            self.num_snapshots += 1
+            v.daemon, v.epoch, v.seq = daemon, epoch, seq
+            v.block_size = block_size
+            v.take_info(snap.get("info"))
+            self._clear(v)
+            v.hashes.update(gpu)
+            v.host.update(host)
+            parts += [(GPU, v.slot, gpu), (CPU, v.slot, host)]
+            views.append(v)
+        self.hits.add_many(parts)
+        for snap, v, got in zip(snaps, views, read, strict=True):
+            stored = got[5]
+            if stored:  # what the owner believes the shared store holds (added, never cleared)
+                self.hits.add(STORAGE, v.slot, stored, v.model)
+            if snap.get("load"):
+                v.load = dict(snap["load"])
+            self.table.set(v)
+            v.synced = True
+            self.version += 1
+            pending, v.pending = v.pending, []
+            for batch in sorted(pending, key=lambda b: int(b["seq"])):
+                if str(batch["epoch"]) == v.epoch and int(batch["seq"]) > v.seq:
+                    self.apply_batch(batch)
 
     def forget(self, instance_id: str) -> None:
         v = self.instances.pop(instance_id, None)
