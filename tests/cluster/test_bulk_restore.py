@@ -4,6 +4,7 @@ built from many snapshots at once equal those added one snapshot at a time, on r
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -11,6 +12,9 @@ import pytest
 from kvsched.cluster import hit_index
 from kvsched.cluster.hit_index import HitIndex
 from kvsched.cluster.kv_index import ClusterIndex, decode, encode_batch, encode_snapshot
+from kvsched.cluster.kv_stream import KvStream
+from kvsched.cluster.link import connect_cluster
+from kvsched.cluster.natsd import NatsServer
 from kvsched.core.kv_events import CPU, GPU, STORAGE, BlockRemoved, BlockStored
 
 BS = 16
@@ -112,3 +116,35 @@ def test_a_malformed_snapshot_changes_nothing_of_the_group() -> None:
     with pytest.raises(ValueError):
         idx.apply_snapshots([good, bad])
     assert idx.hits.holders == {} and not any(v.hashes for v in idx.instances.values())
+
+
+def test_kv_stream_applies_snapshots_that_arrive_together_at_once(nats_server: NatsServer) -> None:
+    """Snapshots received in one turn of the loop go to the index in one `apply_snapshots`; a
+    malformed one fails only its own fetch (the others are applied)."""
+
+    async def go() -> None:
+        link = await connect_cluster(nats_server.url, "bulk-sub")
+        stream = KvStream(link, dict)
+        calls: list[int] = []
+        apply = stream.index.apply_snapshots
+
+        def counted(snaps: list[dict], now: float = 0.0) -> None:  # type: ignore[type-arg]
+            calls.append(len(snaps))
+            apply(snaps, now)
+
+        stream.index.apply_snapshots = counted  # type: ignore[method-assign]
+        snaps = [
+            decode(encode_snapshot(f"i{k}", "d", "e", 1, BS, {}, [bytes([k]) * 16]))
+            for k in range(3)
+        ]
+        snaps[1]["packed_block_hashes"] = "zz"  # not hex
+        got = await asyncio.wait_for(
+            asyncio.gather(*(stream._apply_snapshot(s) for s in snaps), return_exceptions=True),
+            10,
+        )
+        await link.close()
+        assert got[0] is None and got[2] is None and isinstance(got[1], ValueError)
+        assert calls == [3, 1, 1, 1]  # the three together, then (one was malformed) each alone
+        assert set(stream.index.digest()) == {"i0", "i2"}
+
+    asyncio.run(go())
