@@ -34,7 +34,7 @@ IntArray = npt.NDArray[np.int32]
 FloatArray = npt.NDArray[np.float64]
 _EVEN = int("55" * 128, 16)  # GPU bits of the first 512 slots (widened on demand: `_even`)
 _BULK_MIN = 4096  # keys from which `HitIndex.add_many` groups them by key first
-_BULK_ROWS = 1 << 16  # distinct keys per matrix of holder bytes (64 Ki x 250 B: 1,000 slots)
+_BULK_SHIFT = 16  # 2**16 distinct keys per matrix of holder bytes (x 250 B at 1,000 slots)
 
 
 def key64(h: bytes) -> int:
@@ -137,27 +137,38 @@ class HitIndex:
             [len(k) for _, _, k in parts],
         )
         order = np.argsort(keys)
-        keys, pos = keys[order], pos[order]
+        keys = keys[order]
         first = np.empty(keys.size, bool)
         first[0] = True
         np.not_equal(keys[1:], keys[:-1], out=first[1:])
-        group = np.cumsum(first) - 1  # each (slot, key)'s distinct key, in key order
         starts = np.flatnonzero(first)
+        # Holders are built (allocated) and stored in the order the keys first appear (a
+        # snapshot's blocks, chain by chain), not in key order: a prompt's walk then finds
+        # its blocks' entries and ints near each other in memory (key order scatters them:
+        # measured, the walk's p99 1.3x slower).
+        by_first = np.argsort(np.minimum.reduceat(order, starts))
+        row = np.empty(starts.size, np.int64)
+        row[by_first] = np.arange(starts.size)
+        row = row[np.cumsum(first) - 1]  # each (slot, key)'s row: its key's rank
+        chunked = np.argsort((row >> _BULK_SHIFT).astype(np.uint16), kind="stable")  # radix
+        row, pos = row[chunked], pos[order][chunked]
+        bounds = np.searchsorted(
+            row >> _BULK_SHIFT, np.arange((starts.size >> _BULK_SHIFT) + 2)
+        ).tolist()
         width = int(pos.max()) // 8 + 1  # bytes of the widest holder int
         unpack = int.from_bytes
         held: list[int] = []
-        for a in range(0, starts.size, _BULK_ROWS):  # a bounded matrix of bytes at a time
-            b = min(starts.size, a + _BULK_ROWS)
-            lo, hi = int(starts[a]), int(starts[b]) if b < starts.size else keys.size
-            rows = np.zeros((b - a, width), np.uint8)
+        for c, (lo, hi) in enumerate(itertools.pairwise(bounds)):  # 64 Ki rows at a time
+            a = c << _BULK_SHIFT
+            rows = np.zeros((min(starts.size - a, 1 << _BULK_SHIFT), width), np.uint8)
             at = pos[lo:hi]
             np.bitwise_or.at(
-                rows, (group[lo:hi] - a, at >> 3), np.left_shift(1, at & 7).astype(np.uint8)
+                rows, (row[lo:hi] - a, at >> 3), np.left_shift(1, at & 7).astype(np.uint8)
             )
             raw = rows.tobytes()
             held.extend([unpack(raw[i : i + width], "little") for i in range(0, len(raw), width)])
         d = self.holders
-        distinct: list[int] = keys[starts].tolist()
+        distinct: list[int] = keys[starts][by_first].tolist()
         d.update(
             zip(
                 distinct, map(int.__or__, held, map(d.get, distinct, _zeros(distinct))), strict=True
