@@ -92,7 +92,7 @@ def _set(arr: IntArray, mask: int, value: int) -> None:
         return
     size = arr.size
     raw = np.frombuffer(mask.to_bytes((2 * size + 7) // 8, "little"), np.uint8)
-    np.putmask(arr, np.unpackbits(raw, bitorder="little", count=2 * size)[::2], value)
+    np.putmask(arr, np.unpackbits(raw, bitorder="little", count=2 * size)[::2].view(bool), value)
 
 
 class HitIndex:
@@ -128,8 +128,8 @@ class HitIndex:
         parts = [p for p in parts if p[0] in (GPU, CPU) and len(p[2])]
         n = sum(len(p[2]) for p in parts)
         if n < _BULK_MIN or len({p[1] for p in parts}) < 2:  # one slot: nothing to group
-            for medium, slot, keys in parts:
-                self.add(medium, slot, keys)
+            for medium, slot, part in parts:
+                self.add(medium, slot, part)
             return
         keys = np.fromiter(itertools.chain.from_iterable(p[2] for p in parts), np.uint64, n)
         pos = np.repeat(

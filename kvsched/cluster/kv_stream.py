@@ -261,13 +261,13 @@ class KvStream:
                     errors.append(None)
                 except Exception as exc:
                     errors.append(exc)
-        for (_, done), exc in zip(got, errors, strict=True):
+        for (_, done), error in zip(got, errors, strict=True):
             if done.done():  # its fetch was cancelled
                 continue
-            if exc is None:
+            if error is None:
                 done.set_result(None)
             else:
-                done.set_exception(exc)
+                done.set_exception(error)
 
     async def _fetch(self, iid: str) -> None:
         try:
