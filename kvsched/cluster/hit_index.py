@@ -33,6 +33,8 @@ from kvsched.core.kv_events import CPU, GPU, STORAGE
 IntArray = npt.NDArray[np.int32]
 FloatArray = npt.NDArray[np.float64]
 _EVEN = int("55" * 128, 16)  # GPU bits of the first 512 slots (widened on demand: `_even`)
+_BULK_MIN = 4096  # keys from which `HitIndex.add_many` groups them by key first
+_BULK_SHIFT = 16  # 2**16 distinct keys per matrix of holder bytes (x 250 B at 1,000 slots)
 
 
 def key64(h: bytes) -> int:
@@ -90,8 +92,7 @@ def _set(arr: IntArray, mask: int, value: int) -> None:
         return
     size = arr.size
     raw = np.frombuffer(mask.to_bytes((2 * size + 7) // 8, "little"), np.uint8)
-    bits = np.unpackbits(raw, bitorder="little", count=2 * size)[::2]
-    arr[bits.view(bool)] = value
+    np.putmask(arr, np.unpackbits(raw, bitorder="little", count=2 * size)[::2].view(bool), value)
 
 
 class HitIndex:
@@ -118,6 +119,61 @@ class HitIndex:
         d = self.holders
         bit = self._bit(medium, slot)
         d.update(zip(keys, map(bit.__or__, map(d.get, keys, _zeros(keys))), strict=True))
+
+    def add_many(self, parts: Sequence[tuple[str, int, Sequence[int]]]) -> None:
+        """`add` of every (medium, slot, keys) of `parts` (private tiers; the same holders as
+        adding them one by one, e.g. many snapshots at once). Many keys are grouped by key
+        first (a numpy sort) so that each key's holder int is built once and stored once:
+        one dict update per distinct key instead of one per (slot, key)."""
+        parts = [p for p in parts if p[0] in (GPU, CPU) and len(p[2])]
+        n = sum(len(p[2]) for p in parts)
+        if n < _BULK_MIN or len({p[1] for p in parts}) < 2:  # one slot: nothing to group
+            for medium, slot, part in parts:
+                self.add(medium, slot, part)
+            return
+        keys = np.fromiter(itertools.chain.from_iterable(p[2] for p in parts), np.uint64, n)
+        pos = np.repeat(
+            np.array([2 * slot + (medium == CPU) for medium, slot, _ in parts], np.int64),
+            [len(k) for _, _, k in parts],
+        )
+        order = np.argsort(keys)
+        keys = keys[order]
+        first = np.empty(keys.size, bool)
+        first[0] = True
+        np.not_equal(keys[1:], keys[:-1], out=first[1:])
+        starts = np.flatnonzero(first)
+        # Holders are built (allocated) and stored in the order the keys first appear (a
+        # snapshot's blocks, chain by chain), not in key order: a prompt's walk then finds
+        # its blocks' entries and ints near each other in memory (key order scatters them:
+        # measured, the walk's p99 1.3x slower).
+        by_first = np.argsort(np.minimum.reduceat(order, starts))
+        row = np.empty(starts.size, np.int64)
+        row[by_first] = np.arange(starts.size)
+        row = row[np.cumsum(first) - 1]  # each (slot, key)'s row: its key's rank
+        chunked = np.argsort((row >> _BULK_SHIFT).astype(np.uint16), kind="stable")  # radix
+        row, pos = row[chunked], pos[order][chunked]
+        bounds = np.searchsorted(
+            row >> _BULK_SHIFT, np.arange((starts.size >> _BULK_SHIFT) + 2)
+        ).tolist()
+        width = int(pos.max()) // 8 + 1  # bytes of the widest holder int
+        unpack = int.from_bytes
+        held: list[int] = []
+        for c, (lo, hi) in enumerate(itertools.pairwise(bounds)):  # 64 Ki rows at a time
+            a = c << _BULK_SHIFT
+            rows = np.zeros((min(starts.size - a, 1 << _BULK_SHIFT), width), np.uint8)
+            at = pos[lo:hi]
+            np.bitwise_or.at(
+                rows, (row[lo:hi] - a, at >> 3), np.left_shift(1, at & 7).astype(np.uint8)
+            )
+            raw = rows.tobytes()
+            held.extend([unpack(raw[i : i + width], "little") for i in range(0, len(raw), width)])
+        d = self.holders
+        distinct: list[int] = keys[starts][by_first].tolist()
+        d.update(
+            zip(
+                distinct, map(int.__or__, held, map(d.get, distinct, _zeros(distinct))), strict=True
+            )
+        )
 
     def remove(self, medium: str, slot: int, keys: Sequence[int], namespace: str = "") -> None:
         if medium == STORAGE:

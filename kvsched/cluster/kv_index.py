@@ -12,6 +12,7 @@ clear membership).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,11 +72,11 @@ class InstanceView:
     role: str = "mixed"  # core.config.Role's value: a decode instance takes no new request
 
     def take_info(self, info: dict[str, Any] | None) -> None:
-        if info:
-            self.role = str(info.get("role", "mixed"))
-            self.model = str(info.get("model", ""))
-            self.max_model_len = int(info.get("max_model_len", 0))
-            self.vocab_size = int(info.get("vocab_size", 0))
+        self.set_info(read_info(info))
+
+    def set_info(self, got: tuple[str, str, int, int] | None) -> None:
+        if got is not None:
+            self.role, self.model, self.max_model_len, self.vocab_size = got
 
     def prefix_blocks(self, block_hashes: list[bytes]) -> int:
         """How many leading blocks of a request (its chained hashes) this instance holds."""
@@ -100,6 +101,18 @@ class InstanceView:
     def medium(self, name: str) -> set[int] | None:
         """Its own hash set of a private tier (None for storage: shared, `HitIndex.storage`)."""
         return self.hashes if name == GPU else self.host if name == CPU else None
+
+
+def read_info(info: dict[str, Any] | None) -> tuple[str, str, int, int] | None:
+    """A published info's (role, model, max_model_len, vocab_size); None when there is none."""
+    if not info:
+        return None
+    return (
+        str(info.get("role", "mixed")),
+        str(info.get("model", "")),
+        int(info.get("max_model_len", 0)),
+        int(info.get("vocab_size", 0)),
+    )
 
 
 class LoadTable:
@@ -266,33 +279,55 @@ class ClusterIndex:
                 self._clear(v, medium)
 
     def apply_snapshot(self, snap: dict[str, Any], now: float = 0.0) -> None:
-        v = self.view(str(snap["instance"]))
-        v.heard = max(v.heard, now)
-        self.table.heard[v.slot] = v.heard
-        self.num_snapshots += 1
-        v.daemon, v.epoch, v.seq = str(snap["daemon"]), str(snap["epoch"]), int(snap["seq"])
-        v.block_size = int(snap["block_size"])
-        v.take_info(snap.get("info"))
-        self._clear(v)
-        for medium, hs, name in (
-            (GPU, v.hashes, "block_hashes"),
-            (CPU, v.host, "host_block_hashes"),
-        ):
-            keys = snapshot_keys(snap, name)
-            hs.update(keys)
-            self.hits.add(medium, v.slot, keys)
-        stored = snapshot_keys(snap, "storage_block_hashes")
-        if stored:  # what the owner believes the shared store holds (added, never cleared)
-            self.hits.add(STORAGE, v.slot, stored, v.model)
-        if snap.get("load"):
-            v.load = dict(snap["load"])
-        self.table.set(v)
-        v.synced = True
-        self.version += 1
-        pending, v.pending = v.pending, []
-        for batch in sorted(pending, key=lambda b: int(b["seq"])):
-            if str(batch["epoch"]) == v.epoch and int(batch["seq"]) > v.seq:
-                self.apply_batch(batch)
+        self.apply_snapshots([snap], now)
+
+    def apply_snapshots(self, snaps: Sequence[dict[str, Any]], now: float = 0.0) -> None:
+        """`apply_snapshot` of each, in order (the same index as one by one), with the holders
+        of many snapshots' hashes added at once (`HitIndex.add_many`: a restarted daemon
+        hearing from many instances). Every snapshot is read first: a malformed one raises
+        (ValueError, KeyError, TypeError) before anything changes."""
+        read = [_read_snapshot(snap) for snap in snaps]
+        i = 0
+        while i < len(read):  # groups of distinct instances (a second snapshot: a new group)
+            seen: set[str] = set()
+            j = i
+            while j < len(read) and read[j].instance not in seen:
+                seen.add(read[j].instance)
+                j += 1
+            self._apply_snapshots(read[i:j], now)
+            i = j
+
+    def _apply_snapshots(self, group: Sequence[_Snapshot], now: float) -> None:
+        """Snapshots of distinct instances: every view's sets, then the holders at once, then
+        per snapshot its storage keys, load and the batches that waited for it."""
+        parts: list[tuple[str, int, list[int]]] = []
+        views: list[InstanceView] = []
+        for snap in group:
+            v = self.view(snap.instance)
+            v.heard = max(v.heard, now)
+            self.table.heard[v.slot] = v.heard
+            self.num_snapshots += 1
+            v.daemon, v.epoch, v.seq = snap.daemon, snap.epoch, snap.seq
+            v.block_size = snap.block_size
+            v.set_info(snap.info)
+            self._clear(v)
+            v.hashes.update(snap.gpu)
+            v.host.update(snap.host)
+            parts += [(GPU, v.slot, snap.gpu), (CPU, v.slot, snap.host)]
+            views.append(v)
+        self.hits.add_many(parts)
+        for snap, v in zip(group, views, strict=True):
+            if snap.stored:  # what the owner believes the shared store holds (never cleared)
+                self.hits.add(STORAGE, v.slot, snap.stored, v.model)
+            if snap.load:
+                v.load = snap.load
+            self.table.set(v)
+            v.synced = True
+            self.version += 1
+            pending, v.pending = v.pending, []
+            for batch in sorted(pending, key=lambda b: int(b["seq"])):
+                if str(batch["epoch"]) == v.epoch and int(batch["seq"]) > v.seq:
+                    self.apply_batch(batch)
 
     def forget(self, instance_id: str) -> None:
         v = self.instances.pop(instance_id, None)
@@ -309,3 +344,34 @@ class ClusterIndex:
     def host_digest(self) -> dict[str, frozenset[int]]:
         """Every instance's host-memory hash keys."""
         return {i: frozenset(v.host) for i, v in self.instances.items() if v.synced}
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    """A snapshot as read (`_read_snapshot`), before it changes the index."""
+
+    instance: str
+    daemon: str
+    epoch: str
+    seq: int
+    block_size: int
+    info: tuple[str, str, int, int] | None
+    gpu: list[int]
+    host: list[int]
+    stored: list[int]
+    load: dict[str, float]
+
+
+def _read_snapshot(snap: dict[str, Any]) -> _Snapshot:
+    return _Snapshot(
+        str(snap["instance"]),
+        str(snap["daemon"]),
+        str(snap["epoch"]),
+        int(snap["seq"]),
+        int(snap["block_size"]),
+        read_info(snap.get("info")),
+        snapshot_keys(snap, "block_hashes"),
+        snapshot_keys(snap, "host_block_hashes"),
+        snapshot_keys(snap, "storage_block_hashes"),
+        dict(snap.get("load") or {}),
+    )

@@ -94,6 +94,8 @@ class KvStream:
         self._subs: list[Any] = []
         self._task: asyncio.Task[None] | None = None
         self._syncing: set[str] = set()
+        # Snapshots received and not yet applied, each with its fetch's future (`_apply_snapshot`).
+        self._snaps: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
         self.num_published = 0
         self.drop_next = False  # tests: drop the next batch instead of publishing it
         # An instance's model and limits, published with its load (None: not published).
@@ -232,6 +234,41 @@ class KvStream:
         if not self.index.apply_batch(batch, time.monotonic()):
             self.sync(str(batch["instance"]))
 
+    async def _apply_snapshot(self, snap: dict[str, Any]) -> None:
+        """Apply `snap` with every other snapshot that arrives in the same turn of the event
+        loop (a restarted daemon hears from many instances at once): one
+        `ClusterIndex.apply_snapshots` for all of them. Raises what applying `snap` raises."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        if not self._snaps:
+            loop.call_soon(self._apply_snapshots)
+        self._snaps.append((snap, done))
+        await done
+
+    def _apply_snapshots(self) -> None:
+        got, self._snaps = self._snaps, []
+        now = time.monotonic()
+        try:
+            self.index.apply_snapshots([snap for snap, _ in got], now)
+            errors: list[BaseException | None] = [None] * len(got)
+        except Exception:
+            # A malformed one (raised before anything changed: every snapshot is read first):
+            # each alone, so that only its own fetch sees the error and asks again.
+            errors = []
+            for snap, _ in got:
+                try:
+                    self.index.apply_snapshot(snap, now)
+                    errors.append(None)
+                except Exception as exc:
+                    errors.append(exc)
+        for (_, done), error in zip(got, errors, strict=True):
+            if done.done():  # its fetch was cancelled
+                continue
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
     async def _fetch(self, iid: str) -> None:
         try:
             for _ in range(20):
@@ -240,7 +277,7 @@ class KvStream:
                         f"{SNAPSHOT_SUBJECT}.{iid}", b"", timeout=1.0
                     )
                     snap = decode(reply.data)
-                    self.index.apply_snapshot(snap, time.monotonic())
+                    await self._apply_snapshot(snap)
                     if self.storage_index is not None and snap.get("daemon") != self.daemon_id:
                         learn_stored(self.storage_index, snap)
                     return

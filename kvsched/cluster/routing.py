@@ -249,10 +249,11 @@ class ClusterRouter:
                 self._refuse_by_peers(req, model, self.remote_candidates(time.monotonic()))
                 raise
         engines = [e for e in self.registry.engines.values() if e.accepting and not e.is_decode]
-        try:
-            engines = self.registry.candidates(req, model, engines)
-        except KvschedError:
-            engines = []  # none here fits: a peer's does
+        if engines:  # (with none, `candidates` could only raise Unavailable)
+            try:
+                engines = self.registry.candidates(req, model, engines)
+            except KvschedError:
+                engines = []  # none here fits: a peer's does
         router = self.registry.router
         n = max(1, len(req.prompt_token_ids))
         local_hits: list[float] = []
@@ -266,15 +267,20 @@ class ClusterRouter:
             local_waits.append(router.calibration.factor * e.predicted_wait_ms(req, hit))
         hits, waits, loads = self._remote_scores(req, elig.size, by_size, n, model)
         req.block_hashes = []  # the instance chosen hashes with its own block size
-        all_hits = np.concatenate([np.asarray(local_hits), hits])
+        all_hits = hits
+        if engines:  # this daemon's candidates first, then the peers' slots
+            all_hits = np.concatenate([np.asarray(local_hits), hits])
+            waits = np.concatenate([np.asarray(local_waits), waits])
+            loads = np.concatenate([np.asarray(local_loads), loads])
+            elig = np.concatenate([np.ones(len(engines), bool), elig])
         choice = choose(
             all_hits,
-            np.concatenate([np.asarray(local_waits), waits]),
-            np.concatenate([np.asarray(local_loads), loads]),
+            waits,
+            loads,
             req.ttft_deadline_ms or router.ttft_target_ms,
             router.overload,
             self.load_weight,
-            eligible=np.concatenate([np.ones(len(engines), bool), elig]),
+            eligible=elig,
             soonest_on_overflow=False,
         )
         if choice.overflowed:
