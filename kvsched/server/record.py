@@ -157,7 +157,7 @@ class Tracked:
 
 
 class Lifecycle(Protocol):
-    """A lifecycle observer (`RequestTable.observe`): telemetry (server/telemetry.py), the
+    """A lifecycle observer (`RequestTable.observers.observe`): telemetry (server/telemetry.py), the
     journal glue (server/durable.py) and a cluster's forwarder implement it. Hooks run
     synchronously on the event loop, on lifecycle events only (never per token)."""
 
