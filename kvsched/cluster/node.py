@@ -46,7 +46,7 @@ from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import worker_service_pb2 as wpb
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Mapping
 
     from kvsched.cluster.link import ClusterLink
     from kvsched.server.config import ServerConfig
@@ -391,6 +391,10 @@ class ClusterNode:
             )
         async for out in self.forwarder.resume(member.address, msg, owner):
             yield out
+
+    def forwarded_by(self, carrier: Mapping[str, str]) -> str:
+        """The peer daemon that forwarded (or relayed) this call here, or "" for a client's."""
+        return carrier.get(FORWARDED_BY, "")
 
     def caller_of(self, carrier: dict[str, str], caller: str) -> str:
         """The principal a call acts for: the original client's when a peer relayed it."""

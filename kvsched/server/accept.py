@@ -19,6 +19,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from kvsched import codec
 from kvsched.core import InvalidRequest, Request, Role, Unavailable
@@ -29,6 +30,9 @@ from kvsched.server.models import too_long
 from kvsched.server.record import LocalEngine, RemotePeer, Sink, Tracked
 from kvsched.server.request_table import RequestTable
 from kvsched.v1 import request_service_pb2
+
+if TYPE_CHECKING:
+    from kvsched.server.cluster_port import ClusterPort
 
 
 class Acceptor:
@@ -55,6 +59,7 @@ class Acceptor:
         req_id = pb.request_id or uuid.uuid4().hex
         live = table.tracked.get(req_id)
         if live is not None:
+            relayed_from_caller(live, carrier, table.cluster)
             raise _in_use(req_id, live, pb, model)
         limit = registry.largest_max_model_len()
         if len(pb.prompt_token_ids) > limit:  # before the prompt becomes a Python list
@@ -130,6 +135,25 @@ class Acceptor:
                     self.table.abort_tracked(tr, "client stream closed before it was queued")
                 raise
         return tr
+
+
+def relayed_from_caller(
+    tr: Tracked, carrier: Mapping[str, str] | None, cluster: ClusterPort | None
+) -> None:
+    """Unavailable when a peer forwards (or resumes) here a request this daemon only relays
+    from that very peer: followed here, the request would go round between the two, each
+    relaying the other's relay, and nobody would run it (the 30-minute nemesis run of 592748b
+    lost a request so: d2 followed it at d1, which then forwarded it to d2). Refused, the
+    peer places it elsewhere (or runs it itself) and this daemon's relay goes on reading it."""
+    loc = tr.location
+    if cluster is None or carrier is None or type(loc) is not RemotePeer:
+        return
+    peer = cluster.forwarded_by(carrier)
+    if peer and peer == loc.instance.daemon_id:
+        raise Unavailable(
+            f"request {tr.req.req_id!r} is relayed to this daemon from daemon {peer}: "
+            "it cannot be followed here from there; place it elsewhere"
+        )
 
 
 def _in_use(

@@ -5,7 +5,7 @@ composition root). The server imports nothing of kvsched.cluster."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from kvsched.core import Request
@@ -46,6 +46,10 @@ class ClusterPort(Protocol):
     async def abort_elsewhere(self, request_id: str, owner: str | None) -> bool: ...
 
     def caller_of(self, carrier: dict[str, str], caller: str) -> str: ...
+
+    def forwarded_by(self, carrier: Mapping[str, str]) -> str:
+        """The peer daemon that forwarded (or relayed) this call here, or "" for a client's."""
+        ...
 
     def hand_over_from(self, carrier: dict[str, str], caller: str) -> str:
         """The daemon handing this Resume's request over to this one (its live owner, with no

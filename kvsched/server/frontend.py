@@ -16,7 +16,7 @@ import grpc
 
 from kvsched import codec
 from kvsched.core import KvschedError, RequestNotFound, Unavailable
-from kvsched.server.accept import Acceptor
+from kvsched.server.accept import Acceptor, relayed_from_caller
 from kvsched.server.auth import current_principal
 from kvsched.server.errors import status_for
 from kvsched.server.record import RemotePeer, Tracked
@@ -80,7 +80,8 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         sink.sent = len(request.token_ids) or request.num_tokens_received  # the caller has them
         carrier, node = metadata(context), self.requests.cluster
         owner = principal(context) if node is None else node.caller_of(carrier, principal(context))
-        if node is not None and request.request_id not in self.requests.tracked:
+        here = self.requests.tracked.get(request.request_id)
+        if node is not None and here is None:
             node.refuse_if_fenced()  # a fenced daemon answers at once: resume elsewhere
         giver = "" if node is None else node.hand_over_from(carrier, principal(context))
         if giver and request.request_id in self.requests.tracked:
@@ -90,6 +91,8 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             raise Unavailable(
                 f"request {request.request_id!r} continues at the daemon that accepted it"
             )
+        if here is not None:
+            relayed_from_caller(here, carrier, node)  # never followed round in a circle
         try:
             got = await self.resumer.resume(request, owner, sink)
         except OwnedElsewhere as exc:

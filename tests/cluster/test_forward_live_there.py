@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -312,3 +313,50 @@ def test_a_forwarded_session_request_is_accepted_only_once_the_peer_accepted_it(
     assert accepted == ["lv-6"]
     assert len(fins) == 1 and fins[0].reason == common_pb2.FINISH_REASON_LENGTH, fins
     assert tokens == sim_expected("lv-6", 40, 20)
+
+
+def test_a_request_is_never_followed_back_to_the_daemon_it_is_relayed_from(
+    pair: tuple[Daemon, Daemon],
+) -> None:
+    """The 30-minute run of 592748b lost a request to a circle: d2 followed it at d1 (which
+    relayed it), then d1 forwarded it to d2; each relayed the other's relay, nobody ran it, and
+    the client's stream at d2 was taken by d1's Resume. Here `lv-a` relays `lv-7` from `lv-b`;
+    a Generate or Resume of it that `lv-b` sends back to `lv-a` (made by hand, with `lv-b`'s
+    forwarding metadata) is refused with UNAVAILABLE (place it elsewhere), and the client
+    reading it at `lv-a` keeps its stream: every token once, one Finished."""
+    a, _ = pair
+    spec = Spec("lv-7", [19] * 40, MAX_TOKENS)
+    back = ((FORWARDED_BY, "lv-b"), (FORWARD_OWNER, ""))
+
+    async def scenario() -> tuple[grpc.aio.AioRpcError, grpc.aio.AioRpcError, list[int], Any]:
+        async with grpc.aio.insecure_channel(a.address) as ch:
+            stub = request_service_pb2_grpc.RequestServiceStub(ch)
+            call = stub.Generate(spec.message(detachable=True), timeout=90)
+            tokens: list[int] = []
+            while len(tokens) < 3:
+                r = await call.read()
+                assert r is not grpc.aio.EOF, "ended early"
+                tokens.extend(r.tokens.token_ids)
+            with pytest.raises(grpc.aio.AioRpcError) as gen:
+                async for _ in stub.Generate(spec.message(detachable=True), metadata=back):
+                    pass
+            resume = rpb.RequestServiceResumeRequest(request_id="lv-7", token_ids=tokens)
+            with pytest.raises(grpc.aio.AioRpcError) as res:
+                async for _ in stub.Resume(resume, metadata=back, timeout=30):
+                    pass
+            fin = None
+            while (r := await call.read()) is not grpc.aio.EOF:
+                if r.WhichOneof("kind") == "tokens":
+                    tokens.extend(r.tokens.token_ids)
+                elif r.WhichOneof("kind") == "finished":
+                    assert fin is None, "two finished messages"
+                    fin = r.finished
+            return gen.value, res.value, tokens, fin
+
+    gen, res, tokens, fin = asyncio.run(asyncio.wait_for(scenario(), 120))
+    for err in (gen, res):
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, (err.code(), err.details())
+        assert "relayed to this daemon from daemon lv-b" in (err.details() or "")
+    assert fin is not None, "the client's stream was taken from it (no Finished)"
+    assert fin.reason == common_pb2.FINISH_REASON_LENGTH, fin.message
+    assert tokens == sim_expected("lv-7", 40, MAX_TOKENS)
