@@ -4,8 +4,8 @@
                        KvStream (publish own instances' KV events, index everyone's),
                        ClusterRouter + Forwarder (the request table's `cluster` hook),
                        the abort responder (subject kvsched.abort: aborts.py)
-    admit_worker:      the WorkerService's Hello gate: own the instance (lease by CAS) or
-                       answer a Redirect to its owner
+    admit_worker:      the WorkerService's Hello gate (worker_gate.py): own the instance
+                       (lease by CAS) or answer a Redirect to its owner
     stop:              release this daemon's leases, mark its membership entry `leaving`
 
 Failover (`takeover.py`, started by the daemon as `node.takeover`): a daemon whose membership
@@ -30,20 +30,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvsched.cluster.aborts import ABORT_SUBJECT as ABORT_SUBJECT
 from kvsched.cluster.aborts import AbortBus
-from kvsched.cluster.cluster_view import cluster_status, refuses_connections
+from kvsched.cluster.cluster_view import cluster_status
 from kvsched.cluster.fencing import hand_over_fenced
 from kvsched.cluster.forward import Forwarder
 from kvsched.cluster.kv_stream import KvStream
 from kvsched.cluster.leases import Leases
-from kvsched.cluster.membership import Member, Membership
+from kvsched.cluster.membership import Membership
 from kvsched.cluster.peer_rpc import FORWARD_INSTANCE, FORWARDED_BY, HAND_OVER, RELAYED, relay_owner
 from kvsched.cluster.routing import ClusterRouter, RemoteInstance
 from kvsched.cluster.selffence import SelfFence
+from kvsched.cluster.worker_gate import WorkerGate
 from kvsched.core import Request, Unavailable
 from kvsched.server.auth import principal_of
 from kvsched.server.engine import InstanceEngine
 from kvsched.v1 import admin_service_pb2 as apb
-from kvsched.v1 import worker_service_pb2 as wpb
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping
@@ -83,6 +83,7 @@ class ClusterNode:
         self.requests = requests
         self.membership = Membership(link, address, config.member_ttl_s, self._summary)
         self.leases = Leases(link)
+        self.gate = WorkerGate(self)  # the Hello gate: own the instance or redirect its worker
         self.stream = KvStream(link, self._ready)
         self._addresses: dict[str, str] = {}
         self._owners: dict[str, str] = {}
@@ -205,55 +206,8 @@ class ClusterNode:
 
     # ---- workers ------------------------------------------------------------------------------
     async def admit_worker(self, hello: Any) -> bytes | None:
-        """None: attach the worker here (this daemon owns its instance now). Otherwise the
-        serialized ConnectResponse redirecting it to the owner."""
-        iid = hello.instance_id
-        eng = self.registry.engines.get(iid)
-        if eng is not None and eng.ranks:
-            return None  # another rank of it is attached here already: it is ours
-        if eng is None and not self.config.auto_instances:
-            return None  # an instance this daemon does not know: attach refuses it, no lease
-        if not self.connected:
-            log.warning("NATS unreachable: attaching instance %s here without a lease", iid)
-            return None
-        try:
-            lease = await asyncio.wait_for(self.leases.acquire(iid), NATS_TIMEOUT_S)
-            if lease.owner == self.daemon_id:
-                return None
-            owner = await self._live_member(lease.owner)
-            if owner is None:  # its owner is gone: take it (one CAS; a racing daemon may win)
-                if await asyncio.wait_for(self.leases.try_take(iid, lease.owner), NATS_TIMEOUT_S):
-                    return None
-                lease2 = await self.leases.owner(iid)
-                if lease2 is None or lease2.owner == self.daemon_id:
-                    return None if lease2 is not None else await self.admit_worker(hello)
-                lease, owner = lease2, await self._live_member(lease2.owner)
-                if owner is None:
-                    raise Unavailable(f"instance {iid}: its lease is moving; retry")
-            if self.takeover is not None and await refuses_connections(owner.address):
-                # Its worker came here and its address refuses connections: it is dead. Take
-                # its leases and requests now (by CAS), not after its membership TTL.
-                await self.takeover.confirmed_dead(lease.owner, owner.address, owner.instances)
-                again = await asyncio.wait_for(self.leases.owner(iid), NATS_TIMEOUT_S)
-                if again is not None and again.owner == self.daemon_id:
-                    return None
-        except (TimeoutError, Unavailable) as exc:
-            raise Unavailable(f"instance {iid}: cluster lease unavailable: {exc}") from None
-        log.info("worker of instance %s redirected to daemon %s", iid, lease.owner)
-        return wpb.ConnectResponse(
-            redirect=wpb.Redirect(
-                address=owner.address,
-                owner_daemon_id=lease.owner,
-                reason=f"instance {iid} is owned by daemon {lease.owner}",
-            )
-        ).SerializeToString()
-
-    async def _live_member(self, daemon_id: str) -> Member | None:
-        """The daemon's membership entry read now (not the polled view: a daemon that just
-        joined must not look dead)."""
-        if daemon_id == self.daemon_id:
-            return self.membership.me()
-        return await self.membership.lookup(daemon_id)
+        """The WorkerService's Hello gate (worker_gate.py): None attaches the worker here."""
+        return await self.gate.admit(hello)
 
     # ---- requests -----------------------------------------------------------------------------
     def route_new(
@@ -373,7 +327,7 @@ class ClusterNode:
         if carrier.get(FORWARDED_BY) == daemon_id:
             pass  # the owner's own forwarder, following it: the owner adopted it (it continues)
         elif daemon_id != self.daemon_id and RELAYED not in carrier and self.connected:
-            member = await asyncio.wait_for(self._live_member(daemon_id), NATS_TIMEOUT_S)
+            member = await asyncio.wait_for(self.gate.live_member(daemon_id), NATS_TIMEOUT_S)
             silent = self.membership.silent_for(daemon_id)
             if member is not None and silent > self.fence.after_s:
                 # Its entry stopped changing: paused or cut off, so fenced by now (a relay
