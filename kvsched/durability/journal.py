@@ -157,7 +157,7 @@ class Journal:
             # a refused request leaves nothing behind. Not a purge: JetStream orders a
             # subject's messages on one connection, not a message and a later API request
             # (a purge could run before the record it should remove is stored).
-            self._emit(subject, b"", R.TOMBSTONE_HEADERS)
+            self._emit(subject, b"", R.REFUSED_HEADERS)
         tr.journal_state = JournalState.NONE
         self.num_refused += 1
         if not done.done():

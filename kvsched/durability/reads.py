@@ -67,8 +67,10 @@ class JournalReader:
     async def lookup(self, req_id: str) -> journal_pb2.JournalRecord | None:
         """`req_id`'s finished record, else its accepted record on any daemon; None when the
         journal holds neither. A takeover's tombstones name the adopter (`Kvsched-Adopted-By`),
-        followed here; a tombstone that names nobody, with no finished record, is a record
-        changing hands (or a refused request's, for 2 s): Unavailable, retry."""
+        followed here. A refused record's tombstone (`Kvsched-Refused`) is no record: the
+        request's record on another daemon, if any (accepted there before this tombstone
+        landed), else None. A tombstone that names nobody, with no finished record, is a record
+        changing hands: Unavailable, retry."""
         done = await self.last(R.done_subject(req_id))
         if done is not None and done.data:
             return R.parse_record(done.data)
@@ -78,11 +80,24 @@ class JournalReader:
                 return None
             if msg.data:
                 return R.parse_record(msg.data)
-            adopter = (msg.headers or {}).get(R.ADOPTED_BY)
+            headers = msg.headers or {}
+            if headers.get(R.REFUSED):
+                return await self._accepted_anywhere(req_id)
+            adopter = headers.get(R.ADOPTED_BY)
             if not adopter:
                 break
             msg = await self.last(R.req_subject(adopter, req_id))
         raise Unavailable(f"request {req_id!r} is changing owner in the journal; retry")
+
+    async def _accepted_anywhere(self, req_id: str) -> journal_pb2.JournalRecord | None:
+        """`req_id`'s accepted record under any daemon's subject (the last of each), or None
+        (the newest when several daemons hold one)."""
+        subject = f"{R.REQ}.*.{R.id_token(req_id)}"
+        latest = None
+        for msg in await self.read(subject, DeliverPolicy.LAST_PER_SUBJECT):
+            if msg.data and (latest is None or msg.metadata.sequence.stream > latest[0]):
+                latest = (msg.metadata.sequence.stream, msg.data)
+        return None if latest is None else R.parse_record(latest[1])
 
     async def last(self, subject: str) -> Any:
         """The stream's last message on `subject` (None: none); Unavailable when NATS fails."""

@@ -23,6 +23,10 @@ TOK = f"{PREFIX}.tok"
 TOMBSTONE_HEADERS = {"Nats-Rollup": "sub", "Nats-TTL": "2s"}
 ROLLUP = {"Nats-Rollup": "sub"}
 ADOPTED_BY = "Kvsched-Adopted-By"  # header of a takeover's tombstone: the adopting daemon
+# Header of the tombstone that follows a refused accepted record (the client was told that
+# nothing was accepted): a lookup reads it as "never accepted here", not as a record in transit.
+REFUSED = "Kvsched-Refused"
+REFUSED_HEADERS = {**TOMBSTONE_HEADERS, REFUSED: "1"}
 MAX_BATCH_TOKENS = 200_000  # per TokenBatch message: under NATS's 1 MB default max_payload
 
 ACCEPTED = journal_pb2.JournalRecord.KIND_ACCEPTED

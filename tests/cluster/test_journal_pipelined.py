@@ -226,3 +226,47 @@ def test_session_submits_during_a_nats_cut_are_refused_each_and_nothing_is_kept(
             if p is not None:
                 p.stop()
         proxies.close()
+
+
+def test_a_refused_records_tombstone_reads_as_no_record_not_as_one_changing_owner(
+    nats_server: NatsServer,
+) -> None:
+    """The 30-minute run of 6c16cbb refused a client's Resume 2.1-2.2 s after a partition
+    healed ("changing owner in the journal; retry"): the daemon cut off from NATS had refused
+    the request (nothing accepted), the tombstone that follows a refused record was delivered
+    at the heal and lived 2 s, and a lookup read any tombstone naming no adopter as a record
+    changing hands. A refused record's tombstone is marked; a lookup reads it as no record (a
+    client then submits again), or finds the request's record under another daemon, accepted
+    there before the tombstone landed. An unmarked tombstone still means "retry"."""
+
+    async def scenario() -> None:
+        link = await connect_cluster(nats_server.url, "rf-a")
+        journal = Journal(link)
+        await journal.open()
+        try:
+            js = link.js
+            # Refused at rf-a: its accepted record, then the marked tombstone, as delivered late.
+            lone = rpb.GenerateRequest(request_id="rf-1", prompt_token_ids=[3, 4])
+            await js.publish(
+                R.req_subject("rf-a", "rf-1"), R.accepted_record(lone, "rf-1", "rf-a", "i0", "", "")
+            )
+            await js.publish(R.req_subject("rf-a", "rf-1"), b"", headers=R.REFUSED_HEADERS)
+            assert await journal.lookup("rf-1") is None
+            # Accepted at rf-b meanwhile, then rf-a's refusal lands: rf-b's record is found.
+            again = rpb.GenerateRequest(request_id="rf-2", prompt_token_ids=[5, 6])
+            await js.publish(
+                R.req_subject("rf-b", "rf-2"),
+                R.accepted_record(again, "rf-2", "rf-b", "i1", "", ""),
+            )
+            await js.publish(R.req_subject("rf-a", "rf-2"), b"", headers=R.REFUSED_HEADERS)
+            rec = await journal.lookup("rf-2")
+            assert rec is not None and rec.daemon_id == "rf-b" and rec.kind == R.ACCEPTED
+            # A tombstone naming nobody, unmarked: a record changing hands.
+            await js.publish(R.req_subject("rf-a", "rf-3"), b"", headers=R.TOMBSTONE_HEADERS)
+            with pytest.raises(Unavailable, match="changing owner"):
+                await journal.lookup("rf-3")
+        finally:
+            await journal.close([])
+            await link.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
