@@ -134,14 +134,7 @@ class ResumableStream:
         self.attempts += 1
         if self.broken_at or queued:
             try:
-                stream = await self.client.resume(
-                    self.request_id,
-                    self.tokens,
-                    metadata=self.metadata,
-                    first_answer_timeout=self.attempt_timeout_s,
-                )
-                self.resumes += 1
-                return stream, True
+                return await self._resume(), True
             except NotFound:
                 if queued:
                     raise  # accepted, and now unknown: lost (the journal is off or expired)
@@ -156,18 +149,22 @@ class ResumableStream:
             # An earlier submit of it was accepted after all (an attempt this helper gave up
             # on, that a daemon forwarded on): follow that one, never a second copy.
             try:
-                stream = await self.client.resume(
-                    self.request_id,
-                    self.tokens,
-                    metadata=self.metadata,
-                    first_answer_timeout=self.attempt_timeout_s,
-                )
+                return await self._resume(), True
             except NotFound as exc:  # live, its record not stored yet: ask again shortly
                 raise Unavailable(exc.message, request_id=self.request_id) from None
-            self.resumes += 1
-            return stream, True
         self.instance = self.instance or stream.instance
         return stream, True
+
+    async def _resume(self) -> AsyncGenerateStream:
+        """Resume from the tokens held (counted in `resumes` when it succeeds)."""
+        stream = await self.client.resume(
+            self.request_id,
+            self.tokens,
+            metadata=self.metadata,
+            first_answer_timeout=self.attempt_timeout_s,
+        )
+        self.resumes += 1
+        return stream
 
     async def __aiter__(self) -> AsyncIterator[list[int]]:
         try:

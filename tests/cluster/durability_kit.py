@@ -9,6 +9,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -222,6 +223,19 @@ def routes_to(address: str, instance: str, tag: str) -> None:
             return
         assert time.monotonic() < deadline, (out.code, out.details, out.instance)
         time.sleep(0.2)
+
+
+async def read_rest(call: Any, tokens: list[int]) -> rpb.Finished | None:
+    """Read a Generate/Resume call to its end, its tokens appended to `tokens`: its one
+    Finished (None: it ended without one)."""
+    fin = None
+    while (r := await call.read()) is not grpc.aio.EOF:
+        if r.WhichOneof("kind") == "tokens":
+            tokens.extend(r.tokens.token_ids)
+        elif r.WhichOneof("kind") == "finished":
+            assert fin is None, "two finished messages"
+            fin = r.finished
+    return fin
 
 
 async def resume_all(

@@ -26,7 +26,13 @@ from bench.chaos.proxy import ProxySet
 from kvsched.cluster.natsd import NatsServer
 from kvsched.v1 import common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
-from tests.cluster.durability_kit import Daemon, routes_to, sim_expected, start_sim_worker
+from tests.cluster.durability_kit import (
+    Daemon,
+    read_rest,
+    routes_to,
+    sim_expected,
+    start_sim_worker,
+)
 from tests.integration.clients import Spec
 from tests.integration.harness import Proc, wait_ready
 
@@ -88,13 +94,7 @@ def test_a_forwarder_whose_client_left_lets_the_request_run_on_at_the_peer(
                 before_heal = list(tokens)
                 proxies.heal(["peer-b"])
                 healed = True
-                fin = None
-                while (r := await direct.read()) is not grpc.aio.EOF:
-                    if r.WhichOneof("kind") == "tokens":
-                        tokens.extend(r.tokens.token_ids)
-                    elif r.WhichOneof("kind") == "finished":
-                        assert fin is None, "two finished messages"
-                        fin = r.finished
+                fin = await read_rest(direct, tokens)
                 return answered, before_heal, tokens, fin
         finally:
             if not healed:

@@ -36,6 +36,7 @@ from kvsched.v1 import common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
 from tests.cluster.durability_kit import (
     Daemon,
+    read_rest,
     resume_all,
     routes_to,
     sim_expected,
@@ -209,13 +210,7 @@ def test_a_forwarded_request_is_queued_only_once_the_peer_accepted_it(
             msg = await first
             assert msg.WhichOneof("kind") == "queued", msg
             tokens: list[int] = []
-            fin = None
-            while (r := await call.read()) is not grpc.aio.EOF:
-                if r.WhichOneof("kind") == "tokens":
-                    tokens.extend(r.tokens.token_ids)
-                elif r.WhichOneof("kind") == "finished":
-                    assert fin is None, "two finished messages"
-                    fin = r.finished
+            fin = await read_rest(call, tokens)
             return early, tokens, fin
 
     early, tokens, fin = asyncio.run(asyncio.wait_for(scenario(), 120))
@@ -344,13 +339,7 @@ def test_a_request_is_never_followed_back_to_the_daemon_it_is_relayed_from(
             with pytest.raises(grpc.aio.AioRpcError) as res:
                 async for _ in stub.Resume(resume, metadata=back, timeout=30):
                     pass
-            fin = None
-            while (r := await call.read()) is not grpc.aio.EOF:
-                if r.WhichOneof("kind") == "tokens":
-                    tokens.extend(r.tokens.token_ids)
-                elif r.WhichOneof("kind") == "finished":
-                    assert fin is None, "two finished messages"
-                    fin = r.finished
+            fin = await read_rest(call, tokens)
             return gen.value, res.value, tokens, fin
 
     gen, res, tokens, fin = asyncio.run(asyncio.wait_for(scenario(), 120))
