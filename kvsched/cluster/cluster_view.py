@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Collection
 from typing import Any, Protocol
 
 from kvsched.v1 import admin_service_pb2 as apb
@@ -78,7 +79,7 @@ def cluster_status(node: _Node) -> apb.ClusterStatus:
     return out
 
 
-def hash_digest(hashes: set[int]) -> str:
+def hash_digest(hashes: Collection[int]) -> str:
     """A short digest of an instance's indexed hash keys (`hit_index.key64`, themselves
     uniform 64-bit hashes): their count and their sum mod 2**64, which needs no sort (sorting
     and hashing 46k keys took ~52 ms of a GetStatus; the sum ~1 ms). Two daemons whose

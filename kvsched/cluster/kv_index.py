@@ -12,14 +12,14 @@ clear membership).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import KeysView, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.cluster.hit_index import HitIndex, keys_of, keys_of_hex
+from kvsched.cluster.hit_index import HitIndex, KeySet, discard_keys, keys_of, keys_of_hex
 from kvsched.cluster.kv_wire import (
     EVENTS_SUBJECT,
     SNAPSHOT_SUBJECT,
@@ -57,8 +57,10 @@ class InstanceView:
     epoch: str = ""
     seq: int = 0
     block_size: int = 0
-    hashes: set[int] = field(default_factory=set)  # in its GPU pool (keys: `hit_index.key64`)
-    host: set[int] = field(default_factory=set)  # in its host-memory tier
+    # Hash keys (`hit_index.key64`) in its GPU pool and in its host-memory tier, as dicts'
+    # keys (`hit_index.KeySet`: containers the garbage collector does not traverse).
+    gpu_keys: KeySet = field(default_factory=dict, repr=False)
+    host_keys: KeySet = field(default_factory=dict, repr=False)
     slot: int = -1  # its index in the ClusterIndex's HitIndex and arrays
     load: dict[str, float] = field(default_factory=dict)
     synced: bool = False  # a snapshot (or an epoch's first batch) was applied: hashes are whole
@@ -71,6 +73,16 @@ class InstanceView:
     vocab_size: int = 0
     role: str = "mixed"  # core.config.Role's value: a decode instance takes no new request
 
+    @property
+    def hashes(self) -> KeysView[int]:
+        """Its GPU pool's hash keys (a set-like view)."""
+        return self.gpu_keys.keys()
+
+    @property
+    def host(self) -> KeysView[int]:
+        """Its host-memory tier's hash keys (a set-like view)."""
+        return self.host_keys.keys()
+
     def take_info(self, info: dict[str, Any] | None) -> None:
         self.set_info(read_info(info))
 
@@ -80,7 +92,7 @@ class InstanceView:
 
     def prefix_blocks(self, block_hashes: list[bytes]) -> int:
         """How many leading blocks of a request (its chained hashes) this instance holds."""
-        n, hs = 0, self.hashes
+        n, hs = 0, self.gpu_keys
         for h in keys_of(block_hashes):
             if h not in hs:
                 break
@@ -91,16 +103,16 @@ class InstanceView:
         """(GPU blocks, GPU + host blocks) of the request's longest cached run here: the GPU
         prefix, then its continuation in host memory (Scheduler.prefix_hit_tokens' rule)."""
         g = self.prefix_blocks(block_hashes)
-        n, hs = g, self.host
+        n, hs = g, self.host_keys
         for h in keys_of(block_hashes[g:]):
             if h not in hs:
                 break
             n += 1
         return g, n
 
-    def medium(self, name: str) -> set[int] | None:
-        """Its own hash set of a private tier (None for storage: shared, `HitIndex.storage`)."""
-        return self.hashes if name == GPU else self.host if name == CPU else None
+    def medium(self, name: str) -> KeySet | None:
+        """Its own hash keys of a private tier (None for storage: shared, `HitIndex.storage`)."""
+        return self.gpu_keys if name == GPU else self.host_keys if name == CPU else None
 
 
 def read_info(info: dict[str, Any] | None) -> tuple[str, str, int, int] | None:
@@ -269,11 +281,11 @@ class ClusterIndex:
                 continue  # an unknown medium; storage is never cleared by one instance
             if kind == "BlockStored":
                 got = keys_of_hex(ev["block_hashes"])
-                hs.update(got)
+                hs.update(dict.fromkeys(got))
                 hits.add(medium, slot, got)
             elif kind == "BlockRemoved":
                 got = keys_of_hex(ev["block_hashes"])
-                hs.difference_update(got)
+                discard_keys(hs, got)
                 hits.remove(medium, slot, got)
             elif kind == "AllBlocksCleared":
                 self._clear(v, medium)
@@ -311,8 +323,8 @@ class ClusterIndex:
             v.block_size = snap.block_size
             v.set_info(snap.info)
             self._clear(v)
-            v.hashes.update(snap.gpu)
-            v.host.update(snap.host)
+            v.gpu_keys.update(dict.fromkeys(snap.gpu))
+            v.host_keys.update(dict.fromkeys(snap.host))
             parts += [(GPU, v.slot, snap.gpu), (CPU, v.slot, snap.host)]
             views.append(v)
         self.hits.add_many(parts)

@@ -94,6 +94,7 @@ class ClusterNode:
         self.stream.storage_index = registry.storage_index  # peers' storage writes (issue 25)
         registry.peer_models = self.router.peer_models
         registry.peer_limits = self.router.peer_limits
+        registry.peer_ready_models = self.router.peer_ready_models
         self.forwarder = Forwarder(self.daemon_id, requests, config.cluster_token)
         self.forwarder.follow.peers = self._peer_addresses
         self.forwarder.follow.reattach_s = max(20.0, 4 * config.member_ttl_s)

@@ -157,6 +157,12 @@ class ClusterRouter:
             v.model for v in self.index.instances.values() if v.model and v.daemon != self.daemon_id
         }
 
+    def peer_ready_models(self) -> set[str]:
+        """The models the peers' live instances serve now (what `registry.model_for` reads
+        once per request: names only, no `Limits` per instance)."""
+        default = self.registry.config.model
+        return {v.model or default for v in self.remote_candidates(time.monotonic())}
+
     def peer_limits(self) -> list[Limits]:
         """The limits of the peers' live instances (ListModels counts them as ready)."""
         cfg = self.registry.config

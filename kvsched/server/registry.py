@@ -58,10 +58,11 @@ class InstanceRegistry:
         self.worker_gate: Callable[[Any], Awaitable[bytes | None]] | None = None
         # The cluster's fencing epoch of an instance this daemon attaches (None: unfenced).
         self.fencing_epoch: Callable[[str], int] | None = None
-        # A cluster's peers' models, and the limits of their live instances
+        # A cluster's peers' models, the limits of their live instances and their models
         # (kvsched.cluster.routing.ClusterRouter; None: alone).
         self.peer_models: Callable[[], set[str]] | None = None
         self.peer_limits: Callable[[], list[Limits]] | None = None
+        self.peer_ready_models: Callable[[], set[str]] | None = None
         # The shared storage tier (docs/STORAGE.md): ONE index for all this daemon's
         # schedulers (the store is shared); its kind is what a Hello must list to use it.
         self.storage_url: str = config.storage
@@ -266,8 +267,8 @@ class InstanceRegistry:
             for e in self.engines.values()
             if e.queueing and not e.is_decode
         }
-        if self.peer_limits is not None:
-            ready |= {lim.model for lim in self.peer_limits()}
+        if self.peer_ready_models is not None:
+            ready |= self.peer_ready_models()
         return resolve_model(requested, self.config.model, self.models(), ready)
 
     def models(self) -> set[str]:
