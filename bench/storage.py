@@ -14,6 +14,8 @@ instances behind kvsched's Router, as `bench.policies` does:
     storage-wt          host-4x + the shared storage tier, write_through (a block is written
                         as soon as it reaches an instance's host tier)
     storage-wt-400g     storage-wt with a 400 Gb/s NIC per GPU (50 GB/s, as a DGX H100 has)
+    ideal               storage-wt whose transfers cost nothing (a bound, not a machine: the
+                        TTFT any storage tier could give on this window, at these hit rates)
 
 The storage tier is one StorageIndex for all instances (one daemon); the sim workers hold no
 KV and simulate the store (every task succeeds, the store never evicts): each write or fetch is
@@ -48,7 +50,7 @@ from bench.simulate import KvschedCluster, offered_work_s, simulate
 from kvsched.core import EngineConfig
 from kvsched.core.config import WritePolicy
 from kvsched.replay.summary import DEFAULT_SLO_TPOT_S, DEFAULT_SLO_TTFT_S
-from kvsched.traces import TraceRequest, ideal_lru_hit_rate, load_trace
+from kvsched.traces import TraceRequest, block_keys, ideal_lru_hit_rate, load_trace
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "storage.json"
 DEFAULT_WINDOWS = "0-300,900-1200,1800-2100,2700-3000"
@@ -66,6 +68,8 @@ def storage_config(policy: str = "write_back", gbps: float = 12.5) -> EngineConf
 
 # A 400 Gb/s NIC per GPU (DGX H100): 50 GB/s, ~0.17 ms per 8 MiB block, as fast as PCIe.
 FAST_GBPS = 50.0
+# The bound: a storage tier whose writes and fetches take no time (8 ns per 8 MiB block).
+FREE_GBPS = 1e6
 
 # name -> (config, with a storage tier, the sim's storage bandwidth in GB/s: None = its default)
 CONFIGS: dict[str, tuple[Callable[[], EngineConfig], bool, float | None]] = {
@@ -74,6 +78,7 @@ CONFIGS: dict[str, tuple[Callable[[], EngineConfig], bool, float | None]] = {
     "storage": (storage_config, True, None),
     "storage-wt": (lambda: storage_config("write_through"), True, None),
     "storage-wt-400g": (lambda: storage_config("write_through", FAST_GBPS), True, FAST_GBPS),
+    "ideal": (lambda: storage_config("write_through", FREE_GBPS), True, FREE_GBPS),
 }
 
 
@@ -97,6 +102,22 @@ def parse_windows(text: str) -> list[tuple[float, float]]:
     return out
 
 
+def cacheable_shares(requests: list[TraceRequest], block_size: int) -> list[float]:
+    """Per request, the share of its prompt an unbounded prefix cache holds when it arrives
+    (`ideal_lru_hit_rate`'s rule, request by request): what any KV tier could save it."""
+    seen: set[int] = set()
+    out = []
+    for r in sorted(requests, key=lambda r: r.arrival_s):
+        n = len(r.prompt_token_ids)
+        keys = block_keys(r.prompt_token_ids, block_size)
+        limit, k = (n - 1) // block_size, 0
+        while k < limit and keys[k] in seen:
+            k += 1
+        out.append(k * block_size / n if n else 0.0)
+        seen.update(keys)
+    return out
+
+
 def run_window(
     requests: list[TraceRequest], names: list[str], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -106,6 +127,7 @@ def run_window(
     )
     span = max((r.arrival_s for r in requests), default=0.0)
     work = offered_work_s(requests, "h100", 8192)
+    shares = sorted(cacheable_shares(requests, BLOCK_SIZE))
     rows = []
     for name in names:
         make, storage, gbps = CONFIGS[name]
@@ -123,6 +145,10 @@ def run_window(
         "est_utilisation": work / (max(span, 1.0) * args.instances),
         "ideal_unbounded": unbounded,
         "ideal_gpu_host": gpu_host,
+        "cacheable_share": {
+            q: shares[min(len(shares) - 1, int(f * len(shares)))] if shares else 0.0
+            for q, f in (("p25", 0.25), ("p50", 0.5), ("p75", 0.75))
+        },
         "results": rows,
     }
 
@@ -185,7 +211,10 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"est. utilisation {100 * win['est_utilisation']:.0f} %; ideal LRU hit rate: "
             f"{100 * win['ideal_unbounded']:.1f} % unbounded, {100 * win['ideal_gpu_host']:.1f} % "
-            f"with GPU + {HOST_FACTOR}x host blocks of all instances"
+            f"with GPU + {HOST_FACTOR}x host blocks of all instances; share of a request's "
+            "prompt an unbounded cache holds: p25 {p25:.0%}, p50 {p50:.0%}, p75 {p75:.0%}".format(
+                **win["cacheable_share"]
+            )
         )
         print(table(win))
         print()
