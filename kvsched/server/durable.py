@@ -68,6 +68,8 @@ class Durability:
     def __init__(self, table: RequestTable, journal: Journal | None = None) -> None:
         self.table = table
         self.journal: Journal | None = None
+        # Accepted records in flight to the journal, by request id (`stored` awaits them).
+        self._writes: dict[str, asyncio.Future[None]] = {}
         if journal is not None:
             self.use(journal)
 
@@ -88,7 +90,7 @@ class Durability:
         assert self.journal is not None
         # A future, not a task: the journal settles the record's state in the acknowledgement's
         # callback, with or without this caller.
-        write = self.journal.begin_accept(tr, pb, tr.instance_id)
+        write = self._begin(tr, pb)
         try:
             # Shielded: a caller that goes away (its deadline, a cancel) does not cancel the
             # write. A cancelled write could still land (its bytes were sent) as an accepted
@@ -108,10 +110,26 @@ class Durability:
         """`confirm` for a caller that does not wait (a Session submit): the write's future,
         its exception `Unavailable` when refused; a refused request is aborted before any
         callback the caller adds runs."""
-        assert self.journal is not None
-        write = self.journal.begin_accept(tr, pb, tr.instance_id)
+        write = self._begin(tr, pb)
         write.add_done_callback(lambda w: self._settled(tr, w))
         return write
+
+    def _begin(self, tr: Tracked, pb: request_service_pb2.GenerateRequest) -> asyncio.Future[None]:
+        assert self.journal is not None
+        write = self.journal.begin_accept(tr, pb, tr.instance_id)
+        if not write.done():
+            rid = tr.req.req_id
+            self._writes[rid] = write
+            write.add_done_callback(
+                lambda w: self._writes.pop(rid) if self._writes.get(rid) is w else None
+            )
+        return write
+
+    def in_flight(self, tr: Tracked) -> asyncio.Future[None] | None:
+        """The journal write of `tr`'s accepted record until it is settled (None after, or when
+        none was begun here): it ends in None (stored) or raises `Unavailable` (refused: the
+        request is aborted, it was never accepted)."""
+        return self._writes.get(tr.req.req_id)
 
     def _settled(self, tr: Tracked, write: asyncio.Future[None]) -> None:
         """A write whose caller went away has ended: refused, its request is aborted."""

@@ -14,6 +14,7 @@ Without a journal, `resume` serves live (detachable) requests of this daemon onl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -144,6 +145,20 @@ class Resumer:
             return await self._finished(rid, owner, held, have)
         if tr.owner and tr.owner != owner:
             raise PermissionDenied(f"request {rid!r} was submitted with other credentials")
+        write = self.durable.in_flight(tr)
+        if write is not None:
+            # Not accepted yet: its accepted record is in flight to the journal (its Generate
+            # has not been told `queued`). Only a stored request is resumed: a client attached
+            # before would read a request that a refused write then aborts. Refused, it was
+            # never accepted: NOT_FOUND, as for no record (the client submits it again).
+            try:
+                await asyncio.shield(write)
+            except Unavailable as exc:
+                raise RequestNotFound(
+                    f"request {rid!r} was not accepted (its journal write was refused: {exc})"
+                ) from None
+            if self.table.tracked.get(rid) is not tr:  # finished meanwhile
+                return await self._finished(rid, owner, held, have)
         req = tr.req
         out = req.output_token_ids
         _check_prefix(rid, held, out)

@@ -85,6 +85,9 @@ class RequestServiceStub:
     one request streams to one place. A request resumed from a Session leaves that session.
     4. A request that already finished, but whose outputs the daemon or its journal still
     holds, gets its remaining tokens and its `finished` the same way (its final state).
+    A request whose accepted record is still on its way to the journal (its Generate not yet
+    told `queued`) is not accepted yet: the Resume waits for the write, then answers as above,
+    or NOT_FOUND when the journal refused it (it was never accepted: submit it again).
     Errors: NOT_FOUND (no such request, or finished longer ago than the journal keeps it),
     PERMISSION_DENIED (submitted with other credentials), INVALID_ARGUMENT (the client claims
     more tokens than a finished request produced, or token_ids disagree with the recorded
@@ -188,6 +191,9 @@ class RequestServiceServicer:
     one request streams to one place. A request resumed from a Session leaves that session.
     4. A request that already finished, but whose outputs the daemon or its journal still
     holds, gets its remaining tokens and its `finished` the same way (its final state).
+    A request whose accepted record is still on its way to the journal (its Generate not yet
+    told `queued`) is not accepted yet: the Resume waits for the write, then answers as above,
+    or NOT_FOUND when the journal refused it (it was never accepted: submit it again).
     Errors: NOT_FOUND (no such request, or finished longer ago than the journal keeps it),
     PERMISSION_DENIED (submitted with other credentials), INVALID_ARGUMENT (the client claims
     more tokens than a finished request produced, or token_ids disagree with the recorded
@@ -330,6 +336,9 @@ class RequestService:
     one request streams to one place. A request resumed from a Session leaves that session.
     4. A request that already finished, but whose outputs the daemon or its journal still
     holds, gets its remaining tokens and its `finished` the same way (its final state).
+    A request whose accepted record is still on its way to the journal (its Generate not yet
+    told `queued`) is not accepted yet: the Resume waits for the write, then answers as above,
+    or NOT_FOUND when the journal refused it (it was never accepted: submit it again).
     Errors: NOT_FOUND (no such request, or finished longer ago than the journal keeps it),
     PERMISSION_DENIED (submitted with other credentials), INVALID_ARGUMENT (the client claims
     more tokens than a finished request produced, or token_ids disagree with the recorded
