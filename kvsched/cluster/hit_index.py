@@ -34,7 +34,7 @@ IntArray = npt.NDArray[np.int32]
 # A set of hash keys kept as a dict's keys (values None). A dict holding only ints is not
 # tracked by the garbage collector, a set always is: with a 1,000-instance index (2.6 million
 # keys in 2,000 per-instance sets) every full collection traversed them all, ~135-165 ms
-# (measured); as dicts, < 1 ms. `bench.router_scale` prints both.
+# (measured); as dicts, < 1 ms (`bench.router_scale`, column "full gc ms").
 KeySet = dict[int, None]
 FloatArray = npt.NDArray[np.float64]
 _EVEN = int("55" * 128, 16)  # GPU bits of the first 512 slots (widened on demand: `_even`)

@@ -68,7 +68,7 @@ class Durability:
     def __init__(self, table: RequestTable, journal: Journal | None = None) -> None:
         self.table = table
         self.journal: Journal | None = None
-        # Accepted records in flight to the journal, by request id (`stored` awaits them).
+        # Accepted records in flight to the journal, by request id (`in_flight`: Resume waits).
         self._writes: dict[str, asyncio.Future[None]] = {}
         if journal is not None:
             self.use(journal)
