@@ -51,8 +51,9 @@ class Proc:
 
     def _pump(self) -> None:
         assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip("\n"))
+        for raw in self.popen.stdout:
+            line = raw.rstrip("\n")  # one form for both: `wait_after` finds a `wait_for` match
+            self.lines.append(line)
             self._q.put(line)
         self._q.put(None)
 
