@@ -50,7 +50,7 @@ from bench.simulate import KvschedCluster, offered_work_s, simulate
 from kvsched.core import EngineConfig
 from kvsched.core.config import WritePolicy
 from kvsched.replay.summary import DEFAULT_SLO_TPOT_S, DEFAULT_SLO_TTFT_S
-from kvsched.traces import TraceRequest, block_keys, ideal_lru_hit_rate, load_trace
+from kvsched.traces import TraceRequest, ideal_lru_hit_rate, ideal_lru_hits, load_trace
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "storage.json"
 DEFAULT_WINDOWS = "0-300,900-1200,1800-2100,2700-3000"
@@ -104,18 +104,8 @@ def parse_windows(text: str) -> list[tuple[float, float]]:
 
 def cacheable_shares(requests: list[TraceRequest], block_size: int) -> list[float]:
     """Per request, the share of its prompt an unbounded prefix cache holds when it arrives
-    (`ideal_lru_hit_rate`'s rule, request by request): what any KV tier could save it."""
-    seen: set[int] = set()
-    out = []
-    for r in sorted(requests, key=lambda r: r.arrival_s):
-        n = len(r.prompt_token_ids)
-        keys = block_keys(r.prompt_token_ids, block_size)
-        limit, k = (n - 1) // block_size, 0
-        while k < limit and keys[k] in seen:
-            k += 1
-        out.append(k * block_size / n if n else 0.0)
-        seen.update(keys)
-    return out
+    (`ideal_lru_hits`): what any KV tier could save it."""
+    return [hit / n if n else 0.0 for hit, n in ideal_lru_hits(requests, None, block_size)]
 
 
 def run_window(

@@ -162,7 +162,19 @@ def ideal_lru_hit_rate(
     requests: Iterable[TraceRequest], num_blocks: int | None, block_size: int
 ) -> float:
     """Prompt tokens an ideal LRU prefix cache of `num_blocks` blocks (None: unbounded) would hit,
-    over all prompt tokens, serving the requests one at a time in order.
+    over all prompt tokens, serving the requests one at a time in order (`ideal_lru_hits`)."""
+    num_hit = num_total = 0
+    for hit, total in ideal_lru_hits(requests, num_blocks, block_size):
+        num_hit += hit
+        num_total += total
+    return num_hit / num_total if num_total else 0.0
+
+
+def ideal_lru_hits(
+    requests: Iterable[TraceRequest], num_blocks: int | None, block_size: int
+) -> Iterator[tuple[int, int]]:
+    """Per request, in order: (prompt tokens an ideal LRU prefix cache of `num_blocks` blocks
+    (None: unbounded) holds when it arrives, its prompt tokens).
 
     Blocks are keyed by chained hashes of full blocks of the token prefix; a hit is the longest
     cached run of leading blocks, but at most (n - 1) // block_size blocks of an n-token prompt
@@ -174,7 +186,6 @@ def ideal_lru_hit_rate(
             f"need block_size >= 1 and num_blocks >= 0, got {block_size}, {num_blocks}"
         )
     lru: OrderedDict[int, None] = OrderedDict()
-    num_hit = num_total = 0
     for request in requests:
         tokens = request.prompt_token_ids
         keys = block_keys(tokens, block_size)
@@ -182,14 +193,12 @@ def ideal_lru_hit_rate(
         k = 0
         while k < limit and keys[k] in lru:
             k += 1
-        num_hit += k * block_size
-        num_total += len(tokens)
+        yield k * block_size, len(tokens)
         for key in reversed(keys):
             lru[key] = None
             lru.move_to_end(key)
         while num_blocks is not None and len(lru) > num_blocks:
             lru.popitem(last=False)
-    return num_hit / num_total if num_total else 0.0
 
 
 def block_keys(tokens: list[int], block_size: int) -> list[int]:

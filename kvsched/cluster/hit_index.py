@@ -33,7 +33,7 @@ from kvsched.core.kv_events import CPU, GPU, STORAGE
 IntArray = npt.NDArray[np.int32]
 # A set of hash keys kept as a dict's keys (values None). A dict holding only ints is not
 # tracked by the garbage collector, a set always is: with a 1,000-instance index (2.6 million
-# keys in 2,000 per-instance sets) every full collection traversed them all, ~135-165 ms
+# keys in 2,000 per-instance sets) every full collection traversed them all, 128-158 ms
 # (measured); as dicts, < 1 ms (`bench.router_scale`, column "full gc ms").
 KeySet = dict[int, None]
 FloatArray = npt.NDArray[np.float64]

@@ -74,7 +74,7 @@ class JournalReader:
         done = await self.last(R.done_subject(req_id))
         if done is not None and done.data:
             return R.parse_record(done.data)
-        msg = await self.last(f"{R.REQ}.*.{R.id_token(req_id)}")
+        msg = await self.last(R.req_subject("*", req_id))
         for _ in range(4):
             if msg is None:
                 return None
@@ -92,9 +92,8 @@ class JournalReader:
     async def _accepted_anywhere(self, req_id: str) -> journal_pb2.JournalRecord | None:
         """`req_id`'s accepted record under any daemon's subject (the last of each), or None
         (the newest when several daemons hold one)."""
-        subject = f"{R.REQ}.*.{R.id_token(req_id)}"
         latest = None
-        for msg in await self.read(subject, DeliverPolicy.LAST_PER_SUBJECT):
+        for msg in await self.read(R.req_subject("*", req_id), DeliverPolicy.LAST_PER_SUBJECT):
             if msg.data and (latest is None or msg.metadata.sequence.stream > latest[0]):
                 latest = (msg.metadata.sequence.stream, msg.data)
         return None if latest is None else R.parse_record(latest[1])

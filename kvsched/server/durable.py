@@ -117,12 +117,13 @@ class Durability:
     def _begin(self, tr: Tracked, pb: request_service_pb2.GenerateRequest) -> asyncio.Future[None]:
         assert self.journal is not None
         write = self.journal.begin_accept(tr, pb, tr.instance_id)
-        if not write.done():
-            rid = tr.req.req_id
-            self._writes[rid] = write
-            write.add_done_callback(
-                lambda w: self._writes.pop(rid) if self._writes.get(rid) is w else None
-            )
+        # Kept until its callbacks run, a write refused at once too: a Resume arriving before
+        # the refusal's abort sees it (the abort callbacks come right after this one).
+        rid = tr.req.req_id
+        self._writes[rid] = write
+        write.add_done_callback(
+            lambda w: self._writes.pop(rid) if self._writes.get(rid) is w else None
+        )
         return write
 
     def in_flight(self, tr: Tracked) -> asyncio.Future[None] | None:

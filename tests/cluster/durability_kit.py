@@ -4,16 +4,18 @@ with the same id), sim or model workers, and resuming clients (kvsched.client.re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import numpy as np
 
+from bench.chaos.proxy import ProxySet
 from kvsched.client import AsyncClient
 from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, ResumableStream, resumable
 from kvsched.cluster.leases import Lease, Leases
@@ -73,6 +75,28 @@ def start_sim_worker(address: str, instance: str, *args: str) -> Proc:
         ["worker", "--server", address, "--instance", instance, "--executor", "sim", *args],
         name=f"worker-{instance}",
     )
+
+
+@contextlib.contextmanager
+def daemon_behind_proxy(
+    nats_port: int, daemon_id: str, instance: str, env: dict[str, str]
+) -> Iterator[tuple[ProxySet, Daemon]]:
+    """A cluster daemon whose NATS connection goes through the chaos proxy (link "nats-js":
+    `proxies.cut` / `heal` it) with one sim worker (speed 0.5) ready; all stopped after."""
+    proxies = ProxySet()
+    daemon: Daemon | None = None
+    worker: Proc | None = None
+    try:
+        nats_addr = proxies.add("nats-js", f"127.0.0.1:{nats_port}")
+        daemon = Daemon(f"nats://{nats_addr}", daemon_id, env=env).start()
+        worker = start_sim_worker(daemon.address, instance, "--speed", "0.5")
+        wait_ready(daemon.address, [instance], 60.0)
+        yield proxies, daemon
+    finally:
+        for p in (worker, daemon):
+            if p is not None:
+                p.stop()
+        proxies.close()
 
 
 def prompts(n: int, seed: int = 7) -> list[list[int]]:

@@ -111,7 +111,7 @@ def test_apply_snapshots_equals_applying_them_one_by_one(seed: int) -> None:
 
 def test_the_index_gives_the_garbage_collector_no_key_container_to_traverse() -> None:
     """A 1,000-instance index holds millions of keys: in containers the collector tracks,
-    every full collection traversed them (~135-165 ms, bench.router_scale). After snapshots,
+    every full collection traversed them (128-158 ms in bench.router_scale). After snapshots,
     batches that store and remove keys in every tier, and a forgotten instance, no key
     container of the index is tracked."""
     rng = random.Random(3)

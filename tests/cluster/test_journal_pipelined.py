@@ -19,8 +19,7 @@ from kvsched.core.journal_state import JournalState
 from kvsched.durability import records as R
 from kvsched.durability.journal import Journal
 from kvsched.v1 import request_service_pb2 as rpb
-from tests.cluster.durability_kit import Daemon, pool_free, sim_expected, start_sim_worker
-from tests.integration.harness import Proc, wait_ready
+from tests.cluster.durability_kit import daemon_behind_proxy, pool_free, sim_expected
 
 
 @dataclass
@@ -168,15 +167,8 @@ def test_session_submits_during_a_nats_cut_are_refused_each_and_nothing_is_kept(
     callback tells the client): during a cut, every one is answered by an UNAVAILABLE error
     naming the journal, never `accepted`, no token of them is sent, their blocks come back;
     after the heal the same session's next submit is accepted and exact."""
-    proxies = ProxySet()
-    daemon: Daemon | None = None
-    worker: Proc | None = None
-    try:
-        nats_addr = proxies.add("nats-js", f"127.0.0.1:{nats_server.port}")
-        env = {"KVSCHED_JOURNAL_TIMEOUT_S": "1"}
-        daemon = Daemon(f"nats://{nats_addr}", "jp-s", env=env).start()
-        worker = start_sim_worker(daemon.address, "js0", "--speed", "0.5")
-        wait_ready(daemon.address, ["js0"], 60.0)
+    env = {"KVSCHED_JOURNAL_TIMEOUT_S": "1"}
+    with daemon_behind_proxy(nats_server.port, "jp-s", "js0", env) as (proxies, daemon):
         address = daemon.address
 
         async def scenario() -> None:
@@ -221,11 +213,6 @@ def test_session_submits_during_a_nats_cut_are_refused_each_and_nothing_is_kept(
 
         asyncio.run(asyncio.wait_for(scenario(), 120))
         pool_free(address)
-    finally:
-        for p in (worker, daemon):
-            if p is not None:
-                p.stop()
-        proxies.close()
 
 
 def test_a_refused_records_tombstone_reads_as_no_record_not_as_one_changing_owner(

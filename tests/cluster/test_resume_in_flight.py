@@ -15,12 +15,10 @@ import asyncio
 
 import pytest
 
-from bench.chaos.proxy import ProxySet
 from kvsched.client import AsyncClient
 from kvsched.client.errors import KvschedClientError, NotFound, Unavailable
 from kvsched.cluster.natsd import NatsServer
-from tests.cluster.durability_kit import Daemon, pool_free, sim_expected, start_sim_worker
-from tests.integration.harness import Proc, wait_ready
+from tests.cluster.durability_kit import daemon_behind_proxy, pool_free, sim_expected
 
 PROMPT = [3, 4, 5]
 
@@ -41,15 +39,8 @@ async def _submit(client: AsyncClient, rid: str, max_tokens: int) -> list[int] |
 def test_a_resume_waits_for_the_journal_write_refused_not_found_stored_streamed(
     nats_server: NatsServer,
 ) -> None:
-    proxies = ProxySet()
-    daemon: Daemon | None = None
-    worker: Proc | None = None
-    try:
-        nats_addr = proxies.add("nats-js", f"127.0.0.1:{nats_server.port}")
-        env = {"KVSCHED_JOURNAL_TIMEOUT_S": "2"}
-        daemon = Daemon(f"nats://{nats_addr}", "rif", env=env).start()
-        worker = start_sim_worker(daemon.address, "rif0", "--speed", "0.5")
-        wait_ready(daemon.address, ["rif0"], 60.0)
+    env = {"KVSCHED_JOURNAL_TIMEOUT_S": "2"}
+    with daemon_behind_proxy(nats_server.port, "rif", "rif0", env) as (proxies, daemon):
         address = daemon.address
 
         async def scenario() -> None:
@@ -89,8 +80,3 @@ def test_a_resume_waits_for_the_journal_write_refused_not_found_stored_streamed(
 
         asyncio.run(asyncio.wait_for(scenario(), 120))
         pool_free(address)
-    finally:
-        for p in (worker, daemon):
-            if p is not None:
-                p.stop()
-        proxies.close()
