@@ -1,7 +1,8 @@
 """`kvsched replay` against a daemon whose worker cannot hold every request of the shipped trace:
 the refused ones are listed with the daemon's reason (table and JSON), the run says up front
 which requests cannot fit, the JSON carries the workers' real block size, and a non-zero exit
-always comes with a line saying why. Real daemon, real sim worker, on loopback."""
+always comes with a line saying why; a default sim worker has its --gpu profile's pool and
+holds the whole trace. Real daemon, real sim worker, on loopback."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import sys
 from pathlib import Path
 
 from kvsched.data import CONVERSATION_SLICE
+from kvsched.replay.args import H100_BLOCKS
 from kvsched.replay.fit import unfit
 from kvsched.replay.launch import spawn, start_daemon
 from kvsched.traces import load_trace
 from kvsched.v1 import admin_service_pb2 as apb
+from kvsched.worker_stub.costmodel import default_num_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,11 +30,12 @@ def _replay(address: str, out: Path, requests: int) -> subprocess.CompletedProce
     )  # fmt: skip
 
 
-def test_replay_against_a_default_worker_lists_the_request_it_cannot_hold(tmp_path: Path) -> None:
-    # The quick start's worker: `kvsched worker` defaults, 4,096 blocks of 16 tokens. Request
+def test_replay_against_a_small_worker_lists_the_request_it_cannot_hold(tmp_path: Path) -> None:
+    # A worker of 4,096 blocks of 16 tokens (the sim's default before issue 37). Request
     # trace-11 of the shipped slice has an 87,169-token prompt: 5,449 blocks.
     daemon, address = start_daemon()
-    worker = spawn("w", "worker", "--server", address, "--instance", "gpu0", "--zero-cost")
+    small = ("--num-blocks", "4096")
+    worker = spawn("w", "worker", "--server", address, "--instance", "gpu0", "--zero-cost", *small)
     try:
         worker.wait_for(r"welcomed", 60)
         refused = _replay(address, tmp_path / "r12.json", 12)
@@ -64,6 +68,29 @@ def test_replay_against_a_default_worker_lists_the_request_it_cannot_hold(tmp_pa
     summary = json.loads((tmp_path / "r11.json").read_text())
     assert summary["completed"] == summary["requests"] == 11
     assert summary["not_completed"] == [] and summary["block_size"] == 16
+
+
+def test_a_default_sim_worker_has_its_gpu_profiles_pool_and_holds_the_trace(
+    tmp_path: Path,
+) -> None:
+    # `kvsched worker` defaults (sim, --gpu h100): 40 GiB of Llama-3-8B KV, the pool `replay
+    # --embedded` gives an H100 (5,120 blocks of 64 tokens), here in 16-token blocks: 20,480.
+    daemon, address = start_daemon()
+    worker = spawn("w", "worker", "--server", address, "--instance", "gpu0", "--zero-cost")
+    try:
+        worker.wait_for(r"welcomed", 60)
+        done = _replay(address, tmp_path / "r12.json", 12)
+    finally:
+        worker.stop()
+        daemon.stop()
+    assert any("sim pool: 20480 blocks of 16 tokens (h100: 40 GiB" in x for x in worker.lines)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "r12.json").read_text())
+    assert summary["block_size"] == 16 and summary["num_gpu_blocks"] == 20480
+    assert summary["completed"] == summary["requests"] == 12  # trace-11's 87,169 tokens too
+    # The same memory in 64-token blocks is the replay's H100 pool.
+    assert default_num_blocks("h100", 64) == H100_BLOCKS == 5120
+    assert default_num_blocks("a100", 16) == 20480
 
 
 def test_unfit_names_the_requests_the_largest_instance_cannot_hold() -> None:

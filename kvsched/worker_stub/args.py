@@ -58,8 +58,10 @@ def add_worker_parser(
         "--num-blocks",
         type=int,
         default=0,
-        help="KV blocks in the pool (default: 4096; vllm: what vLLM's memory sizing finds, "
-        "on CPU from VLLM_CPU_KVCACHE_SPACE, 1 GiB unless set)",
+        help="KV blocks in the pool (default: sim, the --gpu profile's 40 GiB of Llama-3-8B KV: "
+        "20,480 blocks of 16 tokens, 5,120 of 64, as `kvsched replay --embedded` gives; "
+        "model: 4096; vllm: what vLLM's memory sizing finds, on CPU from "
+        "VLLM_CPU_KVCACHE_SPACE, 1 GiB unless set)",
     )
     p.add_argument(
         "--host-blocks", type=int, default=0, help="KV blocks of the host-memory tier (0: none)"

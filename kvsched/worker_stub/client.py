@@ -20,6 +20,7 @@ import os
 import signal
 
 from kvsched.tls import channel_credentials, worker_server_credentials
+from kvsched.worker_stub.costmodel import KV_POOL_BYTES, default_num_blocks
 from kvsched.worker_stub.factories import (
     SIM_VOCAB_SIZE,
     EngineFactory,
@@ -34,7 +35,7 @@ from kvsched.worker_stub.stats import WorkerStats
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_NUM_BLOCKS = 4096  # sim and model executors (vllm: its own memory sizing)
+_DEFAULT_NUM_BLOCKS = 4096  # the model executor (sim: its --gpu profile's; vllm: its own sizing)
 _DEFAULT_BLOCK_SIZE = 16
 
 __all__ = [
@@ -60,6 +61,17 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         raise ValueError(f"--max-model-len must be >= 0, got {max_model_len}")
     if args.executor == "sim":
         vocab_size = getattr(args, "vocab_size", SIM_VOCAB_SIZE)  # announced in Hello too
+        if not args.num_blocks:  # the --gpu profile's KV memory, as `replay --embedded` gives
+            block_size = args.block_size or _DEFAULT_BLOCK_SIZE
+            args.num_blocks = default_num_blocks(args.gpu, block_size)
+            log.info(
+                "sim pool: %d blocks of %d tokens (%s: %d GiB of Llama-3-8B KV; --num-blocks "
+                "to change)",
+                args.num_blocks,
+                block_size,
+                args.gpu,
+                KV_POOL_BYTES[args.gpu] >> 30,
+            )
         factory = sim_engine_factory(
             args.num_slots,
             gpu=args.gpu,

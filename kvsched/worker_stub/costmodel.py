@@ -30,6 +30,11 @@ class StepFit:
 # K and V x 2 bytes): what the sim's host-tier copies move over PCIe.
 KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
 
+# KV memory of the fitted model on each GPU: an 80 GB card holds Llama-3-8B's 16 GB of weights
+# and activations, and 40 GiB of KV (what `kvsched replay --embedded` gives each instance:
+# 5,120 blocks of 64 tokens, 8 MiB each). The sim worker's default pool is this many bytes.
+KV_POOL_BYTES: dict[str, int] = {"h100": 40 << 30, "a100": 40 << 30}
+
 FITS: dict[str, StepFit] = {
     "h100": StepFit(6.3, 4.3, 0.0211, 0.0, 4.9e-5, 1.8e-6),
     "a100": StepFit(10.5, 5.5, 0.0666, 0.6, 8.0e-5, 4.3e-6),
@@ -42,6 +47,15 @@ def fit_for(gpu: str) -> StepFit:
     if fit is None:
         raise ValueError(f"gpu must be one of {sorted(FITS)}, got {gpu!r}")
     return fit
+
+
+def default_num_blocks(gpu: str, block_size: int) -> int:
+    """KV blocks of `block_size` tokens the fitted model has on `gpu` (KV_POOL_BYTES): h100,
+    64-token blocks -> 5,120; 16-token blocks -> 20,480."""
+    fit_for(gpu)  # validates the name
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return KV_POOL_BYTES[gpu.lower()] // (KV_BYTES_PER_TOKEN * block_size)
 
 
 def step_time_s(
