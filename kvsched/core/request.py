@@ -100,6 +100,7 @@ class Request:
     # there yet); what usage.cached_tokens reports.
     num_cached_tokens: int = -1
     num_host_cached_tokens: int = 0  # of those, swapped in from the host tier (first placement)
+    num_storage_cached_tokens: int = 0  # of those, fetched from the storage tier (first placement)
     num_preemptions: int = 0
     first_scheduled_time: float = -1.0
     first_token_time: float = -1.0

@@ -3,12 +3,13 @@
     client span (traceparent in gRPC metadata)
       └─ "text_completion <model>"  SERVER span, start = arrival, end = finish
            events: queued, scheduled{instance}, [host_cache_hit{instance, cached_tokens,
-                   host_cached_tokens}], first_token,
+                   host_cached_tokens, storage_cached_tokens}], first_token,
                    (preempted{instance} | instance_lost{instance, reason}, resumed{instance})*,
                    finished{finish_reason}
 
 "host_cache_hit": part of the prompt's prefix was swapped in from the instance's host-memory
-KV tier at the first placement (kvsched.core.tiers).
+KV tier, or fetched from the storage tier, at the first placement (kvsched.core.tiers,
+kvsched.core.storage).
 
 "resumed" is any placement after the first. A preemption the worker overtakes by finishing
 the request first shows as a last "preempted" with no "resumed" (the finish is kept).
@@ -198,6 +199,7 @@ class Tracing:
                     **where,
                     "kvsched.cached_tokens": req.num_cached_tokens,
                     "kvsched.host_cached_tokens": req.num_host_cached_tokens,
+                    "kvsched.storage_cached_tokens": req.num_storage_cached_tokens,
                 }
                 trace.add_event("host_cache_hit", attrs, now)
 

@@ -254,8 +254,9 @@ class Admitter:
                 req.first_scheduled_time = now
             self.kv.record_lookup(req.num_tokens, num_hit, num_swapped, num_fetched)
             self.stats.num_prompt_tokens += len(req.prompt_token_ids)
-            if num_swapped:
+            if num_swapped or num_fetched:
                 req.num_host_cached_tokens = num_swapped
+                req.num_storage_cached_tokens = num_fetched
                 self.events.host_hits.append(req)
         self.table.place(req, num_hit, num_swapped + num_fetched)
         # The worker decodes from last_token_id only once no prefill is left; while positions

@@ -53,7 +53,7 @@ class Events:
     finished: list[Request] = field(default_factory=list)
     handed_off: list[Request] = field(default_factory=list)  # prefill role: prompt done, KV sent
     out_of_blocks: list[Request] = field(default_factory=list)  # a worker slot paused for blocks
-    host_hits: list[Request] = field(default_factory=list)  # placed with a prefix from host memory
+    host_hits: list[Request] = field(default_factory=list)  # placed with a tier hit (host, storage)
 
     @property
     def token_reqs(self) -> list[Request]:

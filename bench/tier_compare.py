@@ -1,0 +1,334 @@
+"""The KV tiers through the simulator and through the product, request by request (issue 37).
+
+    python -m bench.tier_compare [--trace PATH] [--window 0-120] [--configs gpu-only,host-4x]
+                                 [--instances 4] [--sim-only] [--json OUT]
+
+One window of the Mooncake conversation trace (arrivals shifted to start at 0) is served twice
+per configuration, with the same sizes, cost model and arrival times:
+
+    sim      `bench.simulate` (virtual time, the core's Router and Schedulers, real WorkerEngines
+             over the SimExecutor), configured as the daemon configures an instance: its
+             defaults (`EngineConfig()`) with the sizes the workers announce (64-token blocks,
+             5,120 GPU blocks, the host blocks), one StorageIndex for the instances
+    replay   `kvsched replay --embedded`: a real daemon (`kvsched serve`) and N sim worker
+             processes in real time (`--time-scale 1`), the requests over gRPC; per request the
+             daemon's OTLP span (queue time, tier hits) is collected here over OTLP/gRPC
+
+Configurations: gpu-only (no host tier), host-4x (4x the GPU blocks of host memory,
+write_back), storage (host-4x + the storage tier, `--storage mooncake`, the daemon's default
+write policy; the sim workers simulate the store at 12.5 GB/s).
+
+Per request it compares hit tokens, where the hit came from (GPU / host / storage), queue time
+(arrival to first placement) and TTFT, and prints per configuration the two runs side by side
+and the per-request differences. The replay runs in real time on whatever machine this is:
+the load average before and after each replay is recorded with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from bench.policies import BLOCK_SIZE, DEFAULT_TRACE, HOST_FACTOR, NUM_GPU_BLOCKS, write_json
+from bench.simulate import KvschedCluster, simulate
+from bench.storage import window
+from kvsched.core import EngineConfig
+from kvsched.replay.launch import start_cluster
+from kvsched.replay.runner import replay
+from kvsched.replay.summary import DEFAULT_SLO_TPOT_S, DEFAULT_SLO_TTFT_S, summarize
+from kvsched.traces import TraceRequest, ideal_lru_hit_rate, load_trace
+
+DEFAULT_JSON = Path(__file__).parent / "results" / "tier_compare.json"
+# name -> (host blocks per instance, with the storage tier)
+CONFIGS: dict[str, tuple[int, bool]] = {
+    "gpu-only": (0, False),
+    "host-4x": (HOST_FACTOR * NUM_GPU_BLOCKS, False),
+    "storage": (HOST_FACTOR * NUM_GPU_BLOCKS, True),
+}
+# Per request: hit tokens, of them from host, from storage, queue s, TTFT s (None: no token).
+Row = dict[str, Any]
+
+
+def daemon_config(host_blocks: int) -> EngineConfig:
+    """What the daemon gives an instance whose workers announce these sizes
+    (`server.instance_start.instance_config` over the daemon's defaults)."""
+    cfg = EngineConfig()
+    cfg.cache.block_size = BLOCK_SIZE
+    cfg.cache.num_gpu_blocks = NUM_GPU_BLOCKS
+    cfg.cache.num_host_blocks = host_blocks
+    return cfg
+
+
+# ---- the simulator ---------------------------------------------------------------------------
+def run_sim(reqs: list[TraceRequest], name: str, instances: int) -> tuple[list[Row], Any]:
+    host_blocks, storage = CONFIGS[name]
+    seen: dict[str, Any] = {}
+
+    def make(loop: Any) -> KvschedCluster:
+        cluster = KvschedCluster(
+            loop, daemon_config(host_blocks), num_instances=instances, name=name, storage=storage
+        )
+        for inst in cluster.instances:  # keep each finished Request (its tier split, times)
+            on_events = inst._on_events
+
+            def keep(ev: Any, on_events: Any = on_events) -> None:
+                for req in ev.finished:
+                    seen[req.req_id] = req
+                on_events(ev)
+
+            inst._on_events = keep  # type: ignore[method-assign]
+        return cluster
+
+    res = simulate(reqs, make)
+    rows = []
+    for rec in res.records:
+        req = seen.get(rec.req_id)
+        rows.append(
+            {
+                "hit": rec.num_cached_tokens,
+                "host": req.num_host_cached_tokens if req else 0,
+                "storage": req.num_storage_cached_tokens if req else 0,
+                "queue_s": req.first_scheduled_time - req.arrival_time if req else None,
+                "ttft_s": rec.ttft_s,
+            }
+        )
+    return rows, res.summary(slo_ttft_s=DEFAULT_SLO_TTFT_S, slo_tpot_s=DEFAULT_SLO_TPOT_S)
+
+
+# ---- the product: an OTLP receiver for the daemon's request spans ----------------------------
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
+class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
+    """Keeps, per request id, its span's attributes and its host_cache_hit event's."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, dict[str, Any]] = {}
+        self.cond = threading.Condition()
+
+    def Export(self, request: Any, context: Any) -> trace_service_pb2.ExportTraceServiceResponse:
+        with self.cond:
+            for rs in request.resource_spans:
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        attrs = {a.key: _value(a.value) for a in span.attributes}
+                        for ev in span.events:
+                            if ev.name == "host_cache_hit":
+                                attrs.update({a.key: _value(a.value) for a in ev.attributes})
+                        self.spans[str(attrs.get("gen_ai.response.id"))] = attrs
+            self.cond.notify_all()
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def wait_for(self, n: int, timeout_s: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: len(self.spans) >= n, timeout_s)
+
+
+def run_replay(
+    reqs: list[TraceRequest], name: str, instances: int
+) -> tuple[list[Row], dict[str, Any], dict[str, Any]]:
+    host_blocks, storage = CONFIGS[name]
+    sink = SpanSink()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    env = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_BSP_SCHEDULE_DELAY": "500",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the daemon (a child process) inherits them
+    load = {"before": os.getloadavg()}
+    try:
+        cluster = start_cluster(
+            instances,
+            num_blocks=NUM_GPU_BLOCKS,
+            block_size=BLOCK_SIZE,
+            host_blocks=host_blocks,
+            serve_args=("--storage", "mooncake") if storage else (),
+        )
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        result = asyncio.run(replay(cluster.address, reqs, progress=False))
+        complete = sink.wait_for(len(reqs), 30.0)
+    finally:
+        cluster.stop()
+        server.stop(None)
+    load["after"] = os.getloadavg()
+    if not complete:
+        print(f"  replay {name}: {len(sink.spans)} of {len(reqs)} spans arrived")
+    rows = []
+    for rec in result.records:
+        sp = sink.spans.get(rec.req_id, {})
+        rows.append(
+            {
+                "hit": rec.num_cached_tokens,
+                "host": int(sp.get("kvsched.host_cached_tokens", 0)),
+                "storage": int(sp.get("kvsched.storage_cached_tokens", 0)),
+                "queue_s": sp.get("kvsched.queue_time_s"),
+                "ttft_s": rec.ttft_s,
+            }
+        )
+    num_prompt = sum(r.num_prompt_tokens for r in result.records if r.completed)
+    summary = summarize(
+        result.records,
+        num_gpu_blocks=NUM_GPU_BLOCKS,
+        block_size=BLOCK_SIZE,
+        preemptions=result.preemptions,
+        slo_ttft_s=DEFAULT_SLO_TTFT_S,
+        slo_tpot_s=DEFAULT_SLO_TPOT_S,
+        host_hit_rate=result.host_hit_tokens / num_prompt if num_prompt else 0.0,
+        storage_hit_rate=result.storage_hit_tokens / num_prompt if num_prompt else 0.0,
+    )
+    return rows, summary, load
+
+
+# ---- the comparison --------------------------------------------------------------------------
+def _q(xs: list[float], f: float) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    return xs[min(len(xs) - 1, int(f * len(xs)))] if xs else None
+
+
+def aggregate(rows: list[Row], prompt: list[int]) -> dict[str, Any]:
+    total = sum(prompt) or 1
+    queue = [r["queue_s"] for r in rows if r["queue_s"] is not None]
+    ttft = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
+    service = [
+        r["ttft_s"] - r["queue_s"]
+        for r in rows
+        if r["ttft_s"] is not None and r["queue_s"] is not None
+    ]
+    return {
+        "hit": sum(r["hit"] for r in rows) / total,
+        "host": sum(r["host"] for r in rows) / total,
+        "storage": sum(r["storage"] for r in rows) / total,
+        "queue_p50": _q(queue, 0.5),
+        "queue_mean": statistics.fmean(queue) if queue else None,
+        "service_p50": _q(service, 0.5),
+        "ttft_p50": _q(ttft, 0.5),
+        "ttft_p90": _q(ttft, 0.9),
+    }
+
+
+def differences(sim: list[Row], rep: list[Row]) -> dict[str, Any]:
+    """Per request, replay minus sim."""
+    pairs = [(s, r) for s, r in zip(sim, rep, strict=True)]
+    d_ttft = [r["ttft_s"] - s["ttft_s"] for s, r in pairs if r["ttft_s"] and s["ttft_s"]]
+    d_queue = [
+        r["queue_s"] - s["queue_s"]
+        for s, r in pairs
+        if r["queue_s"] is not None and s["queue_s"] is not None
+    ]
+    return {
+        "same_hit_tokens": sum(s["hit"] == r["hit"] for s, r in pairs) / max(1, len(pairs)),
+        "hit_tokens_replay_minus_sim": sum(r["hit"] - s["hit"] for s, r in pairs),
+        "ttft_diff_p50": _q(d_ttft, 0.5),
+        "ttft_diff_p10": _q(d_ttft, 0.1),
+        "ttft_diff_p90": _q(d_ttft, 0.9),
+        "queue_diff_p50": _q(d_queue, 0.5),
+    }
+
+
+def _f(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def table(out: dict[str, Any]) -> str:
+    head = (
+        f"{'config':9} {'run':6} {'hit %':>6} {'host %':>6} {'stor %':>6} {'queue p50':>9} "
+        f"{'mean':>6} {'svc p50':>7} {'TTFT p50':>8} {'p90':>6} {'vs gpu':>7} {'goodput':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    base = {run: out["configs"].get("gpu-only", {}).get(run) for run in ("sim", "replay")}
+    for name, c in out["configs"].items():
+        for run in ("sim", "replay"):
+            if run not in c:
+                continue
+            a, b = c[run]["agg"], base[run]
+            vs = "-"
+            if b and a["ttft_p50"] and b["agg"]["ttft_p50"]:
+                vs = f"{100 * (a['ttft_p50'] / b['agg']['ttft_p50'] - 1):+.0f} %"
+            lines.append(
+                f"{name:9} {run:6} {100 * a['hit']:>6.1f} {100 * a['host']:>6.1f} "
+                f"{100 * a['storage']:>6.1f} {_f(a['queue_p50'], '.3f'):>9} "
+                f"{_f(a['queue_mean'], '.2f'):>6} {_f(a['service_p50'], '.3f'):>7} "
+                f"{_f(a['ttft_p50'], '.3f'):>8} {_f(a['ttft_p90'], '.2f'):>6} {vs:>7} "
+                f"{c[run]['summary']['goodput_rps']:>7.2f}"
+            )
+        if "diff" in c:
+            d = c["diff"]
+            lines.append(
+                f"{'':9} {'diff':6} same hit tokens {100 * d['same_hit_tokens']:.0f} % of "
+                f"requests (replay {d['hit_tokens_replay_minus_sim']:+,} tokens); TTFT "
+                f"replay - sim p10/p50/p90 {_f(d['ttft_diff_p10'], '+.3f')} / "
+                f"{_f(d['ttft_diff_p50'], '+.3f')} / {_f(d['ttft_diff_p90'], '+.3f')} s; "
+                f"queue p50 {_f(d['queue_diff_p50'], '+.3f')} s"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--window", default="0-120", help="START-END in trace seconds")
+    ap.add_argument("--configs", default="gpu-only,host-4x", help=f"from {list(CONFIGS)}")
+    ap.add_argument("--instances", type=int, default=4)
+    ap.add_argument("--sim-only", action="store_true", help="no replay (quick)")
+    ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = ap.parse_args(argv)
+    names = args.configs.split(",")
+    if unknown := [n for n in names if n not in CONFIGS]:
+        ap.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
+    a, _, b = args.window.partition("-")
+    start, end = float(a), float(b)
+    reqs = window(load_trace(args.trace, duration_s=end), start, end)
+    prompt = [len(r.prompt_token_ids) for r in reqs]
+    out: dict[str, Any] = {
+        "trace": str(args.trace),
+        "window": args.window,
+        "num_requests": len(reqs),
+        "instances": args.instances,
+        "ideal_unbounded": ideal_lru_hit_rate(reqs, None, BLOCK_SIZE),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "configs": {},
+    }
+    print(f"window {args.window} s: {len(reqs)} requests", flush=True)
+    for name in names:
+        c: dict[str, Any] = {}
+        rows, summary = run_sim(reqs, name, args.instances)
+        c["sim"] = {"agg": aggregate(rows, prompt), "summary": summary, "rows": rows}
+        if not args.sim_only:
+            t0 = time.perf_counter()
+            rrows, rsummary, load = run_replay(reqs, name, args.instances)
+            c["replay"] = {"agg": aggregate(rrows, prompt), "summary": rsummary, "rows": rrows}
+            c["replay"]["load_avg"] = load
+            c["replay"]["wall_s"] = time.perf_counter() - t0
+            c["diff"] = differences(rows, rrows)
+            print(f"  {name}: replay {c['replay']['wall_s']:.0f} s, load {load}", flush=True)
+        out["configs"][name] = c
+    print(table(out))
+    write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main()
