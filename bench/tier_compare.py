@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
+import random
 import statistics
 import threading
 import time
@@ -202,6 +204,26 @@ def run_replay(
     return rows, summary, load
 
 
+def jitter_spread(
+    reqs: list[TraceRequest], name: str, instances: int, seeds: int
+) -> dict[str, Any]:
+    """The sim's own sensitivity: TTFT p50 and goodput when every arrival moves by up to
+    +-1 ms (uniform, seeded). A difference between two runs smaller than this spread is not
+    one the trace can tell apart."""
+    p50s, goodputs = [], []
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        moved = [
+            dataclasses.replace(r, arrival_s=max(0.0, r.arrival_s + rng.uniform(-1e-3, 1e-3)))
+            for r in reqs
+        ]
+        moved.sort(key=lambda r: r.arrival_s)
+        _, summary = run_sim(moved, name, instances)
+        p50s.append(summary["ttft_s"]["p50"])
+        goodputs.append(summary["goodput_rps"])
+    return {"ttft_p50": p50s, "goodput_rps": goodputs}
+
+
 # ---- the comparison --------------------------------------------------------------------------
 def _q(xs: list[float], f: float) -> float | None:
     xs = sorted(x for x in xs if x is not None)
@@ -293,6 +315,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--configs", default="gpu-only,host-4x", help=f"from {list(CONFIGS)}")
     ap.add_argument("--instances", type=int, default=4)
     ap.add_argument("--sim-only", action="store_true", help="no replay (quick)")
+    ap.add_argument(
+        "--jitter-seeds",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run the sim N times with arrivals moved by up to +-1 ms (its own spread)",
+    )
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = ap.parse_args(argv)
     names = args.configs.split(",")
@@ -325,6 +354,9 @@ def main(argv: list[str] | None = None) -> None:
             c["replay"]["wall_s"] = time.perf_counter() - t0
             c["diff"] = differences(rows, rrows)
             print(f"  {name}: replay {c['replay']['wall_s']:.0f} s, load {load}", flush=True)
+        if args.jitter_seeds:
+            c["sim_jitter"] = j = jitter_spread(reqs, name, args.instances, args.jitter_seeds)
+            print(f"  {name}: sim TTFT p50 with arrivals +-1 ms: {sorted(j['ttft_p50'])}")
         out["configs"][name] = c
     print(table(out))
     write_json(args.json, out)

@@ -267,10 +267,10 @@ class ClusterRouter:
         local_waits: list[float] = []
         for e in engines:
             req.block_hashes = self._hashes(req, e.block_size, by_size)
-            worth, hit = e.priced_hit(req)
+            worth, _ = e.priced_hit(req)
             local_hits.append(worth / n)
             local_loads.append(e.load)
-            local_waits.append(router.calibration.factor * e.predicted_wait_ms(req, hit))
+            local_waits.append(router.calibration.factor * e.predicted_wait_ms(req, int(worth)))
         hits, waits, loads = self._remote_scores(req, elig.size, by_size, n, model)
         req.block_hashes = []  # the instance chosen hashes with its own block size
         all_hits = hits
@@ -358,7 +358,7 @@ class ClusterRouter:
                 a_attn[j],
             )
         ntok = float(len(req.prompt_token_ids))
-        start = np.minimum(cached, ntok - 1)
+        start = np.minimum(worth, ntok - 1)  # host and storage hits at their price
         own = a_tok * (ntok - start) + a_attn * (ntok * ntok - start * start) / 2
         backlog = t.backlog_ms[:size]
         waits = router.calibration.factor * (backlog + own)

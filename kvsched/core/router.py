@@ -250,9 +250,11 @@ class Router:
             if mixed:
                 req.block_hashes = []
             s = schedulers[i]
-            worth, hit = priced_hit(s, req)
+            worth, _ = priced_hit(s, req)
             hits.append(worth / n)
-            waits.append(self.calibration.factor * predicted_wait_ms(s, req, hit))
+            # The wait with the hit at its price: a host or storage hit saves its recompute
+            # less its transfer, at every load (the deadline test at overload included).
+            waits.append(self.calibration.factor * predicted_wait_ms(s, req, int(worth)))
             load_of.append(self.load(s) if loads is None else loads[i])
         if mixed:
             req.block_hashes = []

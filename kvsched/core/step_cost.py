@@ -116,6 +116,20 @@ class StepCostModel:
         """Planned ms per block fetched from the storage tier."""
         return self._plan[6]
 
+    def priced_tier_hit(self, gpu: int, host: int, stored: int, block_size: int) -> float:
+        """Prompt tokens a hit of (GPU, host, storage) tokens is worth by this model: GPU hits
+        whole, host and storage hits by the recompute their transfer saves
+        (`priced_hit_tokens`). Routing's hit score, its predicted waits and a queued
+        request's predicted prefill all read this one price."""
+        if not host and not stored:
+            return float(gpu)
+        a_tok, a_attn = self.prefill_costs
+        runs = [
+            (host, self.swap_block_ms * host / block_size),
+            (stored, self.fetch_block_ms * stored / block_size),
+        ]
+        return priced_hit_tokens(gpu, runs, a_tok, a_attn)
+
     def observe(
         self,
         prefill_tokens: int,

@@ -19,7 +19,6 @@ from kvsched.core.scheduler.report import ReportApplier
 from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.scheduler.table import PlacementTable
 from kvsched.core.scheduler.views import cache_views
-from kvsched.core.step_cost import priced_hit_tokens
 
 
 class Facts:
@@ -109,15 +108,8 @@ class Facts:
         hits by the share of their recompute time a swap-in saves, storage hits likewise by
         a fetch's (`priced_hit_tokens`)."""
         gpu, host, stored = self.kv.tier_hits(req)
-        if not host and not stored:
-            return float(gpu), gpu
-        cost = self.plan.cost
-        a_tok, a_attn = cost.prefill_costs
-        block_size = self.kv.block_size
-        swap_ms = cost.swap_block_ms * host / block_size
-        fetch_ms = cost.fetch_block_ms * stored / block_size
-        runs = [(host, swap_ms), (stored, fetch_ms)]
-        return priced_hit_tokens(gpu, runs, a_tok, a_attn), gpu + host + stored
+        worth = self.plan.cost.priced_tier_hit(gpu, host, stored, self.kv.block_size)
+        return worth, gpu + host + stored
 
     def host_block_hashes(self) -> list[bytes]:
         """Every hash the host-memory tier holds now ([] without one)."""
