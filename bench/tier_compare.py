@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import os
 import random
+import re
 import statistics
 import threading
 import time
@@ -57,6 +58,9 @@ CONFIGS: dict[str, tuple[int, bool]] = {
     "host-4x": (HOST_FACTOR * NUM_GPU_BLOCKS, False),
     "storage": (HOST_FACTOR * NUM_GPU_BLOCKS, True),
 }
+WORKER_STATS = re.compile(
+    r"worker stats: (\d+) steps, .* busy ([0-9.]+) s, idle [0-9.]+ s \(([0-9.]+) s waiting"
+)
 # Per request: hit tokens, of them from host, from storage, queue s, TTFT s (None: no token).
 Row = dict[str, Any]
 
@@ -92,6 +96,11 @@ def run_sim(reqs: list[TraceRequest], name: str, instances: int) -> tuple[list[R
         return cluster
 
     res = simulate(reqs, make)
+    steps = {
+        "steps": sum(i.num_steps for i in res.instances),
+        "busy_s": sum(i.busy_s for i in res.instances),
+        "waiting_on_daemon_s": sum(i.idle_control_plane_s for i in res.instances),
+    }
     rows = []
     for rec in res.records:
         req = seen.get(rec.req_id)
@@ -102,9 +111,11 @@ def run_sim(reqs: list[TraceRequest], name: str, instances: int) -> tuple[list[R
                 "storage": req.num_storage_cached_tokens if req else 0,
                 "queue_s": req.first_scheduled_time - req.arrival_time if req else None,
                 "ttft_s": rec.ttft_s,
+                "instance": rec.instance,
             }
         )
-    return rows, res.summary(slo_ttft_s=DEFAULT_SLO_TTFT_S, slo_tpot_s=DEFAULT_SLO_TPOT_S)
+    summary = res.summary(slo_ttft_s=DEFAULT_SLO_TTFT_S, slo_tpot_s=DEFAULT_SLO_TPOT_S)
+    return rows, {**summary, "worker_steps": steps}
 
 
 # ---- the product: an OTLP receiver for the daemon's request spans ----------------------------
@@ -175,6 +186,14 @@ def run_replay(
     finally:
         cluster.stop()
         server.stop(None)
+    steps = {"steps": 0, "busy_s": 0.0, "waiting_on_daemon_s": 0.0}
+    for w in cluster.workers:  # each worker's last line of stats (wall time: the box's)
+        for line in reversed(w.lines):
+            if m := WORKER_STATS.search(line):
+                steps["steps"] += int(m.group(1))
+                steps["busy_s"] += float(m.group(2))
+                steps["waiting_on_daemon_s"] += float(m.group(3))
+                break
     load["after"] = os.getloadavg()
     if not complete:
         print(f"  replay {name}: {len(sink.spans)} of {len(reqs)} spans arrived")
@@ -188,6 +207,7 @@ def run_replay(
                 "storage": int(sp.get("kvsched.storage_cached_tokens", 0)),
                 "queue_s": sp.get("kvsched.queue_time_s"),
                 "ttft_s": rec.ttft_s,
+                "instance": sp.get("kvsched.instance"),
             }
         )
     num_prompt = sum(r.num_prompt_tokens for r in result.records if r.completed)
@@ -200,6 +220,7 @@ def run_replay(
         slo_tpot_s=DEFAULT_SLO_TPOT_S,
         host_hit_rate=result.host_hit_tokens / num_prompt if num_prompt else 0.0,
         storage_hit_rate=result.storage_hit_tokens / num_prompt if num_prompt else 0.0,
+        worker_steps=steps,
     )
     return rows, summary, load
 
@@ -295,6 +316,16 @@ def table(out: dict[str, Any]) -> str:
                 f"{_f(a['queue_mean'], '.2f'):>6} {_f(a['service_p50'], '.3f'):>7} "
                 f"{_f(a['ttft_p50'], '.3f'):>8} {_f(a['ttft_p90'], '.2f'):>6} {vs:>7} "
                 f"{c[run]['summary']['goodput_rps']:>7.2f}"
+            )
+        steps = {
+            run: c[run]["summary"].get("worker_steps") for run in ("sim", "replay") if run in c
+        }
+        if len(steps) == 2:
+            a, b = steps["sim"], steps["replay"]
+            lines.append(
+                f"{'':9} {'steps':6} sim {a['steps']:,} steps, {a['busy_s']:.1f} s busy; replay "
+                f"{b['steps']:,} steps, {b['busy_s']:.1f} s busy (wall), "
+                f"{b['waiting_on_daemon_s']:.1f} s waiting on the daemon"
             )
         if "diff" in c:
             d = c["diff"]
