@@ -76,7 +76,12 @@ def daemon_config(host_blocks: int) -> EngineConfig:
 
 
 # ---- the simulator ---------------------------------------------------------------------------
-def run_sim(reqs: list[TraceRequest], name: str, instances: int) -> tuple[list[Row], Any]:
+def run_sim(
+    reqs: list[TraceRequest], name: str, instances: int, speed: float = 1.0, extra_ms: float = 0
+) -> tuple[list[Row], Any]:
+    """speed < 1: every step (and copy) takes 1/speed as long, as on a slower GPU (the sim
+    worker's --speed); extra_ms: every step takes that much longer (a fixed cost per step, as
+    a loaded machine's CPU adds to a real-time replay's steps)."""
     host_blocks, storage = CONFIGS[name]
     seen: dict[str, Any] = {}
 
@@ -85,6 +90,18 @@ def run_sim(reqs: list[TraceRequest], name: str, instances: int) -> tuple[list[R
             loop, daemon_config(host_blocks), num_instances=instances, name=name, storage=storage
         )
         for inst in cluster.instances:  # keep each finished Request (its tier split, times)
+            sim = inst.worker.executor
+            sim.speed = speed  # type: ignore[attr-defined]
+            if extra_ms:
+                execute = sim.execute
+
+                def slower(work: Any, execute: Any = execute) -> Any:
+                    result = execute(work)
+                    if result.step_time_s > 0:
+                        result.step_time_s += extra_ms / 1e3
+                    return result
+
+                sim.execute = slower  # type: ignore[method-assign]
             on_events = inst._on_events
 
             def keep(ev: Any, on_events: Any = on_events) -> None:
@@ -347,6 +364,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--instances", type=int, default=4)
     ap.add_argument("--sim-only", action="store_true", help="no replay (quick)")
     ap.add_argument(
+        "--sim-speed",
+        type=float,
+        default=1.0,
+        help="the sim's steps take 1/S as long (S < 1: a slower GPU; default 1)",
+    )
+    ap.add_argument(
+        "--sim-step-extra-ms",
+        type=float,
+        default=0.0,
+        help="every sim step takes this much longer (a loaded box's fixed cost per real step)",
+    )
+    ap.add_argument(
         "--jitter-seeds",
         type=int,
         default=0,
@@ -370,12 +399,14 @@ def main(argv: list[str] | None = None) -> None:
         "ideal_unbounded": ideal_lru_hit_rate(reqs, None, BLOCK_SIZE),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpus": os.cpu_count(),
+        "sim_speed": args.sim_speed,
+        "sim_step_extra_ms": args.sim_step_extra_ms,
         "configs": {},
     }
     print(f"window {args.window} s: {len(reqs)} requests", flush=True)
     for name in names:
         c: dict[str, Any] = {}
-        rows, summary = run_sim(reqs, name, args.instances)
+        rows, summary = run_sim(reqs, name, args.instances, args.sim_speed, args.sim_step_extra_ms)
         c["sim"] = {"agg": aggregate(rows, prompt), "summary": summary, "rows": rows}
         if not args.sim_only:
             t0 = time.perf_counter()
