@@ -42,7 +42,7 @@ from typing import Any
 import grpc
 
 from kvsched import codec
-from kvsched.server.config_load import load_config
+from kvsched.server.config.load import load_config
 from kvsched.v1 import common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
 from kvsched.worker_stub.client import Worker, sim_engine_factory

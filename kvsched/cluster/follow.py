@@ -25,16 +25,16 @@ from kvsched.cluster.peer_rpc import (
     PeerStubs,
     apply_finished,
 )
-from kvsched.server.resume import ParkedSink
+from kvsched.server.requests.resume import ParkedSink
 from kvsched.v1 import request_service_pb2 as rpb
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from kvsched.cluster.routing import RemoteInstance
-    from kvsched.server.durable import Durability
-    from kvsched.server.record import Tracked
-    from kvsched.server.request_table import RequestTable
+    from kvsched.server.requests.durable import Durability
+    from kvsched.server.requests.record import Tracked
+    from kvsched.server.requests.table import RequestTable
 
 log = logging.getLogger("kvsched.cluster")
 

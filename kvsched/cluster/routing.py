@@ -28,12 +28,12 @@ from kvsched.cluster.hit_index import price_runs
 from kvsched.core import InvalidRequest, KVCacheManager, KvschedError, Request, Unavailable
 from kvsched.core.router import choose
 from kvsched.core.step_cost import priced_hit_tokens
-from kvsched.server.engine import InstanceEngine
-from kvsched.server.models import Limits, misfit
+from kvsched.server.instances.engine import InstanceEngine
+from kvsched.server.instances.models import Limits, misfit
 
 if TYPE_CHECKING:
     from kvsched.cluster.kv_index import ClusterIndex, InstanceView
-    from kvsched.server.registry import InstanceRegistry
+    from kvsched.server.instances.registry import InstanceRegistry
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,7 +92,7 @@ class SchedulerStats:
 
 
 # The snapshot's monotonic counters: what restarts at 0 with a new scheduler, and what the daemon
-# totals over the schedulers an instance has had (server/engine.py `counters`).
+# totals over the schedulers an instance has had (server/instances/engine.py `counters`).
 SNAPSHOT_COUNTERS = (
     "prefix_cache_query_tokens",
     "prefix_cache_hit_tokens",

@@ -16,12 +16,12 @@ import grpc
 
 from kvsched import codec
 from kvsched.core import KvschedError, RequestNotFound, Unavailable
-from kvsched.server.accept import Acceptor, relayed_from_caller
 from kvsched.server.auth import current_principal
 from kvsched.server.errors import status_for
-from kvsched.server.record import RemotePeer, Tracked
-from kvsched.server.resume import OwnedElsewhere, Resumer
-from kvsched.server.sinks import (
+from kvsched.server.requests.accept import Acceptor, relayed_from_caller
+from kvsched.server.requests.record import RemotePeer, Tracked
+from kvsched.server.requests.resume import OwnedElsewhere, Resumer
+from kvsched.server.requests.sinks import (
     SessionSink,
     StreamSink,
     _token_columns,
@@ -171,7 +171,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 self.requests.abort_tracked(tr, sink_close_reason(sink))
 
     def _refused(self, request: pb.GenerateRequest, exc: KvschedError, carrier: Any) -> None:
-        """Count, log and trace a refused submission (server/refusals.py)."""
+        """Count, log and trace a refused submission (server/telemetry/refusals.py)."""
         code, message = status_for(exc)
         reason = code.name.lower()
         if self.requests.draining:

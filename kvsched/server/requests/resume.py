@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 from kvsched import codec
 from kvsched.core import FinishReason, InvalidRequest, RequestNotFound, Unavailable
-from kvsched.server.durable import Durability
 from kvsched.server.errors import PermissionDenied
-from kvsched.server.record import Parked, RemotePeer, Sink, Tracked
-from kvsched.server.request_table import RequestTable
+from kvsched.server.requests.durable import Durability
+from kvsched.server.requests.record import Parked, RemotePeer, Sink, Tracked
+from kvsched.server.requests.table import RequestTable
 from kvsched.v1 import journal_pb2, request_service_pb2
 
 log = logging.getLogger("kvsched.daemon")

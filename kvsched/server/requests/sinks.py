@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsched.server.record import Tracked
+from kvsched.server.requests.record import Tracked
 from kvsched.v1 import request_service_pb2 as pb
 
 
