@@ -39,6 +39,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 
 from bench.transport_stack import last_match, machine, spawn
 from kvsched.core import Events, FinishReason, Request, SamplingParams
+from kvsched.core.slots import set_output
 from kvsched.server.telemetry.otlp import KvschedSpanExporter, SpanEncoder
 from kvsched.server.telemetry.spans import RequestEvents, RequestSpan
 from kvsched.server.telemetry.tracing import Tracing
@@ -137,7 +138,7 @@ def pipeline_run(exporter: str, endpoint: str, num_requests: int) -> tuple[float
         req = Request(
             f"t{i}", [1] * 32, SamplingParams(max_tokens=256), arrival_time=time.monotonic()
         )
-        req.output_token_ids = [7] * 256  # the span reads its length (output tokens)
+        set_output(req, [7] * 256)  # the span reads its length (output tokens)
         tr = SimpleNamespace(req=req, engine=engine, span=None)
         req.tag = tr
         t0 = time.thread_time()  # the hooks' CPU, not the fake request's making

@@ -22,6 +22,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from opentelemetry.trace.span import TraceState
 
 from kvsched.core import Events, FinishReason, Request, SamplingParams
+from kvsched.core.slots import set_output
 from kvsched.server.telemetry.otlp import KvschedSpanExporter, SpanEncoder
 from kvsched.server.telemetry.spans import MAX_EVENTS, RequestEvents, RequestSpan
 from kvsched.server.telemetry.tracing import Tracing
@@ -76,7 +77,7 @@ def daemon_spans() -> list[ReadableSpan]:
     tracing.lifecycle(engine, Events(scheduled=reqs[:5]))
     for req in reqs[:4]:
         req.first_token_time = time.monotonic()
-        req.output_token_ids = [5, 6]
+        set_output(req, [5, 6])
         req.num_cached_tokens = 0
     tracing.lifecycle(engine, Events(first_token=reqs[:4]))
     reqs[1].num_preemptions = 1

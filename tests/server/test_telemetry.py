@@ -38,6 +38,7 @@ from kvsched.core import (
     SamplingParams,
     Unavailable,
 )
+from kvsched.core.slots import set_output
 from kvsched.server.config.settings import ServerConfig
 from kvsched.server.telemetry.metrics import Metrics
 from kvsched.server.telemetry.otlp import KvschedSpanExporter
@@ -509,7 +510,7 @@ def test_spans_are_built_off_the_loop_and_keep_rare_events_in_order() -> None:
         tracing.lifecycle(mixed, Events(preempted=[req]))
         tracing.lifecycle(mixed, Events(scheduled=[req]))
         req.finish_reason, req.finished_time = FinishReason.LENGTH, time.monotonic()
-        req.output_token_ids = [5, 6, 7, 8]
+        set_output(req, [5, 6, 7, 8])
         tracing.request_finished(tr)
 
         prefill = SimpleNamespace(instance_id="p0", role=Role.PREFILL)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import kvsched.core.lifecycle as lifecycle
 from kvsched.core.config import EngineConfig, Role
 from kvsched.core.encoder_cache import EncoderCache
 from kvsched.core.kv_cache_manager import KVCacheManager
@@ -248,10 +249,9 @@ class Admitter:
         Placement. num_swapped: tokens of num_hit that swap-ins bring from the host tier;
         num_fetched: those that fetches bring from the storage tier (after them)."""
         now = self.clock()
+        lifecycle.place(req, now)  # (a request moved off a lost instance keeps its first time)
         if req.num_cached_tokens < 0:  # its first placement on this instance
             req.num_cached_tokens = num_hit
-            if req.first_scheduled_time < 0:  # (a request moved off a lost instance keeps it)
-                req.first_scheduled_time = now
             self.kv.record_lookup(req.num_tokens, num_hit, num_swapped, num_fetched)
             self.stats.num_prompt_tokens += len(req.prompt_token_ids)
             if num_swapped:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import kvsched.core.lifecycle as lifecycle
 from kvsched.core.config import EngineConfig, Role
 from kvsched.core.kv_cache_manager import KVCacheManager, _cdiv
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.events import Events
-from kvsched.core.slots import SlotTable
+from kvsched.core.slots import SlotTable, set_reported
 
 
 class Freed(NamedTuple):
@@ -67,12 +68,11 @@ class PlacementTable:
     def place(self, req: Request, num_hit: int, num_swapped: int) -> None:
         """Give req a slot and a fresh handle, its prefill starting after num_hit cached tokens
         (num_swapped of them swapped in from the host tier: reported only once they are)."""
-        req.status = RequestStatus.RUNNING
         req.slot = self.free_slots.pop()
         self._issue_handle(req)
         req.num_prefill_tokens = req.num_tokens
         req.num_computed_tokens = num_hit
-        req.num_reported_tokens = num_hit - num_swapped
+        set_reported(req, num_hit - num_swapped)
         self.live[req.handle] = req
         self.running[req.req_id] = req
         self.prefilling[req.req_id] = req
@@ -80,7 +80,7 @@ class PlacementTable:
 
     def hold(self, req: Request) -> None:
         """Decode role: a slot and handle for a request whose KV another instance pushes."""
-        req.status = RequestStatus.RUNNING
+        lifecycle.hold(req)
         req.slot = self.free_slots.pop()
         self._issue_handle(req)
         self.live[req.handle] = req
@@ -164,10 +164,7 @@ class PlacementTable:
         need = min(want, limit) - len(ids)
         if need <= 0:
             return []
-        new = self.kv.pool.allocate(need)
-        if new is not None:
-            ids.extend(new)
-        return new
+        return self.kv.extend_blocks(req, need)
 
     def alloc_target(self, req: Request, end: int, num_prefill: int | None = None) -> int:
         """Positions the table must cover once a chunk ending at `end` is scheduled: the chunk,
@@ -237,6 +234,10 @@ class PlacementTable:
         """A waiting request ended (it held nothing)."""
         self.requests.pop(req.req_id, None)
 
-    def unlive(self, req: Request) -> None:
-        """A preempted request's worker acknowledged: its handle is dead."""
+    def unplace(self, req: Request) -> None:
+        """A preempted request's worker acknowledged: its handle is dead, and nothing of its
+        KV counts any more (it prefills again from its prefix hit when placed anew)."""
         self.live.pop(req.handle, None)
+        req.handle = -1
+        req.num_computed_tokens = 0
+        set_reported(req, 0)

@@ -28,8 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvsched.core import Request
+from kvsched.core import Request, lifecycle
 from kvsched.core.journal_state import JournalState
+from kvsched.core.slots import set_output
 
 if TYPE_CHECKING:
     import asyncio
@@ -116,9 +117,8 @@ def fresh_copy(old: Request) -> Request:
         old.mm_ranges,
         tenant=old.tenant,
     )
-    new.output_token_ids = list(old.output_token_ids)
-    new.num_preemptions = old.num_preemptions
-    new.first_scheduled_time, new.first_token_time = old.first_scheduled_time, old.first_token_time
+    set_output(new, old.output_token_ids)
+    lifecycle.carry_over(old, new)
     new.tag = old.tag
     return new
 

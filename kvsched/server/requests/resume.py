@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvsched import codec
 from kvsched.core import FinishReason, InvalidRequest, RequestNotFound, Unavailable
+from kvsched.core.slots import set_output
 from kvsched.server.errors import PermissionDenied
 from kvsched.server.requests.durable import Durability
 from kvsched.server.requests.record import Parked, RemotePeer, Sink, Tracked
@@ -92,7 +93,7 @@ class Resumer:
             req = codec.request_from_proto(
                 rec.request, rec.request_id, now, table.config.default_max_tokens
             )
-            req.output_token_ids = list(u.tokens)
+            set_output(req, list(u.tokens))
             tr = Tracked(
                 req,
                 Parked(deadline, RECOVERED),

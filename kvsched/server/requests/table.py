@@ -30,8 +30,8 @@ from kvsched.core import (
     RequestNotFound,
     Role,
     Unavailable,
+    lifecycle,
 )
-from kvsched.core.request import FINISHED_STATUS
 from kvsched.server.cluster_port import ClusterPort
 from kvsched.server.instances.engine import InstanceEngine
 from kvsched.server.requests.poison import PoisonGuard
@@ -237,9 +237,7 @@ class RequestTable:
         engine or its relay has stamped it. A second call is a no-op."""
         req = tr.req
         if reason is not None:
-            req.status = FINISHED_STATUS[reason]
-            req.finish_reason, req.finish_message = reason, message
-            req.finished_time = time.monotonic()
+            lifecycle.finish_outside(req, reason, message, time.monotonic())
         self.cancel_reservation(tr)
         if self.tracked.pop(req.req_id, None) is None:
             return
@@ -271,8 +269,7 @@ class RequestTable:
             self.finish(tr, FinishReason.ERROR, "decode reservation gone before hand-off")
             return
         dreq.tag = tr
-        dreq.arrival_time, dreq.first_token_time = req.arrival_time, req.first_token_time
-        dreq.first_scheduled_time = req.first_scheduled_time
+        lifecycle.carry_over(req, dreq)
         dreq.num_cached_tokens = req.num_cached_tokens
         tr.req, tr.location = dreq, LocalEngine(d)
         self.observers.request_progressed(tr)
