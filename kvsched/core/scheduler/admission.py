@@ -250,12 +250,10 @@ class Admitter:
         num_fetched: those that fetches bring from the storage tier (after them)."""
         now = self.clock()
         lifecycle.place(req, now)  # (a request moved off a lost instance keeps its first time)
-        if req.num_cached_tokens < 0:  # its first placement on this instance
-            req.num_cached_tokens = num_hit
+        if self.table.first_placement(req, num_hit, num_swapped):
             self.kv.record_lookup(req.num_tokens, num_hit, num_swapped, num_fetched)
-            self.stats.num_prompt_tokens += len(req.prompt_token_ids)
+            self.stats.count_prompt(len(req.prompt_token_ids))
             if num_swapped:
-                req.num_host_cached_tokens = num_swapped
                 self.events.host_hits.append(req)
         self.table.place(req, num_hit, num_swapped + num_fetched)
         # The worker decodes from last_token_id only once no prefill is left; while positions
@@ -372,7 +370,7 @@ class Admitter:
             budget.slack_ms -= plan.chunk_extra_ms(start, n, own_tokens, own_attn)
         plan.record_chunk(req, start, n)
         self.tasks.chunks.append(Chunk(req.handle, start, req.token_ids(start, start + n)))
-        req.num_computed_tokens = start + n
+        self.table.computed(req, start + n)
         if req.mm_ranges:
             enc_needed = self.table.enc_needed
             budget.encoder = charge_encoder(

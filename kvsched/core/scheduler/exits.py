@@ -52,8 +52,7 @@ class Exits:
         freed = self._table.remove(req)
         self._backlog.released(req, freed)
         lifecycle.finish(req, reason, message, self._clock())
-        fin = self._stats.num_finished
-        fin[reason] = fin.get(reason, 0) + 1
+        self._stats.count_finished(reason)
         self._events.finished.append(req)
 
     def hand_off(self, req: Request) -> None:
@@ -70,7 +69,7 @@ class Exits:
         freed = self._table.release(req)
         self._backlog.released(req, freed)
         lifecycle.preempt(req)
-        self._stats.num_preemptions += 1
+        self._stats.count_preemption()
         self._outbox.preempt(req.handle)
         cc = self._config.cache
         self._reserve = float(cc.reserve_blocks)

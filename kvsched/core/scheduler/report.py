@@ -141,7 +141,7 @@ class ReportApplier:
         for req in dict.fromkeys(slow):  # a request once, however many rows named it
             if not req.is_finished and live.get(req.handle) is req:
                 self._after_report(req, 0)
-        self._stats.num_generation_tokens += n_gen
+        self._stats.count_generated(n_gen)
         for h in list(report.paused):
             req = live.get(int(h))
             if req is not None and req.status == RequestStatus.RUNNING and req.is_prefill_done:

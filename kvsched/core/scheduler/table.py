@@ -78,6 +78,32 @@ class PlacementTable:
         self.prefilling[req.req_id] = req
         self._events.scheduled.append(req)
 
+    def first_placement(self, req: Request, num_hit: int, num_swapped: int) -> bool:
+        """Whether this is req's first placement on this instance; if so its prefix hit (and
+        the part of it the host tier swaps in) is what its usage reports."""
+        if req.num_cached_tokens >= 0:
+            return False
+        req.num_cached_tokens = num_hit
+        if num_swapped:
+            req.num_host_cached_tokens = num_swapped
+        return True
+
+    def prefill_all(self, req: Request) -> None:
+        """Decode role: a reserved request's prefill covers all its tokens (pushed to it)."""
+        req.num_prefill_tokens = req.num_tokens
+
+    def kv_pushed(self, req: Request, num_cached_tokens: int) -> None:
+        """Decode role: the pushed KV covers the prompt; decoding starts from the last output
+        token, whose KV is not written yet: prefill is done at num_tokens - 1."""
+        req.num_cached_tokens = num_cached_tokens
+        req.num_prefill_tokens = req.num_tokens - 1
+        req.num_computed_tokens = req.num_prefill_tokens
+        set_reported(req, req.num_prefill_tokens)
+
+    def computed(self, req: Request, n: int) -> None:
+        """req's positions up to n are handed to the worker to compute (a chunk sent)."""
+        req.num_computed_tokens = n
+
     def hold(self, req: Request) -> None:
         """Decode role: a slot and handle for a request whose KV another instance pushes."""
         lifecycle.hold(req)

@@ -76,8 +76,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     async def Resume(
         self, request: pb.RequestServiceResumeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.RequestServiceResumeResponse]:
-        sink = StreamSink()
-        sink.sent = len(request.token_ids) or request.num_tokens_received  # the caller has them
+        sink = StreamSink(len(request.token_ids) or request.num_tokens_received)  # caller has them
         carrier, node = metadata(context), self.requests.cluster
         owner = principal(context) if node is None else node.caller_of(carrier, principal(context))
         here = self.requests.tracked.get(request.request_id)
@@ -143,27 +142,20 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 queued=pb.GenerateResponse.Queued(request_id=tr.req.req_id, instance=tr.instance_id)
             )
             while True:
-                await sink.event.wait()
-                sink.event.clear()
-                sink.pending_since = None
+                await sink.wait()
                 if tr.sink is not sink:
                     done = True  # resumed elsewhere: one request streams to one place
                     if sink.moved:  # taken from this stream (cluster/selffence.py): resume it
                         raise Unavailable(sink.moved)
                     return
-                req = tr.req
-                # Decide "finished" and take the tokens at the same instant: more may arrive
-                # while a yield is suspended.
-                finished = tr.finished
-                out = req.output_token_ids
-                n = len(out)
-                if n > sink.sent:
-                    delta = out[sink.sent : n]
-                    sink.sent = n
+                # The tokens past what the client has, pulled off the request (`StreamSink.take`
+                # says how they got there and what the read moves), and whether it finished.
+                delta, finished = sink.take(tr)
+                if delta:
                     yield kind(tokens=pb.GenerateResponse.Tokens(token_ids=delta))
                 if finished:
                     done = True
-                    yield kind(finished=codec.finished_to_proto(req))
+                    yield kind(finished=codec.finished_to_proto(tr.req))
                     return
         finally:
             self.requests.streams.discard(sink)
@@ -215,9 +207,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         self.requests.streams.add(sink)
         try:
             while True:
-                await sink.event.wait()
-                sink.event.clear()
-                sink.pending_since = None
+                await sink.wait()
                 if reader.done() and reader.exception() is not None:
                     raise reader.exception()  # type: ignore[misc]
                 msg = self._batch(sink)

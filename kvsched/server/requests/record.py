@@ -46,7 +46,11 @@ class Sink(Protocol):
     trs[i] produced counts[i] tokens (counts None: one each), consecutive in toks. The same
     tokens are already in each request's `output_token_ids`: a sink may take them from the
     call (a Session joins the deltas) or take the call as news and read its requests (a
-    Generate stream sends `output_token_ids` past what it sent)."""
+    Generate stream sends `output_token_ids` past what it sent). `wants_tokens` False: the
+    sink takes the call as news only, and `toks` may be empty (the engine's delivery then
+    builds no list of them)."""
+
+    wants_tokens: bool
 
     def notify(self, tr: Tracked, /) -> None: ...
 

@@ -53,6 +53,8 @@ class OwnedElsewhere(Unavailable):
 class ParkedSink:
     """The sink of a recovered request until its client resumes: outputs stay in the request."""
 
+    wants_tokens = False
+
     def notify(self, tr: Tracked, /) -> None:
         pass
 

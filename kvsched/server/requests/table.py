@@ -269,8 +269,7 @@ class RequestTable:
             self.finish(tr, FinishReason.ERROR, "decode reservation gone before hand-off")
             return
         dreq.tag = tr
-        lifecycle.carry_over(req, dreq)
-        dreq.num_cached_tokens = req.num_cached_tokens
+        lifecycle.carry_over(req, dreq)  # (add_prefilled set its cached tokens)
         tr.req, tr.location = dreq, LocalEngine(d)
         self.observers.request_progressed(tr)
         d.wake()
