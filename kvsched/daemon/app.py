@@ -39,6 +39,7 @@ from kvsched.server.requests.record import Tracked
 from kvsched.server.requests.resume import Resumer
 from kvsched.server.requests.table import RequestTable
 from kvsched.server.telemetry.hooks import make_telemetry
+from kvsched.server.telemetry.values import ClusterFacts
 from kvsched.tls import server_credentials
 from kvsched.v1 import (
     admin_service_pb2,
@@ -70,11 +71,12 @@ class Daemon:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        # Metrics read the engines and tracing the live requests through this object, at
-        # scrape / shutdown time; both owners exist by then.
-        self.telemetry = make_telemetry(config, self)
+        # Telemetry is handed values: each engine step's (`StepStats`), and at scrape time the
+        # instances' published facts (the registry's) and the cluster's (once joined).
+        self.telemetry = make_telemetry(config)
         self.health = HealthServicer()
         self.registry = InstanceRegistry(config, self.telemetry)
+        self.telemetry.read_facts_from(self.registry.instance_facts, self.cluster_facts)
         self.requests = RequestTable(config, self.registry, self.telemetry)
         self.registry.open(self.requests)
         # The journal glue (a lifecycle observer once `open_journal` hands it the journal, in
@@ -87,6 +89,13 @@ class Daemon:
         self.cluster_link: ClusterLink | None = None
         self.cluster_node: ClusterNode | None = None
         self.journal_task: asyncio.Task[None] | None = None
+
+    def cluster_facts(self) -> ClusterFacts | None:
+        """This daemon's cluster figures for a scrape (None: not in a cluster)."""
+        node = self.cluster_node
+        if node is None:
+            return None
+        return ClusterFacts(node.daemon_id, node.link.url, node.cluster_status())
 
     async def join_cluster(self, advertise: str) -> None:
         """Connect to the cluster's NATS when `cluster` is configured. Unreachable: raise
@@ -326,7 +335,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
         daemon.journal_task.cancel()
     if daemon.cluster_link is not None:
         await daemon.cluster_link.close()
-    daemon.telemetry.shutdown()
+    daemon.telemetry.shutdown(list(daemon.requests.tracked.values()))
     log.info("stopped")
     return 0
 
