@@ -82,7 +82,7 @@ class Daemon:
         # The journal glue (a lifecycle observer once `open_journal` hands it the journal, in
         # a cluster); accepting (route, send, journal) and the ways back (recover, Resume).
         self.durable = Durability(self.requests)
-        self.acceptor = Acceptor(self.requests, self.durable)
+        self.acceptor = Acceptor(self.requests, self.registry, config, self.durable)
         self.resumer = Resumer(self.requests, self.durable)
         # The NATS connection when this daemon is in a cluster, and its membership, leases,
         # KV events, routing and forwarding (set by `join_cluster`).
@@ -243,7 +243,14 @@ def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
     requests, registry = daemon.requests, daemon.registry
     # grpc_tools generates the *_pb2_grpc modules without annotations (no stubs to check).
     request_service_pb2_grpc.add_RequestServiceServicer_to_server(  # type: ignore[no-untyped-call]
-        RequestServicer(daemon.acceptor, daemon.resumer, config.max_session_requests), server
+        RequestServicer(
+            daemon.acceptor,
+            daemon.resumer,
+            daemon.durable,
+            daemon.requests,
+            config.max_session_requests,
+        ),
+        server,
     )
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(  # type: ignore[no-untyped-call]
         AdminServicer(registry, requests), server
