@@ -140,9 +140,8 @@ class Backlog:
         fc = self._config.fairness
         own = req.ttft_deadline_ms
         req.deadline = req.arrival_time + (own or fc.default_ttft_deadline_ms) / 1e3
-        # Host and storage hits at what they save net of their transfer (the router's price).
-        worth = self._plan.cost.priced_tier_hit(*self._kv.tier_hits(req), self._kv.block_size)
-        req.queued_ms = self.predicted_prefill_ms(req, int(worth))
+        hit = self._kv.hit_tokens(req)
+        req.queued_ms = self.predicted_prefill_ms(req, hit)
         if not own or fc.shed == ShedPolicy.OFF:
             return
         wait_ms = self.predicted_wait_ms(req)
