@@ -69,7 +69,7 @@ def sampling_from_proto(
         min_tokens=pb.min_tokens,
         temperature=pb.temperature,
         top_k=pb.top_k,
-        seed=pb.seed,
+        seed=pb.seed if pb.HasField("seed") else None,
         stop_token_ids=pb.stop_token_ids[:],
         ignore_eos=pb.ignore_eos,
     )

@@ -68,7 +68,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0
+    seed: int | None = None  # None: unseeded
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 

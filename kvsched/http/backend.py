@@ -85,10 +85,13 @@ class Backend:
             **options,
         )
 
-    async def abort(self, stream: ResumableStream, token: str | None) -> None:
-        """Abort the request wherever it runs; a request already finished or unknown is fine."""
+    async def abort(self, stream: ResumableStream, token: str | None, stop: bool = False) -> None:
+        """Abort the request wherever it runs (`stop`: it ended at a stop string, so it finishes
+        with reason stop); a request already finished or unknown is fine."""
         with contextlib.suppress(KvschedClientError):
-            await stream.client.abort(stream.request_id, timeout=5.0, metadata=self.metadata(token))
+            await stream.client.abort(
+                stream.request_id, timeout=5.0, metadata=self.metadata(token), stop=stop
+            )
 
     async def list_models(self, token: str | None) -> list[ModelInfo] | None:
         """The daemons' models (cached a few seconds per token), or None when no daemon

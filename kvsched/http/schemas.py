@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvsched.http.errors import invalid
 
+MAX_STOP_STRINGS = 4  # OpenAI's limit (vLLM has none; docs/HTTP.md)
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -59,8 +61,14 @@ class SamplingFields(BaseModel):
                 raise invalid(f"{name} is not supported (kvsched workers do not apply it)", name)
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
-        if any(s == "" for s in self.stop_strings()):
+        stops = self.stop_strings()
+        if any(s == "" for s in stops):
             raise invalid("stop strings must not be empty", "stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise invalid(
+                f"stop: at most {MAX_STOP_STRINGS} stop strings (OpenAI's limit), got {len(stops)}",
+                "stop",
+            )
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -130,11 +138,16 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def text(self) -> str:
+        """The content as the chat template sees it: text parts joined with "\n", as vLLM's
+        chat renderer joins them ("string" content format)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)
+
+    def rendered(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.text()}
 
 
 class ResponseFormat(BaseModel):

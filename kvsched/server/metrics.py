@@ -161,6 +161,19 @@ class Metrics:
         PlatformCollector(registry=self.registry)
         self._server: asyncio.AbstractServer | None = None
 
+    def model_of(self, instance_id: str) -> str:
+        """The model an instance serves, as its workers announced it (Hello.model); the
+        configured `model` before they did."""
+        eng = self.daemon.engines.get(instance_id)
+        lim = getattr(eng, "limits", None)
+        return lim.model if lim is not None and lim.model else self.model
+
+    def served_model(self) -> str:
+        """The label of daemon-wide families: the one model the instances announced, else
+        the configured `model`."""
+        got = {self.model_of(iid) for iid in list(self.daemon.engines)}
+        return got.pop() if len(got) == 1 else self.model
+
     def instance(self, instance_id: str) -> InstanceMetrics:
         m = self.instances.get(instance_id)
         if m is None:
@@ -281,7 +294,7 @@ class _Collector:
 
     def collect(self) -> Iterator[Metric]:
         mx = self.metrics
-        model = mx.model
+        model = mx.served_model()
         labels = ["instance", "model"]
         gauges = {
             "running": GaugeMetricFamily(
@@ -315,15 +328,16 @@ class _Collector:
         )
         for iid, eng in list(mx.daemon.engines.items()):
             # Every known instance, connected or not: an alert on a lost worker needs the 0.
-            ready.add_metric([iid, model], 1 if eng.ready else 0)
-            accepting.add_metric([iid, model], 1 if eng.accepting else 0)
+            im = mx.model_of(iid)
+            ready.add_metric([iid, im], 1 if eng.ready else 0)
+            accepting.add_metric([iid, im], 1 if eng.accepting else 0)
             snap = eng.snapshot()
             if snap is None:
                 continue
             m = mx.instance(iid)
             if eng.epoch != m.epoch:
                 m.follow(eng)
-            lv = [iid, model]
+            lv = [iid, im]
             gauges["running"].add_metric(lv, snap.num_running)
             gauges["waiting"].add_metric(lv, snap.num_waiting)
             gauges["usage"].add_metric(lv, snap.kv_cache_usage)
@@ -338,7 +352,7 @@ class _Collector:
             for attr, (name, doc) in _HISTS.items()
         }
         for iid, m in list(mx.instances.items()):
-            lv = [iid, model]
+            lv = [iid, mx.model_of(iid)]
             eng = mx.daemon.engines.get(iid)
             totals = eng.counters() if eng is not None else {}
             for family, name in zip(counters, SNAPSHOT_COUNTERS, strict=True):
@@ -354,8 +368,8 @@ class _Collector:
         yield from counters
         yield success
         yield from hists.values()
-        yield from step_cost_families(mx.daemon, mx.model, labels)
+        yield from step_cost_families(mx.daemon, model, labels)
         yield from mx.tenants.families(mx.daemon.engines, model)
         yield from host_tier_families(mx.daemon, model, labels)
-        yield from cluster_families(mx.daemon, mx.model)
+        yield from cluster_families(mx.daemon, model)
         yield from mx.refusals.families(model)
