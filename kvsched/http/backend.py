@@ -74,9 +74,10 @@ class Backend:
     ) -> ResumableStream:
         """A request, not yet sent: iterating the stream submits it. With several daemons the
         request is detachable, so a request forwarded to a peer survives the daemon this
-        front end talks to (the front end aborts it explicitly when its caller goes)."""
-        if len(self.addresses) > 1:
-            options = {**options, "detachable": True}
+        front end talks to (the front end aborts it explicitly when its caller goes). With one
+        daemon it is not: a front end that dies (kill -9) takes its requests with it, the
+        daemon aborting each as its stream drops."""
+        options = {**options, "detachable": len(self.addresses) > 1}
         return resumable(
             self._rotation(),
             prompt,

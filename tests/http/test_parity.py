@@ -7,6 +7,7 @@ end (tests/http/harness.py); tests/vllm compares the same against vLLM's server.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Iterator
@@ -218,3 +219,42 @@ def test_a_non_streaming_request_whose_worker_is_lost_is_500(
         s.worker.signal(signal.SIGKILL)
         err = _error(answer.result(timeout=60), 500)
     assert err["type"] == "internal_error" and err["message"].startswith("kvsched:")
+
+
+def test_a_killed_front_end_takes_its_requests_with_it(model_dir: Path) -> None:
+    """kill -9 of `kvsched http` (one --server: its requests are not detachable) while four
+    requests stream: the daemon aborts all four as their streams drop, within 2 s (issue 35)."""
+    with stack(model_dir) as s, ThreadPoolExecutor(4) as pool:
+        aborted = s.finished("abort")
+        body = {
+            "model": MODEL,
+            "prompt": "Go on",
+            "max_tokens": 100_000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+
+        def stream_until_cut() -> int:
+            n = 0
+            with (
+                contextlib.suppress(httpx.HTTPError),
+                httpx.Client(timeout=60) as http,
+                http.stream("POST", s.url + "/v1/completions", json=body) as resp,
+            ):
+                for _ in resp.iter_lines():
+                    n += 1
+            return n
+
+        streams = [pool.submit(stream_until_cut) for _ in range(4)]
+        deadline = time.monotonic() + 30
+        while sum(i.num_running for i in status(s.address).instances) < 4:
+            assert time.monotonic() < deadline, "the four requests never ran"
+            time.sleep(0.02)
+        s.http.signal(signal.SIGKILL)
+        killed = time.monotonic()
+        assert s.wait_finished("abort", aborted + 4, timeout=2.0) == aborted + 4
+        while sum(i.num_running + i.num_waiting for i in status(s.address).instances):
+            assert time.monotonic() - killed < 2.0, "requests still running 2 s after the kill"
+            time.sleep(0.02)
+        for f in streams:  # the HTTP clients saw their connections end
+            f.result(timeout=30)
