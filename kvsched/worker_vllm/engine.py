@@ -38,6 +38,11 @@ def vllm_sampling(
         min_tokens=max(0, sampling.min_tokens - num_output),
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=dict(sampling.logit_bias) or None,
+        min_p=sampling.min_p,
         detokenize=False,
     )
     params.update_from_generation_config(facts.generation_config, facts.eos_token_id)

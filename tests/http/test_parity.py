@@ -258,3 +258,73 @@ def test_a_killed_front_end_takes_its_requests_with_it(model_dir: Path) -> None:
             time.sleep(0.02)
         for f in streams:  # the HTTP clients saw their connections end
             f.result(timeout=30)
+
+
+def test_engine_sampling_fields_travel_to_the_worker() -> None:
+    """Penalties, logit_bias and min_p: the front end's options -> GenerateRequest -> the core's
+    SamplingParams -> the worker's message, unchanged (biases clamped to [-100, 100], as vLLM)."""
+    body = CompletionRequest(
+        model=MODEL,
+        prompt="x",
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.3,
+        min_p=0.1,
+        logit_bias={"7": 250.0, "9": -3.0},
+    )
+    body.check()
+    core = codec.sampling_from_proto(build_request([1], body.options(4)).sampling)  # type: ignore[arg-type]
+    assert (core.presence_penalty, core.frequency_penalty) == (0.5, -0.25)
+    assert (core.repetition_penalty, core.min_p) == (1.3, 0.1)
+    assert core.logit_bias == {7: 100.0, 9: -3.0}
+    back = codec.sampling_from_proto(codec.sampling_to_proto(core))
+    assert back == core
+    plain = codec.sampling_from_proto(
+        build_request([1], CompletionRequest(model=MODEL, prompt="x").options(4)).sampling  # type: ignore[arg-type]
+    )
+    assert (plain.repetition_penalty, plain.logit_bias, plain.min_p) == (1.0, {}, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {str(VOCAB + 3): 1}}, "logit_bias"),  # the daemon's refusal
+    ],
+)
+def test_bad_sampling_fields_are_400_naming_them(
+    small: Stack, extra: dict[str, Any], param: str
+) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, **extra}
+    err = _error(httpx.post(small.url + "/v1/completions", json=body, timeout=30), 400)
+    assert err["param"] == param
+
+
+def test_penalties_bias_and_min_p_are_served_on_both_endpoints(small: Stack) -> None:
+    """The sim samples no distribution (it ignores them, as it ignores temperature); the
+    request is accepted and served, on completions and chat alike."""
+    c = _client(small)
+    vllm_extensions = {"min_p": 0.05, "repetition_penalty": 1.2}
+    out = c.completions.create(
+        model=MODEL,
+        prompt="x",
+        max_tokens=3,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        logit_bias={"5": 5},
+        extra_body=vllm_extensions,
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 3
+    chat = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        presence_penalty=1.0,
+        logit_bias={"5": 5},
+        extra_body=vllm_extensions,
+    )
+    assert chat.usage is not None and chat.usage.completion_tokens == 3
