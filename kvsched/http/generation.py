@@ -36,6 +36,7 @@ class Generation:
         self.backend = backend
         self.token = token
         self.prompt_tokens = len(prompt)
+        self._stop_ids = frozenset(options.get("stop_token_ids", ()))
         self.stream: ResumableStream = backend.submit(prompt, options, token)
         self._it = aiter(self.stream)
         self._detok = detok
@@ -51,6 +52,20 @@ class Generation:
     @property
     def text(self) -> str:
         return self._stops.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The output tokens counted in usage (up to the one that completed a stop string)."""
+        return self.stream.tokens[: self.completion_tokens]
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's `stop_reason`: the stop string or the stop token id that ended the text;
+        None for EOS and every other ending."""
+        if self._stops.hit is not None:
+            return self._stops.hit
+        last = self.token_ids[-1:] if self.finish_reason == "stop" else []
+        return last[0] if last and last[0] in self._stop_ids else None
 
     async def start(self) -> None:
         try:

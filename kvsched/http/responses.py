@@ -33,10 +33,18 @@ def usage(gen: Generation) -> dict[str, Any]:
 class Shape:
     """The wire shape of one endpoint's answers: `chat` or text completions."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        include_usage: bool,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
         self.chat = chat
         self.model = model
         self.include_usage = include_usage
+        # vLLM's `return_token_ids`: the prompt's and the output's ids in the (non-streamed) answer
+        self.prompt_token_ids = prompt_token_ids
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
 
@@ -51,6 +59,7 @@ class Shape:
                 "message": {"role": "assistant", "content": text},
                 "logprobs": None,
                 "finish_reason": gen.finish_reason,
+                "stop_reason": gen.stop_reason,
             }
             body = self._head("chat.completion")
         else:
@@ -59,8 +68,12 @@ class Shape:
                 "text": text,
                 "logprobs": None,
                 "finish_reason": gen.finish_reason,
+                "stop_reason": gen.stop_reason,
             }
             body = self._head("text_completion")
+        if self.prompt_token_ids is not None:
+            choice["token_ids"] = gen.token_ids
+            choice["prompt_token_ids"] = self.prompt_token_ids
         body["choices"] = [choice]
         body["usage"] = usage(gen)
         return body

@@ -194,7 +194,7 @@ async def _serve(
         state.text.detokenizer(body.skip_special_tokens, prompt),
         body.stop_strings(),
     )
-    shape = Shape(chat, body.model, body.include_usage())
+    shape = Shape(chat, body.model, body.include_usage(), prompt if body.return_token_ids else None)
     m = state.metrics
     m.in_flight.inc()
     watch = _watch_disconnect(request, gen)

@@ -52,6 +52,7 @@ class SamplingFields(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM's: token ids in the (non-streamed) answer
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     def check_common(self) -> None:

@@ -328,3 +328,25 @@ def test_penalties_bias_and_min_p_are_served_on_both_endpoints(small: Stack) -> 
         extra_body=vllm_extensions,
     )
     assert chat.usage is not None and chat.usage.completion_tokens == 3
+
+
+def test_return_token_ids_and_stop_reason(small: Stack, tok: Any) -> None:
+    """vLLM's `return_token_ids` (non-streamed) and `stop_reason` (the stop token id or stop
+    string that ended the text; None otherwise)."""
+    prompt_ids = tok("Hi").input_ids
+    toks = _sim("tids", len(prompt_ids), 30)
+    k = toks.index(toks[10])
+    body = {
+        "model": MODEL,
+        "prompt": "Hi",
+        "max_tokens": 30,
+        "request_id": "tids",
+        "stop_token_ids": [toks[10]],
+        "return_token_ids": True,
+    }
+    choice = httpx.post(small.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+    assert choice["token_ids"] == toks[: k + 1] and choice["prompt_token_ids"] == prompt_ids
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", toks[10])
+    plain = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
+    choice = httpx.post(small.url + "/v1/completions", json=plain, timeout=30).json()["choices"][0]
+    assert choice["stop_reason"] is None and "token_ids" not in choice
