@@ -151,7 +151,9 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Any role the chat template renders (vLLM passes custom roles through; the usual ones
+    # are system, developer, user, assistant, tool).
+    role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
 
