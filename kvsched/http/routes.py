@@ -21,6 +21,7 @@ from kvsched.http.errors import ApiError, from_client_error, model_not_found
 from kvsched.http.generation import Generation, raise_if_failed
 from kvsched.http.metrics import HttpMetrics
 from kvsched.http.responses import DONE, Shape, sse
+from kvsched.http.samples import sample_options, serve_samples
 from kvsched.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvsched.http.text import TextModel
 from kvsched.http.utility import utility_router
@@ -186,6 +187,22 @@ async def _serve(
     options = body.options(_clamp(max_tokens, len(prompt), info))
     if daemon_model:
         options["model"] = daemon_model
+    shape = Shape(chat, body.model, body.include_usage(), prompt if body.return_token_ids else None)
+    if (body.n or 1) > 1:
+        gens = [
+            Generation(
+                state.backend,
+                prompt,
+                opts,
+                token,
+                state.text.detokenizer(body.skip_special_tokens, prompt),
+                body.stop_strings(),
+            )
+            for opts in sample_options(options, body.n or 1)
+        ]
+        return await serve_samples(
+            gens, shape, body.stream, request, state.metrics, endpoint, arrived
+        )
     gen = Generation(
         state.backend,
         prompt,
@@ -194,7 +211,6 @@ async def _serve(
         state.text.detokenizer(body.skip_special_tokens, prompt),
         body.stop_strings(),
     )
-    shape = Shape(chat, body.model, body.include_usage(), prompt if body.return_token_ids else None)
     m = state.metrics
     m.in_flight.inc()
     watch = _watch_disconnect(request, gen)

@@ -3,11 +3,11 @@ fields kvsched does not serve into a 400 naming the field instead of silently ig
 
 Supported: model, prompt (one: a string, a list of one string, token ids, or a list of one
 list of ids), messages (text content), max_tokens / max_completion_tokens, temperature, top_p,
-seed, n=1, stop, stream, stream_options.include_usage, presence/frequency penalties,
+seed, n (samples: http/samples.py), stop, stream, stream_options.include_usage, presence/frequency penalties,
 logit_bias, user (ignored); vLLM's extensions ignore_eos, stop_token_ids, top_k, min_tokens,
 min_p, repetition_penalty, skip_special_tokens, add_generation_prompt, request_id (kvsched's
 request id: the same id and sampling give the same tokens on the sim).
-Refused with 400: n > 1, best_of > 1, echo, suffix, logprobs, tools/functions, response_format
+Refused with 400: best_of > 1, echo, suffix, logprobs, tools/functions, response_format
 other than text, several prompts.
 """
 
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvsched.http.errors import invalid
 
+MAX_N = 128  # samples per request
 MAX_STOP_STRINGS = 4  # OpenAI's limit (vLLM has none; docs/HTTP.md)
 
 
@@ -56,8 +57,8 @@ class SamplingFields(BaseModel):
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     def check_common(self) -> None:
-        if self.n not in (None, 1):
-            raise invalid("n must be 1: kvsched http serves one choice per request", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise invalid(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         self.token_biases()
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")

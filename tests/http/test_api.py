@@ -211,7 +211,7 @@ def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"prompt": "x", "n": 2}, "n", "n must be 1"),
+        ({"prompt": "x", "n": 0}, "n", "n must be in [1, 128]"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
         ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
         ({"prompt": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
@@ -251,7 +251,7 @@ def test_invalid_chat_and_malformed_json_are_400(live: Stack) -> None:
     _error(httpx.post(url, content=b"{not json", timeout=30), 400)
     with pytest.raises(BadRequestError):
         client(live).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], n=3
+            model=MODEL, messages=[{"role": "user", "content": "x"}], n=200
         )
 
 

@@ -350,3 +350,50 @@ def test_return_token_ids_and_stop_reason(small: Stack, tok: Any) -> None:
     plain = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
     choice = httpx.post(small.url + "/v1/completions", json=plain, timeout=30).json()["choices"][0]
     assert choice["stop_reason"] is None and "token_ids" not in choice
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_samples_are_one_request_each_in_one_response(
+    small: Stack, tok: Any, stream: bool
+) -> None:
+    """n = 3: three kvsched requests (request_id + "-i"; seed + i, as vLLM seeds its children),
+    answered as choices 0..2; usage counts the prompt once and every sample's tokens."""
+    rid = f"n3-{stream}"
+    messages = [{"role": "user", "content": "Three ways to say hi"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    n_prompt = len(tok(text, add_special_tokens=False).input_ids)
+    want = [text_of(tok, _sim(f"{rid}-{i}", n_prompt, 6)) for i in range(3)]
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, messages=messages, max_tokens=6, n=3, extra_body={"request_id": rid}
+    )
+    if stream:
+        chunks = list(
+            _client(small).chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kwargs
+            )
+        )
+        got = ["", "", ""]
+        reasons: dict[int, str] = {}
+        for c in chunks:
+            for ch in c.choices:
+                got[ch.index] += ch.delta.content or ""
+                if ch.finish_reason:
+                    reasons[ch.index] = ch.finish_reason
+        assert reasons == {0: "length", 1: "length", 2: "length"}
+        usage = chunks[-1].usage
+    else:
+        out = _client(small).chat.completions.create(**kwargs)
+        assert [c.index for c in out.choices] == [0, 1, 2]
+        got = [c.message.content or "" for c in out.choices]
+        usage = out.usage
+    assert got == want
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (n_prompt, 18)
+
+
+def test_n_samples_seeds_follow_vllms_children() -> None:
+    from kvsched.http.samples import sample_options
+
+    opts = sample_options({"seed": 0, "request_id": "r", "temperature": 1.0}, 3)
+    assert [(o["seed"], o["request_id"]) for o in opts] == [(0, "r-0"), (1, "r-1"), (2, "r-2")]
+    assert all("seed" not in o for o in sample_options({"temperature": 1.0}, 2))

@@ -46,7 +46,6 @@ KNOWN = {
     ("chat", "no_messages"): _NAMED,
     ("completions", "logprobs"): "log-probabilities are not reported by kvsched's workers yet",
     ("chat", "logprobs"): "log-probabilities are not reported by kvsched's workers yet",
-    ("completions", "n_2"): "n > 1 is not served yet (one choice per kvsched request)",
     ("completions", "echo"): "echo needs prompt log-probabilities: not served yet",
 }
 
@@ -190,6 +189,19 @@ def test_seed_zero_is_a_seed_on_both(servers: tuple[str, str]) -> None:
     v2, k2 = both(servers, "/v1/completions", body)
     assert k1["choices"][0]["text"] == k2["choices"][0]["text"] == v1["choices"][0]["text"]
     assert v2["choices"][0]["text"] == v1["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("sampling", [{"seed": 5}, {"seed": 0}, {"temperature": 0}])
+def test_n_samples_equal(servers: tuple[str, str], sampling: dict[str, Any]) -> None:
+    """n = 4: each sample equal to vLLM's of the same index (vLLM seeds child i with seed + i)."""
+    body = {"model": MODEL, "prompt": "Four takes:", "max_tokens": 24, "n": 4, "temperature": 1}
+    v, k = both(servers, "/v1/completions", {**body, **sampling})
+    vc = sorted(v["choices"], key=lambda c: c["index"])
+    kc = sorted(k["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in kc] == [c["text"] for c in vc]
+    assert [c["finish_reason"] for c in kc] == [c["finish_reason"] for c in vc]
+    assert k["usage"]["prompt_tokens"] == v["usage"]["prompt_tokens"]
+    assert k["usage"]["completion_tokens"] == v["usage"]["completion_tokens"]
 
 
 def test_chat_equal_with_text_parts(servers: tuple[str, str]) -> None:
