@@ -59,6 +59,8 @@ class SamplingFields(BaseModel):
     def check_common(self) -> None:
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise invalid(f"n must be in [1, {MAX_N}], got {self.n}", "n")
+        if (self.n or 1) > 1 and self.temperature == 0:  # as vLLM: n greedy samples are one
+            raise invalid(f"n must be 1 when using greedy sampling, got {self.n}.", "n")
         self.token_biases()
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")

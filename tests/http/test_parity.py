@@ -391,6 +391,12 @@ def test_n_samples_are_one_request_each_in_one_response(
     assert (usage.prompt_tokens, usage.completion_tokens) == (n_prompt, 18)
 
 
+def test_n_greedy_samples_are_400_as_vllms(small: Stack) -> None:
+    body = {"model": MODEL, "prompt": "x", "n": 2, "temperature": 0}
+    err = _error(httpx.post(small.url + "/v1/completions", json=body, timeout=30), 400)
+    assert err["param"] == "n" and "greedy" in err["message"]
+
+
 def test_n_samples_seeds_follow_vllms_children() -> None:
     from kvsched.http.samples import sample_options
 
