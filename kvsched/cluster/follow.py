@@ -107,7 +107,7 @@ class Follower:
                 holder = first.daemon_id if first is not None and tries == 1 else ""
                 answered = False
                 try:
-                    async for out in call:
+                    async for out in self.stubs.read(call, address):
                         answered = True
                         if holder and self.durable is not None:
                             self.durable.moved_to(tr, holder)  # that daemon journals it

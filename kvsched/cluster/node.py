@@ -97,6 +97,7 @@ class ClusterNode:
         registry.peer_ready_models = self.router.peer_ready_models
         self.forwarder = Forwarder(self.daemon_id, requests, config.cluster_token)
         self.forwarder.follow.peers = self._peer_addresses
+        self.forwarder.stubs.silent = self.silent_at  # calls to a silent peer are given up
         self.forwarder.follow.reattach_s = max(20.0, 4 * config.member_ttl_s)
         self.forwarder.reroute = self._reroute
         token = config.cluster_token
@@ -158,6 +159,16 @@ class ClusterNode:
 
     def _peer_addresses(self) -> list[str]:
         return [a for d, a in sorted(self._addresses.items()) if d != self.daemon_id]
+
+    def silent_at(self, address: str) -> bool:
+        """Whether the peer daemon at `address` has missed its membership heartbeats: no
+        refresh of its entry seen for the fence margin (3/4 of the TTL), by when that daemon,
+        if it runs at all, has fenced itself (selffence.py): paused, hung or cut off. Nothing
+        waits on it (peer_rpc.PeerStubs.read); a daemon's own stale view says no."""
+        for did, m in self.membership.members.items():
+            if m.address == address and did != self.daemon_id:
+                return self.membership.silent_for(did) > self.fence.after_s
+        return False
 
     def _refresh_views(self) -> None:
         """The router reads these dicts: live daemons' addresses and instance owners."""
