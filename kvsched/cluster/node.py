@@ -164,11 +164,14 @@ class ClusterNode:
         """Whether the peer daemon at `address` has missed its membership heartbeats: no
         refresh of its entry seen for the fence margin (3/4 of the TTL), by when that daemon,
         if it runs at all, has fenced itself (selffence.py): paused, hung or cut off. Nothing
-        waits on it (peer_rpc.PeerStubs.read); a daemon's own stale view says no."""
-        for did, m in self.membership.members.items():
+        waits on it (peer_rpc.PeerStubs.read); a daemon's own stale view says no. A peer whose
+        entry expired since (the check is made every 0.25 s, and the crossing may come late on
+        a loaded host, after the expiry) is given up on too, until it writes an entry again."""
+        membership = self.membership
+        for did, m in membership.members.items():
             if m.address == address and did != self.daemon_id:
-                return self.membership.silent_for(did) > self.fence.after_s
-        return False
+                return membership.silent_for(did) > self.fence.after_s
+        return address in membership.expired.values()
 
     def _refresh_views(self) -> None:
         """The router reads these dicts: live daemons' addresses and instance owners."""
