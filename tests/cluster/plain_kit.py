@@ -9,6 +9,7 @@ the timeline of each stream that stalled."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -62,6 +63,17 @@ class Outcome:
             ):
                 bad.append(rid)
         return bad
+
+    def log_of(self, i: int) -> str:
+        """The daemons' log lines naming stream i's request (for a failure's report)."""
+        rid = self.streams[i].request_id
+        rx = re.compile(rf"\b{re.escape(rid)}\b(?!-)")
+        return "\n".join(
+            f"{d}: {line}"
+            for d, text in self.outputs.items()
+            for line in text.splitlines()
+            if rx.search(line)
+        )
 
     def timeline(self, i: int) -> str:
         s = self.streams[i]
