@@ -56,10 +56,12 @@ def one(fault: str, streams: int, tokens: int, pause_s: float, ttl_s: float, see
         "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
     }
     print(json.dumps(fig))
+    print(out.events())
     for i in running:
         v = stalls[i]
         if v is None or v > target:
-            print(f"  {v if v is None else round(v, 2)} s: {out.timeline(i)}")
+            tl = out.timeline(i)
+            print(f"  {v if v is None else round(v, 2)} s: {tl[:300]} ... {tl[-300:]}")
     return fig
 
 

@@ -13,6 +13,7 @@ import re
 import signal
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import grpc
 
@@ -32,6 +33,7 @@ class Outcome:
     requests: list[tuple[str, list[int], int, int]]  # id, prompt, max_tokens, first daemon
     victim: int
     fault_at: float = 0.0  # monotonic
+    fault_wall: float = 0.0  # time.time() at the fault (the daemons' log timestamps)
     woke_at: float = 0.0  # SIGCONT (stop), or the kill (kill)
     errors: list[BaseException] = field(default_factory=list)
     converged_s: float = -1.0  # SIGCONT -> every instance at the one daemon its lease names
@@ -63,6 +65,17 @@ class Outcome:
             ):
                 bad.append(rid)
         return bad
+
+    def events(self, pattern: str = r"expired \(no refresh\)|recovered \d+ unfinished") -> str:
+        """The daemons' log lines matching `pattern`, as seconds after the fault."""
+        rx = re.compile(pattern)
+        got = []
+        for d, text in self.outputs.items():
+            for line in text.splitlines():
+                if rx.search(line) and line[:4].isdigit():
+                    ts = datetime.fromisoformat(line.split()[0].replace("Z", "+00:00"))
+                    got.append(f"{ts.timestamp() - self.fault_wall:+.2f} {d}: {line[24:120]}")
+        return "\n".join(sorted(got, key=lambda g: float(g.split()[0])))
 
     def log_of(self, i: int) -> str:
         """The daemons' log lines naming stream i's request (for a failure's report)."""
@@ -180,7 +193,7 @@ async def _drive(
         await asyncio.sleep(max(0.0, fault_after_s - (time.monotonic() - t0)))
         proc = daemons[out.victim].proc
         assert proc is not None
-        out.fault_at = time.monotonic()
+        out.fault_at, out.fault_wall = time.monotonic(), time.time()
         if fault == "stop":
             proc.signal(signal.SIGSTOP)
             try:
