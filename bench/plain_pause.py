@@ -57,6 +57,8 @@ def one(fault: str, streams: int, tokens: int, pause_s: float, ttl_s: float, see
     }
     print(json.dumps(fig))
     print(out.events())
+    worst = max(running, key=lambda i: stalls[i] or 1e9)
+    print(f"worst stream, all of it: {out.timeline(worst)}")
     for i in running:
         v = stalls[i]
         if v is None or v > target:

@@ -93,7 +93,9 @@ class Follower:
             if self.client_gone(tr):
                 self.streamed_elsewhere(tr, first.daemon_id if first else "", "its client left")
                 return True
+            # Peers that missed their heartbeats would fail at once (PeerStubs.read): skipped.
             peers = [] if self.peers is None else self.peers()
+            peers = [a for a in peers if not self.stubs.silent(a)]
             if first is not None and tries == 0:
                 peers = [first.address]
             if peers:
