@@ -58,12 +58,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvsched.cluster")
 
 NATS_TIMEOUT_S = 2.0
+TAKEOVER_WAIT_S = 1.0  # a Resume waits this long at most for a takeover pass here to end
 
 
 class _Stoppable(Protocol):
     async def stop(self) -> None: ...
 
     async def confirmed_dead(self, dead_id: str, address: str, instances: list[str]) -> None: ...
+
+    async def settled(self, timeout_s: float) -> None: ...
 
 
 class ClusterNode:
@@ -360,6 +363,13 @@ class ClusterNode:
             )
         async for out in self.forwarder.resume(member.address, msg, owner):
             yield out
+
+    async def takeovers_settled(self) -> None:
+        """Wait (at most TAKEOVER_WAIT_S) until no takeover pass runs here: a request the
+        journal names this daemon for, that its table does not hold yet, may be in the middle
+        of being adopted here (its record is stored under this daemon before the CAS)."""
+        if self.takeover is not None:
+            await self.takeover.settled(TAKEOVER_WAIT_S)
 
     def forwarded_by(self, carrier: Mapping[str, str]) -> str:
         """The peer daemon that forwarded (or relayed) this call here, or "" for a client's."""
