@@ -123,8 +123,14 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 # Its owner hands it over: adopted here (the journal's CAS), then resumed. Or
                 # its record names this daemon, which does not run it (an accept whose write
                 # landed after its call had given up and been refused): recovered from this
-                # daemon's journal now, as at a restart, then resumed.
-                await self.resumer.recover("" if mine else exc.daemon_id, only=request.request_id)
+                # daemon's journal now, as at a restart, then resumed. Or it is being adopted
+                # here this instant (a takeover pass stores its record here before the CAS):
+                # that pass parks it, and it is served from the table, not read again.
+                rid = request.request_id
+                if mine:
+                    await node.takeovers_settled()
+                if not (mine and rid in self.requests.tracked):
+                    await self.resumer.recover("" if mine else exc.daemon_id, only=rid)
                 got = await self.resumer.resume(request, owner, sink)
                 if isinstance(got, Tracked):
                     async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse):
