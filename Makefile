@@ -10,7 +10,7 @@ PROTOS  := $(wildcard protos/kvsched/v1/*.proto)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,paddle,bench,text]'
+	$(BIN)/pip install -q -e '.[dev,paddle,bench,text,gateway]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -73,7 +73,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q -e '.[vllm,dev]'
+	$(VLLM_VENV)/bin/pip install -q -e '.[vllm,dev,gateway]'
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
