@@ -59,7 +59,7 @@ class Smg:
             "--log-level",
             "warn",
             "--worker-urls",
-            *(f"grpc://{w}" for w in workers),
+            *(w if "://" in w else f"grpc://{w}" for w in workers),
             *args,
         ]
         env = child_env({"NO_COLOR": "1", "RUST_LOG_STYLE": "never"})
@@ -103,6 +103,7 @@ def kvsched_and_smg(
     daemon_args: tuple[str, ...] = (),
     worker_args: tuple[str, ...] = (),
     smg_args: tuple[str, ...] = (),
+    admin_token: str = "",
 ) -> Iterator[Front]:
     """A daemon (metrics on, --tokenizer the model dir), one sim worker serving `tiny`, smg in
     front of the daemon; all stopped after."""
@@ -116,11 +117,11 @@ def kvsched_and_smg(
             address, "i0", "--vocab-size", str(VOCAB), "--served-model-name", MODEL, *worker_args
         )
         procs.append(worker)
-        wait_ready(address)
+        wait_ready(address, admin_token)
         smg = Smg([address], *smg_args)
         procs.append(smg)
         smg.wait_model()
-        yield Front(daemon, address, f"http://{metrics}/metrics", worker, smg)
+        yield Front(daemon, address, f"http://{metrics}/metrics", worker, smg, procs)
     finally:
         for p in reversed(procs):
             p.stop()
@@ -128,8 +129,15 @@ def kvsched_and_smg(
 
 class Front:
     def __init__(
-        self, daemon: Proc, address: str, metrics_url: str, worker: Proc, smg: Smg
+        self,
+        daemon: Proc,
+        address: str,
+        metrics_url: str,
+        worker: Proc,
+        smg: Smg,
+        procs: list[Proc | Smg],
     ) -> None:
+        self.procs = procs  # stopped at the end, last first: a test appends what it starts
         self.daemon = daemon
         self.address = address
         self.metrics_url = metrics_url
