@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROTOS  := $(wildcard protos/kvsched/v1/*.proto)
 
-.PHONY: install install-vllm test-vllm proto proto-check lint typecheck test test-fast test-faults demo demo-cluster demo-real demo-real-sim bench bench-peers clean
+.PHONY: install install-vllm test-vllm proto proto-check lint typecheck test test-fast test-faults demo demo-cluster demo-real demo-real-sim demo-gateway demo-gateway-sim bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -91,6 +91,14 @@ demo-real: $(STAMP) $(VLLM_STAMP)
 
 demo-real-sim: $(STAMP)
 	$(BIN)/python tools/demo_real.py --executor sim
+
+# kvsched behind a gateway (docs/GATEWAY.md): the daemon, a vLLM worker on the tiny model, smg
+# (the `gateway` extra) in front, a streamed chat with curl and the openai client through smg.
+demo-gateway: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python tools/demo_gateway.py --worker-python $(VLLM_VENV)/bin/python
+
+demo-gateway-sim: $(STAMP)
+	$(BIN)/python tools/demo_gateway.py --executor sim
 
 # vLLM's own scheduler beside ours (a separate ~2.5 GB virtualenv; never a kvsched dependency).
 bench-peers:
