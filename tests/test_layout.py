@@ -337,9 +337,9 @@ def test_scheduler_parts_compose_not_inherit() -> None:
 
 
 def test_only_the_engine_reads_a_scheduler() -> None:
-    """Nothing but server/engine.py reads `.sched`: the layers above read the facts an engine
+    """Nothing but server/instances/engine.py reads `.sched`: the layers above read the facts an engine
     publishes (snapshot, load facts, epoch, counters, KV events)."""
-    engine = PKG / "server" / "engine.py"
+    engine = PKG / "server" / "instances" / "engine.py"
     readers = sorted(
         str(p.relative_to(ROOT))
         for p in _modules().values()
@@ -347,7 +347,7 @@ def test_only_the_engine_reads_a_scheduler() -> None:
         for n in ast.walk(ast.parse(p.read_text(), str(p)))
         if isinstance(n, ast.Attribute) and n.attr == "sched"
     )
-    assert not readers, f"modules reading .sched besides server/engine.py: {readers}"
+    assert not readers, f"modules reading .sched besides server/instances/engine.py: {readers}"
 
 
 def test_no_bench_or_tool_over_the_size_limit() -> None:

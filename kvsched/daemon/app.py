@@ -25,20 +25,20 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvsched.core import Unavailable
-from kvsched.server.accept import Acceptor
 from kvsched.server.admin import AdminServicer
 from kvsched.server.auth import AuthInterceptor, load_auth_file
-from kvsched.server.config import split_host_port
-from kvsched.server.durable import Durability
-from kvsched.server.engine import InstanceEngine
+from kvsched.server.config.settings import split_host_port
 from kvsched.server.errors import ErrorInterceptor
-from kvsched.server.frontend import RequestServicer
-from kvsched.server.record import Tracked
-from kvsched.server.registry import InstanceRegistry
-from kvsched.server.request_table import RequestTable
-from kvsched.server.resume import Resumer
-from kvsched.server.telemetry import make_telemetry
-from kvsched.server.workers import worker_service_handler
+from kvsched.server.instances.engine import InstanceEngine
+from kvsched.server.instances.registry import InstanceRegistry
+from kvsched.server.instances.workers import worker_service_handler
+from kvsched.server.requests.accept import Acceptor
+from kvsched.server.requests.durable import Durability
+from kvsched.server.requests.frontend import RequestServicer
+from kvsched.server.requests.record import Tracked
+from kvsched.server.requests.resume import Resumer
+from kvsched.server.requests.table import RequestTable
+from kvsched.server.telemetry.hooks import make_telemetry
 from kvsched.tls import server_credentials
 from kvsched.v1 import (
     admin_service_pb2,
@@ -51,7 +51,7 @@ from kvsched.v1 import (
 if TYPE_CHECKING:
     from kvsched.cluster.link import ClusterLink
     from kvsched.cluster.node import ClusterNode
-    from kvsched.server.config import ServerConfig
+    from kvsched.server.config.settings import ServerConfig
 
 log = logging.getLogger("kvsched.daemon")
 

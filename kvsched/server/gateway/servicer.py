@@ -29,10 +29,10 @@ from typing import Any, cast
 import grpc
 
 from kvsched.core import KvschedError, RequestNotFound
-from kvsched.server.frontend import RequestServicer, principal
 from kvsched.server.gateway.proto import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from kvsched.server.gateway.tokenizer import TokenizerBundle, chunks
 from kvsched.server.gateway.translate import complete, to_request
+from kvsched.server.requests.frontend import RequestServicer, principal
 from kvsched.v1 import common_pb2 as kcommon
 
 pb = vllm_engine_pb2

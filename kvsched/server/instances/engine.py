@@ -39,16 +39,16 @@ from kvsched.core import (
 )
 from kvsched.core.protocol import StepReport
 from kvsched.core.router import LOAD_SECONDS, instance_load
-from kvsched.server.engine_events import EngineListener, EventDispatch
-from kvsched.server.engine_totals import RetiredTotals
-from kvsched.server.instance_start import start_scheduler
-from kvsched.server.ranks import RankConn, check_joining_rank
-from kvsched.server.report_inbox import ReportInbox
+from kvsched.server.instances.events import EngineListener, EventDispatch
+from kvsched.server.instances.inbox import ReportInbox
+from kvsched.server.instances.ranks import RankConn, check_joining_rank
+from kvsched.server.instances.start import start_scheduler
+from kvsched.server.instances.totals import RetiredTotals
 
 __all__ = ["InstanceEngine", "RankConn"]
 
 if TYPE_CHECKING:
-    from kvsched.server.telemetry import Telemetry
+    from kvsched.server.telemetry.hooks import Telemetry
 
 log = logging.getLogger("kvsched.engine")
 

@@ -3,9 +3,9 @@
 `Durability` is a lifecycle observer of the request table (subscribed by `use`, when the
 composition root opens the journal): a moved or handed-off request's tokens are recorded at
 once (`progress`), a finished one gets its finished record (`finished`). `confirm` waits until
-the journal stores a new request's accepted record (server/accept.py calls it before the
+the journal stores a new request's accepted record (server/requests/accept.py calls it before the
 client is told `queued`; a record that cannot be stored aborts the request and refuses it with
-UNAVAILABLE). Recovery and Resume are server/resume.py's.
+UNAVAILABLE). Recovery and Resume are server/requests/resume.py's.
 
 The journal writes the record's `journal_state` and `journaled` (its only writer); the server
 imports nothing of kvsched.durability: `Journal` below is the port it is handed.
@@ -20,8 +20,8 @@ from typing import Any, Protocol
 
 from kvsched.core import Unavailable
 from kvsched.core.journal_state import JournalState
-from kvsched.server.record import LocalEngine, Tracked
-from kvsched.server.request_table import RequestTable
+from kvsched.server.requests.record import LocalEngine, Tracked
+from kvsched.server.requests.table import RequestTable
 from kvsched.v1 import journal_pb2, request_service_pb2
 
 log = logging.getLogger("kvsched.daemon")

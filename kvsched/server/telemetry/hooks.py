@@ -1,6 +1,6 @@
 """The daemon's hooks for tracing and metrics.
 
-`Telemetry` is the request table's first lifecycle observer (server/record.py's `Lifecycle`:
+`Telemetry` is the request table's first lifecycle observer (server/requests/record.py's `Lifecycle`:
 request_accepted / _moved / _progressed / _finished) and the engines' step hooks.
 
 The base class does nothing. Hooks run on lifecycle events and once per worker report, never per
@@ -17,9 +17,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from kvsched.server.metrics import Metrics
-from kvsched.server.tracing import Tracing
-from kvsched.server.tracing_setup import make_tracing
+from kvsched.server.telemetry.metrics import Metrics
+from kvsched.server.telemetry.tracing import Tracing, make_tracing
 
 log = logging.getLogger("kvsched.daemon")
 
@@ -50,7 +49,7 @@ class Telemetry:
         log.info("request %s refused (%s): %s", request_id or "-", reason, message)
 
     def request_quarantined(self, tr: Any) -> None:
-        """A request was ended as poison (server/poison.py); its finish follows."""
+        """A request was ended as poison (server/requests/poison.py); its finish follows."""
 
     def request_finished(self, tr: Any) -> None:
         """A request reached its one finished state (tr.req carries status, usage, timings)."""

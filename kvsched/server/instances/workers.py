@@ -16,8 +16,8 @@ import grpc
 
 from kvsched import codec
 from kvsched.core import ProtocolError, Unavailable
-from kvsched.server.engine import InstanceEngine, RankConn
-from kvsched.server.registry import InstanceRegistry
+from kvsched.server.instances.engine import InstanceEngine, RankConn
+from kvsched.server.instances.registry import InstanceRegistry
 from kvsched.v1 import worker_service_pb2 as wpb
 
 log = logging.getLogger("kvsched.workers")

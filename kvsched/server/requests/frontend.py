@@ -16,12 +16,12 @@ import grpc
 
 from kvsched import codec
 from kvsched.core import KvschedError, RequestNotFound, Unavailable
-from kvsched.server.accept import Acceptor, relayed_from_caller
 from kvsched.server.auth import current_principal
 from kvsched.server.errors import status_for
-from kvsched.server.record import RemotePeer, Tracked
-from kvsched.server.resume import OwnedElsewhere, Resumer
-from kvsched.server.sinks import (
+from kvsched.server.requests.accept import Acceptor, relayed_from_caller
+from kvsched.server.requests.record import RemotePeer, Tracked
+from kvsched.server.requests.resume import OwnedElsewhere, Resumer
+from kvsched.server.requests.sinks import (
     SessionSink,
     StreamSink,
     _token_columns,
@@ -76,8 +76,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     async def Resume(
         self, request: pb.RequestServiceResumeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.RequestServiceResumeResponse]:
-        sink = StreamSink()
-        sink.sent = len(request.token_ids) or request.num_tokens_received  # the caller has them
+        sink = StreamSink(len(request.token_ids) or request.num_tokens_received)  # caller has them
         carrier, node = metadata(context), self.requests.cluster
         owner = principal(context) if node is None else node.caller_of(carrier, principal(context))
         here = self.requests.tracked.get(request.request_id)
@@ -143,27 +142,20 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 queued=pb.GenerateResponse.Queued(request_id=tr.req.req_id, instance=tr.instance_id)
             )
             while True:
-                await sink.event.wait()
-                sink.event.clear()
-                sink.pending_since = None
+                await sink.wait()
                 if tr.sink is not sink:
                     done = True  # resumed elsewhere: one request streams to one place
                     if sink.moved:  # taken from this stream (cluster/selffence.py): resume it
                         raise Unavailable(sink.moved)
                     return
-                req = tr.req
-                # Decide "finished" and take the tokens at the same instant: more may arrive
-                # while a yield is suspended.
-                finished = tr.finished
-                out = req.output_token_ids
-                n = len(out)
-                if n > sink.sent:
-                    delta = out[sink.sent : n]
-                    sink.sent = n
+                # The tokens past what the client has, pulled off the request (`StreamSink.take`
+                # says how they got there and what the read moves), and whether it finished.
+                delta, finished = sink.take(tr)
+                if delta:
                     yield kind(tokens=pb.GenerateResponse.Tokens(token_ids=delta))
                 if finished:
                     done = True
-                    yield kind(finished=codec.finished_to_proto(req))
+                    yield kind(finished=codec.finished_to_proto(tr.req))
                     return
         finally:
             self.requests.streams.discard(sink)
@@ -171,7 +163,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 self.requests.abort_tracked(tr, sink_close_reason(sink))
 
     def _refused(self, request: pb.GenerateRequest, exc: KvschedError, carrier: Any) -> None:
-        """Count, log and trace a refused submission (server/refusals.py)."""
+        """Count, log and trace a refused submission (server/telemetry/refusals.py)."""
         code, message = status_for(exc)
         reason = code.name.lower()
         if self.requests.draining:
@@ -215,9 +207,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         self.requests.streams.add(sink)
         try:
             while True:
-                await sink.event.wait()
-                sink.event.clear()
-                sink.pending_since = None
+                await sink.wait()
                 if reader.done() and reader.exception() is not None:
                     raise reader.exception()  # type: ignore[misc]
                 msg = self._batch(sink)

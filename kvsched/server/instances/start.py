@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from kvsched.core import ConfigError, EngineConfig, ProtocolError, Scheduler, StorageIndex
-from kvsched.server.ranks import RankConn
+from kvsched.server.instances.ranks import RankConn
 
 log = logging.getLogger("kvsched.engine")
 

@@ -1,6 +1,6 @@
 """The request table: every request the daemon tracks, from acceptance to its one Finished.
 
-It owns each request's record (`Tracked`, server/record.py, stored in `Request.tag`): where it
+It owns each request's record (`Tracked`, server/requests/record.py, stored in `Request.tag`): where it
 is (a local engine, a peer's instance with its relay, or parked), its sink, its P/D decode
 reservation, whether it has finished; and what ends requests from outside an engine: aborts,
 queue timeouts and deadlines, streams that stopped reading, requests of lost instances waiting
@@ -8,8 +8,8 @@ for another one (parked). Every accepted request ends in exactly one `Finished`,
 `finish()`: the engines report through `EngineListener`, parked requests that run out of time
 and a cluster's forwarder (a peer's Finished) all end there. Its observers (`Lifecycle`:
 telemetry, the journal glue, the forwarder) are told of accepted, moved, progressed and
-finished requests. Requests come in through server/accept.py and back through
-server/resume.py.
+finished requests. Requests come in through server/requests/accept.py and back through
+server/requests/resume.py.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from kvsched.core import (
     RequestNotFound,
     Role,
     Unavailable,
+    lifecycle,
 )
-from kvsched.core.request import FINISHED_STATUS
 from kvsched.server.cluster_port import ClusterPort
-from kvsched.server.engine import InstanceEngine
-from kvsched.server.observers import Observers
-from kvsched.server.poison import PoisonGuard
-from kvsched.server.record import (
+from kvsched.server.instances.engine import InstanceEngine
+from kvsched.server.requests.poison import PoisonGuard
+from kvsched.server.requests.record import (
     LocalEngine,
+    Observers,
     Parked,
     PeerInstance,
     RemotePeer,
@@ -45,12 +45,12 @@ from kvsched.server.record import (
     Tracked,
     fresh_copy,
 )
-from kvsched.server.watchdog import Watchdog
+from kvsched.server.requests.watchdog import Watchdog
 
 if TYPE_CHECKING:
-    from kvsched.server.config import ServerConfig
-    from kvsched.server.registry import InstanceRegistry
-    from kvsched.server.telemetry import Telemetry
+    from kvsched.server.config.settings import ServerConfig
+    from kvsched.server.instances.registry import InstanceRegistry
+    from kvsched.server.telemetry.hooks import Telemetry
 
 __all__ = ["RECENT_FINISHED", "ClusterPort", "RequestTable", "Sink", "Tracked"]
 
@@ -80,10 +80,10 @@ class RequestTable:
         # telemetry; the journal glue and a cluster's forwarder subscribe (`observers.observe`).
         self.observers = Observers(telemetry)
         # A cluster's routing and forwarding (kvsched.cluster.node.ClusterNode, set by it;
-        # None: alone): server/accept.py, frontend.py and admin.py call it through this port.
+        # None: alone): server/requests/accept.py, frontend.py and admin.py call it through this port.
         self.cluster: ClusterPort | None = None
 
-    # ---- entering the table (server/accept.py, server/resume.py) ----------------------------
+    # ---- entering the table (server/requests/accept.py, server/requests/resume.py) ----------------------------
     def track(
         self,
         tr: Tracked,
@@ -237,9 +237,7 @@ class RequestTable:
         engine or its relay has stamped it. A second call is a no-op."""
         req = tr.req
         if reason is not None:
-            req.status = FINISHED_STATUS[reason]
-            req.finish_reason, req.finish_message = reason, message
-            req.finished_time = time.monotonic()
+            lifecycle.finish_outside(req, reason, message, time.monotonic())
         self.cancel_reservation(tr)
         if self.tracked.pop(req.req_id, None) is None:
             return
@@ -271,9 +269,7 @@ class RequestTable:
             self.finish(tr, FinishReason.ERROR, "decode reservation gone before hand-off")
             return
         dreq.tag = tr
-        dreq.arrival_time, dreq.first_token_time = req.arrival_time, req.first_token_time
-        dreq.first_scheduled_time = req.first_scheduled_time
-        dreq.num_cached_tokens = req.num_cached_tokens
+        lifecycle.carry_over(req, dreq)  # (add_prefilled set its cached tokens)
         tr.req, tr.location = dreq, LocalEngine(d)
         self.observers.request_progressed(tr)
         d.wake()
@@ -353,7 +349,7 @@ class RequestTable:
                 continue  # aborted meanwhile
             eng = self.registry.route_moved(tr.req, tr.model)
             if eng is not None and not self.poison.may_place(tr, self._live):
-                eng = None  # a suspect waits for the one on trial (server/poison.py)
+                eng = None  # a suspect waits for the one on trial (server/requests/poison.py)
             if eng is not None:
                 try:
                     eng.add_request(tr.req)

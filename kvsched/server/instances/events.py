@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from kvsched.core import Request
-from kvsched.server.delivery import TokenDelivery
+from kvsched.server.requests.delivery import TokenDelivery
 
 if TYPE_CHECKING:
-    from kvsched.server.telemetry import Telemetry
+    from kvsched.server.telemetry.hooks import Telemetry
 
 E = TypeVar("E")
 E_contra = TypeVar("E_contra", contravariant=True)

@@ -4,8 +4,8 @@ While the request lives, `Tracked.span` is `ROOT` (the common case) or a `Reques
 parent, or rare events to remember). At its end one tuple of the request's values goes to the
 processors inside a `PendingSpan`, a ReadableSpan built where it is first read (the batch
 processor's thread, as its exporter encodes it). `RequestEvents` lets the OTLP encoder
-(kvsched.server.otlp) read the events as a flat list. The hooks that fill these, and the span's
-shape, are in `kvsched.server.tracing`.
+(kvsched.server.telemetry.otlp) read the events as a flat list. The hooks that fill these, and the span's
+shape, are in `kvsched.server.telemetry.tracing`.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class RequestTrace:
 class RequestEvents(Sequence[Event]):
     """A finished request span's events: the trace's flat list (name, attributes, timestamp,
     name, ...), made SDK Event objects only when first read. The OTLP encoder
-    (kvsched.server.otlp) reads the list and never asks, which spares the event loop ~1 us and
+    (kvsched.server.telemetry.otlp) reads the list and never asks, which spares the event loop ~1 us and
     four to six objects per request (see RequestTrace on why objects count); other exporters
     (console, a user's processor) see an ordinary sequence of Events."""
 

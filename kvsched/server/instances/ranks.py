@@ -25,7 +25,7 @@ class RankConn:
     address: str
     model: str
     num_host_blocks: int = 0  # the host-memory KV tier (Hello.num_host_blocks)
-    max_model_len: int = 0  # Hello's limits (0: not announced); see server/models.py
+    max_model_len: int = 0  # Hello's limits (0: not announced); see server/instances/models.py
     vocab_size: int = 0
     storage_backends: tuple[str, ...] = ()  # Hello.storage_backends (step 13)
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)

@@ -2,10 +2,10 @@
 
 A `Tracked` is written by one owner per field (tests/test_layout.py checks it):
 
-    req, location, sink, decode_engine, finished, out_at_place   server/request_table.py
+    req, location, sink, decode_engine, finished, out_at_place   server/requests/table.py
     journal_state, journaled                                    the journal (kvsched.durability)
-    span                                                        server/tracing.py
-    losses                                                      server/poison.py
+    span                                                        server/telemetry/tracing.py
+    losses                                                      server/requests/poison.py
     owner, client_tag, detachable, model                        set once, at construction
 
 Its location is a tagged value: `LocalEngine` (an instance of this daemon holds or queues
@@ -16,6 +16,11 @@ it is placed again before `deadline`, or fails with `reason`).
 `Lifecycle` is what the request table tells its observers (telemetry, the journal glue, the
 cluster's forwarder): accepted, moved (it lost its instance and is parked), progressed (its
 tokens should be recorded now: handed off, or moved), finished (its one Finished is decided).
+
+`Observers`: who the request table tells of each request's lifecycle (server/requests/record.py's
+`Lifecycle`: accepted, moved, progressed, finished), in the order they subscribed: telemetry
+first, then the journal glue and a cluster's forwarder (`observe`). It is a `Lifecycle` itself:
+the table tells it once per event and it tells each observer, synchronously.
 """
 
 from __future__ import annotations
@@ -23,14 +28,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvsched.core import Request
+from kvsched.core import Request, lifecycle
 from kvsched.core.journal_state import JournalState
+from kvsched.core.slots import set_output
 
 if TYPE_CHECKING:
     import asyncio
     from collections.abc import Mapping
 
-    from kvsched.server.engine import InstanceEngine
+    from kvsched.server.instances.engine import InstanceEngine
+from collections.abc import Mapping
 
 
 class Sink(Protocol):
@@ -39,7 +46,11 @@ class Sink(Protocol):
     trs[i] produced counts[i] tokens (counts None: one each), consecutive in toks. The same
     tokens are already in each request's `output_token_ids`: a sink may take them from the
     call (a Session joins the deltas) or take the call as news and read its requests (a
-    Generate stream sends `output_token_ids` past what it sent)."""
+    Generate stream sends `output_token_ids` past what it sent). `wants_tokens` False: the
+    sink takes the call as news only, and `toks` may be empty (the engine's delivery then
+    builds no list of them)."""
+
+    wants_tokens: bool
 
     def notify(self, tr: Tracked, /) -> None: ...
 
@@ -110,9 +121,8 @@ def fresh_copy(old: Request) -> Request:
         old.mm_ranges,
         tenant=old.tenant,
     )
-    new.output_token_ids = list(old.output_token_ids)
-    new.num_preemptions = old.num_preemptions
-    new.first_scheduled_time, new.first_token_time = old.first_scheduled_time, old.first_token_time
+    set_output(new, old.output_token_ids)
+    lifecycle.carry_over(old, new)
     new.tag = old.tag
     return new
 
@@ -126,12 +136,12 @@ class Tracked:
     owner: str = ""
     client_tag: str = ""
     decode_engine: InstanceEngine | None = None  # P/D: holds a reservation until hand-off
-    span: Any = None  # server/tracing.py's
+    span: Any = None  # server/telemetry/tracing.py's
     finished: bool = False  # its one Finished is decided: the table no longer tracks it
     journal_state: JournalState = JournalState.NONE
     journaled: int = 0  # output tokens the journal has recorded
     model: str = ""  # the model it runs on (a lost instance's request moves within it)
-    losses: int = 0  # instance losses it is a suspect of (server/poison.py)
+    losses: int = 0  # instance losses it is a suspect of (server/requests/poison.py)
     out_at_place: int = 0  # output tokens it had when last placed
 
     @property
@@ -157,8 +167,8 @@ class Tracked:
 
 
 class Lifecycle(Protocol):
-    """A lifecycle observer (`RequestTable.observers.observe`): telemetry (server/telemetry.py), the
-    journal glue (server/durable.py) and a cluster's forwarder implement it. Hooks run
+    """A lifecycle observer (`RequestTable.observers.observe`): telemetry (server/telemetry/hooks.py), the
+    journal glue (server/requests/durable.py) and a cluster's forwarder implement it. Hooks run
     synchronously on the event loop, on lifecycle events only (never per token)."""
 
     def request_accepted(self, tr: Tracked, carrier: Mapping[str, str], /) -> None:
@@ -174,3 +184,35 @@ class Lifecycle(Protocol):
 
     def request_finished(self, tr: Tracked, /) -> None:
         """Its one Finished is decided (tr.req carries status, usage, timings)."""
+
+
+class Observers:
+    """The subscribed observers (owns the list; each observer once)."""
+
+    def __init__(self, first: Lifecycle) -> None:
+        self._observers: list[Lifecycle] = [first]
+
+    def observe(self, observer: Lifecycle) -> None:
+        """Tell `observer` of every request's lifecycle from now on."""
+        if observer not in self._observers:
+            self._observers.append(observer)
+
+    def unobserve(self, observer: Lifecycle) -> None:
+        if observer in self._observers:
+            self._observers.remove(observer)
+
+    def request_accepted(self, tr: Tracked, carrier: Mapping[str, str], /) -> None:
+        for obs in self._observers:
+            obs.request_accepted(tr, carrier)
+
+    def request_moved(self, tr: Tracked, reason: str, /) -> None:
+        for obs in self._observers:
+            obs.request_moved(tr, reason)
+
+    def request_progressed(self, tr: Tracked, /) -> None:
+        for obs in self._observers:
+            obs.request_progressed(tr)
+
+    def request_finished(self, tr: Tracked, /) -> None:
+        for obs in self._observers:
+            obs.request_finished(tr)

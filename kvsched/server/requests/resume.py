@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 from kvsched import codec
 from kvsched.core import FinishReason, InvalidRequest, RequestNotFound, Unavailable
-from kvsched.server.durable import Durability
+from kvsched.core.slots import set_output
 from kvsched.server.errors import PermissionDenied
-from kvsched.server.record import Parked, RemotePeer, Sink, Tracked
-from kvsched.server.request_table import RequestTable
+from kvsched.server.requests.durable import Durability
+from kvsched.server.requests.record import Parked, RemotePeer, Sink, Tracked
+from kvsched.server.requests.table import RequestTable
 from kvsched.v1 import journal_pb2, request_service_pb2
 
 log = logging.getLogger("kvsched.daemon")
@@ -51,6 +52,8 @@ class OwnedElsewhere(Unavailable):
 
 class ParkedSink:
     """The sink of a recovered request until its client resumes: outputs stay in the request."""
+
+    wants_tokens = False
 
     def notify(self, tr: Tracked, /) -> None:
         pass
@@ -92,7 +95,7 @@ class Resumer:
             req = codec.request_from_proto(
                 rec.request, rec.request_id, now, table.config.default_max_tokens
             )
-            req.output_token_ids = list(u.tokens)
+            set_output(req, list(u.tokens))
             tr = Tracked(
                 req,
                 Parked(deadline, RECOVERED),

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvsched.server.config import ServerConfig
-    from kvsched.server.record import Tracked
+    from kvsched.server.config.settings import ServerConfig
+    from kvsched.server.requests.record import Tracked
 
 log = logging.getLogger("kvsched.daemon")
 

@@ -39,11 +39,14 @@ class TokenDelivery:
             trs = self._trs
             if not trs:
                 continue
+            groups = self._groups
+            if groups is None and not trs[0].sink.wants_tokens:
+                trs[0].sink.add_tokens(trs, None, [])  # news only: no list of the tokens
+                continue
             values = toks.tolist()
             keep = self._keep
             if keep is not None:
                 values = [values[i] for i in keep]
-            groups = self._groups
             if groups is None:
                 trs[0].sink.add_tokens(trs, None, values)
                 continue

@@ -1,5 +1,5 @@
 """Reading the daemon's configuration: TOML file, KVSCHED_* environment, command-line flags
-(later wins), merged into one validated `ServerConfig` (kvsched/server/config.py says what each
+(later wins), merged into one validated `ServerConfig` (kvsched/server/config/settings.py says what each
 source may set and how values are parsed)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from kvsched.core.config import EngineConfig
 from kvsched.core.errors import ConfigError
-from kvsched.server.config import (
+from kvsched.server.config.settings import (
     _ENGINE_SECTIONS,
     _SCALARS,
     ENV_PREFIX,

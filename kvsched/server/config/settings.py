@@ -21,7 +21,7 @@ Sources, later wins:
 
 An instance table overrides the default engine, whatever source set the default: the more
 specific setting wins. Every error is a `ConfigError` whose message names the field, the allowed
-range and, for `load_config` (kvsched/server/config_load.py), where the value came from.
+range and, for `load_config` (kvsched/server/config/load.py), where the value came from.
 """
 
 from __future__ import annotations
@@ -106,7 +106,9 @@ class ServerConfig:
     silence_timeout_intervals: float = 5.0
     requeue_timeout_s: float = 30.0  # a lost instance's request waits this long for another
     forget_lost_instance_s: float = 300.0  # an auto-created instance without workers is dropped
-    poison_max_losses: int = 2  # a request on this many lost instances ends (server/poison.py)
+    poison_max_losses: int = (
+        2  # a request on this many lost instances ends (server/requests/poison.py)
+    )
     max_session_requests: int = 100000  # open requests per Session stream
     default_max_tokens: int = 16  # a request that does not set max_tokens gets this many
     stall_timeout_s: float = 30.0  # a stream that does not read its outputs this long is cut

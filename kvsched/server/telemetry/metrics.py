@@ -47,9 +47,9 @@ from prometheus_client.exposition import choose_encoder
 
 from kvsched.core import FinishReason, Unavailable
 from kvsched.core.scheduler import SNAPSHOT_COUNTERS
-from kvsched.server.cluster_metrics import cluster_families
-from kvsched.server.config import split_host_port
-from kvsched.server.histograms import (
+from kvsched.server.config.settings import split_host_port
+from kvsched.server.telemetry.gauges import cluster_families, host_tier_families, step_cost_families
+from kvsched.server.telemetry.histograms import (
     BATCH_BUCKETS,
     ITL_BUCKETS,
     LATENCY_BUCKETS,
@@ -57,10 +57,8 @@ from kvsched.server.histograms import (
     TTFT_BUCKETS,
     Hist,
 )
-from kvsched.server.host_metrics import host_tier_families
-from kvsched.server.refusals import Refusals
-from kvsched.server.step_cost_metrics import step_cost_families
-from kvsched.server.tenant_metrics import TenantMetrics
+from kvsched.server.telemetry.refusals import Refusals
+from kvsched.server.telemetry.tenants import TenantMetrics
 
 log = logging.getLogger("kvsched.metrics")
 

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 from kvsched import codec
 from kvsched.core import InvalidRequest, Request, Role, Unavailable
 from kvsched.core.errors import RequestAlreadyLive
-from kvsched.server.durable import Durability
-from kvsched.server.engine import InstanceEngine
-from kvsched.server.models import too_long
-from kvsched.server.record import LocalEngine, RemotePeer, Sink, Tracked
-from kvsched.server.request_table import RequestTable
+from kvsched.server.instances.engine import InstanceEngine
+from kvsched.server.instances.models import too_long
+from kvsched.server.requests.durable import Durability
+from kvsched.server.requests.record import LocalEngine, RemotePeer, Sink, Tracked
+from kvsched.server.requests.table import RequestTable
 from kvsched.v1 import request_service_pb2
 
 if TYPE_CHECKING:

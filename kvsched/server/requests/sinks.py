@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsched.server.record import Tracked
+from kvsched.server.requests.record import Tracked
 from kvsched.v1 import request_service_pb2 as pb
 
 
@@ -24,9 +24,11 @@ class StreamSink:
     tokens it has handed its client; a Resume's stream starts at the caller's count)."""
 
     __slots__ = ("event", "moved", "pending_since", "sent", "stalled", "task")
+    # The engine's token values are not needed: the stream reads them off the request.
+    wants_tokens = False
 
-    def __init__(self) -> None:
-        self.sent = 0
+    def __init__(self, sent: int = 0) -> None:
+        self.sent = sent
         self.event = asyncio.Event()
         self.pending_since: float | None = None
         self.stalled = False
@@ -44,6 +46,30 @@ class StreamSink:
         """News only: the tokens are in the request already (see the `Sink` contract)."""
         self.notify(trs[0])
 
+    async def wait(self) -> None:
+        """Until there is news; its client is then no longer owed any."""
+        await self.event.wait()
+        self.event.clear()
+        self.pending_since = None
+
+    def take(self, tr: Tracked) -> tuple[list[int], bool]:
+        """The news since the last take: the output tokens past `sent`, and whether the request
+        had finished, decided at the same instant (more may arrive while the stream's yield is
+        suspended). The token's way to the client: the engine hands its step's tokens to the
+        request (core/slots.py) and tells this sink (news only, `add_tokens`); this read pulls
+        them, one slice per wake-up however many steps ran since (coalesced when the client
+        falls behind). Reading a placed request's `output_token_ids` moves the tokens waiting
+        in its slot's ring into its list (`SlotTable.sync`): a core write, made here on the
+        event loop between two engine steps, kept for speed (the decode hot path writes only
+        numpy columns)."""
+        finished = tr.finished
+        out = tr.req.output_token_ids
+        n, sent = len(out), self.sent
+        if n <= sent:
+            return [], finished
+        self.sent = n
+        return out[sent:n], finished
+
     def attached(self) -> bool:
         """Its Generate/Resume call is still open (the handler's task runs: a client that
         gave up waiting, or went away, cancelled it)."""
@@ -53,6 +79,8 @@ class StreamSink:
 class SessionSink:
     """One Session stream: what to put in its next batched response. Tokens arrive as the
     engine's deltas (`chunks`, in order); `dirty` holds requests that finished."""
+
+    wants_tokens = True
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
@@ -75,6 +103,12 @@ class SessionSink:
         self.held: dict[str, Tracked] = {}
         self.held_set: set[Tracked] = set()  # the same requests (a C-speed overlap test)
         self.inflight: set[asyncio.Future[None]] = set()
+
+    async def wait(self) -> None:
+        """Until there is news; its client is then no longer owed any."""
+        await self.event.wait()
+        self.event.clear()
+        self.pending_since = None
 
     def notify(self, tr: Tracked) -> None:
         if self.pending_since is None:

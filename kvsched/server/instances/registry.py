@@ -26,14 +26,14 @@ from kvsched.core import (
     StorageIndex,
     Unavailable,
 )
-from kvsched.server.engine import InstanceEngine, RankConn
-from kvsched.server.engine_events import EngineListener
-from kvsched.server.models import Limits, fitting, limits_of, resolve_model
+from kvsched.server.instances.engine import InstanceEngine, RankConn
+from kvsched.server.instances.events import EngineListener
+from kvsched.server.instances.models import Limits, fitting, limits_of, resolve_model
 from kvsched.v1 import worker_service_pb2
 
 if TYPE_CHECKING:
-    from kvsched.server.config import ServerConfig
-    from kvsched.server.telemetry import Telemetry
+    from kvsched.server.config.settings import ServerConfig
+    from kvsched.server.telemetry.hooks import Telemetry
 
 log = logging.getLogger("kvsched.daemon")
 
@@ -260,7 +260,7 @@ class InstanceRegistry:
 
     # ---- routing ----------------------------------------------------------------------------
     def model_for(self, requested: str) -> str:
-        """The model a request naming `requested` runs on (see server/models.py): NOT_FOUND
+        """The model a request naming `requested` runs on (see server/instances/models.py): NOT_FOUND
         naming the known models for an unknown one."""
         ready = {
             _limits(e, self.config.model).model
