@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROTOS  := $(wildcard protos/kvsched/v1/*.proto)
 
-.PHONY: install install-vllm test-vllm proto proto-check lint typecheck test test-fast test-faults demo demo-cluster demo-real demo-real-sim demo-gateway demo-gateway-sim bench bench-peers clean
+.PHONY: install install-vllm test-vllm proto proto-check lint typecheck test test-fast test-faults demo demo-cluster demo-real demo-real-sim demo-gateway demo-gateway-sim bench bench-gateway bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -99,6 +99,13 @@ demo-gateway: $(STAMP) $(VLLM_STAMP)
 
 demo-gateway-sim: $(STAMP)
 	$(BIN)/python tools/demo_gateway.py --executor sim
+
+# smg -> kvsched -> vLLM worker vs smg -> vLLM's own gRPC engine server, alternating rounds
+# (bench/gateway_serve.py; docs/GATEWAY.md). The servicer vLLM's gRPC server needs goes into the
+# vllm extra's virtualenv.
+bench-gateway: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/pip install -q -e '.[gateway-bench]'
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m bench.gateway_serve
 
 # vLLM's own scheduler beside ours (a separate ~2.5 GB virtualenv; never a kvsched dependency).
 bench-peers:
