@@ -18,7 +18,9 @@ Both stacks run at once (each idle while the other is measured), each behind its
 One round runs the benchmark (random dataset, /v1/completions, --ignore-eos, the given
 --max-concurrency) on each stack, the order alternating round by round, after one warm-up run
 each. Prints every round and the medians; writes the JSON. Figures from a shared machine are
-noisy: the JSON records the load average before and after.
+noisy: the JSON records the load average before and after. `--profile`: one more kvsched round
+with its processes under py-spy (own samples per function, and the daemon's share in the
+gateway servicer, server/gateway/).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.serve_procs import Procs, free_port, running, wait_http
+from bench.serve_procs import Procs, free_port, profiling, running, summarize, wait_http
 from bench.vllm_serve import METRICS, NAME, bench, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,6 +89,35 @@ def start_vllm_grpc(procs: Procs, model_dir: Path) -> str:
     return f"http://127.0.0.1:{port}"
 
 
+def stack_share(path: Path, needle: str) -> tuple[int, int]:
+    """(samples whose stack passes through a frame containing `needle`, all samples)."""
+    hit = total = 0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if stack and count.isdigit():
+                total += int(count)
+                hit += int(count) if needle in stack else 0
+    return hit, total
+
+
+def profile_kvsched(procs: Procs, work: Path, url: str, model_dir: Path, a: Any) -> dict[str, Any]:
+    """One more kvsched round, its three processes sampled by py-spy."""
+    mine = Procs(work)
+    mine.procs = [(n, p) for n, p in procs.procs if n.startswith("kvsched_")]
+    with profiling(mine, work):
+        bench(url, model_dir, a.concurrency, a)
+    out: dict[str, Any] = {}
+    for name, _ in mine.procs:
+        print(f"--- {name}: where the samples are (py-spy, own time) ---")
+        print(summarize(work / f"{name}.pyspy"))
+        out[name] = stack_share(work / f"{name}.pyspy", "")[1]
+    hit, total = stack_share(work / "kvsched_daemon.pyspy", "server/gateway/")
+    print(f"daemon samples in server/gateway/: {hit} of {total}")
+    out["daemon_in_gateway_servicer"] = hit
+    return out
+
+
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -123,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--json", default=str(REPO / "bench/results/gateway_serve.json"))
+    p.add_argument("--profile", action="store_true", help="one more kvsched round under py-spy")
     a = p.parse_args(argv)
     from kvsched.tinymodel.model import make_model
     from kvsched.tinymodel.tokenizer import make_tokenizer
@@ -151,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 + ", ".join(f"{s} {got[s]['output_throughput']:,.0f} out tok/s" for s in order),
                 flush=True,
             )
+        profile = profile_kvsched(procs, work, urls["kvsched"], model_dir, a) if a.profile else {}
     print_rounds(rounds)
     med = medians(rounds)
     ratio = med["kvsched"]["output_throughput"] / med["vllm-grpc"]["output_throughput"]
@@ -175,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "medians": med,
         "ratio_output_throughput": round(ratio, 3),
+        "profile_samples": profile,
     }
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
