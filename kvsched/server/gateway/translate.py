@@ -72,7 +72,7 @@ def to_request(req: Any, model: str, max_model_len: int) -> kpb.GenerateRequest:
     _check_unsupported(req)
     sp = req.sampling_params
     ids = req.tokenized.input_ids
-    if any(t > _INT32_MAX for t in ids):
+    if ids and max(ids) > _INT32_MAX:
         raise InvalidRequest("tokenized.input_ids: a token id is above 2^31 - 1")
     out = kpb.GenerateRequest(request_id=req.request_id, model=model)
     out.prompt_token_ids.extend(ids)
