@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -88,21 +89,31 @@ def test_completions_whole_and_streamed(client: openai.OpenAI) -> None:
     assert usage.prompt_tokens == whole.usage.prompt_tokens
 
 
-def test_stop_string_cuts_the_text(client: openai.OpenAI) -> None:
+def test_stop_string_cuts_the_text_and_ends_the_request(
+    front: Front, client: openai.OpenAI
+) -> None:
     """A space comes within 300 tokens of this tokenizer's English: the text ends before it,
-    finish reason "stop", streamed or not. (The gateway matches stop strings on the text;
-    kvsched stops when the gateway aborts, or at max_tokens: docs/GATEWAY.md.)"""
-    kw = {"model": MODEL, "messages": CHAT, "max_tokens": 300, "stop": [" "]}
-    r = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    finish reason "stop", streamed or not, and kvsched ended the request there (finished
+    STOP, fewer than 300 tokens generated) rather than running on to max_tokens: smg waits
+    for the engine's complete before it answers."""
+    stops = front.finished("stop")
+    kw: Any = {"model": MODEL, "messages": CHAT, "max_tokens": 300, "stop": [" "]}
+    r = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "stop"
     assert " " not in (r.choices[0].message.content or "")
-    text, reasons = "", []
-    for c in client.chat.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}):  # type: ignore[call-overload]
+    assert r.usage is not None and r.usage.completion_tokens < 300
+    text, reasons, usage = "", [], None
+    for c in client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+    ):
         for x in c.choices:
             text += x.delta.content or ""
             reasons += [x.finish_reason] if x.finish_reason else []
+        usage = c.usage or usage
     assert reasons == ["stop"]
     assert " " not in text
+    assert usage is not None and usage.completion_tokens < 300
+    assert front.finished("stop") == stops + 2
 
 
 def test_n_above_one_is_refused_naming_n(client: openai.OpenAI) -> None:

@@ -28,8 +28,9 @@ from typing import Any, cast
 
 import grpc
 
-from kvsched.core import KvschedError, RequestNotFound
+from kvsched.core import FinishReason, KvschedError, RequestNotFound
 from kvsched.server.gateway.proto import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+from kvsched.server.gateway.stops import StopStrings
 from kvsched.server.gateway.tokenizer import TokenizerBundle, chunks
 from kvsched.server.gateway.translate import complete, to_request
 from kvsched.server.requests.frontend import RequestServicer, principal
@@ -47,6 +48,7 @@ class EngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[m
         self.registry = front.requests.registry
         self.tokenizer = tokenizer
         self.bundle = TokenizerBundle(tokenizer) if tokenizer else None
+        self.stops = StopStrings(tokenizer)
         self.started = time.monotonic()
 
     def _model(self) -> tuple[str, int, int]:
@@ -154,26 +156,34 @@ class EngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[m
         kreq = to_request(request, name, mml)
         stream = request.stream
         stops = set(kreq.sampling.stop_token_ids)
+        sp = request.sampling_params
+        matcher = self.stops.matcher(list(sp.stop), sp.skip_special_tokens)
         prompt_n = len(kreq.prompt_token_ids)
-        out: list[int] = []
+        out: list[int] = []  # every output id so far (up to a matched stop string)
         last: int | None = None
+        matched: str | None = None
         inner = cast(AsyncGenerator[Any, None], self.front.Generate(kreq, context))
         async with aclosing(inner) as msgs:
             async for msg in msgs:
                 kind = msg.WhichOneof("kind")
                 if kind == "tokens":
                     ids = list(msg.tokens.token_ids)
-                    if not ids:
+                    if not ids or matched is not None:  # past a stop string: not output
                         continue
-                    last = ids[-1]
+                    base = len(out)
+                    out.extend(ids)
+                    if matcher is not None and (hit := matcher.match(out, base)) is not None:
+                        n, matched = hit
+                        del out[n:]
+                        ids = ids[: n - base]
+                        self._stop_at(kreq.request_id, matched)
+                    last = out[-1]
                     if stream:
                         yield pb.GenerateResponse(
                             chunk=pb.GenerateStreamChunk(
                                 token_ids=ids, prompt_tokens=prompt_n, completion_tokens=len(ids)
                             )
                         )
-                    else:
-                        out.extend(ids)
                 elif kind == "finished":
                     fin = msg.finished
                     if fin.reason == kcommon.FINISH_REASON_ERROR:
@@ -182,8 +192,16 @@ class EngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[m
                             f"request {kreq.request_id!r} failed: {fin.message or 'engine error'}",
                         )
                         return
-                    yield pb.GenerateResponse(complete=complete(pb, fin, out, last, stops))
+                    upto = None if matched is None else len(out)
+                    done = complete(pb, fin, [] if stream else out, last, stops, matched, upto)
+                    yield pb.GenerateResponse(complete=done)
                     return
+
+    def _stop_at(self, req_id: str, stop: str) -> None:
+        """End a request whose text reached one of its stop strings: finished STOP, now."""
+        tr = self.requests.tracked.get(req_id)
+        if tr is not None and not tr.finished:
+            self.requests.abort_tracked(tr, f"stop string {stop!r} matched", FinishReason.STOP)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Abort each id this caller submitted; ids that are not live are skipped (the request

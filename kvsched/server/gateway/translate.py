@@ -98,20 +98,30 @@ def to_request(req: Any, model: str, max_model_len: int) -> kpb.GenerateRequest:
 
 
 def complete(
-    pb: Any, finished: kpb.Finished, output_ids: list[int], last_token: int | None, stops: Any
+    pb: Any,
+    finished: kpb.Finished,
+    output_ids: list[int],
+    last_token: int | None,
+    stops: Any,
+    stop_str: str | None = None,
+    num_output: int | None = None,
 ) -> Any:
     """kvsched's Finished as the protocol's GenerateComplete (`pb` is vllm_engine_pb2).
     `output_ids`: every output token (not streaming) or none (streaming: the chunks had them).
     A STOP on one of the request's `stops` (its stop_token_ids) names that token
-    (`matched_token_id`); a stop at EOS names none, as vLLM's servicer."""
+    (`matched_token_id`); a stop at EOS names none, as vLLM's servicer. `stop_str`: the stop
+    string the request ended at (stops.py), with `num_output` its tokens up to the match."""
     usage = finished.usage
+    reason = "stop" if stop_str is not None else FINISH_REASONS.get(finished.reason, "error")
     msg = pb.GenerateComplete(
         output_ids=output_ids,
-        finish_reason=FINISH_REASONS.get(finished.reason, "error"),
+        finish_reason=reason,
         prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.output_tokens,
+        completion_tokens=usage.output_tokens if num_output is None else num_output,
         cached_tokens=usage.cached_tokens,
     )
-    if finished.reason == kcommon.FINISH_REASON_STOP and last_token in stops:
+    if stop_str is not None:
+        msg.matched_stop_str = stop_str
+    elif finished.reason == kcommon.FINISH_REASON_STOP and last_token in stops:
         msg.matched_token_id = last_token
     return msg
