@@ -90,8 +90,8 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
         where = LocalEngine(engine)  # type: ignore[arg-type]
         req.tag = daemon.tracked[req.req_id] = Tracked(req, where, sink)
     # No journal: as a standalone daemon.
-    acceptor = SimpleNamespace(table=daemon, durable=SimpleNamespace(journal=None))
-    servicer = RequestServicer(acceptor, None, 0)  # type: ignore[arg-type]
+    durable = SimpleNamespace(journal=None)
+    servicer = RequestServicer(None, None, durable, daemon, 0)  # type: ignore[arg-type]
     times: dict[str, list[float]] = {k: [] for k in HOT_STAGES}
     deliver = TokenDelivery()  # as the engine's EventDispatch holds one
     tasks = sched.schedule()

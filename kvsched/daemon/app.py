@@ -39,6 +39,7 @@ from kvsched.server.requests.record import Tracked
 from kvsched.server.requests.resume import Resumer
 from kvsched.server.requests.table import RequestTable
 from kvsched.server.telemetry.hooks import make_telemetry
+from kvsched.server.telemetry.values import ClusterFacts
 from kvsched.tls import server_credentials
 from kvsched.v1 import (
     admin_service_pb2,
@@ -70,23 +71,31 @@ class Daemon:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        # Metrics read the engines and tracing the live requests through this object, at
-        # scrape / shutdown time; both owners exist by then.
-        self.telemetry = make_telemetry(config, self)
+        # Telemetry is handed values: each engine step's (`StepStats`), and at scrape time the
+        # instances' published facts (the registry's) and the cluster's (once joined).
+        self.telemetry = make_telemetry(config)
         self.health = HealthServicer()
         self.registry = InstanceRegistry(config, self.telemetry)
+        self.telemetry.read_facts_from(self.registry.instance_facts, self.cluster_facts)
         self.requests = RequestTable(config, self.registry, self.telemetry)
         self.registry.open(self.requests)
         # The journal glue (a lifecycle observer once `open_journal` hands it the journal, in
         # a cluster); accepting (route, send, journal) and the ways back (recover, Resume).
         self.durable = Durability(self.requests)
-        self.acceptor = Acceptor(self.requests, self.durable)
+        self.acceptor = Acceptor(self.requests, self.registry, config, self.durable)
         self.resumer = Resumer(self.requests, self.durable)
         # The NATS connection when this daemon is in a cluster, and its membership, leases,
         # KV events, routing and forwarding (set by `join_cluster`).
         self.cluster_link: ClusterLink | None = None
         self.cluster_node: ClusterNode | None = None
         self.journal_task: asyncio.Task[None] | None = None
+
+    def cluster_facts(self) -> ClusterFacts | None:
+        """This daemon's cluster figures for a scrape (None: not in a cluster)."""
+        node = self.cluster_node
+        if node is None:
+            return None
+        return ClusterFacts(node.daemon_id, node.link.url, node.cluster_status())
 
     async def join_cluster(self, advertise: str) -> None:
         """Connect to the cluster's NATS when `cluster` is configured. Unreachable: raise
@@ -233,7 +242,13 @@ def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
     server = grpc.aio.server(interceptors=interceptors, options=options)
     requests, registry = daemon.requests, daemon.registry
     # grpc_tools generates the *_pb2_grpc modules without annotations (no stubs to check).
-    front = RequestServicer(daemon.acceptor, daemon.resumer, config.max_session_requests)
+    front = RequestServicer(
+        daemon.acceptor,
+        daemon.resumer,
+        daemon.durable,
+        daemon.requests,
+        config.max_session_requests,
+    )
     request_service_pb2_grpc.add_RequestServiceServicer_to_server(  # type: ignore[no-untyped-call]
         front, server
     )
@@ -344,7 +359,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
         daemon.journal_task.cancel()
     if daemon.cluster_link is not None:
         await daemon.cluster_link.close()
-    daemon.telemetry.shutdown()
+    daemon.telemetry.shutdown(list(daemon.requests.tracked.values()))
     log.info("stopped")
     return 0
 

@@ -472,11 +472,11 @@ def test_metrics_counters_move_by_exactly_what_was_sent() -> None:
 
 def test_metrics_address_in_use_is_a_clear_error() -> None:
     async def go() -> None:
-        first = Metrics(SimpleNamespace(engines={}), "m1")
+        first = Metrics("m1")
         port = await first.start_server("127.0.0.1:0")
         try:
             with pytest.raises(Unavailable, match=f"127.0.0.1:{port}.*--metrics-listen"):
-                await Metrics(SimpleNamespace(engines={}), "m1").start_server(f"127.0.0.1:{port}")
+                await Metrics("m1").start_server(f"127.0.0.1:{port}")
         finally:
             first.close()
 

@@ -44,6 +44,7 @@ from kvsched.server.instances.inbox import ReportInbox
 from kvsched.server.instances.ranks import RankConn, check_joining_rank
 from kvsched.server.instances.start import start_scheduler
 from kvsched.server.instances.totals import RetiredTotals
+from kvsched.server.telemetry.values import InstanceFacts, InstanceInfo, StepStats
 
 __all__ = ["InstanceEngine", "RankConn"]
 
@@ -68,6 +69,9 @@ class InstanceEngine:
         self.instance_id = instance_id
         self.engine_config = engine_config
         self.role = engine_config.role
+        # What telemetry's step hooks are told of this instance (a value; made anew with
+        # each scheduler).
+        self.info = InstanceInfo(instance_id, self.role, engine_config.fairness.tenant_weights)
         self.world_size = world_size
         self.ranks: dict[int, RankConn] = {}
         self.sched: Scheduler | None = None
@@ -130,6 +134,9 @@ class InstanceEngine:
             self.instance_id, self.engine_config, conns, self.limits, storage, self._next_handle
         )
         self._load = None
+        self.info = InstanceInfo(
+            self.instance_id, self.role, self.sched.config.fairness.tenant_weights
+        )
         if self.kv_events:
             self.sched.enable_kv_events()
 
@@ -194,20 +201,26 @@ class InstanceEngine:
         if sched is None:
             return
         reports = self._inbox.take()
+        iid, stats = self.instance_id, sched.stats
         try:
             telemetry = self.telemetry
             for report in reports:
                 events = sched.apply_report(report)
                 self._load = None  # a report and a schedule() change what the load is from
                 self._dispatch(events)
-                telemetry.report_applied(self, report)
+                telemetry.report_applied(
+                    StepStats(iid, sched.epoch, stats.num_generation_tokens, len(report.handles))
+                )
         except ProtocolError as exc:
             self.take_out(f"protocol violation: {exc}", exc)
             return
         t0 = time.perf_counter()
         tasks = sched.schedule()
         self._load = None
-        self.telemetry.scheduler_step(self.instance_id, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        telemetry.scheduler_step(
+            StepStats(iid, sched.epoch, stats.num_generation_tokens, 0, seconds)
+        )
         self._dispatch(sched.take_events())
         # Reports applied are always answered (Tasks.report_step), even with nothing to do:
         # the worker paces its reports by these answers. The core numbers exactly the
@@ -343,13 +356,22 @@ class InstanceEngine:
     def last_tasks_seq(self) -> int:
         return -1 if self.sched is None else self.sched.last_tasks_seq
 
-    @property
-    def generation_tokens(self) -> int:
-        return 0 if self.sched is None else self.sched.stats.num_generation_tokens
-
-    @property
-    def tenant_weights(self) -> dict[str, float]:
-        return {} if self.sched is None else self.sched.config.fairness.tenant_weights
+    def facts(self) -> InstanceFacts:
+        """What this instance publishes for a scrape (telemetry reads this value, never the
+        engine): readiness, its scheduler's snapshot, and the totals over every scheduler."""
+        sched = self.sched
+        served, shed = self.tenant_counts()
+        return InstanceFacts(
+            ready=sched is not None,
+            accepting=self.accepting,
+            epoch=self.epoch,
+            generation_tokens=0 if sched is None else sched.stats.num_generation_tokens,
+            snapshot=self.snapshot(),
+            counters=self.counters(),
+            served=served,
+            shed=shed,
+            tenant_weights=self.info.tenant_weights,
+        )
 
     def counters(self) -> dict[str, int]:
         """SNAPSHOT_COUNTERS totalled over every scheduler this instance has had."""

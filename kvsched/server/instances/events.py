@@ -16,8 +16,17 @@ from kvsched.server.requests.delivery import TokenDelivery
 
 if TYPE_CHECKING:
     from kvsched.server.telemetry.hooks import Telemetry
+    from kvsched.server.telemetry.values import InstanceInfo
 
-E = TypeVar("E")
+
+class Described(Protocol):
+    """An engine as its dispatch sees it: what telemetry is told of its instance (a value)."""
+
+    @property
+    def info(self) -> InstanceInfo: ...
+
+
+E = TypeVar("E", bound=Described)
 E_contra = TypeVar("E_contra", contravariant=True)
 
 
@@ -60,7 +69,7 @@ class EventDispatch(Generic[E]):
             self._deliver(ev.tokens)
         eng, listener = self.eng, self.listener
         if ev.scheduled or ev.first_token or ev.preempted or ev.requeued:
-            self.telemetry.lifecycle(eng, ev)
+            self.telemetry.lifecycle(eng.info, ev)
         for req in ev.handed_off:
             listener.on_handed_off(eng, req)
         for req in ev.finished:

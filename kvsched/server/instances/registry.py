@@ -29,6 +29,7 @@ from kvsched.core import (
 from kvsched.server.instances.engine import InstanceEngine, RankConn
 from kvsched.server.instances.events import EngineListener
 from kvsched.server.instances.models import Limits, fitting, limits_of, resolve_model
+from kvsched.server.telemetry.values import InstanceFacts
 from kvsched.v1 import worker_service_pb2
 
 if TYPE_CHECKING:
@@ -278,6 +279,10 @@ class InstanceRegistry:
         if self.peer_models is not None:
             got |= self.peer_models()
         return got
+
+    def instance_facts(self) -> dict[str, InstanceFacts]:
+        """Every known instance's published facts, connected or not (a scrape reads these)."""
+        return {iid: eng.facts() for iid, eng in list(self.engines.items())}
 
     def model_table(self) -> dict[str, tuple[int, int, int]]:
         """Per model served: (the largest max_model_len of its ready instances, its vocab

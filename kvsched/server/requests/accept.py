@@ -33,11 +33,26 @@ from kvsched.v1 import request_service_pb2
 
 if TYPE_CHECKING:
     from kvsched.server.cluster_port import ClusterPort
+    from kvsched.server.config.settings import ServerConfig
+    from kvsched.server.instances.registry import InstanceRegistry
 
 
 class Acceptor:
-    def __init__(self, table: RequestTable, durable: Durability) -> None:
+    """Validates, routes, sends and tracks new requests. Its collaborators are handed in by
+    the composition root: the request table (which also holds the cluster port once this
+    daemon joins one), the instance registry (models, limits, routing), the config and the
+    journal glue."""
+
+    def __init__(
+        self,
+        table: RequestTable,
+        registry: InstanceRegistry,
+        config: ServerConfig,
+        durable: Durability,
+    ) -> None:
         self.table = table
+        self.registry = registry
+        self.config = config
         self.durable = durable
 
     def submit(
@@ -51,8 +66,7 @@ class Acceptor:
     ) -> Tracked:
         """Validate, route and queue one request. Raises a typed error (nothing is kept) or
         returns its record; from then on the sink gets exactly one Finished."""
-        table = self.table
-        registry, config = table.registry, table.config
+        table, registry, config = self.table, self.registry, self.config
         if table.draining:
             raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
         model = registry.model_for(pb.model)
@@ -96,7 +110,7 @@ class Acceptor:
         return tr
 
     def _reserve_decode(self, req: Request) -> InstanceEngine:
-        d = self.table.registry.route_decode()
+        d = self.registry.route_decode()
         got = d.preallocate(req)
         if got is None:
             raise Unavailable(

@@ -19,6 +19,7 @@ from kvsched.core import KvschedError, RequestNotFound, Unavailable
 from kvsched.server.auth import current_principal
 from kvsched.server.errors import status_for
 from kvsched.server.requests.accept import Acceptor, relayed_from_caller
+from kvsched.server.requests.durable import Durability
 from kvsched.server.requests.record import RemotePeer, Tracked
 from kvsched.server.requests.resume import OwnedElsewhere, Resumer
 from kvsched.server.requests.sinks import (
@@ -28,6 +29,7 @@ from kvsched.server.requests.sinks import (
     raise_limit,
     sink_close_reason,
 )
+from kvsched.server.requests.table import RequestTable
 from kvsched.v1 import request_service_pb2 as pb
 from kvsched.v1 import request_service_pb2_grpc
 
@@ -47,11 +49,18 @@ def principal(context: Any) -> str:
 class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     """Accepts requests into the request table and streams their outputs back."""
 
-    def __init__(self, acceptor: Acceptor, resumer: Resumer, max_session_requests: int) -> None:
+    def __init__(
+        self,
+        acceptor: Acceptor,
+        resumer: Resumer,
+        durable: Durability,
+        requests: RequestTable,
+        max_session_requests: int,
+    ) -> None:
         self.acceptor = acceptor
         self.resumer = resumer
-        self.durable = acceptor.durable
-        self.requests = acceptor.table
+        self.durable = durable
+        self.requests = requests
         self.max_session_requests = max_session_requests
 
     async def Generate(
@@ -102,8 +111,14 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 # Its owner hands it over: adopted here (the journal's CAS), then resumed. Or
                 # its record names this daemon, which does not run it (an accept whose write
                 # landed after its call had given up and been refused): recovered from this
-                # daemon's journal now, as at a restart, then resumed.
-                await self.resumer.recover("" if mine else exc.daemon_id, only=request.request_id)
+                # daemon's journal now, as at a restart, then resumed. Or it is being adopted
+                # here this instant (a takeover pass stores its record here before the CAS):
+                # that pass parks it, and it is served from the table, not read again.
+                rid = request.request_id
+                if mine:
+                    await node.takeovers_settled()
+                if not (mine and rid in self.requests.tracked):
+                    await self.resumer.recover("" if mine else exc.daemon_id, only=rid)
                 got = await self.resumer.resume(request, owner, sink)
                 if isinstance(got, Tracked):
                     async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse):

@@ -34,10 +34,10 @@ from kvsched.core import (
 )
 from kvsched.server.cluster_port import ClusterPort
 from kvsched.server.instances.engine import InstanceEngine
+from kvsched.server.requests.observers import Observers
 from kvsched.server.requests.poison import PoisonGuard
 from kvsched.server.requests.record import (
     LocalEngine,
-    Observers,
     Parked,
     PeerInstance,
     RemotePeer,

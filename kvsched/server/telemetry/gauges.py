@@ -1,6 +1,5 @@
 """The cluster's Prometheus families (a daemon started with `--cluster` only): which daemon
-this is, and how it routed (docs/CLUSTER.md, docs/MONITORING.md). Reads the composition root's
-`cluster_node` at scrape time; imports nothing of kvsched.cluster.
+this is, and how it routed (docs/CLUSTER.md, docs/MONITORING.md).
 
 The host-memory KV tier's gauges, built at scrape time beside the other kvsched_* families
 (`metrics._Collector`); its counters (host hits, swaps) are in metrics._COUNTERS.
@@ -11,25 +10,25 @@ families (`metrics._Collector`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
+from kvsched.server.telemetry.values import ClusterFacts, InstanceFacts
 
-def cluster_families(daemon: Any, model: str) -> Iterator[Metric]:
+
+def cluster_families(cluster: ClusterFacts | None, model: str) -> Iterator[Metric]:
     """In a cluster only: which daemon this is (an info metric: join on `daemon_id`), and how
     it routed requests and kept its prefix index (docs/CLUSTER.md)."""
-    node = getattr(daemon, "cluster_node", None)
-    if node is None:
+    if cluster is None:
         return
     info = InfoMetricFamily(
         "kvsched_daemon", "This daemon's id in its cluster and the cluster's NATS URL."
     )
-    info.add_metric([], {"daemon_id": node.daemon_id, "cluster": node.link.url})
+    info.add_metric([], {"daemon_id": cluster.daemon_id, "cluster": cluster.url})
     yield info
-    st = node.cluster_status()
-    lv = [node.daemon_id, model]
+    st = cluster.status
+    lv = [cluster.daemon_id, model]
     for name, doc, value in (
         (
             "cluster_routed_local",
@@ -52,7 +51,9 @@ def cluster_families(daemon: Any, model: str) -> Iterator[Metric]:
         yield fam
 
 
-def host_tier_families(daemon: Any, model: str, labels: list[str]) -> Iterator[Metric]:
+def host_tier_families(
+    facts: Mapping[str, InstanceFacts], model: str, labels: list[str]
+) -> Iterator[Metric]:
     """kvsched_host_kv_cache_usage_perc and kvsched_num_free_host_blocks per instance with a
     host tier (instances without one are not listed)."""
     usage = GaugeMetricFamily(
@@ -63,8 +64,8 @@ def host_tier_families(daemon: Any, model: str, labels: list[str]) -> Iterator[M
     free = GaugeMetricFamily(
         "kvsched_num_free_host_blocks", "Host-tier KV blocks free (cached or empty).", labels=labels
     )
-    for iid, eng in list(daemon.engines.items()):
-        snap = eng.snapshot()
+    for iid, f in facts.items():
+        snap = f.snapshot
         if snap is None or not snap.num_host_blocks:
             continue
         usage.add_metric([iid, model], snap.host_cache_usage)
@@ -73,7 +74,9 @@ def host_tier_families(daemon: Any, model: str, labels: list[str]) -> Iterator[M
     yield free
 
 
-def step_cost_families(daemon: Any, model: str, labels: list[str]) -> Iterator[Metric]:
+def step_cost_families(
+    facts: Mapping[str, InstanceFacts], model: str, labels: list[str]
+) -> Iterator[Metric]:
     """Each instance's step-cost model: a worker step's time as predicted and as measured
     (moving averages), and the time target in force."""
     families = [
@@ -93,8 +96,8 @@ def step_cost_families(daemon: Any, model: str, labels: list[str]) -> Iterator[M
             labels=labels,
         ),
     ]
-    for iid, eng in list(daemon.engines.items()):
-        snap = eng.snapshot()
+    for iid, f in facts.items():
+        snap = f.snapshot
         if snap is None:
             continue
         values = (snap.step_predicted_ewma_ms, snap.step_measured_ewma_ms, snap.itl_target_ms)

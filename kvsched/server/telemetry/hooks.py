@@ -14,11 +14,12 @@ counters and scrape-time reads, cheap), request spans when an exporter is chosen
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvsched.server.telemetry.metrics import Metrics
 from kvsched.server.telemetry.tracing import Tracing, make_tracing
+from kvsched.server.telemetry.values import ClusterFacts, InstanceFacts, InstanceInfo, StepStats
 
 log = logging.getLogger("kvsched.daemon")
 
@@ -28,12 +29,12 @@ class Telemetry:
         """A request was validated and queued. `carrier` holds the caller's gRPC metadata
         (W3C `traceparent` / `tracestate` when the client sent them)."""
 
-    def lifecycle(self, engine: Any, events: Any) -> None:
+    def lifecycle(self, instance: InstanceInfo, events: Any) -> None:
         """One engine step's core Events: scheduled (resumed when num_preemptions > 0), first
-        token, preempted, requeued. `engine.instance_id` names the instance."""
+        token, preempted, requeued, on the instance `instance` describes."""
 
-    def report_applied(self, engine: Any, report: Any) -> None:
-        """A worker StepReport was folded in (batch size, tokens generated this step)."""
+    def report_applied(self, step: StepStats) -> None:
+        """A worker StepReport was folded in (its batch size, the tokens generated so far)."""
 
     def request_moved(self, tr: Any, reason: str) -> None:
         """The instance holding the request was lost (`reason`); it was re-queued to be
@@ -54,24 +55,29 @@ class Telemetry:
     def request_finished(self, tr: Any) -> None:
         """A request reached its one finished state (tr.req carries status, usage, timings)."""
 
-    def scheduler_step(self, instance_id: str, seconds: float) -> None:
-        """One schedule() call took `seconds`."""
+    def scheduler_step(self, step: StepStats) -> None:
+        """One schedule() call took `step.seconds`."""
+
+    def read_facts_from(
+        self,
+        instances: Callable[[], Mapping[str, InstanceFacts]],
+        cluster: Callable[[], ClusterFacts | None],
+    ) -> None:
+        """Where scrape-time figures come from: each instance's published facts (the
+        registry's), and the cluster's (None: alone). Handed in by the composition root."""
 
     async def start_metrics_server(self) -> int | None:
         """Serve /metrics where the config says; the bound port, or None when disabled."""
         return None
 
-    def shutdown(self) -> None:
-        """Flush exporters."""
+    def shutdown(self, live: list[Any] | None = None) -> None:
+        """Flush exporters; `live`: the requests still tracked (their spans end here)."""
 
 
 class Observability(Telemetry):
     """Metrics always; tracing when `tracing` is set."""
 
-    def __init__(
-        self, daemon: Any, metrics: Metrics, tracing: Tracing | None, metrics_listen: str
-    ) -> None:
-        self.daemon = daemon
+    def __init__(self, metrics: Metrics, tracing: Tracing | None, metrics_listen: str) -> None:
         self.metrics = metrics
         self.tracing = tracing
         self.metrics_listen = metrics_listen
@@ -80,13 +86,13 @@ class Observability(Telemetry):
         if self.tracing is not None:
             self.tracing.request_accepted(tr, carrier)
 
-    def lifecycle(self, engine: Any, events: Any) -> None:
-        self.metrics.lifecycle(engine, events)
+    def lifecycle(self, instance: InstanceInfo, events: Any) -> None:
+        self.metrics.lifecycle(instance, events)
         if self.tracing is not None:
-            self.tracing.lifecycle(engine, events)
+            self.tracing.lifecycle(instance, events)
 
-    def report_applied(self, engine: Any, report: Any) -> None:
-        self.metrics.report_applied(engine, report)
+    def report_applied(self, step: StepStats) -> None:
+        self.metrics.report_applied(step)
 
     def request_moved(self, tr: Any, reason: str) -> None:
         if self.tracing is not None:
@@ -107,27 +113,36 @@ class Observability(Telemetry):
         if self.tracing is not None:
             self.tracing.request_finished(tr)
 
-    def scheduler_step(self, instance_id: str, seconds: float) -> None:
-        self.metrics.scheduler_step(instance_id, seconds)
+    def scheduler_step(self, step: StepStats) -> None:
+        self.metrics.scheduler_step(step)
+
+    def read_facts_from(
+        self,
+        instances: Callable[[], Mapping[str, InstanceFacts]],
+        cluster: Callable[[], ClusterFacts | None],
+    ) -> None:
+        self.metrics.instance_facts, self.metrics.cluster_facts = instances, cluster
 
     async def start_metrics_server(self) -> int | None:
         if not self.metrics_listen:
             return None
         return await self.metrics.start_server(self.metrics_listen)
 
-    def shutdown(self) -> None:
-        """End the spans of requests still live, flush the exporters, stop serving /metrics.
-        Blocks until the span exporters are done (bounded by their export timeouts)."""
+    def shutdown(self, live: list[Any] | None = None) -> None:
+        """End the spans of the requests still live, flush the exporters, stop serving
+        /metrics. Blocks until the span exporters are done (bounded by their export
+        timeouts)."""
         self.metrics.close()
         tracing, self.tracing = self.tracing, None
         if tracing is not None:
-            tracing.end_open(list(self.daemon.tracked.values()))
+            tracing.end_open(live or [])
             tracing.shutdown()
 
 
-def make_telemetry(config: Any, daemon: Any) -> Telemetry:
-    """Metrics (always) and request tracing (as config and OTEL_* environment choose).
-    `daemon` (the composition root's `Daemon`) is only read once it is built: its `engines`
-    by the metrics (each step, each scrape), its `tracked` requests at shutdown."""
-    metrics = Metrics(daemon, config.model)
-    return Observability(daemon, metrics, make_tracing(config), config.metrics_listen)
+def make_telemetry(config: Any) -> Telemetry:
+    """Metrics (always) and request tracing (as config and OTEL_* environment choose). Nothing
+    here reads the daemon's parts: the engines hand each step's numbers in as values
+    (`StepStats`, `InstanceInfo`), and a scrape reads the instances' published facts through
+    the function `read_facts_from` is given."""
+    metrics = Metrics(config.model)
+    return Observability(metrics, make_tracing(config), config.metrics_listen)

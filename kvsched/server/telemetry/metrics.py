@@ -5,9 +5,11 @@ Nothing here runs per token, and no prometheus_client object sits on the hot pat
 
 - gauges and the scheduler's own counters (instance ready / accepting, requests running /
   waiting, KV usage, free blocks, prefix-cache queries and hits, preemptions, prompt and
-  generation tokens) are read from the engines when /metrics is scraped;
+  generation tokens) are read when /metrics is scraped, from the `InstanceFacts` values each
+  instance publishes (telemetry/values.py; the registry builds them, `read_facts_from`);
 - the hooks bump plain ints and `Hist` buckets (a bisect and two adds), per request at first
-  token and at finish, per worker report, per schedule() call.
+  token and at finish, per worker report, per schedule() call, from the values they are
+  handed (`StepStats`, `InstanceInfo`): nothing here calls into an engine or the daemon.
 
 Definitions that differ from a naive reading:
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
@@ -59,6 +61,7 @@ from kvsched.server.telemetry.histograms import (
 )
 from kvsched.server.telemetry.refusals import Refusals
 from kvsched.server.telemetry.tenants import TenantMetrics
+from kvsched.server.telemetry.values import ClusterFacts, InstanceFacts, InstanceInfo, StepStats
 
 log = logging.getLogger("kvsched.metrics")
 
@@ -136,20 +139,30 @@ class InstanceMetrics:
         self.last_report = 0.0  # monotonic time of the last report (0: none yet)
         self.pending_first = 0  # first tokens among the tokens of the report being applied
 
-    def follow(self, engine: Any) -> None:
+    def follow(self, epoch: int, generation_tokens: int) -> None:
         """The engine's scheduler was replaced (a new epoch): its counters restart."""
-        self.epoch = engine.epoch
-        self.last_gen = engine.generation_tokens
+        self.epoch = epoch
+        self.last_gen = generation_tokens
         self.last_report = 0.0
         self.pending_first = 0
+
+
+def _no_instances() -> Mapping[str, InstanceFacts]:
+    return {}
+
+
+def _no_cluster() -> ClusterFacts | None:
+    return None
 
 
 class Metrics:
     """The daemon's metrics: hooks called by `Observability`, scraped through `registry`."""
 
-    def __init__(self, daemon: Any, model: str) -> None:
-        self.daemon = daemon
+    def __init__(self, model: str) -> None:
         self.model = model
+        # Scrape-time sources, handed in by the composition root (Telemetry.read_facts_from).
+        self.instance_facts: Callable[[], Mapping[str, InstanceFacts]] = _no_instances
+        self.cluster_facts: Callable[[], ClusterFacts | None] = _no_cluster
         self.instances: dict[str, InstanceMetrics] = {}
         self.tenants = TenantMetrics(lambda: Hist(TTFT_BUCKETS))
         self.refusals = Refusals()
@@ -166,31 +179,31 @@ class Metrics:
         return m
 
     # ---- hooks ------------------------------------------------------------------------------
-    def lifecycle(self, engine: Any, events: Any) -> None:
+    def lifecycle(self, instance: InstanceInfo, events: Any) -> None:
         first = events.first_token
         if not first:
             return
-        m = self.instance(engine.instance_id)
+        m = self.instance(instance.instance_id)
         m.pending_first += len(first)
         for req in first:
             m.ttft.observe(max(0.0, req.first_token_time - req.arrival_time))
-        self.tenants.first_tokens(engine, first)
+        self.tenants.first_tokens(instance, first)
 
-    def report_applied(self, engine: Any, report: Any) -> None:
-        m = self.instance(engine.instance_id)
-        epoch = engine.epoch
+    def report_applied(self, step: StepStats) -> None:
+        m = self.instance(step.instance_id)
+        epoch = step.epoch
         if not epoch:
             return
+        gen = step.generation_tokens
         if epoch != m.epoch:
-            m.follow(engine)
+            m.follow(epoch, gen)
         now = time.monotonic()
-        gen = engine.generation_tokens  # (not snapshot(): this runs every report)
         decode = gen - m.last_gen - m.pending_first
         m.last_gen, m.pending_first = gen, 0
         if decode > 0 and m.last_report > 0.0:
             m.itl.observe(now - m.last_report, decode)
         m.last_report = now
-        m.batch.observe(len(report.handles))
+        m.batch.observe(step.batch)
 
     def request_finished(self, tr: Any) -> None:
         req = tr.req
@@ -208,12 +221,11 @@ class Metrics:
         if n > 1 and req.first_token_time >= 0:
             m.tpot.observe(max(0.0, end - req.first_token_time) / (n - 1))
 
-    def scheduler_step(self, instance_id: str, seconds: float) -> None:
-        m = self.instance(instance_id)
-        m.step.observe(seconds)
-        eng = self.daemon.engines.get(instance_id)
-        if eng is not None and eng.epoch and eng.epoch != m.epoch:
-            m.follow(eng)  # catches every scheduler before it counts anything
+    def scheduler_step(self, step: StepStats) -> None:
+        m = self.instance(step.instance_id)
+        m.step.observe(step.seconds)
+        if step.epoch and step.epoch != m.epoch:
+            m.follow(step.epoch, step.generation_tokens)  # every scheduler, before it counts
 
     # ---- HTTP -------------------------------------------------------------------------------
     async def start_server(self, listen: str) -> int:
@@ -311,16 +323,17 @@ class _Collector:
             "1 while the instance takes new requests: ready, neither paused nor draining.",
             labels=labels,
         )
-        for iid, eng in list(mx.daemon.engines.items()):
+        facts = mx.instance_facts()
+        for iid, f in facts.items():
             # Every known instance, connected or not: an alert on a lost worker needs the 0.
-            ready.add_metric([iid, model], 1 if eng.ready else 0)
-            accepting.add_metric([iid, model], 1 if eng.accepting else 0)
-            snap = eng.snapshot()
+            ready.add_metric([iid, model], 1 if f.ready else 0)
+            accepting.add_metric([iid, model], 1 if f.accepting else 0)
+            snap = f.snapshot
             if snap is None:
                 continue
             m = mx.instance(iid)
-            if eng.epoch != m.epoch:
-                m.follow(eng)
+            if f.epoch != m.epoch:
+                m.follow(f.epoch, f.generation_tokens)
             lv = [iid, model]
             gauges["running"].add_metric(lv, snap.num_running)
             gauges["waiting"].add_metric(lv, snap.num_waiting)
@@ -337,8 +350,8 @@ class _Collector:
         }
         for iid, m in list(mx.instances.items()):
             lv = [iid, model]
-            eng = mx.daemon.engines.get(iid)
-            totals = eng.counters() if eng is not None else {}
+            published = facts.get(iid)
+            totals = published.counters if published is not None else {}
             for family, name in zip(counters, SNAPSHOT_COUNTERS, strict=True):
                 family.add_metric(lv, totals.get(name, 0))
             for reason, n in list(m.finished.items()):
@@ -352,8 +365,8 @@ class _Collector:
         yield from counters
         yield success
         yield from hists.values()
-        yield from step_cost_families(mx.daemon, mx.model, labels)
-        yield from mx.tenants.families(mx.daemon.engines, model)
-        yield from host_tier_families(mx.daemon, model, labels)
-        yield from cluster_families(mx.daemon, mx.model)
+        yield from step_cost_families(facts, mx.model, labels)
+        yield from mx.tenants.families(facts, model)
+        yield from host_tier_families(facts, model, labels)
+        yield from cluster_families(mx.cluster_facts(), mx.model)
         yield from mx.refusals.families(model)

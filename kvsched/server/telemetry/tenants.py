@@ -14,7 +14,7 @@ Imported by `metrics` only; imports nothing of kvsched (histograms come from its
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -22,9 +22,10 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 OTHER = "other"
 
 
-def tenant_label(engine: Any, tenant: str) -> str:
-    """The label value for `tenant` on `engine`'s instance: its name if configured."""
-    return tenant if tenant in engine.tenant_weights else OTHER
+def tenant_label(weights: Mapping[str, float], tenant: str) -> str:
+    """The label value for `tenant` on an instance with these tenant weights: its name if
+    configured."""
+    return tenant if tenant in weights else OTHER
 
 
 class TenantMetrics:
@@ -32,26 +33,26 @@ class TenantMetrics:
         self.make_hist = make_hist
         self.ttft: dict[tuple[str, str], Any] = {}  # (instance, tenant label) -> Hist
 
-    def first_tokens(self, engine: Any, reqs: list[Any]) -> None:
-        iid = engine.instance_id
+    def first_tokens(self, instance: Any, reqs: list[Any]) -> None:
+        iid, weights = instance.instance_id, instance.tenant_weights
         for req in reqs:
-            key = (iid, tenant_label(engine, req.tenant))
+            key = (iid, tenant_label(weights, req.tenant))
             h = self.ttft.get(key)
             if h is None:
                 h = self.ttft[key] = self.make_hist()
             h.observe(max(0.0, req.first_token_time - req.arrival_time))
 
     @staticmethod
-    def _totals(engine: Any) -> tuple[dict[str, int], dict[str, int]]:
-        """served and shed per label for one instance, earlier schedulers included."""
-        served_raw, shed_raw = engine.tenant_counts()
+    def _totals(f: Any) -> tuple[dict[str, int], dict[str, int]]:
+        """served and shed per label for one instance (its `InstanceFacts`), earlier
+        schedulers included."""
         served: dict[str, int] = {}
         shed: dict[str, int] = {}
-        _add(served, served_raw, engine)
-        _add(shed, shed_raw, engine)
+        _add(served, f.served, f.tenant_weights)
+        _add(shed, f.shed, f.tenant_weights)
         return served, shed
 
-    def families(self, engines: dict[str, Any], model: str) -> Iterator[Metric]:
+    def families(self, facts: Mapping[str, Any], model: str) -> Iterator[Metric]:
         labels = ["instance", "model", "tenant"]
         served = CounterMetricFamily(
             "kvsched_tenant_served_tokens",
@@ -63,8 +64,8 @@ class TenantMetrics:
             "Requests whose TTFT deadline was predicted missed: shed or demoted (fairness.shed).",
             labels=labels,
         )
-        for iid, eng in list(engines.items()):
-            s_tot, d_tot = self._totals(eng)
+        for iid, f in facts.items():
+            s_tot, d_tot = self._totals(f)
             for tenant, n in sorted(s_tot.items()):
                 served.add_metric([iid, model, tenant], n)
             for tenant, n in sorted(d_tot.items()):
@@ -81,7 +82,7 @@ class TenantMetrics:
         yield ttft
 
 
-def _add(into: dict[str, int], counts: dict[str, int], engine: Any) -> None:
+def _add(into: dict[str, int], counts: Mapping[str, int], weights: Mapping[str, float]) -> None:
     for tenant, n in list(counts.items()):
-        label = tenant_label(engine, tenant)
+        label = tenant_label(weights, tenant)
         into[label] = into.get(label, 0) + n

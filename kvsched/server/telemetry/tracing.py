@@ -183,18 +183,18 @@ class Tracing:
             return  # not exported: the hooks skip this request
         tr.span = RequestTrace(parent, trace_id, sampled.trace_state)
 
-    def lifecycle(self, engine: Any, events: Any) -> None:
+    def lifecycle(self, info: Any, events: Any) -> None:
         """Only the rare events are recorded: the request's first placement and first token
         are its core Request's first_scheduled_time and first_token_time. Placements on a
         prefill or decode instance are recorded too (a hand-off moves the request)."""
         preempted, scheduled, awaiting = events.preempted, events.scheduled, self._awaiting
-        explicit = scheduled and getattr(engine, "role", Role.MIXED) != Role.MIXED
+        explicit = scheduled and getattr(info, "role", Role.MIXED) != Role.MIXED
         if events.host_hits:
-            self._host_hits(engine, events.host_hits)
+            self._host_hits(info, events.host_hits)
         if not (preempted or explicit or (scheduled and awaiting)):
             return  # the common step: nothing rare
         now = self.wall_ns(time.monotonic())
-        instance = engine.instance_id
+        instance = info.instance_id
         where = self.where(instance)
         if scheduled and (awaiting or explicit):
             for req in scheduled:
@@ -215,10 +215,10 @@ class Tracing:
                 trace.add_event("preempted", attrs, now)
                 awaiting.add(req.req_id)
 
-    def _host_hits(self, engine: Any, reqs: list[Any]) -> None:
+    def _host_hits(self, info: Any, reqs: list[Any]) -> None:
         """Requests whose first placement swapped part of their prefix in from host memory."""
         now = self.wall_ns(time.monotonic())
-        where = self.where(engine.instance_id)
+        where = self.where(info.instance_id)
         for req in reqs:
             trace = _trace_of(req)
             if trace is not None:
