@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import os
 import random
 import re
@@ -42,7 +43,7 @@ from typing import Any
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from bench.policies import BLOCK_SIZE, DEFAULT_TRACE, HOST_FACTOR, NUM_GPU_BLOCKS, write_json
+from bench.policies import BLOCK_SIZE, DEFAULT_TRACE, HOST_FACTOR, NUM_GPU_BLOCKS
 from bench.simulate import KvschedCluster, simulate
 from bench.storage import window
 from kvsched.core import EngineConfig
@@ -421,7 +422,20 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {name}: sim TTFT p50 with arrivals +-1 ms: {sorted(j['ttft_p50'])}")
         out["configs"][name] = c
     print(table(out))
-    write_json(args.json, out)
+    for c in out["configs"].values():  # per-request rows as columns, 5 digits: a small file
+        for run in ("sim", "replay"):
+            if run in c:
+                rows = c[run]["rows"]
+                c[run]["rows"] = {
+                    k: [_round(r[k]) for r in rows] for k in (rows[0] if rows else {})
+                }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, separators=(",", ":")) + "\n")
+    print(f"wrote {args.json}")
+
+
+def _round(v: Any) -> Any:
+    return round(v, 5) if isinstance(v, float) else v
 
 
 if __name__ == "__main__":
