@@ -363,15 +363,24 @@ class VllmExecutor:
 
         self.model.executor.collective_rpc(host.drop)
 
+    # ---- block bytes: prefill/decode hand-off and the storage tier (kv_transfer.py) ----------
+
     def export_kv(self, block_ids: list[int]) -> bytes:
-        raise NotImplementedError(
-            "the vllm executor does not export KV (prefill/decode hand-off is not supported)"
-        )
+        return self._transfer().export_kv(block_ids)
 
     def import_kv(self, block_ids: list[int], data: bytes) -> None:
-        raise NotImplementedError(
-            "the vllm executor does not import KV (prefill/decode hand-off is not supported)"
-        )
+        self._transfer().import_kv(block_ids, data)
+
+    def storage_read(self, block_ids: list[int]) -> list[bytes]:
+        return self._transfer().storage_read(block_ids)
+
+    def storage_write(self, gpu_ids: list[int], blobs: list[bytes | None]) -> None:
+        self._transfer().storage_write(gpu_ids, blobs)
+
+    def _transfer(self) -> Any:
+        from kvsched.worker_vllm.kv_transfer import KvTransfer
+
+        return KvTransfer(self.model.executor, bool(self.model.num_host_blocks))
 
     def reset(self) -> None:
         """Forget every request (a new session starts from an empty cache): the runner is told
