@@ -119,3 +119,36 @@ def test_prefill_decode_hand_off_gives_vllm_tokens(model: Path, tmp_path: Path) 
     assert pushes == received == len(reqs) and push_failures == 0
     assert st["p"].prefix_cache_hit_tokens >= 64, "no prefix hit on the prefill side"
     assert any(len(r["prompt"]) > 2 * 128 for r in reqs), "no chunked prefill"
+
+
+def test_failed_hand_off_recomputes_on_the_decode_instance(model: Path, tmp_path: Path) -> None:
+    """The decode worker accepts no KV pushes (started without --listen-kv: the daemon has no
+    KV address for it), so every hand-off fails on the prefill side: the decode instance
+    prefills each prompt and its first token itself, and the texts are still vLLM's."""
+    reqs = pd_requests(8, seed=2)
+    daemon, address = daemon_with_config(PD_TOML, tmp_path)
+    p = vllm_worker(address, "p", model, 64, "--listen-kv", "127.0.0.1:0")
+    d = vllm_worker(address, "d", model, 256)
+    try:
+        wait_ready(address, ["p", "d"], timeout=300)
+        got = asyncio.run(run_all(address, reqs))
+        st = {i.instance_id: i for i in status(address).instances}
+        wait_pool_free(address, timeout=30)
+    finally:
+        p.stop()
+        d.stop()
+        daemon.stop()
+    ref = reference_outputs(model, reqs, tmp_path)
+    bad = compare(reqs, got, ref)
+    pushes, _, _ = worker_kv_counts(p)
+    _, _, received = worker_kv_counts(d)
+    prompt_tokens = sum(len(r["prompt"]) for r in reqs)
+    print(
+        f"\nfailed hand-offs: {len(reqs) - len(bad)}/{len(reqs)} equal to vLLM; pushes {pushes}, "
+        f"received {received}; prompt tokens looked up on d {st['d'].prefix_cache_query_tokens}"
+    )
+    assert not bad, "\n".join(bad)
+    assert pushes == received == 0
+    # d prefilled every prompt + first token (its lookups count them), p every prompt too.
+    assert st["d"].prefix_cache_query_tokens >= prompt_tokens + len(reqs)
+    assert st["p"].prefix_cache_query_tokens >= prompt_tokens

@@ -58,12 +58,28 @@ class Exits:
         fin[reason] = fin.get(reason, 0) + 1
         self._events.finished.append(req)
 
-    def hand_off(self, req: Request) -> None:
+    def hand_off(self, req: Request, kv_sent: bool = True) -> None:
         """Prefill role: req's first token is reported, so its KV has been pushed to the decode
-        instance; it leaves here without finishing."""
+        instance (or, not `kv_sent`, the push failed: the decode instance recomputes it); it
+        leaves here without finishing."""
         freed = self._table.remove(req)
         self._backlog.released(req, freed)
-        self._events.handed_off.append(req)
+        (self._events.handed_off if kv_sent else self._events.hand_off_failed).append(req)
+
+    def recompute_reserved(self, req: Request, output_token_ids: list[int]) -> None:
+        """Decode role: the KV push for the reservation `req` failed. Its reservation is
+        dropped (the worker is told in the next Tasks) and it waits at the queue's front with
+        its output so far, to be prefilled here as after a preemption."""
+        self._outbox.abort(req.handle)
+        freed = self._table.release(req)
+        self._backlog.released(req, freed)
+        self._table.unlive(req)
+        req.handle = -1
+        req.output_token_ids = list(output_token_ids)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = req.num_reported_tokens = 0
+        self._backlog.push_front(req)
+        self._events.requeued.append(req)
 
     # ==== preemption ==========================================================================
     def preempt(self, req: Request) -> None:
