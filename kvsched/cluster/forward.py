@@ -47,17 +47,17 @@ from kvsched.cluster.peer_rpc import (
 )
 from kvsched.cluster.routing import RemoteInstance
 from kvsched.core import KvschedError
-from kvsched.server.record import Parked, RemotePeer
+from kvsched.server.requests.record import Parked, RemotePeer
 from kvsched.v1 import request_service_pb2 as rpb
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Mapping
 
     from kvsched.core import Request
-    from kvsched.server.durable import Durability
-    from kvsched.server.engine import InstanceEngine
-    from kvsched.server.record import Tracked
-    from kvsched.server.request_table import RequestTable
+    from kvsched.server.instances.engine import InstanceEngine
+    from kvsched.server.requests.durable import Durability
+    from kvsched.server.requests.record import Tracked
+    from kvsched.server.requests.table import RequestTable
 
 log = logging.getLogger("kvsched.cluster")
 

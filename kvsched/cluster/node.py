@@ -42,17 +42,17 @@ from kvsched.cluster.selffence import SelfFence
 from kvsched.cluster.worker_gate import WorkerGate
 from kvsched.core import Request, Unavailable
 from kvsched.server.auth import principal_of
-from kvsched.server.engine import InstanceEngine
+from kvsched.server.instances.engine import InstanceEngine
 from kvsched.v1 import admin_service_pb2 as apb
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping
 
     from kvsched.cluster.link import ClusterLink
-    from kvsched.server.config import ServerConfig
-    from kvsched.server.record import Tracked
-    from kvsched.server.registry import InstanceRegistry
-    from kvsched.server.request_table import RequestTable
+    from kvsched.server.config.settings import ServerConfig
+    from kvsched.server.instances.registry import InstanceRegistry
+    from kvsched.server.requests.record import Tracked
+    from kvsched.server.requests.table import RequestTable
     from kvsched.v1 import request_service_pb2 as rpb
 
 log = logging.getLogger("kvsched.cluster")
@@ -287,7 +287,7 @@ class ClusterNode:
         )
 
     def _info_of(self, iid: str) -> dict[str, Any] | None:
-        """An instance's model and limits, published with its load (server/models.py)."""
+        """An instance's model and limits, published with its load (server/instances/models.py)."""
         eng = self.registry.engines.get(iid)
         lim = None if eng is None else eng.limits
         if eng is None or lim is None:

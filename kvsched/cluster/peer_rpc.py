@@ -28,9 +28,8 @@ import contextlib
 import grpc
 
 from kvsched import codec
-from kvsched.core import Request
+from kvsched.core import Request, lifecycle
 from kvsched.core.errors import RequestAlreadyLive
-from kvsched.core.request import FINISHED_STATUS
 from kvsched.server.errors import ERROR_TYPE_KEY
 from kvsched.v1 import request_service_pb2 as rpb
 from kvsched.v1 import request_service_pb2_grpc
@@ -101,14 +100,9 @@ def apply_finished(req: Request, fin: rpb.Finished, now: float) -> None:
     """A peer's Finished into the local request: status, reason, cached tokens, and its
     timings moved onto this daemon's clock (from the request's arrival here)."""
     reason = codec.finish_reason_from_proto(fin.reason)
-    req.status = FINISHED_STATUS[reason]
-    req.finish_reason, req.finish_message = reason, fin.message
     req.num_cached_tokens = fin.usage.cached_tokens
-    t0 = req.arrival_time
-    req.first_scheduled_time = t0 + fin.timings.queue_s
-    if fin.timings.ttft_s > 0:
-        req.first_token_time = t0 + fin.timings.ttft_s
-    req.finished_time = max(now, t0 + fin.timings.e2e_s)
+    t = fin.timings
+    lifecycle.finish_remote(req, reason, fin.message, now, t.queue_s, t.ttft_s, t.e2e_s)
 
 
 def relay_owner(carrier: dict[str, str], caller: str, cluster_principal: str | None) -> str | None:

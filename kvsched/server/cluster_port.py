@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from kvsched.core import Request
-from kvsched.server.engine import InstanceEngine
-from kvsched.server.record import PeerInstance, Tracked
+from kvsched.server.instances.engine import InstanceEngine
+from kvsched.server.requests.record import PeerInstance, Tracked
 from kvsched.v1 import request_service_pb2
 
 
