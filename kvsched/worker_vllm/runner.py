@@ -19,6 +19,9 @@ How kvsched's decisions map onto vLLM's per-step structures:
                                              keeping its seeded generator, as vLLM does
     SeqWork, a decode                    -> CachedRequestData: new blocks, computed tokens,
                                              output count
+    ... with drafts (num_draft > 0)      -> the drafts as scheduled_spec_decode_tokens, never in
+                                             the prompt (spec_decode.py); the accepted drafts
+                                             and a bonus token come back
     finished / aborted handle            -> finished_req_ids (once; its alias too)
     preempted handle                     -> nothing: vLLM drops an unscheduled request from its
                                              batch and keeps its state for the re-placement
