@@ -218,6 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
             "cluster_token",
             "take_over",
             "storage",
+            "tokenizer",
         )
     }
     overrides["engine.scheduler.itl_target_ms"] = args.itl_target_ms

@@ -94,7 +94,9 @@ class Follower:
             if self.client_gone(tr):
                 self.streamed_elsewhere(tr, first.daemon_id if first else "", "its client left")
                 return True
+            # Peers that missed their heartbeats would fail at once (PeerStubs.read): skipped.
             peers = [] if self.peers is None else self.peers()
+            peers = [a for a in peers if not self.stubs.silent(a)]
             if first is not None and tries == 0:
                 peers = [first.address]
             if peers:
@@ -108,7 +110,7 @@ class Follower:
                 holder = first.daemon_id if first is not None and tries == 1 else ""
                 answered = False
                 try:
-                    async for out in call:
+                    async for out in self.stubs.read(call, address):
                         answered = True
                         if holder and self.durable is not None:
                             self.durable.moved_to(tr, holder)  # that daemon journals it

@@ -242,23 +242,40 @@ def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
     server = grpc.aio.server(interceptors=interceptors, options=options)
     requests, registry = daemon.requests, daemon.registry
     # grpc_tools generates the *_pb2_grpc modules without annotations (no stubs to check).
-    request_service_pb2_grpc.add_RequestServiceServicer_to_server(  # type: ignore[no-untyped-call]
-        RequestServicer(
-            daemon.acceptor,
-            daemon.resumer,
-            daemon.durable,
-            daemon.requests,
-            config.max_session_requests,
-        ),
-        server,
+    front = RequestServicer(
+        daemon.acceptor,
+        daemon.resumer,
+        daemon.durable,
+        daemon.requests,
+        config.max_session_requests,
     )
+    request_service_pb2_grpc.add_RequestServiceServicer_to_server(  # type: ignore[no-untyped-call]
+        front, server
+    )
+    gateway = add_gateway_service(front, config, server)
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(  # type: ignore[no-untyped-call]
         AdminServicer(registry, requests), server
     )
     server.add_generic_rpc_handlers((worker_service_handler(registry),))
     health_pb2_grpc.add_HealthServicer_to_server(daemon.health, server)
-    reflection.enable_server_reflection(SERVICE_NAMES, server)
+    reflection.enable_server_reflection(SERVICE_NAMES + gateway, server)
     return server
+
+
+def add_gateway_service(
+    front: RequestServicer, config: ServerConfig, server: grpc.aio.Server
+) -> tuple[str, ...]:
+    """The engine protocol a gateway speaks (smg's `vllm.grpc.engine.VllmEngine`,
+    server/gateway/), beside RequestService and through it, when the `gateway` extra
+    (smg-grpc-proto) is installed; without it the daemon serves its own services only."""
+    try:
+        from kvsched.server.gateway.servicer import add_to_server
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "smg_grpc_proto":
+            raise
+        log.debug("smg-grpc-proto not installed: no gateway engine protocol")
+        return ()
+    return (add_to_server(front, config.tokenizer, server),)
 
 
 def _hostport(listen: str, port: int) -> str:

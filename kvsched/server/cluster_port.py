@@ -64,6 +64,10 @@ class ClusterPort(Protocol):
         carrier: dict[str, str],
     ) -> AsyncIterator[request_service_pb2.RequestServiceResumeResponse]: ...
 
+    async def takeovers_settled(self) -> None:
+        """Wait (bounded, about a second) until no takeover pass runs on this daemon."""
+        ...
+
     def refuse_if_fenced(self) -> None:
         """Unavailable while this daemon is fenced: a Resume of a request it does not hold
         is not looked up in a journal it cannot reach."""

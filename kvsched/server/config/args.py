@@ -81,6 +81,12 @@ def add_serve_parser(
         "(engine.scheduler.itl_target_ms; default 100; 0: off)",
     )
     p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="the model's tokenizer directory, for a gateway (smg) in front: its GetModelInfo "
+        "names it, its GetTokenizer sends it (default: none; docs/GATEWAY.md)",
+    )
+    p.add_argument(
         "--cluster",
         metavar="NATS_URL",
         help="join a cluster: nats://HOST:PORT (default: none, a standalone daemon)",

@@ -150,6 +150,9 @@ class ServerConfig:
     # HOST:PORT]" the store whose master is there. Workers that list the kind in
     # Hello.storage_backends are told the URL (Welcome.storage_url) and get storage tasks.
     storage: str = ""
+    # The model's tokenizer directory, for a gateway in front (docs/GATEWAY.md): announced in
+    # the engine protocol's GetModelInfo and sent zipped by its GetTokenizer. "": none.
+    tokenizer: str = ""
 
     def validate(self) -> ServerConfig:
         """Check every field; normalize `log_level`, `tracing_exporter`, `metrics_listen`."""
@@ -209,6 +212,8 @@ class ServerConfig:
             raise FieldError("take_over", f"take_over = {t!r}: not a peer's id, or no journal")
 
     def _validate_files(self) -> None:
+        if self.tokenizer and not os.path.isdir(self.tokenizer):
+            raise FieldError("tokenizer", f"tokenizer = {self.tokenizer!r} is not a directory")
         if bool(self.tls_cert) != bool(self.tls_key):
             given, missing = ("tls_cert", "tls_key") if self.tls_cert else ("tls_key", "tls_cert")
             raise FieldError(missing, f"{given} is set but {missing} is not; TLS needs both")

@@ -378,6 +378,7 @@ class InstanceEngine:
             served=served,
             shed=shed,
             tenant_weights=self.info.tenant_weights,
+            model=self.limits.model if self.limits is not None else "",
         )
 
     def counters(self) -> dict[str, int]:

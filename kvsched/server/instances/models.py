@@ -70,6 +70,12 @@ def misfit(req: Request, lim: Limits) -> str | None:
                 f"sampling.stop_token_ids {bad_stop[:4]} outside the vocabulary of model "
                 f"{lim.model!r} (vocab_size {vocab}: ids 0..{vocab - 1})"
             )
+        bad_bias = sorted(t for t in sp.logit_bias if not 0 <= t < vocab)
+        if bad_bias:
+            return (
+                f"sampling.logit_bias token ids {bad_bias[:4]} outside the vocabulary of model "
+                f"{lim.model!r} (vocab_size {vocab}: ids 0..{vocab - 1})"
+            )
     return None
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from kvsched import codec
-from kvsched.core import KvschedError, RequestNotFound, Unavailable
+from kvsched.core import FinishReason, InvalidRequest, KvschedError, RequestNotFound, Unavailable
 from kvsched.server.auth import current_principal
 from kvsched.server.errors import status_for
 from kvsched.server.requests.accept import Acceptor, relayed_from_caller
@@ -44,6 +44,18 @@ def metadata(context: Any) -> dict[str, str]:
 def principal(context: Any) -> str:
     """The authenticated caller, as set by the auth interceptor ('' without auth)."""
     return current_principal.get()
+
+
+def _abort_reason(value: int) -> tuple[FinishReason, str]:
+    """AbortRequest.reason: ABORT (also unspecified), or STOP for the client's own stop."""
+    if value in (FinishReason.NONE, FinishReason.ABORT):
+        return FinishReason.ABORT, "aborted by client"
+    if value == FinishReason.STOP:
+        return (
+            FinishReason.STOP,
+            "stopped by client (a stop condition it checks, e.g. a stop string)",
+        )
+    raise InvalidRequest(f"AbortRequest.reason must be ABORT or STOP, got {value}")
 
 
 class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
@@ -111,8 +123,14 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 # Its owner hands it over: adopted here (the journal's CAS), then resumed. Or
                 # its record names this daemon, which does not run it (an accept whose write
                 # landed after its call had given up and been refused): recovered from this
-                # daemon's journal now, as at a restart, then resumed.
-                await self.resumer.recover("" if mine else exc.daemon_id, only=request.request_id)
+                # daemon's journal now, as at a restart, then resumed. Or it is being adopted
+                # here this instant (a takeover pass stores its record here before the CAS):
+                # that pass parks it, and it is served from the table, not read again.
+                rid = request.request_id
+                if mine:
+                    await node.takeovers_settled()
+                if not (mine and rid in self.requests.tracked):
+                    await self.resumer.recover("" if mine else exc.daemon_id, only=rid)
                 got = await self.resumer.resume(request, owner, sink)
                 if isinstance(got, Tracked):
                     async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse):
@@ -194,8 +212,9 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         owner = principal(context) or None
+        reason, message = _abort_reason(request.reason)
         try:
-            self.requests.abort(request.request_id, owner=owner)
+            self.requests.abort(request.request_id, message, owner=owner, reason=reason)
         except RequestNotFound:
             cluster = self.requests.cluster
             if cluster is None or not await cluster.abort_elsewhere(request.request_id, owner):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvsched import codec
 from kvsched.core import FinishReason, InvalidRequest, RequestNotFound, Unavailable
+from kvsched.core.errors import AdoptIncomplete
 from kvsched.core.slots import set_output
 from kvsched.server.errors import PermissionDenied
 from kvsched.server.requests.durable import Durability
@@ -82,7 +83,11 @@ class Resumer:
         table = self.table
         now = time.monotonic()
         deadline = now + max(table.config.requeue_timeout_s, 1.0)
-        found = await (journal.adopt(dead_id, only) if dead_id else journal.recover())
+        incomplete: AdoptIncomplete | None = None
+        try:
+            found = await (journal.adopt(dead_id, only) if dead_id else journal.recover())
+        except AdoptIncomplete as exc:  # those won are parked here; raised after (retried)
+            found, incomplete = exc.won, exc
         if only and not dead_id:  # one of this daemon's own records, that it does not run
             found = [u for u in found if u.record.request_id == only]
         for u in found:
@@ -112,6 +117,8 @@ class Resumer:
         if found:
             whose = f"daemon {dead_id}'s" if dead_id else "the"
             log.info("recovered %d unfinished request(s) from %s journal", len(found), whose)
+        if incomplete is not None:
+            raise incomplete.cause
         return len(found)
 
     def _continue_here(self, tr: Tracked, dead_id: str) -> None:

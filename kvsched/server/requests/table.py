@@ -198,10 +198,15 @@ class RequestTable:
 
     # ---- aborts ---------------------------------------------------------------------------
     def abort(
-        self, req_id: str, message: str = "aborted by client", owner: str | None = None
+        self,
+        req_id: str,
+        message: str = "aborted by client",
+        owner: str | None = None,
+        reason: FinishReason = FinishReason.ABORT,
     ) -> None:
-        """Abort a live request by id; a recently finished one is a no-op (an abort and a finish
-        may cross). RequestNotFound otherwise, or when `owner` did not submit it."""
+        """Abort a live request by id (ending it with `reason`: ABORT, or STOP for a client's
+        own stop condition); a recently finished one is a no-op (an abort and a finish may
+        cross). RequestNotFound otherwise, or when `owner` did not submit it."""
         tr = self.tracked.get(req_id)
         if tr is None:
             if req_id in self.recent:
@@ -213,7 +218,7 @@ class RequestTable:
             raise RequestNotFound(
                 f"no live request with id {req_id!r} submitted with your credentials"
             )
-        self.abort_tracked(tr, message)
+        self.abort_tracked(tr, message, reason)
 
     def abort_tracked(
         self, tr: Tracked, message: str, reason: FinishReason = FinishReason.ABORT

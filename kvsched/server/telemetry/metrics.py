@@ -283,6 +283,13 @@ class Metrics:
         return "200 OK", ctype, encoder(self.registry)
 
 
+def served_model(facts: Mapping[str, InstanceFacts], configured: str) -> str:
+    """The model label of daemon-wide families: the one model the instances announced
+    (Hello.model), else the configured `model`."""
+    got = {f.model or configured for f in facts.values()}
+    return got.pop() if len(got) == 1 else configured
+
+
 class _Collector:
     """Builds every kvsched_* family at scrape time."""
 
@@ -291,7 +298,8 @@ class _Collector:
 
     def collect(self) -> Iterator[Metric]:
         mx = self.metrics
-        model = mx.model
+        facts = mx.instance_facts()
+        model = served_model(facts, mx.model)
         labels = ["instance", "model"]
         gauges = {
             "running": GaugeMetricFamily(
@@ -323,18 +331,18 @@ class _Collector:
             "1 while the instance takes new requests: ready, neither paused nor draining.",
             labels=labels,
         )
-        facts = mx.instance_facts()
         for iid, f in facts.items():
             # Every known instance, connected or not: an alert on a lost worker needs the 0.
-            ready.add_metric([iid, model], 1 if f.ready else 0)
-            accepting.add_metric([iid, model], 1 if f.accepting else 0)
+            im = f.model or mx.model
+            ready.add_metric([iid, im], 1 if f.ready else 0)
+            accepting.add_metric([iid, im], 1 if f.accepting else 0)
             snap = f.snapshot
             if snap is None:
                 continue
             m = mx.instance(iid)
             if f.epoch != m.epoch:
                 m.follow(f.epoch, f.generation_tokens)
-            lv = [iid, model]
+            lv = [iid, im]
             gauges["running"].add_metric(lv, snap.num_running)
             gauges["waiting"].add_metric(lv, snap.num_waiting)
             gauges["usage"].add_metric(lv, snap.kv_cache_usage)
@@ -349,8 +357,8 @@ class _Collector:
             for attr, (name, doc) in _HISTS.items()
         }
         for iid, m in list(mx.instances.items()):
-            lv = [iid, model]
             published = facts.get(iid)
+            lv = [iid, (published.model if published is not None else "") or mx.model]
             totals = published.counters if published is not None else {}
             for family, name in zip(counters, SNAPSHOT_COUNTERS, strict=True):
                 family.add_metric(lv, totals.get(name, 0))
@@ -365,8 +373,8 @@ class _Collector:
         yield from counters
         yield success
         yield from hists.values()
-        yield from step_cost_families(facts, mx.model, labels)
+        yield from step_cost_families(facts, model, labels)
         yield from mx.tenants.families(facts, model)
         yield from host_tier_families(facts, model, labels)
-        yield from cluster_families(mx.cluster_facts(), mx.model)
+        yield from cluster_families(mx.cluster_facts(), model)
         yield from mx.refusals.families(model)

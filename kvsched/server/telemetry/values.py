@@ -37,6 +37,7 @@ class InstanceFacts(NamedTuple):
     served: Mapping[str, int]  # tokens served per tenant, over every scheduler
     shed: Mapping[str, int]  # requests shed or demoted per tenant
     tenant_weights: Mapping[str, float]
+    model: str = ""  # as its workers announced it (Hello.model); "" before they did
 
 
 class ClusterFacts(NamedTuple):
