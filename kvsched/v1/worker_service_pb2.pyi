@@ -831,7 +831,10 @@ class StepReport(_message.Message):
 
     @_builtins.property
     def failed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Handles that failed (e.g. a KV transfer); their requests end with FINISH_REASON_ERROR."""
+        """Handles that failed (e.g. a KV transfer); their requests end with FINISH_REASON_ERROR,
+        except a prefill instance's failed KV push reported with the prompt's first token: the
+        decode instance then recomputes the request (a failed hand-off loses nothing).
+        """
 
     @_builtins.property
     def failed_swap_outs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

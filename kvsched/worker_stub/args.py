@@ -45,6 +45,15 @@ def add_worker_parser(
         metavar="N",
         help="vllm: most tokens in one step (the daemon's scheduler budget must not exceed it)",
     )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="vllm: build vLLM's runner to verify up to K draft tokens per step (its "
+        "spec-decode path and rejection sampler); the daemon's engine.speculative."
+        "num_speculative_tokens must not exceed it (0: no speculative decoding)",
+    )
     p.add_argument("--gpu", choices=("h100", "a100"), default="h100", help="sim cost model")
     p.add_argument("--speed", type=float, default=1.0, help="sim: step time divided by this")
     p.add_argument("--zero-cost", action="store_true", help="sim: steps take no time")

@@ -178,7 +178,8 @@ async def _serve(worker: Worker) -> int:
         log.info(
             "worker stats: %d steps, %d tokens, %d paused, busy %.3f s, idle %.3f s "
             "(%.3f s waiting on the daemon, idle_frac_control_plane %.3f), %d connects, "
-            "%d tasks messages, tasks digest %08x",
+            "%d tasks messages, tasks digest %08x, KV pushes %d (%d failed), received %d, "
+            "drafts %d, accepted %d",
             s.num_steps,
             s.num_tokens,
             s.num_paused,
@@ -189,5 +190,10 @@ async def _serve(worker: Worker) -> int:
             s.num_connects,
             s.num_tasks,
             s.tasks_digest,
+            s.num_kv_pushes,
+            s.num_kv_push_failures,
+            s.num_kv_received,
+            s.num_draft_tokens,
+            s.num_accepted_drafts,
         )
     return 0

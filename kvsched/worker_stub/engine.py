@@ -111,6 +111,8 @@ class WorkerEngine:
         self._sends_due: dict[int, KvSend] = {}  # handle -> where its prompt's KV goes
         self.applied_seq = 0  # highest Tasks.seq applied
         self.step_count = 0  # reports produced
+        self.num_draft_tokens = 0  # speculative drafts verified, and of them accepted
+        self.num_accepted_drafts = 0
 
     def reset(self) -> None:
         """Forget every handle and all KV (a reconnect starts from an empty cache)."""
@@ -362,6 +364,9 @@ class WorkerEngine:
 
     def _record(self, s: Held, w: SeqWork, tokens: list[int], report: StepReport) -> None:
         """Advance a handle by what its SeqWork produced (its report row), then act on it."""
+        if w.num_draft:
+            self.num_draft_tokens += w.num_draft
+            self.num_accepted_drafts += max(0, len(tokens) - 1)
         after = self._rows.record(s, w, tokens, report)
         if after is After.NEXT_CHUNK:
             self._prefills[s.handle] = None

@@ -23,6 +23,8 @@ class WorkerStats:
     num_kv_pushes: int = 0
     num_kv_push_failures: int = 0
     num_kv_received: int = 0
+    num_draft_tokens: int = 0  # speculative drafts verified, and of them accepted
+    num_accepted_drafts: int = 0
 
     @property
     def idle_frac_control_plane(self) -> float:

@@ -6,7 +6,7 @@ Who moves the bytes:
 - the `sim` executor holds no KV and needs no store: it prices each transfer by a block's
   bytes over its storage bandwidth (`storage_copied`) and every task succeeds;
 - an executor with `storage_read(block_ids) -> [bytes]` and `storage_write(gpu_ids, blobs)`
-  (the `model` executor) moves real block bytes through the store the Welcome names
+  (the `model` and `vllm` executors) moves real block bytes through the store the Welcome names
   (`StoreLink`, a Mooncake Store client);
 - any other executor fails every storage task (reported, never fatal).
 
@@ -58,10 +58,11 @@ def _connect_mooncake(url: str) -> BlockStore:
 
 def reachable_backends(executor_name: str) -> tuple[str, ...]:
     """Hello.storage_backends for a worker running this executor: the sim simulates the
-    store; the model executor needs the Mooncake client installed; others reach none."""
+    store; the model and vllm executors need the Mooncake client installed; others reach
+    none."""
     if executor_name == "sim":
         return BACKENDS
-    if executor_name == "model":
+    if executor_name in ("model", "vllm"):
         from kvsched.storage import mooncake_available
 
         if mooncake_available():

@@ -29,7 +29,12 @@ def vllm_factory_from_args(args: argparse.Namespace) -> tuple[EngineFactory, Ann
         raise ValueError("--executor vllm needs --model DIR (a model directory)")
     if not os.path.isdir(model):
         raise ValueError(f"--model {model!r} is not a directory")
-    for flag, value in [("--num-blocks", args.num_blocks), ("--block-size", args.block_size)]:
+    spec_k = getattr(args, "num_speculative_tokens", 0)
+    for flag, value in [
+        ("--num-blocks", args.num_blocks),
+        ("--block-size", args.block_size),
+        ("--num-speculative-tokens", spec_k),
+    ]:
         if value < 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
     if importlib.util.find_spec("vllm") is None:
@@ -47,6 +52,7 @@ def vllm_factory_from_args(args: argparse.Namespace) -> tuple[EngineFactory, Ann
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
         num_host_blocks=getattr(args, "host_blocks", 0),
+        num_speculative_tokens=spec_k,
     )
     f = engine.facts
     name = os.path.basename(os.path.normpath(model))

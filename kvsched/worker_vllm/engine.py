@@ -90,10 +90,17 @@ def vllm_engine_factory(model: VllmModel, num_slots: int) -> EngineFactory:
                 f"here uses {facts.block_size}: configure the daemon with block_size "
                 f"{facts.block_size} (or leave it to the worker)"
             )
-        if settings.num_speculative_tokens:
-            raise ValueError("the vllm executor does not run speculative decoding")
+        k = settings.num_speculative_tokens
+        if k > facts.num_speculative_tokens:
+            raise ValueError(
+                f"the daemon asks for {k} speculative tokens, this vLLM runner verifies at most "
+                f"{facts.num_speculative_tokens}: start the worker with --num-speculative-tokens "
+                f"{k} (or configure the daemon with fewer)"
+            )
         executor = VllmExecutor(model)
-        engine = VllmEngine(executor, facts.block_size, num_slots, kv_sender=kv_sender)
+        engine = VllmEngine(
+            executor, facts.block_size, num_slots, kv_sender=kv_sender, num_speculative_tokens=k
+        )
         if settings.max_model_len:
             engine.max_model_len = min(engine.max_model_len, settings.max_model_len)
         return engine

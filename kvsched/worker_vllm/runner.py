@@ -19,6 +19,9 @@ How kvsched's decisions map onto vLLM's per-step structures:
                                              keeping its seeded generator, as vLLM does
     SeqWork, a decode                    -> CachedRequestData: new blocks, computed tokens,
                                              output count
+    ... with drafts (num_draft > 0)      -> the drafts as scheduled_spec_decode_tokens, never in
+                                             the prompt (spec_decode.py); the accepted drafts
+                                             and a bonus token come back
     finished / aborted handle            -> finished_req_ids (once; its alias too)
     preempted handle                     -> nothing: vLLM drops an unscheduled request from its
                                              batch and keeps its state for the re-placement
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsched.worker_stub.executor import SeqWork, StepResult
+from kvsched.worker_vllm import spec_decode
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,7 @@ class EngineFacts:
     max_num_batched_tokens: int
     eos_token_id: int | None  # the tokenizer's (None without tokenizer files)
     generation_config: dict[str, Any]
+    num_speculative_tokens: int = 0  # drafts per step the runner verifies (0: none)
 
 
 @dataclass(slots=True)
@@ -99,6 +104,7 @@ class VllmModel:
         max_num_batched_tokens: int = 8192,
         seed: int = 0,
         num_host_blocks: int = 0,
+        num_speculative_tokens: int = 0,
         extra: dict[str, Any] | None = None,
     ) -> None:
         from vllm import envs
@@ -111,6 +117,9 @@ class VllmModel:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if not block_size:
             block_size = 32 if current_platform.is_cpu() else 16
+        extra = dict(extra or {})
+        if num_speculative_tokens:  # the runner's spec-decode path: kvsched proposes the drafts
+            extra["speculative_config"] = spec_decode.vllm_config(num_speculative_tokens)
         args = EngineArgs(
             model=model,
             dtype=dtype,
@@ -123,7 +132,7 @@ class VllmModel:
             seed=seed,
             skip_tokenizer_init=True,  # the worker sees token ids only
             async_scheduling=False,  # one step at a time: kvsched's step loop
-            **(extra or {}),
+            **extra,
         )
         self.num_host_blocks = num_host_blocks  # the host KV tier (host.py), in block copies
         started = time.monotonic()
@@ -141,6 +150,7 @@ class VllmModel:
             max_num_batched_tokens=int(sc.max_num_batched_tokens),
             eos_token_id=_tokenizer_eos(model),
             generation_config=dict(mc.try_get_generation_config() or {}),
+            num_speculative_tokens=num_speculative_tokens,
         )
         log.info("vLLM engine ready in %.1f s: %s", time.monotonic() - started, self.facts)
 
@@ -274,10 +284,11 @@ class VllmExecutor:
         new: list[Any] = []
         cached = CachedRequestData.make_empty()
         num_scheduled: dict[str, int] = {}
+        drafts: dict[str, list[int]] = {}  # scheduled_spec_decode_tokens (spec_decode.py)
         for w in work:
             r = self._reqs[w.req_id]
             n = len(w.token_ids)
-            end = w.start + n
+            end = w.start + spec_decode.split(w, drafts)  # the drafts never enter the prompt
             if end > len(r.prompt):  # a decode past the prompt: the runner samples positions
                 r.prompt.extend([0] * (end - len(r.prompt)))  # (only a full-hit placement)
             blocks = ([b + 1 for b in w.block_ids],)
@@ -289,7 +300,7 @@ class VllmExecutor:
                 num_scheduled[alias] = n
                 continue
             if not r.synced or w.start < r.num_prefill:
-                r.prompt[w.start : end] = w.token_ids
+                r.prompt[w.start : end] = w.token_ids[: end - w.start]
                 if r.alias_live:
                     self._finished.add(w.req_id + _ALIAS)
                     r.alias_live = False
@@ -311,7 +322,7 @@ class VllmExecutor:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
-            scheduled_spec_decode_tokens={},
+            scheduled_spec_decode_tokens=drafts,
             scheduled_encoder_inputs={},
             finished_req_ids=self._finished,
             free_encoder_mm_hashes=[],
@@ -326,8 +337,9 @@ class VllmExecutor:
                 tokens.append([])
                 continue
             sampled = result.sampled_token_ids[result.req_id_to_index[w.req_id]]
-            self._reqs[w.req_id].num_out += 1
-            tokens.append([int(sampled[0])])
+            kept = [int(t) for t in sampled]  # with drafts: the accepted ones and a bonus token
+            self._reqs[w.req_id].num_out += len(kept)
+            tokens.append(kept)
         self.num_steps += 1
         return StepResult(tokens, time.perf_counter() - started)
 
@@ -363,15 +375,24 @@ class VllmExecutor:
 
         self.model.executor.collective_rpc(host.drop)
 
+    # ---- block bytes: prefill/decode hand-off and the storage tier (kv_transfer.py) ----------
+
     def export_kv(self, block_ids: list[int]) -> bytes:
-        raise NotImplementedError(
-            "the vllm executor does not export KV (prefill/decode hand-off is not supported)"
-        )
+        return self._transfer().export_kv(block_ids)
 
     def import_kv(self, block_ids: list[int], data: bytes) -> None:
-        raise NotImplementedError(
-            "the vllm executor does not import KV (prefill/decode hand-off is not supported)"
-        )
+        self._transfer().import_kv(block_ids, data)
+
+    def storage_read(self, block_ids: list[int]) -> list[bytes]:
+        return self._transfer().storage_read(block_ids)
+
+    def storage_write(self, gpu_ids: list[int], blobs: list[bytes | None]) -> None:
+        self._transfer().storage_write(gpu_ids, blobs)
+
+    def _transfer(self) -> Any:
+        from kvsched.worker_vllm.kv_transfer import KvTransfer
+
+        return KvTransfer(self.model.executor, bool(self.model.num_host_blocks))
 
     def reset(self) -> None:
         """Forget every request (a new session starts from an empty cache): the runner is told

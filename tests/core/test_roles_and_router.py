@@ -120,7 +120,7 @@ def test_core_imports_no_io_framework_or_clock() -> None:
     assert not offenders, offenders
 
 
-def test_failed_push_in_the_same_report_as_the_first_token_is_not_a_hand_off() -> None:
+def test_failed_push_with_the_first_token_is_a_failed_hand_off() -> None:
     p = make_scheduler(role="prefill")
     req = make_request(40, max_tokens=5)
     req.kv_target = ("D", 0, [0, 1, 2])
@@ -129,9 +129,37 @@ def test_failed_push_in_the_same_report_as_the_first_token_is_not_a_hand_off() -
     rep = report(p, [(req.handle, 40, [7])])
     rep.failed = [req.handle]
     ev = p.apply_report(rep)
-    assert req.status == RequestStatus.FINISHED_ERROR and ev.finished == [req]
-    assert not ev.handed_off
+    assert ev.hand_off_failed == [req] and not ev.handed_off and not ev.finished
+    assert req.output_token_ids == [7] and not req.is_finished  # the token is kept
+    assert p.kv.num_free_blocks == p.kv.pool.num_blocks and not p.requests
     p.check_integrity()
+
+
+def test_decode_instance_recomputes_a_reservation_whose_push_failed() -> None:
+    d = make_scheduler(role="decode", instance_id="D")
+    req = make_request(40, max_tokens=5)
+    handle, _ = d.preallocate(req)
+    d.schedule()
+    dreq = d.recompute_reserved(req.req_id, [11])
+    assert dreq.status == RequestStatus.WAITING and d.kv.num_free_blocks == d.kv.pool.num_blocks
+    tasks = d.schedule()
+    assert tasks.aborts == [handle]
+    (pl,) = tasks.placements
+    assert (pl.num_cached_tokens, pl.num_prefill_tokens, pl.last_token_id) == (0, 41, -1)
+    assert pl.num_output_tokens == 1  # the first token, prefilled here with the prompt
+    prefilled = [t for c in tasks.chunks for t in c.token_ids]
+    for _ in range(20):
+        if dreq.is_finished:
+            break
+        run_tasks(d, tasks)
+        d.check_integrity()
+        tasks = d.schedule()
+        prefilled += [t for c in tasks.chunks for t in c.token_ids]
+    assert prefilled == req.prompt_token_ids + [11]
+    assert dreq.status == RequestStatus.FINISHED_LENGTH and dreq.num_output_tokens == 5
+    assert d.kv.num_free_blocks == d.kv.pool.num_blocks
+    with pytest.raises(RequestNotFound):
+        d.recompute_reserved(req.req_id, [11])
 
 
 def test_decode_instance_readmits_a_request_it_preempted() -> None:

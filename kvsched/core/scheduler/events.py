@@ -52,6 +52,8 @@ class Events:
     requeued: list[Request] = field(default_factory=list)  # preemption acknowledged, waiting again
     finished: list[Request] = field(default_factory=list)
     handed_off: list[Request] = field(default_factory=list)  # prefill role: prompt done, KV sent
+    # prefill role: prompt done, its KV push failed: the decode side recomputes it
+    hand_off_failed: list[Request] = field(default_factory=list)
     out_of_blocks: list[Request] = field(default_factory=list)  # a worker slot paused for blocks
     host_hits: list[Request] = field(default_factory=list)  # placed with a tier hit (host, storage)
 

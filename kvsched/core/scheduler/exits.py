@@ -21,6 +21,7 @@ from kvsched.core.scheduler.events import Events, SchedulerStats
 from kvsched.core.scheduler.outbox import Outbox
 from kvsched.core.scheduler.preemption import choose_victim, decayed, reserve_in_force
 from kvsched.core.scheduler.table import PlacementTable
+from kvsched.core.slots import set_output
 
 
 class Exits:
@@ -55,12 +56,26 @@ class Exits:
         self._stats.count_finished(reason)
         self._events.finished.append(req)
 
-    def hand_off(self, req: Request) -> None:
+    def hand_off(self, req: Request, kv_sent: bool = True) -> None:
         """Prefill role: req's first token is reported, so its KV has been pushed to the decode
-        instance; it leaves here without finishing."""
+        instance (or, not `kv_sent`, the push failed: the decode instance recomputes it); it
+        leaves here without finishing."""
         freed = self._table.remove(req)
         self._backlog.released(req, freed)
-        self._events.handed_off.append(req)
+        (self._events.handed_off if kv_sent else self._events.hand_off_failed).append(req)
+
+    def recompute_reserved(self, req: Request, output_token_ids: list[int]) -> None:
+        """Decode role: the KV push for the reservation `req` failed. Its reservation is
+        dropped (the worker is told in the next Tasks) and it waits at the queue's front with
+        its output so far, to be prefilled here as after a preemption."""
+        self._outbox.abort(req.handle)
+        freed = self._table.release(req)
+        self._backlog.released(req, freed)
+        self._table.unplace(req)
+        set_output(req, output_token_ids)
+        lifecycle.requeue(req)
+        self._backlog.push_front(req)
+        self._events.requeued.append(req)
 
     # ==== preemption ==========================================================================
     def preempt(self, req: Request) -> None:

@@ -66,6 +66,7 @@ class ReportApplier:
         self._last_step = -1  # the last report's step
         self._last_applied_seq = -1  # the last Tasks seq a report said the worker applied
         self._checker = ReportChecker(table)
+        self._push_failed: set[int] = set()  # handles of this report whose KV push failed
 
     @property
     def last_report_step(self) -> int:
@@ -111,11 +112,17 @@ class ReportApplier:
         self._last_step, self._last_applied_seq = report.step, report.applied_seq
         get = live.get
         # Failures first: a prefill worker reports the prompt's first token in the same report
-        # as its failed KV push, and that row must not hand the request off.
+        # as its failed KV push, and that row hands the request off as failed (the decode
+        # instance recomputes it); a failure without a first-token row ends it (below).
+        push_failed = self._push_failed
         if len(report.failed):
             for h in list(report.failed):
                 req = live.get(int(h))
-                if req is not None:
+                if req is None:
+                    continue
+                if self._prefill_role and not req.output_token_ids:
+                    push_failed.add(req.handle)
+                else:
                     exits.finish(req, FinishReason.ERROR, "worker failed the request (KV transfer)")
             cols.match, cols.all_match = None, False  # slots were freed: compare again
         # The hot path: plain decode rows (one token, handle still on its slot) are a handful
@@ -142,6 +149,11 @@ class ReportApplier:
             if not req.is_finished and live.get(req.handle) is req:
                 self._after_report(req, 0)
         self._stats.count_generated(n_gen)
+        if push_failed:
+            for h in push_failed:  # no first-token row came with its failed push
+                if (req := live.get(h)) is not None:
+                    exits.finish(req, FinishReason.ERROR, "worker failed the request (KV transfer)")
+            push_failed.clear()
         for h in list(report.paused):
             req = live.get(int(h))
             if req is not None and req.status == RequestStatus.RUNNING and req.is_prefill_done:
@@ -282,7 +294,7 @@ class ReportApplier:
             return
         table, threshold = self._table, self._outbox.threshold
         if n_out and self._prefill_role:
-            exits.hand_off(req)
+            exits.hand_off(req, kv_sent=req.handle not in self._push_failed)
             return
         if self._prefill_role:
             table.set_check_at(req, threshold)  # its first token is a hand-off: it never decodes

@@ -237,6 +237,15 @@ class Scheduler:
         """Decode role: the KV of a preallocated request has arrived (roles.Roles)."""
         return self.roles.add_prefilled(req_id, output_token_ids, num_cached_tokens)
 
+    def recompute_reserved(self, req_id: str, output_token_ids: list[int]) -> Request:
+        """Decode role: the KV push for a preallocated request failed: it is prefilled here
+        (prompt and output so far) and decodes on. RequestNotFound when no reservation."""
+        req = self.table.take_reserved(req_id)
+        if req is None:
+            raise RequestNotFound(f"no preallocated request {req_id!r} on {self.instance_id!r}")
+        self.exits.recompute_reserved(req, output_token_ids)
+        return req
+
     def pause(self) -> list[Request]:
         """Preempt everything running and hold admissions (around weight updates)."""
         return self.exits.pause()

@@ -265,6 +265,13 @@ class InstanceEngine:
         self._load = None
         return self.sched.add_prefilled(req_id, output_token_ids, num_cached_tokens)
 
+    def recompute_reserved(self, req_id: str, output_token_ids: list[int]) -> Request:
+        """Decode role: the KV push for the reservation failed: the request is prefilled here
+        instead; RequestNotFound when the reservation is gone."""
+        assert self.sched is not None
+        self._load = None
+        return self.sched.recompute_reserved(req_id, output_token_ids)
+
     # ---- admin ------------------------------------------------------------------------------
     def drain(self) -> None:
         """Take no new requests; the running ones finish."""

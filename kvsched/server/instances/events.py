@@ -41,6 +41,10 @@ class EngineListener(Protocol[E_contra]):
         """A prefill instance finished `req`'s prefill and pushed its KV: it moves to its
         decode reservation."""
 
+    def on_hand_off_failed(self, eng: E_contra, req: Request) -> None:
+        """A prefill instance finished `req`'s prefill but its KV push failed: its decode
+        reservation recomputes it."""
+
     def on_finished(self, eng: E_contra, req: Request) -> None:
         """`req` reached a finished state (it may be a stale copy or a decode reservation)."""
 
@@ -72,5 +76,7 @@ class EventDispatch(Generic[E]):
             self.telemetry.lifecycle(eng.info, ev)
         for req in ev.handed_off:
             listener.on_handed_off(eng, req)
+        for req in ev.hand_off_failed:
+            listener.on_hand_off_failed(eng, req)
         for req in ev.finished:
             listener.on_finished(eng, req)

@@ -260,24 +260,32 @@ class RequestTable:
         """Place parked requests."""
         self.place_parked()
 
-    def on_handed_off(self, p: InstanceEngine, req: Request) -> None:
+    def on_handed_off(self, p: InstanceEngine, req: Request, kv_sent: bool = True) -> None:
         tr = req.tag
         if not isinstance(tr, Tracked):
             return
         d, tr.decode_engine = tr.decode_engine, None
+        failed = "" if kv_sent else "KV transfer failed and "
         if d is None or not d.ready:
-            self.finish(tr, FinishReason.ERROR, "decode instance lost before hand-off")
+            self.finish(tr, FinishReason.ERROR, f"{failed}decode instance lost before hand-off")
             return
         try:
-            dreq = d.add_prefilled(req.req_id, req.output_token_ids, req.num_cached_tokens)
+            if kv_sent:
+                dreq = d.add_prefilled(req.req_id, req.output_token_ids, req.num_cached_tokens)
+            else:  # the decode instance recomputes the prompt: nothing is lost
+                dreq = d.recompute_reserved(req.req_id, req.output_token_ids)
         except RequestNotFound:
-            self.finish(tr, FinishReason.ERROR, "decode reservation gone before hand-off")
+            self.finish(tr, FinishReason.ERROR, f"{failed}decode reservation gone before hand-off")
             return
         dreq.tag = tr
-        lifecycle.carry_over(req, dreq)  # (add_prefilled set its cached tokens)
+        lifecycle.carry_over(req, dreq)  # (add_prefilled set its cached tokens; recomputed,
+        # it counts its prompt where it is placed)
         tr.req, tr.location = dreq, LocalEngine(d)
         self.observers.request_progressed(tr)
         d.wake()
+
+    def on_hand_off_failed(self, p: InstanceEngine, req: Request) -> None:
+        self.on_handed_off(p, req, kv_sent=False)
 
     def on_finished(self, eng: InstanceEngine, req: Request) -> None:
         tr = req.tag
