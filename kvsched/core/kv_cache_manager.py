@@ -35,6 +35,14 @@ class KvHit(NamedTuple):
     storage: list[str]
 
 
+def reads_prompt(req: Request) -> bool:
+    """Whether req's sampling reads its prompt's token ids (a repetition penalty does, as in
+    vLLM): the worker learns a prompt's tokens only from the chunks it computes, so such a
+    request takes no prefix hit and sends its whole prompt (correct, at the cost of the
+    recompute). Its blocks are still cached for others."""
+    return req.sampling.repetition_penalty != 1.0
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -95,8 +103,9 @@ class KVCacheManager:
     def lookup(self, req: Request) -> KvHit:
         """The longest cached prefix of req's tokens: GPU blocks, then the host blocks that
         continue the run. A full hit is capped so at least the last token is computed (the
-        worker needs its logits). Changes nothing but req's hashes."""
-        if not self.enable_caching:
+        worker needs its logits). Changes nothing but req's hashes. A request whose sampling
+        reads its prompt's tokens (`reads_prompt`) takes no hit."""
+        if not self.enable_caching or reads_prompt(req):
             return KvHit([], [], [])
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
@@ -117,7 +126,7 @@ class KVCacheManager:
     def hit_tokens(self, req: Request) -> int:
         """Tokens of req's prompt this cache holds now in either tier (for routing and
         predictions); no side effects but req's hashes."""
-        if not self.enable_caching:
+        if not self.enable_caching or reads_prompt(req):
             return 0
         self.hasher.ensure_hashes(req, (req.num_tokens - 1) // self.block_size)
         lookup = self.pool.cached.get
@@ -135,7 +144,7 @@ class KVCacheManager:
     def tier_hit_tokens(self, req: Request) -> tuple[int, int]:
         """(GPU, host) prompt tokens of req's longest cached run (`hit_tokens` split by tier:
         the GPU prefix, then its continuation in host memory); no side effects but hashes."""
-        if not self.enable_caching:
+        if not self.enable_caching or reads_prompt(req):
             return 0, 0
         self.hasher.ensure_hashes(req, (req.num_tokens - 1) // self.block_size)
         lookup, n = self.pool.cached.get, 0
@@ -151,7 +160,7 @@ class KVCacheManager:
         hashes (`tier_hit_tokens` with the storage tier's continuation)."""
         gpu, host = self.tier_hit_tokens(req)
         st = self.storage
-        if st is None or not self.enable_caching:
+        if st is None or not self.enable_caching or reads_prompt(req):
             return gpu, host, 0
         start = (gpu + host) // self.block_size
         return gpu, host, len(st.run_from(req.block_hashes[start:])) * self.block_size

@@ -159,3 +159,26 @@ def test_block_is_a_hit_only_after_its_write_is_reported() -> None:
     s.add_request(b)
     tasks = s.schedule()
     assert tasks.placements[0].num_cached_tokens == 0, "read KV from a step not yet executed"
+
+
+def test_a_request_whose_sampling_reads_its_prompt_takes_no_hit() -> None:
+    """A repetition penalty reads the prompt's token ids; a worker learns them only from the
+    chunks it computes, so such a request gets no prefix hit and sends its whole prompt (an
+    identical request without the penalty still hits what it cached)."""
+    s = make_scheduler(block_size=16, num_gpu_blocks=40)
+    a = make_request(COMMON + [1], max_tokens=4)
+    _prefill(s, a)
+    b = make_request(COMMON + [2], max_tokens=4)
+    b.sampling.repetition_penalty = 1.2
+    s.add_request(b)
+    assert s.prefix_hit_tokens(b) == 0
+    tasks = s.schedule()
+    (pl,) = tasks.placements
+    assert pl.num_cached_tokens == 0 and tasks.chunks[0].start == 0
+    assert tasks.chunks[0].token_ids[:48] == COMMON
+    run_tasks(s, tasks)
+    s.check_integrity()
+    c = make_request(COMMON + [3], max_tokens=4)
+    s.add_request(c)
+    (pl,) = s.schedule().placements
+    assert pl.num_cached_tokens == 48
