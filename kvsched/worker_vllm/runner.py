@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsched.worker_stub.executor import SeqWork, StepResult
+from kvsched.worker_vllm.spin import nap_seconds, quiet_executor
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class VllmModel:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.platforms import current_platform
 
+        nap = nap_seconds()  # (a bad value fails before the model loads)
         if current_platform.is_cpu():
             # vLLM CPU otherwise reserves 92 % of the machine's memory for KV and refuses to
             # start when less is free; 1 GiB holds ~4k blocks of a small model.
@@ -131,6 +133,7 @@ class VllmModel:
         if getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False):
             raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER is set: this worker drives runner V1")
         self.executor = _build_executor(config)
+        quiet_executor(self.executor, nap)
         mc, sc = config.model_config, config.scheduler_config
         self.facts = EngineFacts(
             num_blocks=int(config.cache_config.num_gpu_blocks or 0) - 1,
