@@ -21,6 +21,10 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+def _json(text: str) -> bytes:
+    return json.dumps(text, ensure_ascii=False).encode()
+
+
 def usage(gen: Generation) -> dict[str, Any]:
     return {
         "prompt_tokens": gen.prompt_tokens,
@@ -39,6 +43,7 @@ class Shape:
         self.include_usage = include_usage
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        self._piece: tuple[bytes, bytes] | None = None  # a text chunk's bytes around its text
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -67,6 +72,17 @@ class Shape:
 
     def chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> bytes:
         """One streamed piece of text (or the closing chunk with its finish_reason)."""
+        if text is not None and finish_reason is None and not first:
+            # The hot path (a chunk per piece of text): the same bytes as the whole chunk's
+            # json.dumps, with only the text encoded each time.
+            if self._piece is None:
+                marker = "\ue000piece\ue000"
+                pre, post = self._chunk(marker, None, False).split(_json(marker))
+                self._piece = (pre, post)
+            return self._piece[0] + _json(text) + self._piece[1]
+        return self._chunk(text, finish_reason, first)
+
+    def _chunk(self, text: str | None, finish_reason: str | None, first: bool) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {}
             if first:
