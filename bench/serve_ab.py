@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.serve_stacks import STACKS, Stack, started
+from bench.serve_stacks import STACKS, VARIANTS, Stack, started
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS: dict[str, dict[str, int]] = {
@@ -250,7 +250,9 @@ def plot(path: Path, out_dir: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workloads", default="tiny,step", help="tiny, step (comma-separated)")
-    p.add_argument("--stacks", default=",".join(STACKS), help="in round-1 order")
+    p.add_argument(
+        "--stacks", default=",".join(STACKS), help=f"in round-1 order; variants: {VARIANTS}"
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", default="", help=f"levels for every workload {CONCURRENCY}")
     p.add_argument("--num-prompts", type=int, default=0, help="per run; 0: 4c in [16, 256]")

@@ -33,6 +33,9 @@ from bench.serve_procs import Procs, free_port, running, wait_http
 NAME = "tiny"
 MAX_MODEL_LEN = "1024"
 STACKS = ("vllm", "kvsched", "kvsched-grpc")
+# Named variants: (stack, extra environment). kvsched-spin: vLLM's shared-memory readers spin
+# as vLLM has them (kvsched.worker_vllm.spin), the path before issue 33.
+VARIANTS = {"kvsched-spin": ("kvsched", {"KVSCHED_VLLM_NAP_US": "0"})}
 _KVSCHED = [sys.executable, "-m", "kvsched.cli"]
 _TICK = os.sysconf("SC_CLK_TCK")
 _STATS = re.compile(r"worker stats: (\d+) steps, (\d+) tokens")
@@ -114,7 +117,8 @@ def started(
     kind: str, model_dir: Path, logs: Path, env: dict[str, str] | None = None
 ) -> Iterator[Stack]:
     """Start one stack, wait until it serves, stop it on exit. `env` goes to every process."""
-    env = dict(env or {})
+    kind, extra = VARIANTS.get(kind, (kind, {}))
+    env = {**(env or {}), **extra}
     logs.mkdir(parents=True, exist_ok=True)
     with running(logs) as procs:
         if kind == "vllm":
@@ -129,7 +133,7 @@ def started(
         elif kind in ("kvsched", "kvsched-grpc"):
             url = _start_kvsched(procs, model_dir, env, http=kind == "kvsched")
         else:
-            raise ValueError(f"unknown stack {kind!r}: one of {', '.join(STACKS)}")
+            raise ValueError(f"unknown stack {kind!r}: one of {', '.join([*STACKS, *VARIANTS])}")
         yield Stack(kind, procs, url, env)
 
 
