@@ -18,7 +18,7 @@ Workloads (models made here, random weights, BPE vocabulary 512, float32):
           here: the control plane must hide behind the step)
 
 Each run: vLLM's serving benchmark (vllm.benchmarks.serve, random dataset, /v1/completions,
---ignore-eos, --max-concurrency c, num prompts 4c clamped to [16, 256] unless --num-prompts);
+--ignore-eos, --max-concurrency c, num prompts 4c clamped to [16, 128] unless --num-prompts);
 the load average (1 min) before and after; CPU seconds (user + sys, children included) of each
 process group from /proc, per 1,000 output tokens; output tokens per engine step (the kvsched
 worker's counters; vLLM's generation / iteration counters) and vLLM's iteration tokens per step
@@ -46,7 +46,7 @@ WORKLOADS: dict[str, dict[str, int]] = {
     "tiny": {},
     "step": {"layers": 8, "hidden": 768, "heads": 12, "kv_heads": 4, "intermediate": 2048},
 }
-CONCURRENCY = {"tiny": "1,16,64", "step": "1,16,64"}
+CONCURRENCY = {"tiny": "1,16,64", "step": "16,64"}
 # (label, key in a run's record, format); the summary gives median and range of each
 SHOWN = [
     ("out tok/s", "output_throughput", "{:,.0f}"),
@@ -60,7 +60,7 @@ SHOWN = [
 
 
 def num_prompts(a: argparse.Namespace, c: int) -> int:
-    return a.num_prompts or min(256, max(16, 4 * c))
+    return a.num_prompts or min(128, max(16, 4 * c))
 
 
 def measure(stack: Stack, model_dir: Path, c: int, n: int, a: argparse.Namespace) -> dict:
@@ -109,7 +109,8 @@ def warm_up(stack: Stack, model_dir: Path, a: argparse.Namespace) -> None:
         bench(stack.url, model_dir, 4, ns)
 
 
-def run_workload(name: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
+def run_workload(name: str, a: argparse.Namespace, work: Path, save: Any = None) -> dict[str, Any]:
+    """Every round of one workload; `save(partial)` after each stack's round."""
     from kvsched.tinymodel.model import make_model
     from kvsched.tinymodel.tokenizer import make_tokenizer
 
@@ -129,6 +130,8 @@ def run_workload(name: str, a: argparse.Namespace, work: Path) -> dict[str, Any]
                     rec["round"] = r
                     runs[kind].setdefault(str(c), []).append(rec)
                     print(f"   c={c}: {_line(rec)}", flush=True)
+            if save is not None:
+                save({"model": WORKLOADS[name] or "tinymodel defaults", "runs": runs})
     return {"model": WORKLOADS[name] or "kvsched.tinymodel defaults", "runs": runs}
 
 
@@ -255,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", default="", help=f"levels for every workload {CONCURRENCY}")
-    p.add_argument("--num-prompts", type=int, default=0, help="per run; 0: 4c in [16, 256]")
+    p.add_argument("--num-prompts", type=int, default=0, help="per run; 0: 4c in [16, 128]")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--env", action="append", default=[], help="K=V for every stack's processes")
@@ -285,13 +288,17 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "workloads": {},
     }
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     for name in a.workloads.split(","):
-        w = run_workload(name, a, work)
-        w["summary"] = summarize(w["runs"])
-        doc["workloads"][name] = w
+
+        def save(w: dict[str, Any], name: str = name) -> None:  # after each stack's round
+            w["summary"] = summarize(w["runs"])
+            doc["workloads"][name] = w
+            Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+
+        w = run_workload(name, a, work, save)
+        save(w)
         print_summary(name, w["summary"])
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")  # after each workload
     print(f"wrote {a.json}; plots: .venv/bin/python -m bench.serve_ab --plot {a.json}")
     return 0
 
