@@ -50,6 +50,10 @@ _MAX_PARKED = 1024
 # to rewind a seeded request's generator ("CPU Generator does not use offset"). The KV lands in
 # kvsched's blocks either way; the real id (and its generator) first runs the prompt's last chunk.
 _ALIAS = "\x00chunk"
+# KVSCHED_VLLM_COMPILE=1: let vLLM compile the model (its default, as its own server runs it:
+# torch.compile / inductor on CPU) instead of eager mode (kvsched's default: the mode the
+# exact-token tests cover). Slower start (minutes on 2 cores), faster small steps.
+COMPILE_ENV = "KVSCHED_VLLM_COMPILE"
 
 
 def _unseeded(params: Any) -> Any:
@@ -118,7 +122,7 @@ class VllmModel:
             dtype=dtype,
             block_size=block_size,
             max_model_len=max_model_len or None,
-            enforce_eager=True,
+            enforce_eager=os.environ.get(COMPILE_ENV, "0") != "1",
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             num_gpu_blocks_override=num_blocks + 1 if num_blocks else None,
