@@ -2,7 +2,8 @@
 stack costs: one command, one JSON, one plot per workload.
 
     .venv-vllm/bin/python -m bench.serve_ab                       # tiny + step, 3 rounds
-    .venv/bin/python -m bench.serve_ab --plot bench/results/serve_ab.json   # the plots
+    .venv-vllm/bin/python -m bench.serve_ab --plot bench/results/serve_ab.json   # the plots
+    make bench-serve                                              # both, venv made first
 
 Stacks (bench.serve_stacks; each started the same way, stopped after its round): vLLM's OpenAI
 server (`vllm`), `kvsched http` + daemon + vLLM worker (`kvsched`), daemon + worker driven by
@@ -137,7 +138,7 @@ def run_workload(name: str, a: argparse.Namespace, work: Path, save: Any = None)
 
 def _stack_env(a: argparse.Namespace, kind: str) -> dict[str, str]:
     env = dict(kv.split("=", 1) for kv in a.env)
-    if kind != "vllm":
+    if not kind.startswith("vllm"):
         env |= dict(kv.split("=", 1) for kv in a.kvsched_env)
     return env
 
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         w = run_workload(name, a, work, save)
         save(w)
         print_summary(name, w["summary"])
-    print(f"wrote {a.json}; plots: .venv/bin/python -m bench.serve_ab --plot {a.json}")
+    print(f"wrote {a.json}; plots: .venv-vllm/bin/python -m bench.serve_ab --plot {a.json}")
     return 0
 
 

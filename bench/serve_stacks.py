@@ -33,9 +33,15 @@ from bench.serve_procs import Procs, free_port, running, wait_http
 NAME = "tiny"
 MAX_MODEL_LEN = "1024"
 STACKS = ("vllm", "kvsched", "kvsched-grpc")
-# Named variants: (stack, extra environment). kvsched-spin: vLLM's shared-memory readers spin
-# as vLLM has them (kvsched.worker_vllm.spin), the path before issue 33.
-VARIANTS = {"kvsched-spin": ("kvsched", {"KVSCHED_VLLM_NAP_US": "0"})}
+# Named variants: (stack, extra environment, extra vLLM server arguments). kvsched-spin: vLLM's
+# shared-memory readers spin as vLLM has them (kvsched.worker_vllm.spin), the path before issue
+# 33; kvsched-compiled: the worker lets vLLM compile the model, as vLLM's server does by default;
+# vllm-eager: vLLM's server in eager mode, as kvsched's worker runs the model by default.
+VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
+    "kvsched-spin": ("kvsched", {"KVSCHED_VLLM_NAP_US": "0"}, []),
+    "kvsched-compiled": ("kvsched", {"KVSCHED_VLLM_COMPILE": "1"}, []),
+    "vllm-eager": ("vllm", {}, ["--enforce-eager"]),
+}
 _KVSCHED = [sys.executable, "-m", "kvsched.cli"]
 _TICK = os.sysconf("SC_CLK_TCK")
 _STATS = re.compile(r"worker stats: (\d+) steps, (\d+) tokens")
@@ -117,7 +123,7 @@ def started(
     kind: str, model_dir: Path, logs: Path, env: dict[str, str] | None = None
 ) -> Iterator[Stack]:
     """Start one stack, wait until it serves, stop it on exit. `env` goes to every process."""
-    kind, extra = VARIANTS.get(kind, (kind, {}))
+    kind, extra, server_args = VARIANTS.get(kind, (kind, {}, []))
     env = {**(env or {}), **extra}
     logs.mkdir(parents=True, exist_ok=True)
     with running(logs) as procs:
@@ -127,6 +133,7 @@ def started(
             argv += ["--model", str(model_dir), "--dtype", "float32"]
             argv += ["--max-model-len", MAX_MODEL_LEN, "--block-size", "32"]
             argv += ["--served-model-name", NAME, "--host", "127.0.0.1", "--port", str(port)]
+            argv += server_args
             procs.start("vllm_server", argv, env)
             url = f"http://127.0.0.1:{port}"
             wait_http(procs, f"{url}/health")
