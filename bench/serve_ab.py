@@ -64,7 +64,7 @@ def num_prompts(a: argparse.Namespace, c: int) -> int:
     return a.num_prompts or min(128, max(16, 4 * c))
 
 
-def measure(stack: Stack, model_dir: Path, c: int, n: int, a: argparse.Namespace) -> dict:
+def measure(stack: Stack, model_dir: Path, c: int, n: int, a: argparse.Namespace) -> dict[str, Any]:
     """One run at concurrency c: the client's figures plus CPU, counters and load."""
     from bench.vllm_serve import bench, grpc_bench
 
