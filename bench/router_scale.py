@@ -52,9 +52,9 @@ from kvsched.cluster.kv_index import ClusterIndex, decode, encode_batch, encode_
 from kvsched.cluster.routing import ClusterRouter  # noqa: E402
 from kvsched.core import KVCacheManager, Request, SamplingParams  # noqa: E402
 from kvsched.core.kv_events import CPU, GPU, BlockRemoved, BlockStored, KvEvent  # noqa: E402
-from kvsched.server.config import ServerConfig  # noqa: E402
-from kvsched.server.registry import InstanceRegistry  # noqa: E402
-from kvsched.server.telemetry import Telemetry  # noqa: E402
+from kvsched.server.config.settings import ServerConfig  # noqa: E402
+from kvsched.server.instances.registry import InstanceRegistry  # noqa: E402
+from kvsched.server.telemetry.hooks import Telemetry  # noqa: E402
 
 BS = 16
 SYSTEM_BLOCKS = 8

@@ -3,16 +3,16 @@
     python -m bench.span_cost [--spans 512] [--rounds 20] [--json bench/results/span_cost.json]
 
 Encodes batches of `--spans` spans shaped like the daemon's (one SERVER span per request: the
-attributes the daemon sets (`kvsched.server.spans._build`), the events queued, scheduled, first_token, finished, one
+attributes the daemon sets (`kvsched.server.telemetry.spans._build`), the events queued, scheduled, first_token, finished, one
 resource, one scope; every eighth span has a remote parent, a preemption and an error status)
 with `opentelemetry.exporter.otlp.proto.common.trace_encoder.encode_spans` (what the library's
 OTLPSpanExporter runs on its batch thread, then SerializeToString in the gRPC stub) and with
-`kvsched.server.otlp.SpanEncoder` (which writes the request's bytes itself). Per encoder: the
+`kvsched.server.telemetry.otlp.SpanEncoder` (which writes the request's bytes itself). Per encoder: the
 median over `--rounds` batches of CPU time per span, to the request's bytes. Both encoders'
 bytes are checked to be equal first.
 
 Then the whole path, in this process as in the daemon: `--requests` requests through the
-tracing hooks (kvsched.server.tracing.Tracing: accept, scheduled, first token, finish), their
+tracing hooks (kvsched.server.telemetry.tracing.Tracing: accept, scheduled, first token, finish), their
 spans through the SDK's BatchSpanProcessor and the OTLP/gRPC exporter, library or ours, to a
 `bench.otlp_sink` process, ~1,000 requests/s offered. Per exporter, alternated `--pipeline-runs`
 times, medians of CPU per request: the hooks' (the event loop's thread in the daemon) and the
@@ -39,15 +39,16 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 
 from bench.transport_stack import last_match, machine, spawn
 from kvsched.core import Events, FinishReason, Request, SamplingParams
-from kvsched.server.otlp import KvschedSpanExporter, SpanEncoder
-from kvsched.server.spans import RequestEvents, RequestSpan
-from kvsched.server.tracing import Tracing
+from kvsched.core.slots import set_output
+from kvsched.server.telemetry.otlp import KvschedSpanExporter, SpanEncoder
+from kvsched.server.telemetry.spans import RequestEvents, RequestSpan
+from kvsched.server.telemetry.tracing import Tracing
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "span_cost.json"
 
 
 def daemon_spans(n: int, seed: int = 0) -> list[ReadableSpan]:
-    """`n` spans as kvsched.server.tracing builds them (same attribute and event shapes)."""
+    """`n` spans as kvsched.server.telemetry.tracing builds them (same attribute and event shapes)."""
     rng = random.Random(seed)
     resource = Resource.create(
         {"service.version": "0.1.0", "service.instance.id": "ab" * 16, "kvsched.instances": ["i0"]}
@@ -137,7 +138,7 @@ def pipeline_run(exporter: str, endpoint: str, num_requests: int) -> tuple[float
         req = Request(
             f"t{i}", [1] * 32, SamplingParams(max_tokens=256), arrival_time=time.monotonic()
         )
-        req.output_token_ids = [7] * 256  # the span reads its length (output tokens)
+        set_output(req, [7] * 256)  # the span reads its length (output tokens)
         tr = SimpleNamespace(req=req, engine=engine, span=None)
         req.tag = tr
         t0 = time.thread_time()  # the hooks' CPU, not the fake request's making

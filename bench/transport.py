@@ -75,10 +75,10 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
 
     from bench.core_step import Worker, build, warm_up
     from kvsched import codec
-    from kvsched.server.delivery import TokenDelivery
-    from kvsched.server.frontend import RequestServicer
-    from kvsched.server.record import LocalEngine, Tracked
-    from kvsched.server.sinks import SessionSink
+    from kvsched.server.requests.delivery import TokenDelivery
+    from kvsched.server.requests.frontend import RequestServicer
+    from kvsched.server.requests.record import LocalEngine, Tracked
+    from kvsched.server.requests.sinks import SessionSink
     from kvsched.v1 import worker_service_pb2 as wpb
 
     sched = build(running, 0, seed=1)
@@ -90,8 +90,8 @@ async def hot_path(running: int, steps: int) -> dict[str, float]:
         where = LocalEngine(engine)  # type: ignore[arg-type]
         req.tag = daemon.tracked[req.req_id] = Tracked(req, where, sink)
     # No journal: as a standalone daemon.
-    acceptor = SimpleNamespace(table=daemon, durable=SimpleNamespace(journal=None))
-    servicer = RequestServicer(acceptor, None, 0)  # type: ignore[arg-type]
+    durable = SimpleNamespace(journal=None)
+    servicer = RequestServicer(None, None, durable, daemon, 0)  # type: ignore[arg-type]
     times: dict[str, list[float]] = {k: [] for k in HOT_STAGES}
     deliver = TokenDelivery()  # as the engine's EventDispatch holds one
     tasks = sched.schedule()

@@ -19,7 +19,7 @@ from kvsched.data import CONVERSATION_SLICE
 from kvsched.demo_args import add_demo_arguments
 from kvsched.http.args import add_http_parser
 from kvsched.replay.args import add_replay_arguments
-from kvsched.server.args import add_serve_parser
+from kvsched.server.config.args import add_serve_parser
 from kvsched.worker_stub.args import add_worker_parser
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -56,7 +56,7 @@ def _add_mooncake(sub: Any) -> None:
 
 
 def _mooncake(args: argparse.Namespace) -> int:
-    from kvsched.server.config import split_host_port
+    from kvsched.server.config.settings import split_host_port
     from kvsched.storage.server import run_mooncake
 
     host, port = split_host_port(args.listen)
@@ -69,7 +69,7 @@ def _mooncake(args: argparse.Namespace) -> int:
 
 def _nats(args: argparse.Namespace) -> int:
     from kvsched.cluster.natsd import run_nats
-    from kvsched.server.config import split_host_port
+    from kvsched.server.config.settings import split_host_port
 
     host, port = split_host_port(args.listen)
     return run_nats(host, port, args.store_dir)
@@ -196,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvsched.server.config_load import load_config
-    from kvsched.server.logs import setup_logging
+    from kvsched.server.config.load import load_config
+    from kvsched.server.telemetry.logs import setup_logging
 
     overrides = {
         name: getattr(args, name)
@@ -218,6 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
             "cluster_token",
             "take_over",
             "storage",
+            "tokenizer",
         )
     }
     overrides["engine.scheduler.itl_target_ms"] = args.itl_target_ms
@@ -232,7 +233,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from kvsched.server.logs import setup_logging
+    from kvsched.server.telemetry.logs import setup_logging
 
     setup_logging(args.log_level, args.log_json)
     from kvsched.worker_stub.client import run_worker

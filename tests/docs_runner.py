@@ -31,7 +31,8 @@ Directives (one a line, words quoted shell-style; CMD is a substring of the comm
 What runs is the text a person copies, with two documented substitutions so that the run never
 clashes with anything else on the machine and stays on loopback:
 - ports: each port number written in a runnable block of the file after a `:`
-  (`127.0.0.1:50051`, `nats://127.0.0.1:4222`) is replaced, everywhere in that file's blocks,
+  (`127.0.0.1:50051`, `nats://127.0.0.1:4222`) or after a `...-port ` flag (`smg --port 30080`)
+  is replaced, everywhere in that file's blocks,
   by one free loopback port chosen for the run; `0.0.0.0:` becomes `127.0.0.1:`. The daemon's
   default metrics address 127.0.0.1:9464 is given to every command as KVSCHED_METRICS_LISTEN
   with 9464's substitute, so a daemon that relies on the default (or a config file's
@@ -67,7 +68,7 @@ REPO = Path(__file__).resolve().parents[1]
 LANGUAGES = ("sh", "bash", "python")
 _FENCE = re.compile(r"^```(\w*)\s*$")
 _MARK = re.compile(r"<!--\s*(runnable|not runnable)\b(.*?)-->", re.S)
-_PORT = re.compile(r"(?<=:)(\d{4,5})\b")
+_PORT = re.compile(r"(?:(?<=:)|(?<=-port ))(\d{4,5})\b")
 _SCRATCH = re.compile(r"(?<![\w/.-])/tmp/[\w.-]+(?![\w/.-])")
 METRICS_PORT = "9464"
 

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from kvsched import cli
-from kvsched.server.config import ServerConfig
+from kvsched.server.config.settings import ServerConfig
 from kvsched.v1 import admin_service_pb2, admin_service_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]

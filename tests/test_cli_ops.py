@@ -18,7 +18,7 @@ import pytest
 
 from kvsched import __version__, cli
 from kvsched.core.errors import ConfigError
-from kvsched.server.config_load import load_config
+from kvsched.server.config.load import load_config
 from tests.integration.harness import (
     REPO,
     Proc,

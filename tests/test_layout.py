@@ -337,9 +337,9 @@ def test_scheduler_parts_compose_not_inherit() -> None:
 
 
 def test_only_the_engine_reads_a_scheduler() -> None:
-    """Nothing but server/engine.py reads `.sched`: the layers above read the facts an engine
+    """Nothing but server/instances/engine.py reads `.sched`: the layers above read the facts an engine
     publishes (snapshot, load facts, epoch, counters, KV events)."""
-    engine = PKG / "server" / "engine.py"
+    engine = PKG / "server" / "instances" / "engine.py"
     readers = sorted(
         str(p.relative_to(ROOT))
         for p in _modules().values()
@@ -347,7 +347,7 @@ def test_only_the_engine_reads_a_scheduler() -> None:
         for n in ast.walk(ast.parse(p.read_text(), str(p)))
         if isinstance(n, ast.Attribute) and n.attr == "sched"
     )
-    assert not readers, f"modules reading .sched besides server/engine.py: {readers}"
+    assert not readers, f"modules reading .sched besides server/instances/engine.py: {readers}"
 
 
 def test_no_bench_or_tool_over_the_size_limit() -> None:
@@ -373,3 +373,24 @@ def test_server_imports_neither_cluster_nor_durability() -> None:
     }
     bad = {m: t for m, t in bad.items() if t}
     assert not bad, f"server modules importing cluster/ or durability/: {bad}"
+
+
+def test_telemetry_reads_values() -> None:
+    """Telemetry is handed values (server/telemetry/values.py): no telemetry module imports an
+    engine, the request table or the composition root, lazily or for types, nor reads an
+    `engines`, `daemon` or `sched` attribute to reach them."""
+    mods = _modules()
+    tele = {m: p for m, p in mods.items() if m.startswith("kvsched.server.telemetry")}
+    assert tele, "no telemetry modules found"
+    allowed = ("kvsched.core", "kvsched.server.config", "kvsched.server.telemetry")
+    graph = import_graph(mods)
+    bad = sorted(f"{m} -> {t}" for m in tele for t in graph[m] if not t.startswith(allowed))
+    assert not bad, f"telemetry imports beyond core, config and itself: {bad}"
+    reach = {"engines", "daemon", "sched"}
+    reads = sorted(
+        f"{m}:{n.lineno} .{n.attr}"
+        for m, p in tele.items()
+        for n in ast.walk(ast.parse(p.read_text(), str(p)))
+        if isinstance(n, ast.Attribute) and n.attr in reach
+    )
+    assert not reads, f"telemetry reaching for the daemon's parts: {reads}"

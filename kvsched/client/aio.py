@@ -21,7 +21,7 @@ from kvsched.client.types import (
     build_request,
 )
 from kvsched.v1 import admin_service_pb2 as apb
-from kvsched.v1 import admin_service_pb2_grpc, request_service_pb2_grpc
+from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
 
 
@@ -246,13 +246,17 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        stop: bool = False,
     ) -> None:
         """Abort a request by id, wherever it is. NotFound for an unknown id; nothing happens
         for one already finished. `metadata` is sent with the call (e.g. the submitter's
-        bearer token, for a front end that passes each user's token through)."""
+        bearer token, for a front end that passes each user's token through). `stop`: the
+        client found a stop condition of its own (a stop string): the request finishes with
+        reason stop, not abort (AbortRequest.reason)."""
+        reason = common_pb2.FINISH_REASON_STOP if stop else common_pb2.FINISH_REASON_UNSPECIFIED
         try:
             await self._requests.Abort(
-                rpb.AbortRequest(request_id=request_id),
+                rpb.AbortRequest(request_id=request_id, reason=reason),
                 timeout=self._conn.deadline(timeout),
                 metadata=self._conn.metadata(metadata),
             )

@@ -3,7 +3,7 @@ place that turns a call's keyword arguments into a GenerateRequest."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -32,6 +32,11 @@ class RequestOptions(TypedDict, total=False):
     seed: int
     stop_token_ids: Sequence[int]
     ignore_eos: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: Mapping[int, float]  # token id -> added to its logit
+    min_p: float
     priority: int
     lora_name: str
     cache_salt: str
@@ -41,7 +46,19 @@ class RequestOptions(TypedDict, total=False):
     tenant: str  # who the request is served for (fair shares between tenants)
 
 
-_SAMPLING = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+_SAMPLING = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+)
 _REQUEST = (
     "request_id",
     "priority",
@@ -58,7 +75,7 @@ def build_request(prompt: Sequence[int], options: RequestOptions) -> rpb.Generat
     """A GenerateRequest from a prompt and RequestOptions. A value the message cannot carry (of
     the wrong type, or outside its field's range: max_tokens=10**12) raises InvalidArgument
     naming the field; the daemon checks the rest and answers InvalidArgument naming the field."""
-    unknown = set(options) - set(_SAMPLING) - set(_REQUEST) - {"stop_token_ids"}
+    unknown = set(options) - set(_SAMPLING) - set(_REQUEST) - {"stop_token_ids", "logit_bias"}
     if unknown:
         raise TypeError(f"unknown request option(s): {', '.join(sorted(unknown))}")
     msg = rpb.GenerateRequest()
@@ -67,6 +84,13 @@ def build_request(prompt: Sequence[int], options: RequestOptions) -> rpb.Generat
         if key in options:
             _put(sampling, key, options[key])  # type: ignore[literal-required]
     _put_list(sampling.stop_token_ids, "stop_token_ids", options.get("stop_token_ids", ()))
+    for token, bias in (options.get("logit_bias") or {}).items():
+        try:
+            sampling.logit_bias[token] = bias
+        except (ValueError, TypeError) as exc:
+            raise InvalidArgument(
+                f"logit_bias[{token!r}]={bias!r} cannot be sent: {_why(exc)}"
+            ) from None
     for key in _REQUEST:
         if key in options:
             _put(msg, key, options[key])  # type: ignore[literal-required]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvsched.cluster.link import ClusterLink
-    from kvsched.server.request_table import RequestTable
+    from kvsched.server.requests.table import RequestTable
 
 ABORT_SUBJECT = "kvsched.abort"
 

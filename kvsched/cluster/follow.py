@@ -25,16 +25,18 @@ from kvsched.cluster.peer_rpc import (
     PeerStubs,
     apply_finished,
 )
-from kvsched.server.resume import ParkedSink
+from kvsched.core import lifecycle
+from kvsched.core.slots import extend_output
+from kvsched.server.requests.resume import ParkedSink
 from kvsched.v1 import request_service_pb2 as rpb
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from kvsched.cluster.routing import RemoteInstance
-    from kvsched.server.durable import Durability
-    from kvsched.server.record import Tracked
-    from kvsched.server.request_table import RequestTable
+    from kvsched.server.requests.durable import Durability
+    from kvsched.server.requests.record import Tracked
+    from kvsched.server.requests.table import RequestTable
 
 log = logging.getLogger("kvsched.cluster")
 
@@ -62,16 +64,15 @@ class Follower:
         if kind == "tokens":
             toks = list(out.tokens.token_ids)
             if toks:
-                if req.first_token_time < 0:
-                    req.first_token_time = time.monotonic()
-                req.output_token_ids.extend(toks)
+                lifecycle.relayed(req, time.monotonic(), tokens=True)
+                extend_output(req, toks)
                 self.num_relayed_tokens += len(toks)
                 tr.sink.add_tokens([tr], [len(toks)], toks)
         elif kind == "finished":
             self.finish(tr, out.finished)
             return True
-        elif kind == "queued" and req.first_scheduled_time < 0:
-            req.first_scheduled_time = time.monotonic()
+        elif kind == "queued":
+            lifecycle.relayed(req, time.monotonic(), tokens=False)
         return False
 
     async def reattach(self, tr: Tracked, why: str, first: RemoteInstance | None = None) -> bool:
@@ -93,7 +94,9 @@ class Follower:
             if self.client_gone(tr):
                 self.streamed_elsewhere(tr, first.daemon_id if first else "", "its client left")
                 return True
+            # Peers that missed their heartbeats would fail at once (PeerStubs.read): skipped.
             peers = [] if self.peers is None else self.peers()
+            peers = [a for a in peers if not self.stubs.silent(a)]
             if first is not None and tries == 0:
                 peers = [first.address]
             if peers:
@@ -107,7 +110,7 @@ class Follower:
                 holder = first.daemon_id if first is not None and tries == 1 else ""
                 answered = False
                 try:
-                    async for out in call:
+                    async for out in self.stubs.read(call, address):
                         answered = True
                         if holder and self.durable is not None:
                             self.durable.moved_to(tr, holder)  # that daemon journals it

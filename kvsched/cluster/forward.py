@@ -47,17 +47,17 @@ from kvsched.cluster.peer_rpc import (
 )
 from kvsched.cluster.routing import RemoteInstance
 from kvsched.core import KvschedError
-from kvsched.server.record import Parked, RemotePeer
+from kvsched.server.requests.record import Parked, RemotePeer
 from kvsched.v1 import request_service_pb2 as rpb
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Mapping
 
     from kvsched.core import Request
-    from kvsched.server.durable import Durability
-    from kvsched.server.engine import InstanceEngine
-    from kvsched.server.record import Tracked
-    from kvsched.server.request_table import RequestTable
+    from kvsched.server.instances.engine import InstanceEngine
+    from kvsched.server.requests.durable import Durability
+    from kvsched.server.requests.record import Tracked
+    from kvsched.server.requests.table import RequestTable
 
 log = logging.getLogger("kvsched.cluster")
 
@@ -146,7 +146,7 @@ class Forwarder:
             accepted = False  # the peer answered: it took (and journaled) the request
             call = self.stubs.stub(remote.address).Generate(msg, metadata=md, timeout=deadline_s)
             try:
-                async for out in call:
+                async for out in self.stubs.read(call, remote.address):
                     if not accepted:
                         accepted = True
                         self._confirm(tr)  # that peer journals it: its client may be told
@@ -304,7 +304,7 @@ class Forwarder:
         call = self.stubs.stub(remote.address).Resume(msg, metadata=md + self.stubs.auth())
         taken = False
         try:
-            async for out in call:
+            async for out in self.stubs.read(call, remote.address):
                 if not taken:  # adopted there: its journal record names that daemon now
                     taken = True
                     self.num_handed_over += 1
@@ -359,7 +359,7 @@ class Forwarder:
         md = [(FORWARDED_BY, self.daemon_id), (FORWARD_OWNER, owner), (RELAYED, "1")]
         call = self.stubs.stub(address).Resume(msg, metadata=md + self.stubs.auth())
         try:
-            async for out in call:
+            async for out in self.stubs.read(call, address):
                 yield out
         finally:
             call.cancel()

@@ -67,7 +67,7 @@ class InstanceView:
     pending: list[dict[str, Any]] = field(default_factory=list)  # batches while resyncing
     sent_since_load: int = 0  # requests this daemon forwarded since the last load heard
     heard: float = 0.0  # when its last batch or snapshot was applied (the caller's clock)
-    # Its model and limits ("info": server/models.py; "" / 0 from a daemon that sends none).
+    # Its model and limits ("info": server/instances/models.py; "" / 0 from a daemon that sends none).
     model: str = ""
     max_model_len: int = 0
     vocab_size: int = 0

@@ -109,6 +109,9 @@ class Membership:
         self._grace_until = 0.0  # after an outage: no expiry is believed before this
         # daemon id -> (its entry's revision, when this daemon saw that revision first)
         self._changed: dict[str, tuple[int, float]] = {}
+        # daemon id -> its address, for daemons whose entry expired (presumed dead) and that
+        # have not written one since: calls to them are given up (ClusterNode.silent_at).
+        self.expired: dict[str, str] = {}
         self._wake = asyncio.Event()  # refresh now (set after a NATS reconnect)
         link.on_reconnect.append(self._wake.set)
 
@@ -183,9 +186,13 @@ class Membership:
                 if did not in seen and did not in self._left:
                     seen[did] = last
         self.members = seen
+        for did in seen:
+            self.expired.pop(did, None)
         for did, last in old.items():
             if did not in seen:
                 dep = Departure(did, did in self._left, last)
+                if not dep.graceful:
+                    self.expired[did] = last.address
                 log.info(
                     "daemon %s %s",
                     did,

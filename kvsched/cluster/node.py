@@ -42,28 +42,31 @@ from kvsched.cluster.selffence import SelfFence
 from kvsched.cluster.worker_gate import WorkerGate
 from kvsched.core import Request, Unavailable
 from kvsched.server.auth import principal_of
-from kvsched.server.engine import InstanceEngine
+from kvsched.server.instances.engine import InstanceEngine
 from kvsched.v1 import admin_service_pb2 as apb
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping
 
     from kvsched.cluster.link import ClusterLink
-    from kvsched.server.config import ServerConfig
-    from kvsched.server.record import Tracked
-    from kvsched.server.registry import InstanceRegistry
-    from kvsched.server.request_table import RequestTable
+    from kvsched.server.config.settings import ServerConfig
+    from kvsched.server.instances.registry import InstanceRegistry
+    from kvsched.server.requests.record import Tracked
+    from kvsched.server.requests.table import RequestTable
     from kvsched.v1 import request_service_pb2 as rpb
 
 log = logging.getLogger("kvsched.cluster")
 
 NATS_TIMEOUT_S = 2.0
+TAKEOVER_WAIT_S = 1.0  # a Resume waits this long at most for a takeover pass here to end
 
 
 class _Stoppable(Protocol):
     async def stop(self) -> None: ...
 
     async def confirmed_dead(self, dead_id: str, address: str, instances: list[str]) -> None: ...
+
+    async def settled(self, timeout_s: float) -> None: ...
 
 
 class ClusterNode:
@@ -97,6 +100,7 @@ class ClusterNode:
         registry.peer_ready_models = self.router.peer_ready_models
         self.forwarder = Forwarder(self.daemon_id, requests, config.cluster_token)
         self.forwarder.follow.peers = self._peer_addresses
+        self.forwarder.stubs.silent = self.silent_at  # calls to a silent peer are given up
         self.forwarder.follow.reattach_s = max(20.0, 4 * config.member_ttl_s)
         self.forwarder.reroute = self._reroute
         token = config.cluster_token
@@ -158,6 +162,19 @@ class ClusterNode:
 
     def _peer_addresses(self) -> list[str]:
         return [a for d, a in sorted(self._addresses.items()) if d != self.daemon_id]
+
+    def silent_at(self, address: str) -> bool:
+        """Whether the peer daemon at `address` has missed its membership heartbeats: no
+        refresh of its entry seen for the fence margin (3/4 of the TTL), by when that daemon,
+        if it runs at all, has fenced itself (selffence.py): paused, hung or cut off. Nothing
+        waits on it (peer_rpc.PeerStubs.read); a daemon's own stale view says no. A peer whose
+        entry expired since (the check is made every 0.25 s, and the crossing may come late on
+        a loaded host, after the expiry) is given up on too, until it writes an entry again."""
+        membership = self.membership
+        for did, m in membership.members.items():
+            if m.address == address and did != self.daemon_id:
+                return membership.silent_for(did) > self.fence.after_s
+        return address in membership.expired.values()
 
     def _refresh_views(self) -> None:
         """The router reads these dicts: live daemons' addresses and instance owners."""
@@ -287,7 +304,7 @@ class ClusterNode:
         )
 
     def _info_of(self, iid: str) -> dict[str, Any] | None:
-        """An instance's model and limits, published with its load (server/models.py)."""
+        """An instance's model and limits, published with its load (server/instances/models.py)."""
         eng = self.registry.engines.get(iid)
         lim = None if eng is None else eng.limits
         if eng is None or lim is None:
@@ -346,6 +363,13 @@ class ClusterNode:
             )
         async for out in self.forwarder.resume(member.address, msg, owner):
             yield out
+
+    async def takeovers_settled(self) -> None:
+        """Wait (at most TAKEOVER_WAIT_S) until no takeover pass runs here: a request the
+        journal names this daemon for, that its table does not hold yet, may be in the middle
+        of being adopted here (its record is stored under this daemon before the CAS)."""
+        if self.takeover is not None:
+            await self.takeover.settled(TAKEOVER_WAIT_S)
 
     def forwarded_by(self, carrier: Mapping[str, str]) -> str:
         """The peer daemon that forwarded (or relayed) this call here, or "" for a client's."""

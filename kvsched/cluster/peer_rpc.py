@@ -19,18 +19,26 @@ A peer that already runs the very request a forward sends it (same id, model and
 earlier forward of it reached the peer and its call broke) refuses it with INVALID_ARGUMENT and
 the error type `RequestAlreadyLive` in the `kvsched-error` trailer (server/errors.py):
 `live_there` reads that marker, never the message, and the forwarder follows the request there.
+
+A paused, hung or cut-off peer neither answers nor fails a call (its kernel keeps the TCP
+connection), so every call to a peer is read through `PeerStubs.read`: once the peer has missed
+its membership heartbeats (`silent`, set by the cluster node: no refresh of its entry seen for
+3/4 of the TTL, when that peer, if it runs at all, has fenced itself) the call is cancelled and
+fails as UNAVAILABLE (`silent_error`), like a peer that died, so nothing waits on it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
 from kvsched import codec
-from kvsched.core import Request
+from kvsched.core import Request, lifecycle
 from kvsched.core.errors import RequestAlreadyLive
-from kvsched.core.request import FINISHED_STATUS
 from kvsched.server.errors import ERROR_TYPE_KEY
 from kvsched.v1 import request_service_pb2 as rpb
 from kvsched.v1 import request_service_pb2_grpc
@@ -51,12 +59,58 @@ RETRYABLE = frozenset(
 )
 
 
+WATCH_S = 0.25  # how often calls to peers are checked against the peers' heartbeats
+
+
 class PeerStubs:
-    """The `RequestService` stubs to peers, one channel per address, kept until `close`."""
+    """The `RequestService` stubs to peers, one channel per address, kept until `close`; calls
+    read through `read` are given up once their peer misses its heartbeats."""
 
     def __init__(self, token: str = "") -> None:
         self.token = token
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Whether the daemon at an address has missed its membership heartbeats (the node's).
+        self.silent: Callable[[str], bool] = lambda address: False
+        self._calls: dict[str, dict[Any, list[bool]]] = {}  # address -> call -> [given up]
+        self._watch: asyncio.Task[None] | None = None
+        self.num_given_up = 0  # calls cancelled because their peer went silent
+
+    async def read(self, call: Any, address: str) -> AsyncIterator[Any]:
+        """`call`'s messages; `silent_error` (UNAVAILABLE) once the daemon at `address` has
+        missed its heartbeats, before or while the call waits (see the module docstring)."""
+        if self.silent(address):
+            call.cancel()
+            self.num_given_up += 1
+            raise silent_error(address)
+        flag = [False]
+        self._calls.setdefault(address, {})[call] = flag
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._watch_loop(), name="peers")
+        try:
+            async for out in call:
+                yield out
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            task = asyncio.current_task()
+            if flag[0] and (task is None or not task.cancelling()):
+                raise silent_error(address) from None  # cancelled by the watch, not the caller
+            raise
+        finally:
+            calls = self._calls.get(address)
+            if calls is not None:
+                calls.pop(call, None)
+                if not calls:
+                    del self._calls[address]
+
+    async def _watch_loop(self) -> None:
+        while self._calls:
+            await asyncio.sleep(WATCH_S)
+            for address, calls in list(self._calls.items()):
+                if calls and self.silent(address):
+                    for call, flag in list(calls.items()):
+                        if not flag[0]:
+                            flag[0] = True
+                            self.num_given_up += 1
+                            call.cancel()
 
     def stub(self, address: str) -> request_service_pb2_grpc.RequestServiceStub:
         ch = self._channels.get(address)
@@ -71,6 +125,8 @@ class PeerStubs:
         return [("authorization", f"Bearer {self.token}")] if self.token else []
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         for ch in self._channels.values():
             with contextlib.suppress(Exception):
                 await ch.close()
@@ -84,6 +140,17 @@ def ended() -> grpc.aio.AioRpcError:
         grpc.aio.Metadata(),
         grpc.aio.Metadata(),
         details="peer ended the stream without Finished",
+    )
+
+
+def silent_error(address: str) -> grpc.aio.AioRpcError:
+    """The error a call to a peer that missed its heartbeats fails with (retryable)."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details=f"the daemon at {address} has missed its membership heartbeats (paused, hung "
+        "or cut off); not waited on",
     )
 
 
@@ -101,14 +168,9 @@ def apply_finished(req: Request, fin: rpb.Finished, now: float) -> None:
     """A peer's Finished into the local request: status, reason, cached tokens, and its
     timings moved onto this daemon's clock (from the request's arrival here)."""
     reason = codec.finish_reason_from_proto(fin.reason)
-    req.status = FINISHED_STATUS[reason]
-    req.finish_reason, req.finish_message = reason, fin.message
     req.num_cached_tokens = fin.usage.cached_tokens
-    t0 = req.arrival_time
-    req.first_scheduled_time = t0 + fin.timings.queue_s
-    if fin.timings.ttft_s > 0:
-        req.first_token_time = t0 + fin.timings.ttft_s
-    req.finished_time = max(now, t0 + fin.timings.e2e_s)
+    t = fin.timings
+    lifecycle.finish_remote(req, reason, fin.message, now, t.queue_s, t.ttft_s, t.e2e_s)
 
 
 def relay_owner(carrier: dict[str, str], caller: str, cluster_principal: str | None) -> str | None:

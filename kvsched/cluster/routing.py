@@ -26,14 +26,15 @@ import numpy.typing as npt
 
 from kvsched.cluster.hit_index import price_runs
 from kvsched.core import InvalidRequest, KVCacheManager, KvschedError, Request, Unavailable
+from kvsched.core.block_hash import use_hashes
 from kvsched.core.router import choose
 from kvsched.core.step_cost import priced_hit_tokens
-from kvsched.server.engine import InstanceEngine
-from kvsched.server.models import Limits, misfit
+from kvsched.server.instances.engine import InstanceEngine
+from kvsched.server.instances.models import Limits, misfit
 
 if TYPE_CHECKING:
     from kvsched.cluster.kv_index import ClusterIndex, InstanceView
-    from kvsched.server.registry import InstanceRegistry
+    from kvsched.server.instances.registry import InstanceRegistry
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,7 @@ class ClusterRouter:
             hasher = self._hashers.get(block_size)
             if hasher is None:
                 hasher = self._hashers[block_size] = KVCacheManager(block_size, 0)
-            req.block_hashes = []
+            use_hashes(req, [])
             hasher.ensure_hashes(req, (req.num_tokens - 1) // block_size)
             got = by_size[block_size] = req.block_hashes
         return got
@@ -266,13 +267,13 @@ class ClusterRouter:
         local_loads: list[float] = []
         local_waits: list[float] = []
         for e in engines:
-            req.block_hashes = self._hashes(req, e.block_size, by_size)
+            use_hashes(req, self._hashes(req, e.block_size, by_size))
             worth, hit = e.priced_hit(req)
             local_hits.append(worth / n)
             local_loads.append(e.load)
             local_waits.append(router.calibration.factor * e.predicted_wait_ms(req, hit))
         hits, waits, loads = self._remote_scores(req, elig.size, by_size, n, model)
-        req.block_hashes = []  # the instance chosen hashes with its own block size
+        use_hashes(req, [])  # the instance chosen hashes with its own block size
         all_hits = hits
         if engines:  # this daemon's candidates first, then the peers' slots
             all_hits = np.concatenate([np.asarray(local_hits), hits])
@@ -295,7 +296,7 @@ class ClusterRouter:
         prefix = bool(all_hits[i] > 0)
         if i < len(engines):
             # The chosen instance's hashes: its scheduler extends them instead of rehashing.
-            req.block_hashes = by_size.get(engines[i].block_size, [])
+            use_hashes(req, by_size.get(engines[i].block_size, []))
             return Route(engines[i], -1, prefix)
         slot = i - len(engines)
         v = self.index.slots[slot]

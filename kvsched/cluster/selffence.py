@@ -46,17 +46,17 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvsched.core.journal_state import JournalState
-from kvsched.server.record import Parked, RemotePeer
-from kvsched.server.resume import ParkedSink
+from kvsched.server.requests.record import Parked, RemotePeer
+from kvsched.server.requests.resume import ParkedSink
 from kvsched.v1 import journal_pb2
 
 if TYPE_CHECKING:
     from kvsched.cluster.leases import Leases
     from kvsched.cluster.membership import Membership
-    from kvsched.server.config import ServerConfig
-    from kvsched.server.durable import Durability
-    from kvsched.server.record import Tracked
-    from kvsched.server.request_table import RequestTable
+    from kvsched.server.config.settings import ServerConfig
+    from kvsched.server.requests.durable import Durability
+    from kvsched.server.requests.record import Tracked
+    from kvsched.server.requests.table import RequestTable
 
 
 class _Node(Protocol):  # what is used of kvsched.cluster.node.ClusterNode

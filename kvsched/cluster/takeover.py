@@ -60,6 +60,14 @@ class Takeover:
         self.num_instances_taken = 0
         self.num_requests_adopted = 0
         self.passes: list[tuple[str, float, int, int]] = []  # dead id, when, instances, requests
+        self._idle = asyncio.Event()  # set while no pass runs here
+        self._idle.set()
+
+    async def settled(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until no takeover pass runs on this daemon: a Resume of
+        a request this daemon is adopting right now is then served from its table."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
 
     def start(self) -> None:
         q = self.node.membership.departures()
@@ -141,10 +149,13 @@ class Takeover:
         if dead_id == self.daemon_id or dead_id in self._busy:
             return 0, 0
         self._busy.add(dead_id)
+        self._idle.clear()
         try:
             return await self._pass(dead_id, set(instances), force)
         finally:
             self._busy.discard(dead_id)
+            if not self._busy:
+                self._idle.set()
 
     async def _pass(self, dead_id: str, instances: set[str], force: bool) -> tuple[int, int]:
         node = self.node

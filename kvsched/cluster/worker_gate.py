@@ -22,8 +22,8 @@ from kvsched.v1 import worker_service_pb2 as wpb
 if TYPE_CHECKING:
     from kvsched.cluster.leases import Leases
     from kvsched.cluster.membership import Member, Membership
-    from kvsched.server.config import ServerConfig
-    from kvsched.server.registry import InstanceRegistry
+    from kvsched.server.config.settings import ServerConfig
+    from kvsched.server.instances.registry import InstanceRegistry
 
 log = logging.getLogger("kvsched.cluster")
 

@@ -57,6 +57,11 @@ def sampling_to_proto(params: core.SamplingParams) -> common_pb2.SamplingParams:
         seed=params.seed,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=None if params.repetition_penalty == 1.0 else params.repetition_penalty,
+        logit_bias=params.logit_bias,
+        min_p=params.min_p,
     )
 
 
@@ -69,10 +74,16 @@ def sampling_from_proto(
         min_tokens=pb.min_tokens,
         temperature=pb.temperature,
         top_k=pb.top_k,
-        seed=pb.seed,
+        seed=pb.seed if pb.HasField("seed") else None,
         stop_token_ids=pb.stop_token_ids[:],
         ignore_eos=pb.ignore_eos,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        logit_bias=dict(pb.logit_bias),
+        min_p=pb.min_p,
     )
+    if pb.HasField("repetition_penalty"):
+        params.repetition_penalty = pb.repetition_penalty
     if pb.HasField("max_tokens"):
         params.max_tokens = pb.max_tokens
     elif default_max_tokens is not None:

@@ -14,6 +14,13 @@ import hashlib
 import struct
 
 from kvsched.core.request import Request
+from kvsched.core.slots import packed_output
+
+
+def use_hashes(req: Request, hashes: list[bytes]) -> None:
+    """req's chained hashes are `hashes` from now on: computed for another block size (a
+    router scoring instances of several sizes), or [] to have them computed anew."""
+    req.block_hashes = hashes
 
 
 class BlockHasher:
@@ -59,9 +66,7 @@ class BlockHasher:
             # (the same bytes `pack` makes), without touching 64 Python ints per block.
             parent = hashes[-1] if hashes else b""
             blake2b = hashlib.blake2b
-            data = None
-            if req._rows is not None and k * bs >= p:
-                data = req._rows.packed(req, k * bs - p, num_blocks * bs - p)
+            data = packed_output(req, k * bs - p, num_blocks * bs - p) if k * bs >= p else None
             if data is None:
                 pack = self._pack_block
                 tokens = req.token_ids(k * bs, num_blocks * bs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class KvschedError(Exception):
     """Base of every error kvsched raises on purpose."""
@@ -40,3 +42,14 @@ class ProtocolError(KvschedError):
 
 class Unavailable(KvschedError):
     """The daemon or instance is not accepting work now: draining, no instance ready (UNAVAILABLE)."""
+
+
+class AdoptIncomplete(Unavailable):
+    """A takeover of a dead daemon's journal won `won` (its records of those requests) but not
+    the rest: the journal failed (UNAVAILABLE). The caller keeps those won; the next pass
+    takes the others, whose records stay under the dead daemon."""
+
+    def __init__(self, won: list[Any], cause: BaseException) -> None:
+        super().__init__(f"takeover incomplete ({len(won)} request(s) won): {cause!r}")
+        self.won = won
+        self.cause = cause

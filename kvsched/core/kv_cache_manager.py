@@ -9,6 +9,7 @@ writer would read KV that is not there yet.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from kvsched.core.block_hash import BlockHasher
@@ -246,6 +247,14 @@ class KVCacheManager:
                 )
             )
 
+    def extend_blocks(self, req: Request, n: int) -> list[int] | None:
+        """Append n fresh blocks to req's table; None, changing nothing, when the pool has
+        fewer free."""
+        new = self.pool.allocate(n)
+        if new is not None:
+            req.block_ids.extend(new)
+        return new
+
     def free(self, req: Request) -> None:
         """Return req's blocks, chain tail first, and clear its table."""
         ids = req.block_ids
@@ -262,9 +271,12 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def reset_cache(self) -> int:
+    def reset_cache(self, placed: Iterable[Request] = ()) -> int:
         """Forget every cached hash in both tiers (the shared store keeps its keys: they name
-        content; writes not yet sent are dropped). Returns how many were dropped."""
+        content; writes not yet sent are dropped); the `placed` requests' blocks are never
+        registered again (their old content). Returns how many were dropped."""
+        for req in placed:
+            req.num_cached_blocks = len(req.block_ids)
         n = self.pool.reset_cache()
         if self.host is not None:
             n += self.host.reset()

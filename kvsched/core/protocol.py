@@ -68,9 +68,15 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0
+    seed: int | None = None  # None: unseeded
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # The engine's own adjustments (vLLM's meanings; 0 / 1.0 / empty: off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
 
 
 @dataclass(slots=True)

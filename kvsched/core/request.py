@@ -129,12 +129,6 @@ class Request:
             rows.sync(self)
         return self._out
 
-    @output_token_ids.setter
-    def output_token_ids(self, tokens: list[int]) -> None:
-        self._out = list(tokens)
-        if self._rows is not None:
-            self._rows.rebase(self)
-
     @property
     def num_reported_tokens(self) -> int:
         """KV positions the worker has reported written, in this placement."""
@@ -142,12 +136,6 @@ class Request:
         if rows is not None and self._epoch != rows.epoch:
             rows.sync(self)
         return self._reported
-
-    @num_reported_tokens.setter
-    def num_reported_tokens(self, n: int) -> None:
-        if self._rows is not None:
-            self._rows.sync(self)
-        self._reported = n
 
     @property
     def num_tokens(self) -> int:

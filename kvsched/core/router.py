@@ -38,6 +38,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+import kvsched.core.lifecycle as lifecycle
+from kvsched.core.block_hash import use_hashes
 from kvsched.core.errors import CapacityExceeded, Unavailable
 from kvsched.core.request import Request
 
@@ -248,14 +250,14 @@ class Router:
         load_of: list[float] = []
         for i in cands:
             if mixed:
-                req.block_hashes = []
+                use_hashes(req, [])
             s = schedulers[i]
             worth, hit = priced_hit(s, req)
             hits.append(worth / n)
             waits.append(self.calibration.factor * predicted_wait_ms(s, req, hit))
             load_of.append(self.load(s) if loads is None else loads[i])
         if mixed:
-            req.block_hashes = []
+            use_hashes(req, [])
         target = req.ttft_deadline_ms or self.ttft_target_ms
         choice = choose(hits, waits, load_of, target, self.overload, self.load_weight)
         best = cands[choice.index]
@@ -268,7 +270,7 @@ class Router:
                     f"ms); retry in {max(1.0, (waits[choice.index] - target) / 1e3):.0f} s "
                     "or elsewhere"
                 )
-            req.demoted = True
+            lifecycle.demote(req)  # the choice overflowed: the demote transition
         self.calibration.placed(req, waits[choice.index])
         return best
 

@@ -29,6 +29,55 @@ RING = 256  # tokens a slot may decode between two visits of the scheduler (a po
 RING_SHIFT = RING.bit_length() - 1
 
 
+# ---- a request's tokens: written here only -----------------------------------------------
+# (tests/test_layout_owners.py: no other module writes a request's token fields or reads its
+# private ones; the scheduler's report, roles and exits, the daemon's copies and relays call
+# these.)
+
+
+def current(req: Request) -> tuple[list[int], int]:
+    """req's output tokens and the KV positions the worker reported written, with the tokens
+    waiting in its slot's ring moved to it first. The list is req's own: read it, don't keep
+    it past the next write."""
+    rows = req._rows
+    if rows is not None:
+        rows.sync(req)
+    return req._out, req._reported
+
+
+def set_output(req: Request, tokens: list[int]) -> None:
+    """req's output is `tokens` (a copy placed anew, a hand-off's first tokens, the tokens a
+    resumed request's client already holds)."""
+    req._out = list(tokens)
+    if req._rows is not None:
+        req._rows.rebase(req)
+
+
+def extend_output(req: Request, tokens: list[int]) -> None:
+    """Append `tokens` to req's output (a report row's sampled tokens, tokens a peer relayed),
+    after those waiting in its ring."""
+    rows = req._rows
+    if rows is not None:
+        rows.sync(req)
+    req._out.extend(tokens)
+    if rows is not None:
+        rows.rebase(req)
+
+
+def packed_output(req: Request, start: int, end: int) -> bytes | None:
+    """Output tokens [start, end) of req as little-endian int64 bytes, read from its slot's
+    ring; None when it is on no slot or some of them are not there."""
+    rows = req._rows
+    return None if rows is None else rows.packed(req, start, end)
+
+
+def set_reported(req: Request, n: int) -> None:
+    """The worker has written req's KV up to position n (0: nothing of this placement)."""
+    if req._rows is not None:
+        req._rows.sync(req)
+    req._reported = n
+
+
 class SlotTable:
     """The per-slot arrays; implements `request.TokenSource` for the requests bound to it."""
 
@@ -131,6 +180,16 @@ class SlotTable:
         cap = len(req._out) + RING
         req.check_out = check_out if check_out < cap else cap
         self.check[req.slot] = req.check_out
+
+    def check_bound(self, req: Request, ring: int) -> None:
+        """Integrity: req is bound to its slot row, its handle maps to it, at most `ring`
+        output tokens wait in the ring, and the slot's check is the request's."""
+        s = req.slot
+        assert self.reqs[s] is req and req._rows is self, f"{req.req_id}: slot row unbound"
+        assert int(self.handle[s]) == req.handle and req.handle & self.mask == s
+        lag = int(self.n_out[s]) - len(req._out)
+        assert 0 <= lag <= ring, f"{req.req_id}: {lag} output tokens in the ring"
+        assert int(self.check[s]) == req.check_out, f"{req.req_id}: slot check drifted"
 
     def rounds(self, s: np.ndarray, h: np.ndarray) -> list[np.ndarray | None]:
         """Split report rows into rounds in which no handle appears twice, keeping each

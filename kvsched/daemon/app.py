@@ -25,20 +25,21 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvsched.core import Unavailable
-from kvsched.server.accept import Acceptor
 from kvsched.server.admin import AdminServicer
 from kvsched.server.auth import AuthInterceptor, load_auth_file
-from kvsched.server.config import split_host_port
-from kvsched.server.durable import Durability
-from kvsched.server.engine import InstanceEngine
+from kvsched.server.config.settings import split_host_port
 from kvsched.server.errors import ErrorInterceptor
-from kvsched.server.frontend import RequestServicer
-from kvsched.server.record import Tracked
-from kvsched.server.registry import InstanceRegistry
-from kvsched.server.request_table import RequestTable
-from kvsched.server.resume import Resumer
-from kvsched.server.telemetry import make_telemetry
-from kvsched.server.workers import worker_service_handler
+from kvsched.server.instances.engine import InstanceEngine
+from kvsched.server.instances.registry import InstanceRegistry
+from kvsched.server.instances.workers import worker_service_handler
+from kvsched.server.requests.accept import Acceptor
+from kvsched.server.requests.durable import Durability
+from kvsched.server.requests.frontend import RequestServicer
+from kvsched.server.requests.record import Tracked
+from kvsched.server.requests.resume import Resumer
+from kvsched.server.requests.table import RequestTable
+from kvsched.server.telemetry.hooks import make_telemetry
+from kvsched.server.telemetry.values import ClusterFacts
 from kvsched.tls import server_credentials
 from kvsched.v1 import (
     admin_service_pb2,
@@ -51,7 +52,7 @@ from kvsched.v1 import (
 if TYPE_CHECKING:
     from kvsched.cluster.link import ClusterLink
     from kvsched.cluster.node import ClusterNode
-    from kvsched.server.config import ServerConfig
+    from kvsched.server.config.settings import ServerConfig
 
 log = logging.getLogger("kvsched.daemon")
 
@@ -70,23 +71,31 @@ class Daemon:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        # Metrics read the engines and tracing the live requests through this object, at
-        # scrape / shutdown time; both owners exist by then.
-        self.telemetry = make_telemetry(config, self)
+        # Telemetry is handed values: each engine step's (`StepStats`), and at scrape time the
+        # instances' published facts (the registry's) and the cluster's (once joined).
+        self.telemetry = make_telemetry(config)
         self.health = HealthServicer()
         self.registry = InstanceRegistry(config, self.telemetry)
+        self.telemetry.read_facts_from(self.registry.instance_facts, self.cluster_facts)
         self.requests = RequestTable(config, self.registry, self.telemetry)
         self.registry.open(self.requests)
         # The journal glue (a lifecycle observer once `open_journal` hands it the journal, in
         # a cluster); accepting (route, send, journal) and the ways back (recover, Resume).
         self.durable = Durability(self.requests)
-        self.acceptor = Acceptor(self.requests, self.durable)
+        self.acceptor = Acceptor(self.requests, self.registry, config, self.durable)
         self.resumer = Resumer(self.requests, self.durable)
         # The NATS connection when this daemon is in a cluster, and its membership, leases,
         # KV events, routing and forwarding (set by `join_cluster`).
         self.cluster_link: ClusterLink | None = None
         self.cluster_node: ClusterNode | None = None
         self.journal_task: asyncio.Task[None] | None = None
+
+    def cluster_facts(self) -> ClusterFacts | None:
+        """This daemon's cluster figures for a scrape (None: not in a cluster)."""
+        node = self.cluster_node
+        if node is None:
+            return None
+        return ClusterFacts(node.daemon_id, node.link.url, node.cluster_status())
 
     async def join_cluster(self, advertise: str) -> None:
         """Connect to the cluster's NATS when `cluster` is configured. Unreachable: raise
@@ -233,16 +242,40 @@ def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
     server = grpc.aio.server(interceptors=interceptors, options=options)
     requests, registry = daemon.requests, daemon.registry
     # grpc_tools generates the *_pb2_grpc modules without annotations (no stubs to check).
-    request_service_pb2_grpc.add_RequestServiceServicer_to_server(  # type: ignore[no-untyped-call]
-        RequestServicer(daemon.acceptor, daemon.resumer, config.max_session_requests), server
+    front = RequestServicer(
+        daemon.acceptor,
+        daemon.resumer,
+        daemon.durable,
+        daemon.requests,
+        config.max_session_requests,
     )
+    request_service_pb2_grpc.add_RequestServiceServicer_to_server(  # type: ignore[no-untyped-call]
+        front, server
+    )
+    gateway = add_gateway_service(front, config, server)
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(  # type: ignore[no-untyped-call]
         AdminServicer(registry, requests), server
     )
     server.add_generic_rpc_handlers((worker_service_handler(registry),))
     health_pb2_grpc.add_HealthServicer_to_server(daemon.health, server)
-    reflection.enable_server_reflection(SERVICE_NAMES, server)
+    reflection.enable_server_reflection(SERVICE_NAMES + gateway, server)
     return server
+
+
+def add_gateway_service(
+    front: RequestServicer, config: ServerConfig, server: grpc.aio.Server
+) -> tuple[str, ...]:
+    """The engine protocol a gateway speaks (smg's `vllm.grpc.engine.VllmEngine`,
+    server/gateway/), beside RequestService and through it, when the `gateway` extra
+    (smg-grpc-proto) is installed; without it the daemon serves its own services only."""
+    try:
+        from kvsched.server.gateway.servicer import add_to_server
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "smg_grpc_proto":
+            raise
+        log.debug("smg-grpc-proto not installed: no gateway engine protocol")
+        return ()
+    return (add_to_server(front, config.tokenizer, server),)
 
 
 def _hostport(listen: str, port: int) -> str:
@@ -326,7 +359,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
         daemon.journal_task.cancel()
     if daemon.cluster_link is not None:
         await daemon.cluster_link.close()
-    daemon.telemetry.shutdown()
+    daemon.telemetry.shutdown(list(daemon.requests.tracked.values()))
     log.info("stopped")
     return 0
 

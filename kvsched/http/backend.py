@@ -74,9 +74,10 @@ class Backend:
     ) -> ResumableStream:
         """A request, not yet sent: iterating the stream submits it. With several daemons the
         request is detachable, so a request forwarded to a peer survives the daemon this
-        front end talks to (the front end aborts it explicitly when its caller goes)."""
-        if len(self.addresses) > 1:
-            options = {**options, "detachable": True}
+        front end talks to (the front end aborts it explicitly when its caller goes). With one
+        daemon it is not: a front end that dies (kill -9) takes its requests with it, the
+        daemon aborting each as its stream drops."""
+        options = {**options, "detachable": len(self.addresses) > 1}
         return resumable(
             self._rotation(),
             prompt,
@@ -85,10 +86,13 @@ class Backend:
             **options,
         )
 
-    async def abort(self, stream: ResumableStream, token: str | None) -> None:
-        """Abort the request wherever it runs; a request already finished or unknown is fine."""
+    async def abort(self, stream: ResumableStream, token: str | None, stop: bool = False) -> None:
+        """Abort the request wherever it runs (`stop`: it ended at a stop string, so it finishes
+        with reason stop); a request already finished or unknown is fine."""
         with contextlib.suppress(KvschedClientError):
-            await stream.client.abort(stream.request_id, timeout=5.0, metadata=self.metadata(token))
+            await stream.client.abort(
+                stream.request_id, timeout=5.0, metadata=self.metadata(token), stop=stop
+            )
 
     async def list_models(self, token: str | None) -> list[ModelInfo] | None:
         """The daemons' models (cached a few seconds per token), or None when no daemon

@@ -3,6 +3,7 @@ mapping of kvsched's gRPC status codes (kvsched.client's typed errors) to HTTP s
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import grpc
@@ -69,9 +70,46 @@ def model_not_found(model: str, known: list[str]) -> ApiError:
     )
 
 
+# The daemon's refusals name the request ("request 'abc': ...", an id the HTTP client may never
+# have seen) and then the field at fault in the contract's words; the OpenAI param for each.
+_REQUEST_PREFIX = re.compile(r"^request '[^']*': ")
+_PARAMS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), param)
+    for pattern, param in (
+        (r"^prompt (of \d+ tokens exceeds|\(\d+ tokens\) \+ max_tokens)", "input_tokens"),
+        (r"^a prompt of \d+ tokens needs", "input_tokens"),
+        (r"^max_tokens", "max_tokens"),
+        (r"^min_tokens", "min_tokens"),
+        (r"^prompt", "prompt"),
+        (r"^token ids", "prompt"),
+        (r"stop_token_ids", "stop_token_ids"),
+        (r"logit_bias", "logit_bias"),
+        (r"^presence_penalty", "presence_penalty"),
+        (r"^frequency_penalty", "frequency_penalty"),
+        (r"^repetition_penalty", "repetition_penalty"),
+        (r"^min_p", "min_p"),
+        (r"temperature", "temperature"),
+        (r"^request_id", "request_id"),
+        (r"model", "model"),
+        (r"^priority", "priority"),
+    )
+)
+
+
+def daemon_param(message: str) -> tuple[str, str | None]:
+    """The daemon's refusal message without the request id it starts with, and the OpenAI
+    parameter it is about (None when it names none)."""
+    text = _REQUEST_PREFIX.sub("", message)
+    return text, next((param for rx, param in _PARAMS if rx.search(text)), None)
+
+
 def from_client_error(exc: KvschedClientError) -> ApiError:
-    """The HTTP answer for a failed kvsched call (the daemon's message kept: it names the field
-    or the limit at fault). Unknown codes are 500."""
+    """The HTTP answer for a failed kvsched call: the daemon's message (it names the field or
+    the limit at fault), without the request id, and `param` naming the field. Unknown codes
+    are 500."""
     status, type_ = _GRPC_TO_HTTP.get(exc.code, (500, "internal_error"))
+    message, param = daemon_param(exc.message)
     code = {404: "model_not_found"}.get(status) if "model" in exc.message else None
-    return ApiError(status, f"kvsched: {exc.message}", type_, None, code or exc.code.name.lower())
+    if status not in (400, 404):
+        param = None
+    return ApiError(status, f"kvsched: {message}", type_, param, code or exc.code.name.lower())

@@ -36,6 +36,7 @@ class Generation:
         self.backend = backend
         self.token = token
         self.prompt_tokens = len(prompt)
+        self._stop_ids = frozenset(options.get("stop_token_ids", ()))
         self.stream: ResumableStream = backend.submit(prompt, options, token)
         self._it = aiter(self.stream)
         self._detok = detok
@@ -55,6 +56,20 @@ class Generation:
     @property
     def text(self) -> str:
         return self._stops.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The output tokens counted in usage (up to the one that completed a stop string)."""
+        return self.stream.tokens[: self.completion_tokens]
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's `stop_reason`: the stop string or the stop token id that ended the text;
+        None for EOS and every other ending."""
+        if self._stops.hit is not None:
+            return self._stops.hit
+        last = self.token_ids[-1:] if self.finish_reason == "stop" else []
+        return last[0] if last and last[0] in self._stop_ids else None
 
     async def start(self) -> None:
         try:
@@ -83,12 +98,9 @@ class Generation:
                     self._finish()
                     break
                 batch = nxt
-            # Bytes the incremental decoder still held (an incomplete character: U+FFFD, as the
-            # whole sequence's decode has it), then the text held back for stop strings.
-            tail = "" if self._stops.hit is not None else self._stops.feed(self._detok.flush())
-            if self._stops.hit is not None:
-                self.finish_reason = "stop"
-            tail += self._stops.flush()
+            # The text held back for stop strings (what the incremental decoder still holds,
+            # an incomplete character, is dropped, as vLLM drops it).
+            tail = self._stops.flush()
             if tail:
                 yield tail
         except KvschedClientError as exc:  # the stream broke for good (resume gave up)
@@ -152,7 +164,7 @@ class Generation:
     async def _stop_early(self, pump: asyncio.Task[None]) -> None:
         """A stop string ended the text: abort the request in kvsched, and let its stream be
         read to the end for a moment so that it closes cleanly."""
-        await self.abort()
+        await self.abort(stop=True)
         self.finish_reason = "stop"
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_DRAIN_AFTER_ABORT_S):
@@ -160,10 +172,10 @@ class Generation:
         if self.stream.finished is not None:
             self.cached_tokens = self.stream.finished.usage.cached_tokens
 
-    async def abort(self) -> None:
+    async def abort(self, stop: bool = False) -> None:
         if not self._aborted:
             self._aborted = True
-            await asyncio.shield(self.backend.abort(self.stream, self.token))
+            await asyncio.shield(self.backend.abort(self.stream, self.token, stop))
 
     async def collect(self) -> str:
         """The whole text (non-streaming responses)."""
@@ -171,6 +183,7 @@ class Generation:
 
 
 def raise_if_failed(gen: Generation) -> None:
-    """A request that ended in error before any text was sent answers 500 with its message."""
-    if gen.finish_reason == "error" and not gen.text:
+    """A (non-streaming) request that ended in error answers 500 with its message, its partial
+    text dropped (as vLLM's server answers a failed generation)."""
+    if gen.finish_reason == "error":
         raise ApiError(500, f"kvsched: {gen.message}", "internal_error")

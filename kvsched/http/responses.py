@@ -25,64 +25,91 @@ def _json(text: str) -> bytes:
     return json.dumps(text, ensure_ascii=False).encode()
 
 
-def usage(gen: Generation) -> dict[str, Any]:
+def usage(*gens: Generation) -> dict[str, Any]:
+    """One request's usage; for n samples of one prompt, the prompt counted once (as vLLM)."""
+    prompt = gens[0].prompt_tokens
+    completion = sum(g.completion_tokens for g in gens)
     return {
-        "prompt_tokens": gen.prompt_tokens,
-        "completion_tokens": gen.completion_tokens,
-        "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": gens[0].cached_tokens},
     }
 
 
 class Shape:
     """The wire shape of one endpoint's answers: `chat` or text completions."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        include_usage: bool,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
         self.chat = chat
         self.model = model
         self.include_usage = include_usage
+        # vLLM's `return_token_ids`: the prompt's and the output's ids in the (non-streamed) answer
+        self.prompt_token_ids = prompt_token_ids
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
-        self._piece: tuple[bytes, bytes] | None = None  # a text chunk's bytes around its text
+        # A text chunk's bytes around its text, by choice index (see chunk)
+        self._piece: dict[int, tuple[bytes, bytes]] = {}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def full(self, gen: Generation, text: str) -> dict[str, Any]:
         """The non-streaming answer."""
+        return self.full_many([gen], [text])
+
+    def full_many(self, gens: list[Generation], texts: list[str]) -> dict[str, Any]:
+        """The non-streaming answer of n samples (choice i: gens[i])."""
+        body = self._head("chat.completion" if self.chat else "text_completion")
+        pairs = enumerate(zip(gens, texts, strict=True))
+        body["choices"] = [self._choice(i, g, t) for i, (g, t) in pairs]
+        body["usage"] = usage(*gens)
+        return body
+
+    def _choice(self, index: int, gen: Generation, text: str) -> dict[str, Any]:
         if self.chat:
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": None,
                 "finish_reason": gen.finish_reason,
+                "stop_reason": gen.stop_reason,
             }
-            body = self._head("chat.completion")
         else:
             choice = {
-                "index": 0,
+                "index": index,
                 "text": text,
                 "logprobs": None,
                 "finish_reason": gen.finish_reason,
+                "stop_reason": gen.stop_reason,
             }
-            body = self._head("text_completion")
-        body["choices"] = [choice]
-        body["usage"] = usage(gen)
-        return body
+        if self.prompt_token_ids is not None:
+            choice["token_ids"] = gen.token_ids
+            choice["prompt_token_ids"] = self.prompt_token_ids
+        return choice
 
-    def chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> bytes:
+    def chunk(
+        self, text: str | None, finish_reason: str | None, first: bool = False, index: int = 0
+    ) -> bytes:
         """One streamed piece of text (or the closing chunk with its finish_reason)."""
         if text is not None and finish_reason is None and not first:
             # The hot path (a chunk per piece of text): the same bytes as the whole chunk's
             # json.dumps, with only the text encoded each time.
-            if self._piece is None:
+            piece = self._piece.get(index)
+            if piece is None:
                 marker = "\ue000piece\ue000"
-                pre, post = self._chunk(marker, None, False).split(_json(marker))
-                self._piece = (pre, post)
-            return self._piece[0] + _json(text) + self._piece[1]
-        return self._chunk(text, finish_reason, first)
+                pre, post = self._chunk(marker, None, False, index).split(_json(marker))
+                piece = self._piece[index] = (pre, post)
+            return piece[0] + _json(text) + piece[1]
+        return self._chunk(text, finish_reason, first, index)
 
-    def _chunk(self, text: str | None, finish_reason: str | None, first: bool) -> bytes:
+    def _chunk(self, text: str | None, finish_reason: str | None, first: bool, index: int) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {}
             if first:
@@ -90,7 +117,7 @@ class Shape:
             if text is not None:
                 delta["content"] = text
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": None,
                 "finish_reason": finish_reason,
@@ -98,7 +125,7 @@ class Shape:
             body = self._head("chat.completion.chunk")
         else:
             choice = {
-                "index": 0,
+                "index": index,
                 "text": text or "",
                 "logprobs": None,
                 "finish_reason": finish_reason,
@@ -109,9 +136,9 @@ class Shape:
             body["usage"] = None
         return sse(body)
 
-    def usage_chunk(self, gen: Generation) -> bytes:
+    def usage_chunk(self, *gens: Generation) -> bytes:
         """stream_options.include_usage: the last chunk, no choices, the usage."""
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         body["choices"] = []
-        body["usage"] = usage(gen)
+        body["usage"] = usage(*gens)
         return sse(body)

@@ -21,8 +21,10 @@ from kvsched.http.errors import ApiError, from_client_error, model_not_found
 from kvsched.http.generation import Generation, raise_if_failed
 from kvsched.http.metrics import HttpMetrics
 from kvsched.http.responses import DONE, Shape, sse
+from kvsched.http.samples import sample_options, serve_samples
 from kvsched.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvsched.http.text import TextModel
+from kvsched.http.utility import utility_router
 
 
 @dataclass
@@ -80,6 +82,13 @@ def create_app(settings: Settings, text: TextModel | None = None) -> FastAPI:
     async def models(request: Request) -> dict[str, Any]:
         return {"object": "list", "data": await _model_cards(state, bearer(request))}
 
+    async def max_model_len(model: str | None, request: Request) -> int:
+        name = model or state.settings.served_names[0]
+        _, info = await _resolve(state, name, bearer(request))
+        return info.max_model_len if info is not None else 0
+
+    app.include_router(utility_router(state.text, max_model_len))
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         body.check()
@@ -89,7 +98,7 @@ def create_app(settings: Settings, text: TextModel | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
-        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        msgs = [m.rendered() for m in body.messages]
         prompt = state.text.encode_chat(msgs, body.add_generation_prompt)
         return await _serve(state, request, body, prompt, chat=True)
 
@@ -152,7 +161,7 @@ async def _resolve(state: State, model: str, token: str | None) -> tuple[str, Mo
     if model not in state.settings.served_names:
         if model not in known:
             names = state.settings.served_names + [m for m in known if _fits(state, known[m])]
-            raise model_not_found(model, names)
+            raise model_not_found(model, list(dict.fromkeys(names)))
         if not _fits(state, known[model]):
             raise ApiError(
                 400,
@@ -175,20 +184,33 @@ async def _serve(
     max_tokens = (
         body.wanted_max_tokens() if isinstance(body, ChatCompletionRequest) else body.max_tokens
     )
-    if max_tokens is None and info is not None and info.max_model_len > len(prompt):
-        max_tokens = info.max_model_len - len(prompt)
-    options = body.options(max_tokens)
+    options = body.options(_clamp(max_tokens, len(prompt), info))
     if daemon_model:
         options["model"] = daemon_model
+    shape = Shape(chat, body.model, body.include_usage(), prompt if body.return_token_ids else None)
+    if (body.n or 1) > 1:
+        gens = [
+            Generation(
+                state.backend,
+                prompt,
+                opts,
+                token,
+                state.text.detokenizer(body.skip_special_tokens, prompt),
+                body.stop_strings(),
+            )
+            for opts in sample_options(options, body.n or 1)
+        ]
+        return await serve_samples(
+            gens, shape, body.stream, request, state.metrics, endpoint, arrived
+        )
     gen = Generation(
         state.backend,
         prompt,
         options,
         token,
-        state.text.detokenizer(body.skip_special_tokens),
+        state.text.detokenizer(body.skip_special_tokens, prompt),
         body.stop_strings(),
     )
-    shape = Shape(chat, body.model, body.include_usage())
     m = state.metrics
     m.in_flight.inc()
     watch = _watch_disconnect(request, gen)
@@ -222,6 +244,24 @@ async def _serve(
         done()
     raise_if_failed(gen)
     return JSONResponse(shape.full(gen, text))
+
+
+def _clamp(max_tokens: int | None, n: int, info: ModelInfo | None) -> int | None:
+    """max_tokens as vLLM's server makes it: at most what the context leaves after the prompt
+    (the request then ends with finish_reason length); absent, all of it. A prompt that
+    leaves no room is a 400 naming `input_tokens`, as vLLM's."""
+    mml = info.max_model_len if info is not None else 0
+    if not mml:
+        return max_tokens  # the daemon's limits decide (it refuses what does not fit)
+    if n >= mml:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {mml} tokens. However, your prompt "
+            f"contains {n} input tokens, which leaves no room for output. Please reduce the "
+            "length of the input prompt.",
+            param="input_tokens",
+        )
+    return mml - n if max_tokens is None else min(max_tokens, mml - n)
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -270,6 +310,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":  # loc is ("body", offset): not a parameter
+            at = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
+            msg = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'invalid')}"
+            msg += f" at character {at})" if at is not None else ")"
+            return JSONResponse(ApiError(400, msg, param=None).body(), status_code=400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         msg = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", exc))
@@ -282,7 +327,19 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(err.body(), status_code=exc.status_code)
 
 
-_PATHS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"))
+_PATHS = frozenset(
+    (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/metrics",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+        "/ping",
+    )
+)
 
 
 class StatusCounter:

@@ -3,11 +3,12 @@ fields kvsched does not serve into a 400 naming the field instead of silently ig
 
 Supported: model, prompt (one: a string, a list of one string, token ids, or a list of one
 list of ids), messages (text content), max_tokens / max_completion_tokens, temperature, top_p,
-seed, n=1, stop, stream, stream_options.include_usage, user (ignored); vLLM's extensions
-ignore_eos, stop_token_ids, top_k, min_tokens, skip_special_tokens, add_generation_prompt,
-request_id (kvsched's request id: the same id and sampling give the same tokens on the sim).
-Refused with 400: n > 1, best_of > 1, echo, suffix, logprobs, logit_bias, presence/frequency
-penalties != 0, tools/functions, response_format other than text, several prompts.
+seed, n (samples: http/samples.py), stop, stream, stream_options.include_usage, presence/frequency penalties,
+logit_bias, user (ignored); vLLM's extensions ignore_eos, stop_token_ids, top_k, min_tokens,
+min_p, repetition_penalty, skip_special_tokens, add_generation_prompt, request_id (kvsched's
+request id: the same id and sampling give the same tokens on the sim).
+Refused with 400: best_of > 1, echo, suffix, logprobs, tools/functions, response_format
+other than text, several prompts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvsched.http.errors import invalid
+
+MAX_N = 128  # samples per request
+MAX_STOP_STRINGS = 4  # OpenAI's limit (vLLM has none; docs/HTTP.md)
 
 
 class StreamOptions(BaseModel):
@@ -39,28 +43,48 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     # vLLM's extensions
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     top_k: int | None = Field(default=None, ge=-1)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM's: token ids in the (non-streamed) answer
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     def check_common(self) -> None:
-        if self.n not in (None, 1):
-            raise invalid("n must be 1: kvsched http serves one choice per request", "n")
-        if self.logit_bias:
-            raise invalid("logit_bias is not supported", "logit_bias")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                raise invalid(f"{name} is not supported (kvsched workers do not apply it)", name)
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise invalid(f"n must be in [1, {MAX_N}], got {self.n}", "n")
+        if (self.n or 1) > 1 and self.temperature == 0:  # as vLLM: n greedy samples are one
+            raise invalid(f"n must be 1 when using greedy sampling, got {self.n}.", "n")
+        self.token_biases()
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
-        if any(s == "" for s in self.stop_strings()):
+        stops = self.stop_strings()
+        if any(s == "" for s in stops):
             raise invalid("stop strings must not be empty", "stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise invalid(
+                f"stop: at most {MAX_STOP_STRINGS} stop strings (OpenAI's limit), got {len(stops)}",
+                "stop",
+            )
+
+    def token_biases(self) -> dict[int, float]:
+        """logit_bias with integer token ids, each bias clamped to [-100, 100] (as vLLM)."""
+        out: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise invalid(
+                    f"logit_bias: key {key!r} is not a token id (an integer)", "logit_bias"
+                ) from None
+            out[token] = min(100.0, max(-100.0, bias))
+        return out
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -89,6 +113,11 @@ class SamplingFields(BaseModel):
             out["stop_token_ids"] = list(self.stop_token_ids)
         if self.request_id:
             out["request_id"] = self.request_id
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.logit_bias:
+            out["logit_bias"] = self.token_biases()
         return out
 
 
@@ -125,16 +154,23 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Any role the chat template renders (vLLM passes custom roles through; the usual ones
+    # are system, developer, user, assistant, tool).
+    role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
+        """The content as the chat template sees it: text parts joined with "\n", as vLLM's
+        chat renderer joins them ("string" content format)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)
+
+    def rendered(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.text()}
 
 
 class ResponseFormat(BaseModel):

@@ -53,42 +53,56 @@ class TextModel:
             raise invalid(f"chat template: {exc}", "messages") from None
         return list(self.hf(text, add_special_tokens=False).input_ids)
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
-        return Detokenizer(self.backend, skip_special_tokens)
+    def with_special_tokens(self, ids: list[int]) -> list[int]:
+        """`ids` with the tokenizer's special tokens added (bos), as encoding with them would."""
+        return list(self.hf.build_inputs_with_special_tokens(ids))
+
+    def detokenizer(
+        self, skip_special_tokens: bool = True, prompt: Sequence[int] = ()
+    ) -> Detokenizer:
+        return Detokenizer(self.backend, skip_special_tokens, prompt)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out: str = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return out
 
 
 class Detokenizer:
-    """Output token ids -> text, incrementally: `push(ids)` returns the new text (possibly "" while
-    a multi-byte character is incomplete). The concatenation of everything returned equals
-    decoding the whole sequence (tested against tokenizer.decode)."""
+    """Output token ids -> text, incrementally, exactly as vLLM's FastIncrementalDetokenizer:
+    a DecodeStream primed with the prompt's ids, `push(ids)` returns the new text (possibly ""
+    while a multi-byte character is incomplete). What the stream still holds when the request
+    ends (an incomplete character and the text decoded with it) is dropped, as vLLM drops it:
+    a text never ends in U+FFFD that no character completed. Otherwise the concatenation of
+    everything returned equals decoding the whole sequence (tests/http/test_text.py)."""
 
-    def __init__(self, backend: Any, skip_special_tokens: bool) -> None:
+    def __init__(self, backend: Any, skip_special_tokens: bool, prompt: Sequence[int] = ()) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._backend = backend
         self._skip = skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._ids: list[int] = []
-        self._num_chars = 0
+        self._stream = DecodeStream(ids=list(prompt), skip_special_tokens=skip_special_tokens)
 
     def push(self, ids: Sequence[int]) -> str:
         out = []
         for t in ids:
-            self._ids.append(int(t))
-            piece = self._stream.step(self._backend, int(t))
+            piece = self._step(int(t))
             if piece:
                 out.append(piece)
-        text = "".join(out)
-        self._num_chars += len(text)
-        return text
+        return "".join(out)
 
-    def flush(self) -> str:
-        """At the end: what decoding the whole sequence has beyond what was pushed out (bytes
-        of an incomplete character, which the stream holds back, decode as U+FFFD)."""
-        full: str = self._backend.decode(self._ids, skip_special_tokens=self._skip)
-        tail = full[self._num_chars :]
-        self._num_chars = len(full)
-        return tail
+    def _step(self, t: int) -> str | None:
+        try:
+            piece: str | None = self._stream.step(self._backend, t)
+        except Exception as exc:
+            # A byte sequence that decodes non-monotonically breaks DecodeStream's state; vLLM
+            # starts a fresh stream from this token (vllm-project/vllm#17448), so do we.
+            if not str(exc).startswith("Invalid prefix encountered"):
+                raise
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=self._skip)
+            piece = self._stream.step(self._backend, t)
+        return piece
 
 
 class StopStrings:

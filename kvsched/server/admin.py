@@ -7,9 +7,9 @@ from collections.abc import Callable
 import grpc
 
 from kvsched import codec
-from kvsched.server.engine import InstanceEngine
-from kvsched.server.registry import InstanceRegistry
-from kvsched.server.request_table import RequestTable
+from kvsched.server.instances.engine import InstanceEngine
+from kvsched.server.instances.registry import InstanceRegistry
+from kvsched.server.requests.table import RequestTable
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc
 

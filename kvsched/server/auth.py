@@ -32,6 +32,8 @@ SERVICE_ROLES = {
     "kvsched.v1.RequestService": "client",
     "kvsched.v1.WorkerService": "worker",
     "kvsched.v1.AdminService": "admin",
+    # The engine protocol a gateway speaks (server/gateway/): its requests are a client's.
+    "vllm.grpc.engine.VllmEngine": "client",
 }
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 

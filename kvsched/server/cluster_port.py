@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from kvsched.core import Request
-from kvsched.server.engine import InstanceEngine
-from kvsched.server.record import PeerInstance, Tracked
+from kvsched.server.instances.engine import InstanceEngine
+from kvsched.server.requests.record import PeerInstance, Tracked
 from kvsched.v1 import request_service_pb2
 
 
@@ -63,6 +63,10 @@ class ClusterPort(Protocol):
         owner: str,
         carrier: dict[str, str],
     ) -> AsyncIterator[request_service_pb2.RequestServiceResumeResponse]: ...
+
+    async def takeovers_settled(self) -> None:
+        """Wait (bounded, about a second) until no takeover pass runs on this daemon."""
+        ...
 
     def refuse_if_fenced(self) -> None:
         """Unavailable while this daemon is fenced: a Resume of a request it does not hold

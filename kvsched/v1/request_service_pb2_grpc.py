@@ -31,13 +31,9 @@ class RequestServiceStub:
 
     Generate, one request per call:
     1. The client sends a GenerateRequest.
-    2. The daemon validates it. A rejected request ends the call with a status and a message a
-    person can act on, before any response: INVALID_ARGUMENT (empty prompt, prompt +
-    max_tokens over max_model_len, a negative value, a duplicate request_id, an unknown
-    model), RESOURCE_EXHAUSTED (the queue holds max_waiting requests), UNAVAILABLE (the
-    daemon is shutting down, every instance drains, or no worker is connected),
-    UNAUTHENTICATED / PERMISSION_DENIED. A paused daemon (AdminService.Pause) accepts the
-    request and queues it until Resume.
+    2. The daemon validates it. A rejected request ends the call with a status (the table
+    below) and a message a person can act on, before any response. A paused daemon
+    (AdminService.Pause) accepts the request and queues it until Resume.
     3. Accepted: the first response is `queued` (the request id, assigned if the client left it
     empty, and the instance it was routed to).
     4. Then `tokens` as the instance produces them, in order. One message carries every token
@@ -54,9 +50,10 @@ class RequestServiceStub:
     dropped. Abort (below) ends a detachable request.
 
     Abort: ends a request by id wherever it is (queued or running). Its stream, if any, gets
-    `finished` with FINISH_REASON_ABORT. NOT_FOUND if the id is unknown; OK and no effect if the
-    request has already finished (an abort and a finish may cross; the first one seen wins). The
-    daemon remembers the last 10,000 finished ids for this; an older one is NOT_FOUND.
+    `finished` with FINISH_REASON_ABORT (or STOP: AbortRequest.reason). NOT_FOUND if the id is
+    unknown; OK and no effect if the request has already finished (an abort and a finish may
+    cross; the first one seen wins). The daemon remembers the last 10,000 finished ids for this;
+    an older one is NOT_FOUND.
 
     Session, many requests over one bidirectional stream, outputs batched (one or more steps):
     1. The client opens the stream and sends SessionRequests: `submit` (a GenerateRequest with a
@@ -96,6 +93,40 @@ class RequestServiceStub:
     5. In a cluster any daemon answers: one that does not hold the request relays the Resume to
     the daemon its journal record names (after a daemon's death, the one that adopted it),
     as the same caller, and streams that daemon's answer (errors included) back.
+
+    Status codes, per RPC (tests/integration/test_status_codes.py provokes each one marked *):
+
+    RPC         code                why
+    Generate    INVALID_ARGUMENT *  empty prompt; a value out of range (max_tokens < 1, min_tokens
+    outside [0, max_tokens], temperature < 0, top_p outside
+    (0, 1], ...); prompt + max_tokens over the model's
+    max_model_len; a token id outside its vocabulary; a
+    request_id a live request holds; `model` empty while
+    several models are served and the configured one is not
+    NOT_FOUND *         `model` names a model no instance serves
+    RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
+    ttft_deadline_ms cannot be met (fairness.shed = "shed")
+    UNAVAILABLE *       every instance of the model drains (*), the daemon is
+    shutting down, or no instance of the model is ready
+    UNAUTHENTICATED *   no token or an unknown one (with an auth file)
+    PERMISSION_DENIED * a token whose role may not call RequestService (a worker's)
+    Abort       OK *                also for a request that already finished (no effect)
+    NOT_FOUND *         no live or recently finished request by that id (also one
+    submitted with other credentials)
+    INVALID_ARGUMENT *  `reason` other than UNSPECIFIED, ABORT or STOP
+    UNAUTHENTICATED *, PERMISSION_DENIED *  as Generate
+    Session     UNAUTHENTICATED *, PERMISSION_DENIED  the stream, as Generate; everything else
+    is in-band: `errors` entries carry Generate's codes for a
+    rejected submit (*) and Abort's for an abort (*)
+    Resume      NOT_FOUND *         no such request, or finished and no journal holds it
+    PERMISSION_DENIED * submitted with other credentials (*), or a worker's token
+    INVALID_ARGUMENT *  token_ids differ from the request's output (*); more tokens
+    claimed than a finished request produced
+    UNAVAILABLE         the journal is being recovered, or the request's daemon
+    died and none adopted it yet (cluster; not provoked here)
+    UNAUTHENTICATED *   as Generate
+    ListModels  UNAUTHENTICATED *, PERMISSION_DENIED *  as Generate
+    any         INTERNAL            a bug: the message holds a reference to the daemon's log
     """
 
     def __init__(self, channel):
@@ -137,13 +168,9 @@ class RequestServiceServicer:
 
     Generate, one request per call:
     1. The client sends a GenerateRequest.
-    2. The daemon validates it. A rejected request ends the call with a status and a message a
-    person can act on, before any response: INVALID_ARGUMENT (empty prompt, prompt +
-    max_tokens over max_model_len, a negative value, a duplicate request_id, an unknown
-    model), RESOURCE_EXHAUSTED (the queue holds max_waiting requests), UNAVAILABLE (the
-    daemon is shutting down, every instance drains, or no worker is connected),
-    UNAUTHENTICATED / PERMISSION_DENIED. A paused daemon (AdminService.Pause) accepts the
-    request and queues it until Resume.
+    2. The daemon validates it. A rejected request ends the call with a status (the table
+    below) and a message a person can act on, before any response. A paused daemon
+    (AdminService.Pause) accepts the request and queues it until Resume.
     3. Accepted: the first response is `queued` (the request id, assigned if the client left it
     empty, and the instance it was routed to).
     4. Then `tokens` as the instance produces them, in order. One message carries every token
@@ -160,9 +187,10 @@ class RequestServiceServicer:
     dropped. Abort (below) ends a detachable request.
 
     Abort: ends a request by id wherever it is (queued or running). Its stream, if any, gets
-    `finished` with FINISH_REASON_ABORT. NOT_FOUND if the id is unknown; OK and no effect if the
-    request has already finished (an abort and a finish may cross; the first one seen wins). The
-    daemon remembers the last 10,000 finished ids for this; an older one is NOT_FOUND.
+    `finished` with FINISH_REASON_ABORT (or STOP: AbortRequest.reason). NOT_FOUND if the id is
+    unknown; OK and no effect if the request has already finished (an abort and a finish may
+    cross; the first one seen wins). The daemon remembers the last 10,000 finished ids for this;
+    an older one is NOT_FOUND.
 
     Session, many requests over one bidirectional stream, outputs batched (one or more steps):
     1. The client opens the stream and sends SessionRequests: `submit` (a GenerateRequest with a
@@ -202,6 +230,40 @@ class RequestServiceServicer:
     5. In a cluster any daemon answers: one that does not hold the request relays the Resume to
     the daemon its journal record names (after a daemon's death, the one that adopted it),
     as the same caller, and streams that daemon's answer (errors included) back.
+
+    Status codes, per RPC (tests/integration/test_status_codes.py provokes each one marked *):
+
+    RPC         code                why
+    Generate    INVALID_ARGUMENT *  empty prompt; a value out of range (max_tokens < 1, min_tokens
+    outside [0, max_tokens], temperature < 0, top_p outside
+    (0, 1], ...); prompt + max_tokens over the model's
+    max_model_len; a token id outside its vocabulary; a
+    request_id a live request holds; `model` empty while
+    several models are served and the configured one is not
+    NOT_FOUND *         `model` names a model no instance serves
+    RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
+    ttft_deadline_ms cannot be met (fairness.shed = "shed")
+    UNAVAILABLE *       every instance of the model drains (*), the daemon is
+    shutting down, or no instance of the model is ready
+    UNAUTHENTICATED *   no token or an unknown one (with an auth file)
+    PERMISSION_DENIED * a token whose role may not call RequestService (a worker's)
+    Abort       OK *                also for a request that already finished (no effect)
+    NOT_FOUND *         no live or recently finished request by that id (also one
+    submitted with other credentials)
+    INVALID_ARGUMENT *  `reason` other than UNSPECIFIED, ABORT or STOP
+    UNAUTHENTICATED *, PERMISSION_DENIED *  as Generate
+    Session     UNAUTHENTICATED *, PERMISSION_DENIED  the stream, as Generate; everything else
+    is in-band: `errors` entries carry Generate's codes for a
+    rejected submit (*) and Abort's for an abort (*)
+    Resume      NOT_FOUND *         no such request, or finished and no journal holds it
+    PERMISSION_DENIED * submitted with other credentials (*), or a worker's token
+    INVALID_ARGUMENT *  token_ids differ from the request's output (*); more tokens
+    claimed than a finished request produced
+    UNAVAILABLE         the journal is being recovered, or the request's daemon
+    died and none adopted it yet (cluster; not provoked here)
+    UNAUTHENTICATED *   as Generate
+    ListModels  UNAUTHENTICATED *, PERMISSION_DENIED *  as Generate
+    any         INTERNAL            a bug: the message holds a reference to the daemon's log
     """
 
     def Generate(self, request, context):
@@ -282,13 +344,9 @@ class RequestService:
 
     Generate, one request per call:
     1. The client sends a GenerateRequest.
-    2. The daemon validates it. A rejected request ends the call with a status and a message a
-    person can act on, before any response: INVALID_ARGUMENT (empty prompt, prompt +
-    max_tokens over max_model_len, a negative value, a duplicate request_id, an unknown
-    model), RESOURCE_EXHAUSTED (the queue holds max_waiting requests), UNAVAILABLE (the
-    daemon is shutting down, every instance drains, or no worker is connected),
-    UNAUTHENTICATED / PERMISSION_DENIED. A paused daemon (AdminService.Pause) accepts the
-    request and queues it until Resume.
+    2. The daemon validates it. A rejected request ends the call with a status (the table
+    below) and a message a person can act on, before any response. A paused daemon
+    (AdminService.Pause) accepts the request and queues it until Resume.
     3. Accepted: the first response is `queued` (the request id, assigned if the client left it
     empty, and the instance it was routed to).
     4. Then `tokens` as the instance produces them, in order. One message carries every token
@@ -305,9 +363,10 @@ class RequestService:
     dropped. Abort (below) ends a detachable request.
 
     Abort: ends a request by id wherever it is (queued or running). Its stream, if any, gets
-    `finished` with FINISH_REASON_ABORT. NOT_FOUND if the id is unknown; OK and no effect if the
-    request has already finished (an abort and a finish may cross; the first one seen wins). The
-    daemon remembers the last 10,000 finished ids for this; an older one is NOT_FOUND.
+    `finished` with FINISH_REASON_ABORT (or STOP: AbortRequest.reason). NOT_FOUND if the id is
+    unknown; OK and no effect if the request has already finished (an abort and a finish may
+    cross; the first one seen wins). The daemon remembers the last 10,000 finished ids for this;
+    an older one is NOT_FOUND.
 
     Session, many requests over one bidirectional stream, outputs batched (one or more steps):
     1. The client opens the stream and sends SessionRequests: `submit` (a GenerateRequest with a
@@ -347,6 +406,40 @@ class RequestService:
     5. In a cluster any daemon answers: one that does not hold the request relays the Resume to
     the daemon its journal record names (after a daemon's death, the one that adopted it),
     as the same caller, and streams that daemon's answer (errors included) back.
+
+    Status codes, per RPC (tests/integration/test_status_codes.py provokes each one marked *):
+
+    RPC         code                why
+    Generate    INVALID_ARGUMENT *  empty prompt; a value out of range (max_tokens < 1, min_tokens
+    outside [0, max_tokens], temperature < 0, top_p outside
+    (0, 1], ...); prompt + max_tokens over the model's
+    max_model_len; a token id outside its vocabulary; a
+    request_id a live request holds; `model` empty while
+    several models are served and the configured one is not
+    NOT_FOUND *         `model` names a model no instance serves
+    RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
+    ttft_deadline_ms cannot be met (fairness.shed = "shed")
+    UNAVAILABLE *       every instance of the model drains (*), the daemon is
+    shutting down, or no instance of the model is ready
+    UNAUTHENTICATED *   no token or an unknown one (with an auth file)
+    PERMISSION_DENIED * a token whose role may not call RequestService (a worker's)
+    Abort       OK *                also for a request that already finished (no effect)
+    NOT_FOUND *         no live or recently finished request by that id (also one
+    submitted with other credentials)
+    INVALID_ARGUMENT *  `reason` other than UNSPECIFIED, ABORT or STOP
+    UNAUTHENTICATED *, PERMISSION_DENIED *  as Generate
+    Session     UNAUTHENTICATED *, PERMISSION_DENIED  the stream, as Generate; everything else
+    is in-band: `errors` entries carry Generate's codes for a
+    rejected submit (*) and Abort's for an abort (*)
+    Resume      NOT_FOUND *         no such request, or finished and no journal holds it
+    PERMISSION_DENIED * submitted with other credentials (*), or a worker's token
+    INVALID_ARGUMENT *  token_ids differ from the request's output (*); more tokens
+    claimed than a finished request produced
+    UNAVAILABLE         the journal is being recovered, or the request's daemon
+    died and none adopted it yet (cluster; not provoked here)
+    UNAUTHENTICATED *   as Generate
+    ListModels  UNAUTHENTICATED *, PERMISSION_DENIED *  as Generate
+    any         INTERNAL            a bug: the message holds a reference to the daemon's log
     """
 
     @staticmethod

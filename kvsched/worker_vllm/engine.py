@@ -25,7 +25,7 @@ def vllm_sampling(
     """vLLM's SamplingParams for a placement, pre-processed as vLLM's input processor does
     (generation config EOS ids, the tokenizer's EOS), and kvsched's with the stop token ids that
     follow from it. min_tokens counts from the placement: the runner counts outputs since then.
-    seed 0 is "no seed" (kvsched's wire default)."""
+    An absent seed is unseeded; seed 0 is a seed, as in vLLM."""
     from vllm import SamplingParams as VSamplingParams
 
     params = VSamplingParams(
@@ -33,11 +33,16 @@ def vllm_sampling(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k if sampling.top_k > 0 else 0,
-        seed=sampling.seed or None,
+        seed=sampling.seed,
         max_tokens=max(1, sampling.max_tokens - num_output),
         min_tokens=max(0, sampling.min_tokens - num_output),
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=dict(sampling.logit_bias) or None,
+        min_p=sampling.min_p,
         detokenize=False,
     )
     params.update_from_generation_config(facts.generation_config, facts.eos_token_id)

@@ -14,9 +14,9 @@ from kvsched.cluster.kv_index import ClusterIndex, decode, encode_batch, encode_
 from kvsched.cluster.routing import ClusterRouter, RemoteInstance
 from kvsched.core.kv_events import CPU, GPU, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored
 from kvsched.core.step_cost import priced_hit_tokens
-from kvsched.server.config import ServerConfig
-from kvsched.server.registry import InstanceRegistry
-from kvsched.server.telemetry import Telemetry
+from kvsched.server.config.settings import ServerConfig
+from kvsched.server.instances.registry import InstanceRegistry
+from kvsched.server.telemetry.hooks import Telemetry
 from tests.core.factories import make_request, make_scheduler
 
 BS = 16

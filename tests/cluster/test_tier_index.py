@@ -16,9 +16,9 @@ from kvsched.cluster.natsd import NatsServer
 from kvsched.cluster.routing import ClusterRouter, RemoteInstance
 from kvsched.core import Scheduler
 from kvsched.core.kv_events import CPU, GPU, BlockRemoved
-from kvsched.server.config import ServerConfig
-from kvsched.server.registry import InstanceRegistry
-from kvsched.server.telemetry import Telemetry
+from kvsched.server.config.settings import ServerConfig
+from kvsched.server.instances.registry import InstanceRegistry
+from kvsched.server.telemetry.hooks import Telemetry
 from tests.core.factories import make_request, make_scheduler, step
 
 BS = 16

@@ -11,6 +11,7 @@ from kvsched.core import (
     Scheduler,
     Tasks,
 )
+from kvsched.core.slots import set_output
 from tests.core.factories import (
     make_request,
     make_requests,
@@ -551,7 +552,7 @@ def test_output_block_hashes_read_from_the_ring_equal_hashing_the_tokens() -> No
     for req in sched.running.values():
         assert len(req.block_hashes) > 2  # prompt block and decoded blocks
         copy = Request("copy", req.prompt_token_ids)
-        copy.output_token_ids = list(req.output_token_ids)
+        set_output(copy, list(req.output_token_ids))
         sched.kv.ensure_hashes(copy, len(req.block_hashes))
         assert copy.block_hashes == req.block_hashes
         checked += 1

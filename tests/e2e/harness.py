@@ -22,8 +22,8 @@ import numpy as np
 from kvsched.core import Role
 from kvsched.core.protocol import MultimodalRange, StepReport, Tasks
 from kvsched.daemon import app as daemon_mod
-from kvsched.server.config import InstanceConfig
-from kvsched.server.config_load import load_config
+from kvsched.server.config.load import load_config
+from kvsched.server.config.settings import InstanceConfig
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb

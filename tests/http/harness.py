@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,6 +24,17 @@ def make_model_dir(path: Path) -> Path:
     from kvsched.tinymodel.tokenizer import make_tokenizer
 
     return make_tokenizer(path, vocab_size=VOCAB)
+
+
+def text_of(tok: Any, ids: list[int]) -> str:
+    """The text vLLM's server answers for output `ids` (skip_special_tokens): the decoding of
+    the longest prefix of them whose decoding does not end inside a character (U+FFFD): the
+    bytes of an incomplete last character, and what came with them, are dropped."""
+    for k in range(len(ids), -1, -1):
+        text: str = tok.decode(ids[:k], skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            return text
+    return ""
 
 
 def start_http(model_dir: Path, servers: str, *args: str) -> tuple[Proc, str]:
@@ -64,7 +76,9 @@ def stack(
         wait_ready(address, admin_token)
         http, url = start_http(model_dir, address, *http_args)
         procs.append(http)
-        yield Stack(daemon, address, f"http://{metrics}/metrics", http, url)
+        s = Stack(daemon, address, f"http://{metrics}/metrics", http, url)
+        s.worker = procs[1]
+        yield s
     finally:
         for p in reversed(procs):
             p.stop()
@@ -77,6 +91,7 @@ class Stack:
         self.metrics_url = metrics_url
         self.http = http
         self.url = url
+        self.worker: Proc | None = None
 
     def finished(self, reason: str) -> float:
         """The daemon's count of requests finished with `reason` (kvsched_request_success)."""

@@ -17,7 +17,7 @@ from openai import BadRequestError, NotFoundError, OpenAI
 from transformers import AutoTokenizer
 
 from kvsched.worker_stub.sim import SimExecutor
-from tests.http.harness import MODEL, VOCAB, Stack, scrape
+from tests.http.harness import MODEL, VOCAB, Stack, scrape, text_of
 from tests.integration.harness import start_worker, status
 
 SIM = SimExecutor(vocab_size=VOCAB)
@@ -56,7 +56,7 @@ def test_completion_text_is_the_decoding_of_the_sim_tokens(live: Stack, tok: Any
     out = client(live).completions.create(
         model=MODEL, prompt=prompt, max_tokens=24, extra_body={"request_id": "c-plain"}
     )
-    want = tok.decode(sim_tokens("c-plain", n_prompt, 24), skip_special_tokens=True)
+    want = text_of(tok, sim_tokens("c-plain", n_prompt, 24))
     assert out.choices[0].text == want
     assert out.choices[0].finish_reason == "length"
     assert out.usage is not None
@@ -76,7 +76,7 @@ def test_streamed_completion_equals_the_whole_text(live: Stack, tok: Any) -> Non
     )
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert text == tok.decode(sim_tokens("c-stream", 4, 40), skip_special_tokens=True)
+    assert text == text_of(tok, sim_tokens("c-stream", 4, 40))
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 40
@@ -94,7 +94,7 @@ def test_chat_streamed_and_not_with_the_models_template(live: Stack, tok: Any) -
     whole = c.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=20, extra_body={"request_id": "chat-1"}
     )
-    want = tok.decode(sim_tokens("chat-1", n_prompt, 20), skip_special_tokens=True)
+    want = text_of(tok, sim_tokens("chat-1", n_prompt, 20))
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == want
     assert whole.usage is not None and whole.usage.prompt_tokens == n_prompt
@@ -111,7 +111,7 @@ def test_chat_streamed_and_not_with_the_models_template(live: Stack, tok: Any) -
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     assert deltas[0].role == "assistant"
     text = "".join(d.content or "" for d in deltas)
-    assert text == tok.decode(sim_tokens("chat-2", n_prompt, 20), skip_special_tokens=True)
+    assert text == text_of(tok, sim_tokens("chat-2", n_prompt, 20))
     assert chunks[-1].usage is not None
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (n_prompt, 20)
 
@@ -126,15 +126,15 @@ def _stop_string(text: str) -> tuple[str, int]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_stop_string_cuts_the_text_and_aborts_the_request(
+def test_stop_string_cuts_the_text_and_stops_the_request(
     live: Stack, tok: Any, stream: bool
 ) -> None:
     rid = f"stop-{stream}"
     prompt = "Questions people often ask:"
     n_prompt = len(tok(prompt).input_ids)
-    full = tok.decode(sim_tokens(rid, n_prompt, 60), skip_special_tokens=True)
+    full = text_of(tok, sim_tokens(rid, n_prompt, 60))
     stop, at = _stop_string(full)
-    aborted = live.finished("abort")
+    stopped, aborted = live.finished("stop"), live.finished("abort")
     kwargs: dict[str, Any] = dict(
         model=MODEL,
         prompt=prompt,
@@ -151,7 +151,9 @@ def test_stop_string_cuts_the_text_and_aborts_the_request(
         text, reason = out.choices[0].text, out.choices[0].finish_reason
     assert text == full[:at]
     assert reason == "stop"
-    assert live.wait_finished("abort", aborted + 1) == aborted + 1
+    # Ended in the daemon at once, and counted there as stopped (AbortRequest.reason STOP).
+    assert live.wait_finished("stop", stopped + 1) == stopped + 1
+    assert live.finished("abort") == aborted
 
 
 def test_stop_token_ids_end_the_request_at_that_token(live: Stack, tok: Any) -> None:
@@ -166,7 +168,7 @@ def test_stop_token_ids_end_the_request_at_that_token(live: Stack, tok: Any) -> 
     )
     assert out.choices[0].finish_reason == "stop"
     assert out.usage is not None and out.usage.completion_tokens == k + 1
-    assert out.choices[0].text == tok.decode(toks[: k + 1], skip_special_tokens=True)
+    assert out.choices[0].text == text_of(tok, toks[: k + 1])
 
 
 def _running(live: Stack) -> int:
@@ -209,16 +211,18 @@ def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"prompt": "x", "n": 2}, "n", "n must be 1"),
+        ({"prompt": "x", "n": 0}, "n", "n must be in [1, 128]"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
         ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
         ({"prompt": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
         ({"prompt": [1, 2, VOCAB]}, "prompt", "outside the vocabulary"),
         ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
         ({"prompt": "x", "stop": [""]}, "stop", "must not be empty"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop strings"),
         ({}, "prompt", "Field required"),
-        # The daemon's own refusal (INVALID_ARGUMENT), mapped to 400 with its message.
-        ({"prompt": "x", "max_tokens": 10**9}, None, "exceeds max_model_len"),
+        # The daemon's own refusal (INVALID_ARGUMENT), mapped to 400 with its message, the
+        # parameter named, no request id.
+        ({"prompt": "x", "stop_token_ids": [VOCAB + 5]}, "stop_token_ids", "outside the vocab"),
     ],
 )
 def test_invalid_completions_are_400_in_openais_shape(
@@ -247,7 +251,7 @@ def test_invalid_chat_and_malformed_json_are_400(live: Stack) -> None:
     _error(httpx.post(url, content=b"{not json", timeout=30), 400)
     with pytest.raises(BadRequestError):
         client(live).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], n=3
+            model=MODEL, messages=[{"role": "user", "content": "x"}], n=200
         )
 
 

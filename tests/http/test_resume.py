@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-from tests.http.harness import MODEL, VOCAB, scrape, start_http, wait_ready
+from tests.http.harness import MODEL, VOCAB, scrape, start_http, text_of, wait_ready
 from tests.http.test_api import sim_tokens
 from tests.integration.harness import start_daemon, start_worker
 
@@ -104,7 +104,7 @@ def test_a_broken_daemon_stream_is_resumed_without_a_gap(model_dir: Path) -> Non
                 if len(pieces) == 5:  # mid-stream: every front end <-> daemon link broken
                     cut = sum(p.cut() for p in proxies)
         assert cut > 0
-        want = tok.decode(sim_tokens("resume-1", n_prompt, 1500), skip_special_tokens=True)
+        want = text_of(tok, sim_tokens("resume-1", n_prompt, 1500))
         assert "".join(pieces) == want
         assert scrape(url + "/metrics", "kvsched_http_resumes_total") >= 1
     finally:

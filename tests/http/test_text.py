@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from kvsched.http.text import StopStrings, TextModel
 from kvsched.tinymodel.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, make_tokenizer
+from tests.http.harness import text_of
 
 MULTIBYTE = "Grüße aus 東京! こんにちは 🙂🚀 crème brûlée, Привет, مرحبا → ✓ naïve café"
 
@@ -44,14 +45,13 @@ def test_every_id_of_the_vocabulary_decodes(model_dir: Path) -> None:
 
 
 def _stream(text: TextModel, ids: list[int], rng: random.Random) -> str:
-    """Push `ids` in batches of random sizes (as engine steps deliver them), then flush."""
+    """Push `ids` in batches of random sizes (as engine steps deliver them)."""
     d = text.detokenizer()
     out, pos = [], 0
     while pos < len(ids):
         n = rng.randint(1, 4)
         out.append(d.push(ids[pos : pos + n]))
         pos += n
-    out.append(d.flush())
     return "".join(out)
 
 
@@ -66,12 +66,41 @@ def test_incremental_detokenization_equals_decode_of_the_whole_sequence(model_di
     d = text.detokenizer()
     pieces = [d.push([i]) for i in ids]
     assert all("\ufffd" not in p for p in pieces)
-    assert "".join(pieces) + d.flush() == MULTIBYTE
-    # Random ids (what the sim emits): special tokens skipped, invalid byte runs as U+FFFD.
+    assert "".join(pieces) == MULTIBYTE
+    # Random ids (what the sim emits): special tokens skipped, invalid byte runs inside the
+    # text as U+FFFD, an incomplete last character dropped (vLLM's text, harness.text_of).
+    ended_inside = 0
     for seed in range(50):
         r = random.Random(seed)
         ids = [r.randrange(0, 512) for _ in range(80)]
-        assert _stream(text, ids, rng) == text.hf.decode(ids, skip_special_tokens=True)
+        whole = text.hf.decode(ids, skip_special_tokens=True)
+        got = _stream(text, ids, rng)
+        assert got == text_of(text.hf, ids)
+        assert not got.endswith("\ufffd") and whole.startswith(got)
+        ended_inside += got != whole
+    assert ended_inside > 0  # the case is exercised
+
+
+def test_a_text_ending_inside_a_character_drops_its_bytes(model_dir: Path) -> None:
+    """ "é" is two bytes; a sequence cut after its first byte ends without U+FFFD (vLLM)."""
+    text = TextModel(str(model_dir))
+    ids = text.hf("café", add_special_tokens=False).input_ids
+    byte_ids = [i for i in range(5, 512) if text.hf.decode([i]) == "\ufffd"]
+    cut = ids[:-1] if text.hf.decode(ids[:-1]).endswith("\ufffd") else ids + byte_ids[:1]
+    assert text.hf.decode(cut).endswith("\ufffd")
+    d = text.detokenizer()
+    out = d.push(cut)
+    assert out and not out.endswith("\ufffd") and text.hf.decode(cut).startswith(out)
+
+
+def test_detokenizer_primed_with_the_prompt(model_dir: Path) -> None:
+    """As vLLM's, the decode stream starts after the prompt: output equals decoding prompt +
+    output minus decoding the prompt (here a prompt ending in a complete character)."""
+    text = TextModel(str(model_dir))
+    prompt = text.hf("Hello there", add_special_tokens=False).input_ids
+    out_ids = text.hf(" café 東京", add_special_tokens=False).input_ids
+    d = text.detokenizer(True, prompt)
+    assert d.push(out_ids) == text.hf.decode(prompt + out_ids)[len(text.hf.decode(prompt)) :]
 
 
 def test_stop_strings_cut_before_the_earliest_and_hold_back_a_possible_start() -> None:

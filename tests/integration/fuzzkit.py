@@ -103,7 +103,7 @@ class Verdict:
 
 def verdict(msg: rpb.GenerateRequest, live_ids: set[str]) -> Verdict:
     """What the daemon answers to `msg`: the checks of request_service.proto step 2, in the
-    order RequestTable.submit (kvsched.server.request_table) and
+    order RequestTable.submit (kvsched.server.requests.table) and
     kvsched.core.scheduler._validate make them."""
     sp, prompt = msg.sampling, msg.prompt_token_ids
     n = len(prompt)
@@ -133,7 +133,7 @@ def verdict(msg: rpb.GenerateRequest, live_ids: set[str]) -> Verdict:
     ranges = [(r.offset, r.offset + r.length) for r in msg.mm_ranges]
     if any(a[1] > b[0] for a, b in itertools.pairwise(ranges)):
         return Verdict(None, maybe=True)  # "sorted, not overlapping" is not enforced
-    # Then the limits the sim worker announced (server/models.py): its vocabulary.
+    # Then the limits the sim worker announced (server/instances/models.py): its vocabulary.
     if max(prompt) >= VOCAB_SIZE or any(t >= VOCAB_SIZE for t in sp.stop_token_ids):
         return Verdict("outside the vocabulary")
     return Verdict(None)

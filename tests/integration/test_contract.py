@@ -376,8 +376,8 @@ def test_reports_a_taken_out_stream_still_sends_are_dropped() -> None:
     must not reach the engine, or the instance's NEXT scheduler applies a report about tasks it
     never sent and is taken out again (FAILED_PRECONDITION, its requests end with ERROR)."""
     from kvsched.daemon.app import Daemon
-    from kvsched.server.config_load import load_config
-    from kvsched.server.workers import WorkerServicer
+    from kvsched.server.config.load import load_config
+    from kvsched.server.instances.workers import WorkerServicer
     from kvsched.v1 import worker_service_pb2 as wpb
 
     async def go() -> tuple[int, int]:

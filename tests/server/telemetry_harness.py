@@ -17,7 +17,7 @@ from opentelemetry.proto.common.v1 import common_pb2 as otel_common
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from kvsched.daemon import app as daemon_mod
-from kvsched.server.config_load import load_config
+from kvsched.server.config.load import load_config
 from kvsched.v1 import common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
 from kvsched.worker_stub.client import Worker, sim_engine_factory

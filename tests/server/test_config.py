@@ -11,8 +11,8 @@ import pytest
 
 from kvsched.core.config import EngineConfig, QueuePolicy, Role
 from kvsched.core.errors import ConfigError
-from kvsched.server.config import InstanceConfig, ServerConfig, split_host_port
-from kvsched.server.config_load import load_config
+from kvsched.server.config.load import load_config
+from kvsched.server.config.settings import InstanceConfig, ServerConfig, split_host_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvsched.toml"
 
@@ -321,7 +321,7 @@ def test_validate_direct_construction() -> None:
 
 
 def test_storage_takes_none_mooncake_or_a_master_url() -> None:
-    from kvsched.server.config_load import load_config
+    from kvsched.server.config.load import load_config
 
     assert load_config(None, {}, {}).storage == ""
     assert load_config(None, {}, {"storage": "mooncake"}).storage.startswith("mooncake://")

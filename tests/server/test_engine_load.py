@@ -9,7 +9,7 @@ import asyncio
 
 from kvsched.core import FinishReason, Request, SamplingParams
 from kvsched.core.router import instance_load
-from kvsched.server.engine import InstanceEngine
+from kvsched.server.instances.engine import InstanceEngine
 from tests.server.telemetry_harness import running_daemon
 
 

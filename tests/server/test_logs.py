@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvsched.core.errors import ConfigError
-from kvsched.server.logs import request_logger, setup_logging
+from kvsched.server.telemetry.logs import request_logger, setup_logging
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""kvsched.server.otlp's span encoder gives the library's `encode_spans` request, message for
+"""kvsched.server.telemetry.otlp's span encoder gives the library's `encode_spans` request, message for
 message: for the spans the daemon's tracing hooks make, and for span shapes the SDK allows
 beyond them (every attribute type, links, dropped counts, several resources and scopes)."""
 
@@ -22,9 +22,10 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from opentelemetry.trace.span import TraceState
 
 from kvsched.core import Events, FinishReason, Request, SamplingParams
-from kvsched.server.otlp import KvschedSpanExporter, SpanEncoder
-from kvsched.server.spans import MAX_EVENTS, RequestEvents, RequestSpan
-from kvsched.server.tracing import Tracing
+from kvsched.core.slots import set_output
+from kvsched.server.telemetry.otlp import KvschedSpanExporter, SpanEncoder
+from kvsched.server.telemetry.spans import MAX_EVENTS, RequestEvents, RequestSpan
+from kvsched.server.telemetry.tracing import Tracing
 
 from .telemetry_harness import OtlpReceiver
 
@@ -76,7 +77,7 @@ def daemon_spans() -> list[ReadableSpan]:
     tracing.lifecycle(engine, Events(scheduled=reqs[:5]))
     for req in reqs[:4]:
         req.first_token_time = time.monotonic()
-        req.output_token_ids = [5, 6]
+        set_output(req, [5, 6])
         req.num_cached_tokens = 0
     tracing.lifecycle(engine, Events(first_token=reqs[:4]))
     reqs[1].num_preemptions = 1

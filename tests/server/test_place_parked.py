@@ -15,9 +15,9 @@ from collections.abc import Mapping
 
 import grpc
 
-from kvsched.server.record import Parked, Tracked
-from kvsched.server.request_table import RequestTable
-from kvsched.server.resume import ParkedSink
+from kvsched.server.requests.record import Parked, Tracked
+from kvsched.server.requests.resume import ParkedSink
+from kvsched.server.requests.table import RequestTable
 from kvsched.v1 import common_pb2
 from tests.server.telemetry_harness import request, running_daemon
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from kvsched.server.record import LocalEngine, Parked, Tracked
+from kvsched.server.requests.record import LocalEngine, Parked, Tracked
 from kvsched.v1 import common_pb2
 from tests.server.telemetry_harness import Result, request, running_daemon
 

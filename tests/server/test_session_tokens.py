@@ -8,9 +8,9 @@ import asyncio
 import numpy as np
 
 from kvsched.core import Request
-from kvsched.server.delivery import TokenDelivery
-from kvsched.server.request_table import Tracked
-from kvsched.server.sinks import SessionSink, _token_columns
+from kvsched.server.requests.delivery import TokenDelivery
+from kvsched.server.requests.sinks import SessionSink, _token_columns
+from kvsched.server.requests.table import Tracked
 
 
 def tracked(req_id: str, sink: object) -> Tracked:

@@ -38,11 +38,11 @@ from kvsched.core import (
     SamplingParams,
     Unavailable,
 )
-from kvsched.server.config import ServerConfig
-from kvsched.server.metrics import Metrics
-from kvsched.server.otlp import KvschedSpanExporter
-from kvsched.server.tracing import Tracing
-from kvsched.server.tracing_setup import choose_exporters, make_resource, make_tracing
+from kvsched.core.slots import set_output
+from kvsched.server.config.settings import ServerConfig
+from kvsched.server.telemetry.metrics import Metrics
+from kvsched.server.telemetry.otlp import KvschedSpanExporter
+from kvsched.server.telemetry.tracing import Tracing, choose_exporters, make_resource, make_tracing
 from kvsched.v1 import common_pb2
 
 from .telemetry_harness import OtlpReceiver, Result, attributes, request, running_daemon
@@ -472,11 +472,11 @@ def test_metrics_counters_move_by_exactly_what_was_sent() -> None:
 
 def test_metrics_address_in_use_is_a_clear_error() -> None:
     async def go() -> None:
-        first = Metrics(SimpleNamespace(engines={}), "m1")
+        first = Metrics("m1")
         port = await first.start_server("127.0.0.1:0")
         try:
             with pytest.raises(Unavailable, match=f"127.0.0.1:{port}.*--metrics-listen"):
-                await Metrics(SimpleNamespace(engines={}), "m1").start_server(f"127.0.0.1:{port}")
+                await Metrics("m1").start_server(f"127.0.0.1:{port}")
         finally:
             first.close()
 
@@ -510,7 +510,7 @@ def test_spans_are_built_off_the_loop_and_keep_rare_events_in_order() -> None:
         tracing.lifecycle(mixed, Events(preempted=[req]))
         tracing.lifecycle(mixed, Events(scheduled=[req]))
         req.finish_reason, req.finished_time = FinishReason.LENGTH, time.monotonic()
-        req.output_token_ids = [5, 6, 7, 8]
+        set_output(req, [5, 6, 7, 8])
         tracing.request_finished(tr)
 
         prefill = SimpleNamespace(instance_id="p0", role=Role.PREFILL)
@@ -630,7 +630,7 @@ def test_a_pending_span_builds_every_field_the_installed_sdk_gives_a_readable_sp
     # on_end, which is correct but builds the span on the loop).
     from opentelemetry.sdk.trace import ReadableSpan
 
-    from kvsched.server import spans as tracing_mod
+    from kvsched.server.telemetry import spans as tracing_mod
 
     assert set(vars(ReadableSpan(name="probe"))) == set(tracing_mod._SPAN_FIELDS)
     processor = BatchSpanProcessor(InMemorySpanExporter())

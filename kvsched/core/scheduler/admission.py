@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import kvsched.core.lifecycle as lifecycle
 from kvsched.core.config import EngineConfig, Role
 from kvsched.core.encoder_cache import EncoderCache
 from kvsched.core.kv_cache_manager import KVCacheManager
@@ -248,14 +249,11 @@ class Admitter:
         Placement. num_swapped: tokens of num_hit that swap-ins bring from the host tier;
         num_fetched: those that fetches bring from the storage tier (after them)."""
         now = self.clock()
-        if req.num_cached_tokens < 0:  # its first placement on this instance
-            req.num_cached_tokens = num_hit
-            if req.first_scheduled_time < 0:  # (a request moved off a lost instance keeps it)
-                req.first_scheduled_time = now
+        lifecycle.place(req, now)  # (a request moved off a lost instance keeps its first time)
+        if self.table.first_placement(req, num_hit, num_swapped):
             self.kv.record_lookup(req.num_tokens, num_hit, num_swapped, num_fetched)
-            self.stats.num_prompt_tokens += len(req.prompt_token_ids)
+            self.stats.count_prompt(len(req.prompt_token_ids))
             if num_swapped:
-                req.num_host_cached_tokens = num_swapped
                 self.events.host_hits.append(req)
         self.table.place(req, num_hit, num_swapped + num_fetched)
         # The worker decodes from last_token_id only once no prefill is left; while positions
@@ -372,7 +370,7 @@ class Admitter:
             budget.slack_ms -= plan.chunk_extra_ms(start, n, own_tokens, own_attn)
         plan.record_chunk(req, start, n)
         self.tasks.chunks.append(Chunk(req.handle, start, req.token_ids(start, start + n)))
-        req.num_computed_tokens = start + n
+        self.table.computed(req, start + n)
         if req.mm_ranges:
             enc_needed = self.table.enc_needed
             budget.encoder = charge_encoder(

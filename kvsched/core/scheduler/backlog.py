@@ -27,11 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import kvsched.core.lifecycle as lifecycle
 from kvsched.core.config import EngineConfig, QueuePolicy, ShedPolicy
 from kvsched.core.errors import CapacityExceeded
 from kvsched.core.fairness import TenantCounters, make_queue
 from kvsched.core.kv_cache_manager import KVCacheManager
-from kvsched.core.request import Request, RequestStatus
+from kvsched.core.request import Request
 from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.scheduler.table import Freed, PlacementTable
 from kvsched.core.scheduler.validation import validate
@@ -74,9 +75,7 @@ class Backlog:
                 f"waiting queue is full ({sc.max_waiting} requests); "
                 "retry later or raise scheduler.max_waiting"
             )
-        req.status = RequestStatus.WAITING
-        if req.arrival_time == 0.0:
-            req.arrival_time = self._clock()
+        lifecycle.queue(req, self._clock())
         self.check_deadline(req)  # may shed it (CapacityExceeded) or demote it
         table.track(req)
         self.push(req)
@@ -158,7 +157,7 @@ class Backlog:
                 f"(prefill queued ahead on instance {self._instance_id or '-'}) exceeds its "
                 f"ttft_deadline_ms {own:,.0f}; retry later, elsewhere, or with a later deadline"
             )
-        req.demoted = True
+        lifecycle.demote(req)
         self.num_demoted += 1
 
     def on_admitted(self, req: Request, num_hit: int) -> None:

@@ -9,7 +9,7 @@ scheduler package may import this one, and so may the server (through
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -69,14 +69,23 @@ class Events:
 
     def take(self) -> Events:
         """The events so far, handed out (the scheduler's `take_events`): a new `Events` holds
-        the lists, and this one starts fresh ones for the parts to append to."""
-        out = Events(*(getattr(self, name) for name in _EVENT_LISTS))
-        for name in _EVENT_LISTS:  # fresh lists: `out` keeps the old ones
-            setattr(self, name, [])
+        the lists that have something, and this one starts a fresh list for each of those
+        only; an empty kind is the one shared empty list in the taken value. The taken
+        `Events` is read, never appended to. No Python call per kind: a steady decode step
+        has one or two kinds with news."""
+        out = object.__new__(Events)
+        for name in _EVENT_LISTS:
+            got = getattr(self, name)
+            if got:
+                setattr(self, name, [])
+                setattr(out, name, got)
+            else:
+                setattr(out, name, _NOTHING)
         return out
 
 
 _EVENT_LISTS = tuple(f.name for f in fields(Events))  # every field of Events is a list
+_NOTHING: list[Any] = []  # the taken value's empty kinds (shared; never appended to)
 
 
 @dataclass(slots=True)
@@ -90,9 +99,29 @@ class SchedulerStats:
     num_generation_tokens: int = 0
     num_finished: dict[FinishReason, int] = field(default_factory=dict)
 
+    # Counted here only (each part calls the verb; nothing else writes a counter).
+    def count_step(self) -> None:
+        self.num_steps += 1
+
+    def count_prompt(self, n: int) -> None:
+        self.num_prompt_tokens += n
+
+    def count_generated(self, n: int) -> None:
+        self.num_generation_tokens += n
+
+    def count_preemption(self) -> None:
+        self.num_preemptions += 1
+
+    def count_preemption_skip(self) -> None:
+        self.num_preemption_skips += 1
+
+    def count_finished(self, reason: FinishReason) -> None:
+        fin = self.num_finished
+        fin[reason] = fin.get(reason, 0) + 1
+
 
 # The snapshot's monotonic counters: what restarts at 0 with a new scheduler, and what the daemon
-# totals over the schedulers an instance has had (server/engine.py `counters`).
+# totals over the schedulers an instance has had (server/instances/engine.py `counters`).
 SNAPSHOT_COUNTERS = (
     "prefix_cache_query_tokens",
     "prefix_cache_hit_tokens",

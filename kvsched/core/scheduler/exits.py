@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import kvsched.core.lifecycle as lifecycle
 from kvsched.core.config import EngineConfig, QueuePolicy
 from kvsched.core.protocol import FinishReason
-from kvsched.core.request import FINISHED_STATUS, Request, RequestStatus
+from kvsched.core.request import Request
 from kvsched.core.scheduler.backlog import Backlog
 from kvsched.core.scheduler.events import Events, SchedulerStats
 from kvsched.core.scheduler.outbox import Outbox
@@ -50,12 +51,8 @@ class Exits:
         """req ends here (finished, aborted, failed): blocks and slot back, no longer live."""
         freed = self._table.remove(req)
         self._backlog.released(req, freed)
-        req.status = FINISHED_STATUS[reason]
-        req.finish_reason = reason
-        req.finish_message = message
-        req.finished_time = self._clock()
-        fin = self._stats.num_finished
-        fin[reason] = fin.get(reason, 0) + 1
+        lifecycle.finish(req, reason, message, self._clock())
+        self._stats.count_finished(reason)
         self._events.finished.append(req)
 
     def hand_off(self, req: Request) -> None:
@@ -71,9 +68,8 @@ class Exits:
         task reusing them. It re-enters the queue when the worker acknowledges (`requeue`)."""
         freed = self._table.release(req)
         self._backlog.released(req, freed)
-        req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self._stats.num_preemptions += 1
+        lifecycle.preempt(req)
+        self._stats.count_preemption()
         self._outbox.preempt(req.handle)
         cc = self._config.cache
         self._reserve = float(cc.reserve_blocks)
@@ -103,10 +99,8 @@ class Exits:
 
     def requeue(self, req: Request) -> None:
         """A preempted request the worker acknowledged: waiting again, at the queue's front."""
-        self._table.unlive(req)
-        req.handle = -1
-        req.status = RequestStatus.WAITING
-        req.num_computed_tokens = req.num_reported_tokens = 0
+        self._table.unplace(req)
+        lifecycle.requeue(req)
         self._backlog.push_front(req)
         self._events.requeued.append(req)
 

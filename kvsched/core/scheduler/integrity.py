@@ -56,12 +56,7 @@ def check_integrity(
     assert len(set(slots)) == len(slots), "two requests on one slot"
     table = sched.slots
     for req in placed:
-        s = req.slot
-        assert table.reqs[s] is req and req._rows is table, f"{req.req_id}: slot row unbound"
-        assert int(table.handle[s]) == req.handle and req.handle & table.mask == s
-        lag = int(table.n_out[s]) - len(req._out)
-        assert 0 <= lag <= RING, f"{req.req_id}: {lag} output tokens in the ring"
-        assert int(table.check[s]) == req.check_out, f"{req.req_id}: slot check drifted"
+        table.check_bound(req, RING)
     bound = {i for i, r in enumerate(table.reqs) if r is not None}
     assert bound == set(slots), "slot table rows != placed requests"
     assert all(int(table.handle[i]) == -1 for i in range(table.size) if i not in bound)

@@ -142,7 +142,7 @@ class Outbox:
         tasks.placements, self.placements = self.placements + tasks.placements, []
         tasks.reset_prefix_cache, self.reset = self.reset, False
         tasks.report_step = max(last_step, 0)
-        self._stats.num_steps += 1
+        self._stats.count_step()
         empty = tasks.is_empty()
         if empty and self.answered == last_step:
             return  # no task and no report to answer: nothing to send (seq 0)

@@ -30,7 +30,7 @@ def choose_victim(
         cands = [r for r in reversed(running.values()) if r is not exclude]
     for r in cands:
         if cap and r.num_preemptions >= cap:
-            stats.num_preemption_skips += 1
+            stats.count_preemption_skip()
             continue
         return r
     return None

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+import kvsched.core.lifecycle as lifecycle
 from kvsched.core.config import EngineConfig, Role
 from kvsched.core.errors import ProtocolError
 from kvsched.core.kv_cache_manager import KVCacheManager
@@ -33,7 +34,7 @@ from kvsched.core.scheduler.outbox import Outbox
 from kvsched.core.scheduler.report_check import Columns, ReportChecker
 from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.scheduler.table import PlacementTable
-from kvsched.core.slots import RING, RING_SHIFT
+from kvsched.core.slots import RING, RING_SHIFT, current, extend_output, set_reported
 
 
 class ReportApplier:
@@ -140,7 +141,7 @@ class ReportApplier:
         for req in dict.fromkeys(slow):  # a request once, however many rows named it
             if not req.is_finished and live.get(req.handle) is req:
                 self._after_report(req, 0)
-        self._stats.num_generation_tokens += n_gen
+        self._stats.count_generated(n_gen)
         for h in list(report.paused):
             req = live.get(int(h))
             if req is not None and req.status == RequestStatus.RUNNING and req.is_prefill_done:
@@ -206,7 +207,7 @@ class ReportApplier:
                     if req.first_token_time < 0:
                         if now < 0:
                             now = self._clock()
-                        req.first_token_time = now
+                        lifecycle.first_token(req, now)
                         first.append(req)
                 if not last:
                     # Later rounds of a merged report find it due again only if its ring
@@ -233,23 +234,22 @@ class ReportApplier:
             if req is None:  # late report about a finished/aborted occupant
                 dropped += n_new
                 continue
-            req.num_reported_tokens = int(comps[i])  # (moves its ring tokens to it first)
-            out = req._out
+            set_reported(req, int(comps[i]))  # (moves its ring tokens to it first)
+            n_out = len(current(req)[0])
             if n_new:
-                if not out:
-                    req.first_token_time = self._clock()
+                if not n_out:
+                    lifecycle.first_token(req, self._clock())
                     first.append(req)
-                room = req.sampling.max_tokens - len(out)
+                room = req.sampling.max_tokens - n_out
                 kept = min(n_new, max(room, 0))
                 start = ends[i] - n_new
                 new = [int(t) for t in toks[start : start + kept]]
-                out.extend(new)
+                extend_output(req, new)
+                n_out += kept
                 dropped += n_new - kept
-                if req._rows is not None:
-                    req._rows.rebase(req)
                 if new:
                     deltas.append(RowTokens(req, None, new))
-                if n_new == 1 and len(out) < req.check_out:
+                if n_new == 1 and n_out < req.check_out:
                     continue
             slow.append(req)  # several tokens, or a prefill chunk ran: blocks to cache
         return dropped
@@ -264,12 +264,11 @@ class ReportApplier:
             elif req.num_output_tokens >= req.sampling.max_tokens:
                 exits.finish(req, FinishReason.LENGTH)
             return
-        if req._rows is not None:
-            req._rows.sync(req)  # below, req._out and req._reported are current
+        out, reported = current(req)
         capacity = len(req.block_ids) * self._block_size
-        if req._reported > capacity:
+        if reported > capacity:
             raise ProtocolError(
-                f"handle {req.handle}: reported {req._reported} KV positions but its "
+                f"handle {req.handle}: reported {reported} KV positions but its "
                 f"table holds {capacity}"
             )
         self._kv.cache_reported(req)
@@ -277,7 +276,7 @@ class ReportApplier:
         if finish_reason:
             exits.finish(req, FinishReason(finish_reason))
             return
-        n_out = len(req._out)
+        n_out = len(out)
         if n_out >= req.sampling.max_tokens:
             exits.finish(req, FinishReason.LENGTH)
             return

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import kvsched.core.lifecycle as lifecycle
 from kvsched.core.errors import RequestNotFound
 from kvsched.core.kv_cache_manager import KVCacheManager
 from kvsched.core.protocol import Placement
 from kvsched.core.request import Request
 from kvsched.core.scheduler.outbox import Outbox
 from kvsched.core.scheduler.table import PlacementTable
+from kvsched.core.slots import set_output
 
 
 class Roles:
@@ -52,7 +54,7 @@ class Roles:
             src.ttft_deadline_ms,
             src.tenant,
         )
-        req.num_prefill_tokens = req.num_tokens
+        table.prefill_all(req)
         target = table.alloc_target(req, req.num_tokens)
         if self._kv.allocate_slots(req, target) is None:
             return None
@@ -85,13 +87,9 @@ class Roles:
                 f"no preallocated request {req_id!r} on instance {self._instance_id!r}"
             )
         outbox.abort(req.handle)
-        req.output_token_ids = list(output_token_ids)
-        req.num_cached_tokens = num_cached_tokens
-        req.first_scheduled_time = self._clock()
-        # The pushed KV covers the prompt; decoding starts from the last output token, whose
-        # KV is not written yet: prefill is done at num_tokens - 1.
-        req.num_prefill_tokens = req.num_tokens - 1
-        req.num_computed_tokens = req.num_reported_tokens = req.num_prefill_tokens
+        set_output(req, output_token_ids)
+        lifecycle.scheduled_again(req, self._clock())
+        table.kv_pushed(req, num_cached_tokens)
         table.start_decoding(req)
         self._kv.cache_reported(req)
         outbox.place(

@@ -205,9 +205,7 @@ class Scheduler:
     def reset_prefix_cache(self) -> int:
         """Forget all cached prefixes; the worker is told in the next Tasks. Returns the
         number of hashes dropped."""
-        n = self.kv.reset_cache()  # both tiers
-        for req in self.table.running.values():
-            req.num_cached_blocks = len(req.block_ids)  # do not re-register old content
+        n = self.kv.reset_cache(self.table.running.values())  # both tiers
         if self.enc is not None:  # the worker drops every encoder output with it
             self.enc.reset(self.table.enc_needed)
         self.outbox.reset_cache()

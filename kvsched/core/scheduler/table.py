@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import kvsched.core.lifecycle as lifecycle
 from kvsched.core.config import EngineConfig, Role
 from kvsched.core.kv_cache_manager import KVCacheManager, _cdiv
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.events import Events
-from kvsched.core.slots import SlotTable
+from kvsched.core.slots import SlotTable, set_reported
 
 
 class Freed(NamedTuple):
@@ -67,20 +68,45 @@ class PlacementTable:
     def place(self, req: Request, num_hit: int, num_swapped: int) -> None:
         """Give req a slot and a fresh handle, its prefill starting after num_hit cached tokens
         (num_swapped of them swapped in from the host tier: reported only once they are)."""
-        req.status = RequestStatus.RUNNING
         req.slot = self.free_slots.pop()
         self._issue_handle(req)
         req.num_prefill_tokens = req.num_tokens
         req.num_computed_tokens = num_hit
-        req.num_reported_tokens = num_hit - num_swapped
+        set_reported(req, num_hit - num_swapped)
         self.live[req.handle] = req
         self.running[req.req_id] = req
         self.prefilling[req.req_id] = req
         self._events.scheduled.append(req)
 
+    def first_placement(self, req: Request, num_hit: int, num_swapped: int) -> bool:
+        """Whether this is req's first placement on this instance; if so its prefix hit (and
+        the part of it the host tier swaps in) is what its usage reports."""
+        if req.num_cached_tokens >= 0:
+            return False
+        req.num_cached_tokens = num_hit
+        if num_swapped:
+            req.num_host_cached_tokens = num_swapped
+        return True
+
+    def prefill_all(self, req: Request) -> None:
+        """Decode role: a reserved request's prefill covers all its tokens (pushed to it)."""
+        req.num_prefill_tokens = req.num_tokens
+
+    def kv_pushed(self, req: Request, num_cached_tokens: int) -> None:
+        """Decode role: the pushed KV covers the prompt; decoding starts from the last output
+        token, whose KV is not written yet: prefill is done at num_tokens - 1."""
+        req.num_cached_tokens = num_cached_tokens
+        req.num_prefill_tokens = req.num_tokens - 1
+        req.num_computed_tokens = req.num_prefill_tokens
+        set_reported(req, req.num_prefill_tokens)
+
+    def computed(self, req: Request, n: int) -> None:
+        """req's positions up to n are handed to the worker to compute (a chunk sent)."""
+        req.num_computed_tokens = n
+
     def hold(self, req: Request) -> None:
         """Decode role: a slot and handle for a request whose KV another instance pushes."""
-        req.status = RequestStatus.RUNNING
+        lifecycle.hold(req)
         req.slot = self.free_slots.pop()
         self._issue_handle(req)
         self.live[req.handle] = req
@@ -164,10 +190,7 @@ class PlacementTable:
         need = min(want, limit) - len(ids)
         if need <= 0:
             return []
-        new = self.kv.pool.allocate(need)
-        if new is not None:
-            ids.extend(new)
-        return new
+        return self.kv.extend_blocks(req, need)
 
     def alloc_target(self, req: Request, end: int, num_prefill: int | None = None) -> int:
         """Positions the table must cover once a chunk ending at `end` is scheduled: the chunk,
@@ -237,6 +260,10 @@ class PlacementTable:
         """A waiting request ended (it held nothing)."""
         self.requests.pop(req.req_id, None)
 
-    def unlive(self, req: Request) -> None:
-        """A preempted request's worker acknowledged: its handle is dead."""
+    def unplace(self, req: Request) -> None:
+        """A preempted request's worker acknowledged: its handle is dead, and nothing of its
+        KV counts any more (it prefills again from its prefix hit when placed anew)."""
         self.live.pop(req.handle, None)
+        req.handle = -1
+        req.num_computed_tokens = 0
+        set_reported(req, 0)

@@ -62,6 +62,7 @@ def validate(req: Request, config: EngineConfig, live: Container[str], num_block
         raise InvalidRequest(f"request {rid!r}: temperature and top_p must be finite numbers")
     if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0:
         raise InvalidRequest(f"request {rid!r}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+    _validate_adjustments(req)
     prev_end = 0
     for r in req.mm_ranges:
         if r.offset < prev_end:
@@ -85,6 +86,27 @@ def validate(req: Request, config: EngineConfig, live: Container[str], num_block
             raise InvalidRequest(
                 f"request {rid!r}: a multimodal item of {r.length} embeddings can never fit "
                 f"the encoder cache ({enc_cap} embeddings: cache.encoder_cache_size)"
+            )
+
+
+def _validate_adjustments(req: Request) -> None:
+    """The engine's sampling adjustments, in vLLM's ranges."""
+    sp, rid = req.sampling, req.req_id
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(sp, name)
+        if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+            raise InvalidRequest(f"request {rid!r}: {name} = {v:g} must be in [-2, 2]")
+    if not (math.isfinite(sp.repetition_penalty) and sp.repetition_penalty > 0):
+        raise InvalidRequest(
+            f"request {rid!r}: repetition_penalty = {sp.repetition_penalty:g} must be > 0"
+        )
+    if not (math.isfinite(sp.min_p) and 0.0 <= sp.min_p <= 1.0):
+        raise InvalidRequest(f"request {rid!r}: min_p = {sp.min_p:g} must be in [0, 1]")
+    for token, bias in sp.logit_bias.items():
+        if token < 0 or not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+            raise InvalidRequest(
+                f"request {rid!r}: logit_bias[{token}] = {bias:g}: token ids must be >= 0 "
+                "and biases in [-100, 100]"
             )
 
 

@@ -1,0 +1,144 @@
+"""Models and their limits: which instances may run a request.
+
+Each instance serves the model its workers' Hello names (empty: the daemon's configured
+`model`) and holds the limits they announced: `max_model_len` (the smaller of the worker's and
+the daemon's) and `vocab_size` (0: not announced, unchecked). A request names a model
+(`GenerateRequest.model`; empty: the configured model when an instance serves it, else the only
+model served) and runs only on an instance of that model whose limits it fits. When no
+instance of the model could ever run it the request is refused at once (INVALID_ARGUMENT naming
+the limit), never queued for a worker to crash on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from kvsched.core import InvalidRequest, Request, RequestNotFound, Unavailable
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one instance's model can hold and accept (0: not announced)."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int = 0
+
+
+class HasLimits(Protocol):
+    @property
+    def limits(self) -> Limits | None: ...
+
+
+def limits_of(
+    hello_model: str,
+    hello_max_model_len: int,
+    hello_vocab_size: int,
+    configured_model: str,
+    daemon_max_model_len: int,
+) -> Limits:
+    """An instance's limits from its first rank's Hello and the daemon's configuration."""
+    mml = daemon_max_model_len
+    if hello_max_model_len > 0:
+        mml = min(mml, hello_max_model_len)
+    return Limits(hello_model or configured_model, mml, hello_vocab_size)
+
+
+def misfit(req: Request, lim: Limits) -> str | None:
+    """Why `req` can never run on an instance with limits `lim` (None: it fits). Names the
+    limit and the value that broke it."""
+    n = len(req.prompt_token_ids)
+    sp = req.sampling
+    if n + sp.max_tokens > lim.max_model_len:
+        return (
+            f"prompt ({n} tokens) + max_tokens ({sp.max_tokens}) = {n + sp.max_tokens} exceeds "
+            f"max_model_len {lim.max_model_len} of model {lim.model!r}"
+        )
+    vocab = lim.vocab_size
+    if vocab > 0:
+        if n and max(req.prompt_token_ids) >= vocab:
+            bad = max(req.prompt_token_ids)
+            return (
+                f"prompt token id {bad} is outside the vocabulary of model {lim.model!r} "
+                f"(vocab_size {vocab}: ids 0..{vocab - 1})"
+            )
+        bad_stop = [t for t in sp.stop_token_ids if t >= vocab]
+        if bad_stop:
+            return (
+                f"sampling.stop_token_ids {bad_stop[:4]} outside the vocabulary of model "
+                f"{lim.model!r} (vocab_size {vocab}: ids 0..{vocab - 1})"
+            )
+        bad_bias = sorted(t for t in sp.logit_bias if not 0 <= t < vocab)
+        if bad_bias:
+            return (
+                f"sampling.logit_bias token ids {bad_bias[:4]} outside the vocabulary of model "
+                f"{lim.model!r} (vocab_size {vocab}: ids 0..{vocab - 1})"
+            )
+    return None
+
+
+def resolve_model(
+    requested: str, configured: str, served: Iterable[str], ready: Iterable[str] = ()
+) -> str:
+    """The model a request runs on: `requested`, or for an empty one the configured model when
+    an instance of it is ready, else the only model ready (else the only one served). NOT_FOUND
+    naming the known models for an unknown one; INVALID_ARGUMENT when the request must choose
+    among several."""
+    known = sorted(set(served))
+    if requested:
+        if requested not in known:
+            raise RequestNotFound(
+                f"unknown model {requested!r}; served: {', '.join(map(repr, known)) or 'none yet'}"
+            )
+        return requested
+    live = sorted(set(ready))
+    if configured in live:
+        return configured
+    if len(live) == 1:
+        return live[0]
+    if not live:
+        return known[0] if len(known) == 1 and configured not in known else configured
+    raise InvalidRequest(
+        f"GenerateRequest.model is empty and this daemon's model {configured!r} is not served; "
+        f"name one of: {', '.join(map(repr, live))}"
+    )
+
+
+_C = TypeVar("_C")
+
+
+def fitting(req: Request, model: str, candidates: Sequence[tuple[_C, Limits]]) -> list[_C]:
+    """The candidates (ready instances, with their limits) of `model` that `req` fits.
+    Unavailable when none of that model is ready; InvalidRequest naming the limit when the
+    model's instances are ready but none could run it."""
+    of_model = [(c, lim) for c, lim in candidates if lim.model == model]
+    if not of_model:
+        raise Unavailable(f"no instance of model {model!r} is ready now")
+    fits = [c for c, lim in of_model if misfit(req, lim) is None]
+    if not fits:
+        # The most permissive instance's reason: the limit no instance of the model passes.
+        best = max(
+            (lim for _, lim in of_model), key=lambda lim: (lim.max_model_len, lim.vocab_size)
+        )
+        raise InvalidRequest(f"request {req.req_id!r}: {misfit(req, best)}")
+    return fits
+
+
+def too_long(pb: Any, req_id: str, limit: int, default_max_tokens: int) -> InvalidRequest:
+    """The refusal of a GenerateRequest `pb` whose prompt is longer than `limit` (the longest
+    any instance holds), read off the message without making its prompt a Python list. The
+    sampling fields the core checks before the length are named first, as it would."""
+    sp = pb.sampling
+    max_tokens = sp.max_tokens if sp.HasField("max_tokens") else default_max_tokens
+    if max_tokens < 1:
+        return InvalidRequest(f"request {req_id!r}: max_tokens = {max_tokens} must be >= 1")
+    if not 0 <= sp.min_tokens <= max_tokens:
+        return InvalidRequest(
+            f"request {req_id!r}: min_tokens = {sp.min_tokens} must be in [0, max_tokens]"
+        )
+    return InvalidRequest(
+        f"request {req_id!r}: prompt of {len(pb.prompt_token_ids)} tokens exceeds "
+        f"max_model_len {limit} (the longest any instance here holds)"
+    )

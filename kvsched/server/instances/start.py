@@ -1,0 +1,72 @@
+"""The scheduler an instance's ranks make when its last rank has joined: the instance's config
+with the sizes their Hellos announced (every rank says the same: `ranks.check_joining_rank`),
+the daemon's storage tier only when every rank reaches the store, and ProtocolError naming the
+instance when those sizes do not fit its config.
+
+Builds a Scheduler and hands it to the engine (`engine._start`), the only module that keeps
+and reads one; imports only `ranks` and core.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any
+
+from kvsched.core import ConfigError, EngineConfig, ProtocolError, Scheduler, StorageIndex
+from kvsched.server.instances.ranks import RankConn
+
+log = logging.getLogger("kvsched.engine")
+
+
+def instance_config(engine_config: EngineConfig, first: RankConn, limits: Any) -> EngineConfig:
+    """A copy of the instance's config with the sizes its ranks announced, slots capped by the
+    worker's, and max_model_len from `limits` (server.models.Limits: the smaller of the
+    daemon's and the worker's; None: as configured)."""
+    cfg = copy.deepcopy(engine_config)
+    cfg.cache.block_size = first.block_size
+    cfg.cache.num_gpu_blocks = first.num_gpu_blocks  # every rank says the same (attach)
+    cfg.cache.num_host_blocks = first.num_host_blocks
+    cfg.scheduler.max_num_seqs = min(cfg.scheduler.max_num_seqs, first.num_slots)
+    if limits is not None:
+        cfg.scheduler.max_model_len = limits.max_model_len
+    return cfg
+
+
+def start_scheduler(
+    instance_id: str,
+    engine_config: EngineConfig,
+    conns: list[RankConn],
+    limits: Any,
+    storage: tuple[StorageIndex | None, str],
+    first_handle: int,
+) -> Scheduler:
+    """The instance's new Scheduler over all its ranks `conns`; `storage`: the daemon's shared
+    index and its backend kind (None: no storage tier); `first_handle`: where its handles
+    continue. Raises ProtocolError when the ranks' sizes do not fit the config."""
+    cfg = instance_config(engine_config, conns[0], limits)
+    index, kind = storage
+    if index is not None and not all(kind in c.storage_backends for c in conns):
+        index = None  # a rank cannot reach the store: no storage tasks to this instance
+    try:
+        sched = Scheduler(
+            cfg,
+            clock=time.monotonic,
+            instance_id=instance_id,
+            first_handle=first_handle,
+            storage=index,
+            storage_namespace=limits.model if limits else conns[0].model,
+        )
+    except ConfigError as exc:  # the workers' sizes do not fit this instance's config
+        raise ProtocolError(f"instance {instance_id!r} cannot start: {exc}") from None
+    log.info(
+        "instance %s ready: %d rank(s), %d blocks of %d tokens, %d slots, role %s",
+        instance_id,
+        len(conns),
+        cfg.cache.num_gpu_blocks,
+        cfg.cache.block_size,
+        cfg.scheduler.max_num_seqs,
+        cfg.role.value,
+    )
+    return sched
