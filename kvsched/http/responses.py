@@ -21,6 +21,10 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+def _json(text: str) -> bytes:
+    return json.dumps(text, ensure_ascii=False).encode()
+
+
 def usage(*gens: Generation) -> dict[str, Any]:
     """One request's usage; for n samples of one prompt, the prompt counted once (as vLLM)."""
     prompt = gens[0].prompt_tokens
@@ -50,6 +54,8 @@ class Shape:
         self.prompt_token_ids = prompt_token_ids
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        # A text chunk's bytes around its text, by choice index (see chunk)
+        self._piece: dict[int, tuple[bytes, bytes]] = {}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -92,6 +98,18 @@ class Shape:
         self, text: str | None, finish_reason: str | None, first: bool = False, index: int = 0
     ) -> bytes:
         """One streamed piece of text (or the closing chunk with its finish_reason)."""
+        if text is not None and finish_reason is None and not first:
+            # The hot path (a chunk per piece of text): the same bytes as the whole chunk's
+            # json.dumps, with only the text encoded each time.
+            piece = self._piece.get(index)
+            if piece is None:
+                marker = "\ue000piece\ue000"
+                pre, post = self._chunk(marker, None, False, index).split(_json(marker))
+                piece = self._piece[index] = (pre, post)
+            return piece[0] + _json(text) + piece[1]
+        return self._chunk(text, finish_reason, first, index)
+
+    def _chunk(self, text: str | None, finish_reason: str | None, first: bool, index: int) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {}
             if first:

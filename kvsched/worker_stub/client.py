@@ -166,34 +166,40 @@ async def _serve(worker: Worker) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)
+    # SIGUSR1: log the counters so far (benchmarks read them before and after a run)
+    loop.add_signal_handler(signal.SIGUSR1, _log_stats, worker)
     try:
         await worker.run()
     except WorkerError as e:
         log.error("%s", e)
         return 1
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
-        s = worker.stats
-        log.info(
-            "worker stats: %d steps, %d tokens, %d paused, busy %.3f s, idle %.3f s "
-            "(%.3f s waiting on the daemon, idle_frac_control_plane %.3f), %d connects, "
-            "%d tasks messages, tasks digest %08x, KV pushes %d (%d failed), received %d, "
-            "drafts %d, accepted %d",
-            s.num_steps,
-            s.num_tokens,
-            s.num_paused,
-            s.busy_s,
-            s.idle_s,
-            s.idle_waiting_on_daemon_s,
-            s.idle_frac_control_plane,
-            s.num_connects,
-            s.num_tasks,
-            s.tasks_digest,
-            s.num_kv_pushes,
-            s.num_kv_push_failures,
-            s.num_kv_received,
-            s.num_draft_tokens,
-            s.num_accepted_drafts,
-        )
+        _log_stats(worker)
     return 0
+
+
+def _log_stats(worker: Worker) -> None:
+    s = worker.stats
+    log.info(
+        "worker stats: %d steps, %d tokens, %d paused, busy %.3f s, idle %.3f s "
+        "(%.3f s waiting on the daemon, idle_frac_control_plane %.3f), %d connects, "
+        "%d tasks messages, tasks digest %08x, KV pushes %d (%d failed), received %d, "
+        "drafts %d, accepted %d",
+        s.num_steps,
+        s.num_tokens,
+        s.num_paused,
+        s.busy_s,
+        s.idle_s,
+        s.idle_waiting_on_daemon_s,
+        s.idle_frac_control_plane,
+        s.num_connects,
+        s.num_tasks,
+        s.tasks_digest,
+        s.num_kv_pushes,
+        s.num_kv_push_failures,
+        s.num_kv_received,
+        s.num_draft_tokens,
+        s.num_accepted_drafts,
+    )

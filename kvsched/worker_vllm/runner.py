@@ -42,6 +42,7 @@ from typing import Any
 
 from kvsched.worker_stub.executor import SeqWork, StepResult
 from kvsched.worker_vllm import spec_decode
+from kvsched.worker_vllm.spin import nap_seconds, quiet_executor
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ _MAX_PARKED = 1024
 # to rewind a seeded request's generator ("CPU Generator does not use offset"). The KV lands in
 # kvsched's blocks either way; the real id (and its generator) first runs the prompt's last chunk.
 _ALIAS = "\x00chunk"
+# KVSCHED_VLLM_COMPILE=1: let vLLM compile the model (its default, as its own server runs it:
+# torch.compile / inductor on CPU) instead of eager mode (kvsched's default: the mode the
+# exact-token tests cover). Slower start (minutes on 2 cores), faster small steps.
+COMPILE_ENV = "KVSCHED_VLLM_COMPILE"
 
 
 def _unseeded(params: Any) -> Any:
@@ -111,6 +116,7 @@ class VllmModel:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.platforms import current_platform
 
+        nap = nap_seconds()  # (a bad value fails before the model loads)
         if current_platform.is_cpu():
             # vLLM CPU otherwise reserves 92 % of the machine's memory for KV and refuses to
             # start when less is free; 1 GiB holds ~4k blocks of a small model.
@@ -125,7 +131,7 @@ class VllmModel:
             dtype=dtype,
             block_size=block_size,
             max_model_len=max_model_len or None,
-            enforce_eager=True,
+            enforce_eager=os.environ.get(COMPILE_ENV, "0") != "1",
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             num_gpu_blocks_override=num_blocks + 1 if num_blocks else None,
@@ -140,6 +146,7 @@ class VllmModel:
         if getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False):
             raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER is set: this worker drives runner V1")
         self.executor = _build_executor(config)
+        quiet_executor(self.executor, nap)
         mc, sc = config.model_config, config.scheduler_config
         self.facts = EngineFacts(
             num_blocks=int(config.cache_config.num_gpu_blocks or 0) - 1,
