@@ -255,7 +255,7 @@ async def trace(runs: int = 5) -> dict[str, Any]:
             await asyncio.wait_for(wtask, 10)
         await channel.close()
         await server.stop(None)
-        daemon.telemetry.shutdown()
+        daemon.close_telemetry()
     return out
 
 

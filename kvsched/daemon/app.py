@@ -90,6 +90,10 @@ class Daemon:
         self.cluster_node: ClusterNode | None = None
         self.journal_task: asyncio.Task[None] | None = None
 
+    def close_telemetry(self) -> None:
+        """End the spans of the requests still tracked, flush the exporters, stop /metrics."""
+        self.telemetry.shutdown(list(self.requests.tracked.values()))
+
     def cluster_facts(self) -> ClusterFacts | None:
         """This daemon's cluster figures for a scrape (None: not in a cluster)."""
         node = self.cluster_node
@@ -359,7 +363,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
         daemon.journal_task.cancel()
     if daemon.cluster_link is not None:
         await daemon.cluster_link.close()
-    daemon.telemetry.shutdown(list(daemon.requests.tracked.values()))
+    daemon.close_telemetry()
     log.info("stopped")
     return 0
 

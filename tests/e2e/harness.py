@@ -312,7 +312,7 @@ async def model_daemon(
         watch.cancel()
         await h.channel.close()
         await server.stop(None)
-        daemon.telemetry.shutdown()
+        daemon.close_telemetry()
 
 
 def run(coro: Any, timeout: float = TIMEOUT_S) -> Any:

@@ -33,7 +33,7 @@ from tests.integration.harness import REPO, Proc, start_daemon, start_worker, wa
 
 PROM_DIR = REPO / "examples" / "prometheus"
 DASHBOARD = REPO / "examples" / "grafana" / "kvsched-dashboard.json"
-NUM_BLOCKS, BLOCK_SIZE = 4096, 16  # the sim worker's defaults
+NUM_BLOCKS, BLOCK_SIZE = 4096, 16  # each sim worker's pool, given on its command line
 INSTANCES = ("i0", "i1")
 T = TypeVar("T")
 
@@ -183,7 +183,8 @@ def test_prometheus_scrapes_the_daemon_under_load_and_runs_the_dashboard(tmp_pat
     daemon, address = start_daemon("--metrics-listen", "127.0.0.1:0")
     target = daemon.wait_for(r"kvsched metrics on (\S+:\d+)").group(1)
     prom = Prometheus(tmp_path, target)
-    workers = {iid: start_worker(address, iid) for iid in INSTANCES}  # sim h100 step times
+    pool = ("--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE))
+    workers = {iid: start_worker(address, iid, *pool) for iid in INSTANCES}  # sim h100 step times
     try:
         wait_ready(address, workers)
         prom.wait("prometheus ready", prom.ready)

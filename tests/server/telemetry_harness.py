@@ -170,4 +170,4 @@ async def running_daemon(
             await h.stop_worker(iid)
         await h.channel.close()
         await server.stop(None)
-        daemon.telemetry.shutdown()
+        daemon.close_telemetry()
