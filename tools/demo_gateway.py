@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from demo_real import MODEL, Child, curl_chat, make_model_dir, openai_chat, say, wait_ready
+from demo_real import MODEL, Child, curl_chat, make_model_dir, openai_chat, say, start_worker
 
 
 def free_port() -> int:
@@ -107,17 +107,7 @@ def main() -> int:
         address = daemon.wait_for(r"kvsched listening on (\S+:\d+)", 30).group(1)
         print(f"  listening on {address} (its own services and vllm.grpc.engine.VllmEngine)")
 
-        wargs = ["worker", "--server", address, "--instance", "i0", "--served-model-name", MODEL]
-        if args.executor == "vllm":
-            wargs += ["--executor", "vllm", "--model", str(model_dir), "--dtype", "float32"]
-            python = args.worker_python
-        else:
-            wargs += ["--executor", "sim", "--vocab-size", "512"]
-            python = sys.executable
-        say("starting the worker: kvsched " + " ".join(wargs))
-        children.append(Child("worker", python, wargs, env))
-        wait_ready(address, args.ready_timeout)
-        print("  instance i0 ready")
+        start_worker(address, args, model_dir, env, children)
 
         gateway = Gateway(address, env)
         say("starting the gateway: " + " ".join(gateway.cmd))

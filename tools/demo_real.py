@@ -91,6 +91,24 @@ def make_model_dir(directory: Path, executor: str, worker_python: str) -> None:
     subprocess.run([python, "-c", code, str(directory)], check=True, env=env)
 
 
+def start_worker(
+    address: str, args: argparse.Namespace, model_dir: Path, env: dict, children: list[Child]
+) -> None:
+    """Instance i0's worker (vLLM's runner, or the sim) on the daemon at `address`, added to
+    `children` (stopped with them) before waiting until it is ready."""
+    wargs = ["worker", "--server", address, "--instance", "i0", "--served-model-name", MODEL]
+    if args.executor == "vllm":
+        wargs += ["--executor", "vllm", "--model", str(model_dir), "--dtype", "float32"]
+        python = args.worker_python
+    else:
+        wargs += ["--executor", "sim", "--vocab-size", str(VOCAB)]
+        python = sys.executable
+    say("starting the worker: kvsched " + " ".join(wargs))
+    children.append(Child("worker", python, wargs, env))
+    wait_ready(address, args.ready_timeout)
+    print("  instance i0 ready")
+
+
 def wait_ready(address: str, timeout: float) -> None:
     from kvsched.client import Client
 
@@ -177,17 +195,7 @@ def main() -> int:
         address = daemon.wait_for(r"kvsched listening on (\S+:\d+)", 30).group(1)
         print(f"  listening on {address}")
 
-        wargs = ["worker", "--server", address, "--instance", "i0", "--served-model-name", MODEL]
-        if args.executor == "vllm":
-            wargs += ["--executor", "vllm", "--model", str(model_dir), "--dtype", "float32"]
-            python = args.worker_python
-        else:
-            wargs += ["--executor", "sim", "--vocab-size", str(VOCAB)]
-            python = sys.executable
-        say("starting the worker: kvsched " + " ".join(wargs))
-        children.append(Child("worker", python, wargs, env))
-        wait_ready(address, args.ready_timeout)
-        print("  instance i0 ready")
+        start_worker(address, args, model_dir, env, children)
 
         hargs = ["http", "--listen", "127.0.0.1:0", "--server", address, "--model", str(model_dir)]
         hargs += ["--served-model-name", MODEL, "--log-level", "warning"]

@@ -64,14 +64,15 @@ class Follower:
         if kind == "tokens":
             toks = list(out.tokens.token_ids)
             if toks:
-                lifecycle.relayed(req, time.monotonic(), tokens=True)
+                if req.first_token_time < 0:
+                    lifecycle.relayed(req, time.monotonic(), tokens=True)
                 extend_output(req, toks)
                 self.num_relayed_tokens += len(toks)
                 tr.sink.add_tokens([tr], [len(toks)], toks)
         elif kind == "finished":
             self.finish(tr, out.finished)
             return True
-        elif kind == "queued":
+        elif kind == "queued" and req.first_scheduled_time < 0:
             lifecycle.relayed(req, time.monotonic(), tokens=False)
         return False
 
