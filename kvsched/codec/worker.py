@@ -291,6 +291,10 @@ def _fill_report(r: worker_service_pb2.StepReport, report: core.StepReport) -> N
         r.failed_storage_writes.extend(report.failed_storage_writes)
     if report.failed_storage_fetches:
         r.failed_storage_fetches.extend(report.failed_storage_fetches)
+    if report.draft_handles:
+        r.draft_handles.extend(report.draft_handles)
+        r.num_draft_tokens.extend(report.num_draft_tokens)
+        r.num_accepted_drafts.extend(report.num_accepted_drafts)
 
 
 def _fill(
@@ -360,6 +364,14 @@ def report_from_proto(pb: worker_service_pb2.StepReport) -> core.StepReport:
     ):
         bad = sorted({r for r in finish_reasons.tolist() if r not in FINISH_REASONS})
         raise ValueError(f"StepReport: unknown finish reasons {bad}")
+    draft_handles = pb.draft_handles[:] if len(pb.draft_handles) else []
+    if not len(draft_handles) == len(pb.num_draft_tokens) == len(pb.num_accepted_drafts):
+        _check_parallel(
+            "StepReport",
+            draft_handles=draft_handles,
+            num_draft_tokens=pb.num_draft_tokens,
+            num_accepted_drafts=pb.num_accepted_drafts,
+        )
     return core.StepReport(
         step=pb.step,
         applied_seq=pb.applied_seq,
@@ -376,4 +388,7 @@ def report_from_proto(pb: worker_service_pb2.StepReport) -> core.StepReport:
         failed_swap_ins=pb.failed_swap_ins[:],
         failed_storage_writes=pb.failed_storage_writes[:],
         failed_storage_fetches=pb.failed_storage_fetches[:],
+        draft_handles=draft_handles,
+        num_draft_tokens=pb.num_draft_tokens[:] if draft_handles else [],
+        num_accepted_drafts=pb.num_accepted_drafts[:] if draft_handles else [],
     )

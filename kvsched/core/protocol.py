@@ -216,3 +216,8 @@ class StepReport:
     # key (never counted as stored), fetches by handle (that handle did not run: it recomputes).
     failed_storage_writes: list[str] = field(default_factory=list)
     failed_storage_fetches: list[int] = field(default_factory=list)
+    # Speculative decoding, sparse: draft_handles[i] verified num_draft_tokens[i] drafts in one
+    # step and kept num_accepted_drafts[i] of them (only rows that had drafts).
+    draft_handles: list[int] = field(default_factory=list)
+    num_draft_tokens: list[int] = field(default_factory=list)
+    num_accepted_drafts: list[int] = field(default_factory=list)

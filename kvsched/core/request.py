@@ -102,6 +102,9 @@ class Request:
     num_host_cached_tokens: int = 0  # of those, swapped in from the host tier (first placement)
     num_storage_cached_tokens: int = 0  # of those, fetched from the storage tier (first placement)
     num_preemptions: int = 0
+    # Speculative decoding: drafts verified for it, and of them accepted (its report rows).
+    num_draft_tokens: int = 0
+    num_accepted_drafts: int = 0
     first_scheduled_time: float = -1.0
     first_token_time: float = -1.0
     finished_time: float = -1.0

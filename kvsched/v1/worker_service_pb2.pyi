@@ -790,6 +790,9 @@ class StepReport(_message.Message):
     FAILED_SWAP_INS_FIELD_NUMBER: _builtins.int
     FAILED_STORAGE_WRITES_FIELD_NUMBER: _builtins.int
     FAILED_STORAGE_FETCHES_FIELD_NUMBER: _builtins.int
+    DRAFT_HANDLES_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_ACCEPTED_DRAFTS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Strictly increasing on a stream, from 1; a merged report carries its last step's number."""
     applied_seq: _builtins.int
@@ -852,6 +855,18 @@ class StepReport(_message.Message):
     def failed_storage_fetches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Handles whose storage_fetches (of the messages up to applied_seq) failed; see step 13."""
 
+    @_builtins.property
+    def draft_handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Speculative decoding, sparse and parallel: draft_handles[i] had num_draft_tokens[i] drafts
+        verified in one step, of which num_accepted_drafts[i] were accepted (kept before any stop).
+        Only rows that verified drafts appear (a merged report may name a handle once per step);
+        empty without speculative decoding. The daemon sums them per request (metrics, spans).
+        """
+
+    @_builtins.property
+    def num_draft_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_accepted_drafts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -870,10 +885,13 @@ class StepReport(_message.Message):
         failed_swap_ins: _abc.Iterable[_builtins.int] | None = ...,
         failed_storage_writes: _abc.Iterable[_builtins.str] | None = ...,
         failed_storage_fetches: _abc.Iterable[_builtins.int] | None = ...,
+        draft_handles: _abc.Iterable[_builtins.int] | None = ...,
+        num_draft_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        num_accepted_drafts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "applied_seq", b"applied_seq", "failed", b"failed", "failed_storage_fetches", b"failed_storage_fetches", "failed_storage_writes", b"failed_storage_writes", "failed_swap_ins", b"failed_swap_ins", "failed_swap_outs", b"failed_swap_outs", "finish_reasons", b"finish_reasons", "handles", b"handles", "num_computed", b"num_computed", "num_new_tokens", b"num_new_tokens", "paused", b"paused", "step", b"step", "step_time_ns", b"step_time_ns", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "applied_seq", b"applied_seq", "draft_handles", b"draft_handles", "failed", b"failed", "failed_storage_fetches", b"failed_storage_fetches", "failed_storage_writes", b"failed_storage_writes", "failed_swap_ins", b"failed_swap_ins", "failed_swap_outs", b"failed_swap_outs", "finish_reasons", b"finish_reasons", "handles", b"handles", "num_accepted_drafts", b"num_accepted_drafts", "num_computed", b"num_computed", "num_draft_tokens", b"num_draft_tokens", "num_new_tokens", b"num_new_tokens", "paused", b"paused", "step", b"step", "step_time_ns", b"step_time_ns", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -365,8 +365,12 @@ class WorkerEngine:
     def _record(self, s: Held, w: SeqWork, tokens: list[int], report: StepReport) -> None:
         """Advance a handle by what its SeqWork produced (its report row), then act on it."""
         if w.num_draft:
+            accepted = min(w.num_draft, max(0, len(tokens) - 1))
             self.num_draft_tokens += w.num_draft
-            self.num_accepted_drafts += max(0, len(tokens) - 1)
+            self.num_accepted_drafts += accepted
+            report.draft_handles.append(s.handle)
+            report.num_draft_tokens.append(w.num_draft)
+            report.num_accepted_drafts.append(accepted)
         after = self._rows.record(s, w, tokens, report)
         if after is After.NEXT_CHUNK:
             self._prefills[s.handle] = None

@@ -62,6 +62,8 @@ class Facts:
             num_preemption_skips=st.num_preemption_skips,
             num_prompt_tokens=st.num_prompt_tokens,
             num_generation_tokens=st.num_generation_tokens,
+            num_draft_tokens=st.num_draft_tokens,
+            num_accepted_drafts=st.num_accepted_drafts,
             prefix_cache_query_tokens=kv.num_queries,
             prefix_cache_hit_tokens=kv.num_hits,
             paused=self.exits.paused,

@@ -111,6 +111,8 @@ class ReportApplier:
             outbox.observe_lag(report)
         self._last_step, self._last_applied_seq = report.step, report.applied_seq
         get = live.get
+        if report.draft_handles:  # speculative decoding: per-request draft and accepted counts
+            _count_drafts(report, get, self._stats)
         # Failures first: a prefill worker reports the prompt's first token in the same report
         # as its failed KV push, and that row hands the request off as failed (the decode
         # instance recomputes it); a failure without a first-token row ends it (below).
@@ -313,3 +315,19 @@ class ReportApplier:
                 if new:
                     self._outbox.extend(Extension(req.handle, new))
             table.set_check_at(req, threshold)
+
+
+def _count_drafts(
+    report: StepReport, get: Callable[[int], Request | None], stats: SchedulerStats
+) -> None:
+    """Add each drafted row's verified and accepted drafts to its request and the instance's
+    counters (rows about a request gone are dropped, as its tokens are)."""
+    for h, d, a in zip(
+        report.draft_handles, report.num_draft_tokens, report.num_accepted_drafts, strict=True
+    ):
+        req = get(int(h))
+        if req is not None:
+            drafts, accepted = int(d), min(int(a), int(d))
+            req.num_draft_tokens += drafts
+            req.num_accepted_drafts += accepted
+            stats.count_drafts(drafts, accepted)
