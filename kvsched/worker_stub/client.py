@@ -186,7 +186,7 @@ def _log_stats(worker: Worker) -> None:
         "worker stats: %d steps, %d tokens, %d paused, busy %.3f s, idle %.3f s "
         "(%.3f s waiting on the daemon, idle_frac_control_plane %.3f), %d connects, "
         "%d tasks messages, tasks digest %08x, KV pushes %d (%d failed), received %d, "
-        "drafts %d, accepted %d",
+        "drafts %d, accepted %d, KV pushed %d blocks in %.3f s (export %.3f s)",
         s.num_steps,
         s.num_tokens,
         s.num_paused,
@@ -202,4 +202,7 @@ def _log_stats(worker: Worker) -> None:
         s.num_kv_received,
         s.num_draft_tokens,
         s.num_accepted_drafts,
+        s.num_kv_push_blocks,
+        s.kv_push_s,
+        s.kv_export_s,
     )

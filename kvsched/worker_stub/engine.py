@@ -7,6 +7,7 @@ handles it holds; one handle's SeqWork and the counters its tokens advance are `
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from enum import Enum
 
@@ -113,6 +114,7 @@ class WorkerEngine:
         self.step_count = 0  # reports produced
         self.num_draft_tokens = 0  # speculative drafts verified, and of them accepted
         self.num_accepted_drafts = 0
+        self.kv_export_s = 0.0  # reading pushed KV out of the executor's cache (prefill role)
 
     def reset(self) -> None:
         """Forget every handle and all KV (a reconnect starts from an empty cache)."""
@@ -390,7 +392,9 @@ class WorkerEngine:
                     raise RuntimeError("no kv_sender configured")
                 if len(send.dst_block_ids) < num_blocks:
                     raise ValueError(f"{num_blocks} blocks to send, destination has fewer")
+                started = time.perf_counter()
                 data = self.executor.export_kv(s.block_ids[:num_blocks])
+                self.kv_export_s += time.perf_counter() - started
                 self._kv_sender(send, data)
             except Exception:
                 log.warning("KV push of handle %d failed", handle, exc_info=True)
