@@ -64,9 +64,10 @@ class Backlog:
         self.num_demoted = 0
 
     # ==== the queue ===========================================================================
-    def add(self, req: Request) -> None:
-        """A new request, validated, stamped, checked against its deadline, tracked and queued.
-        Raises InvalidRequest (bad fields, duplicate id) or CapacityExceeded (the queue is at
+    def add(self, req: Request, queued: bool = True) -> None:
+        """A new request, validated, stamped, checked against its deadline, tracked and queued
+        (not `queued`: held by its sample group, `groups.py`, until `release_held`). Raises
+        InvalidRequest (bad fields, duplicate id) or CapacityExceeded (the queue is at
         max_waiting, or it is shed); state is unchanged when it raises."""
         table, sc = self._table, self._config.scheduler
         validate(req, self._config, table.requests, self._kv.pool.num_blocks)
@@ -78,10 +79,17 @@ class Backlog:
         lifecycle.queue(req, self._clock())
         self.check_deadline(req)  # may shed it (CapacityExceeded) or demote it
         table.track(req)
-        self.push(req)
+        if queued:
+            self.push(req)
 
     def push(self, req: Request) -> None:
         self.waiting.push(req)
+
+    def release_held(self, req: Request) -> None:
+        """A sample its group held (`groups.py`) joins the queue's front: its prompt's full
+        blocks are cached now, so its queued work is the tail."""
+        req.queued_ms = self.predicted_prefill_ms(req, self._kv.hit_tokens(req))
+        self.waiting.push_front(req)
 
     def push_front(self, req: Request) -> None:
         """A preempted request the worker acknowledged: waiting again, at the queue's front."""
