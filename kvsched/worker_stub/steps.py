@@ -224,6 +224,8 @@ class StepLoop:
         self.stats.num_draft_tokens += engine.num_draft_tokens
         self.stats.num_accepted_drafts += engine.num_accepted_drafts
         engine.num_draft_tokens = engine.num_accepted_drafts = 0
+        self.stats.num_prefill_tokens += engine.num_prefill_tokens
+        engine.num_prefill_tokens = 0
         self.stats.num_paused += len(report.paused)
         if self.rank == 0:
             self._report(outbox, codec.report_message(report))

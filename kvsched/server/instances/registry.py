@@ -332,6 +332,18 @@ class InstanceRegistry:
             raise Unavailable(self.no_instance_reason())
         return _route(self.router, self.candidates(req, model or self.model_for(""), ready), req)
 
+    def group_engine(self, req: Request, model: str = "") -> InstanceEngine | None:
+        """The instance where a request of req's sample group computes the prompt now (its
+        members belong there: they take the prompt's blocks from its cache), or None."""
+        group = req.sample_group
+        if not group:
+            return None
+        model = model or self.model_for("")
+        for e in self.engines.values():
+            if e.queueing and e.leads_group(group) and _limits(e, self.config.model).model == model:
+                return e
+        return None
+
     def no_instance_reason(self) -> str:
         """Why no instance here takes a request (what the caller can do about it)."""
         if any(e.ranks for e in self.engines.values()):
