@@ -6,10 +6,20 @@ unpaged reference (so the shared KV is the right KV), and every block comes back
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any
 
 from kvsched.v1 import common_pb2
 from kvsched.v1 import request_service_pb2 as rpb
-from tests.e2e.harness import ModelHarness, Node, Result, make_prompt, model_daemon, run
+from tests.e2e.harness import (
+    ModelHarness,
+    Node,
+    Result,
+    make_prompt,
+    model_daemon,
+    run,
+    wait_until,
+)
 
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 N, PROMPT_LEN, MAX_TOKENS, BS = 8, 1000, 16, 8
@@ -72,3 +82,55 @@ def test_eight_samples_of_a_1000_token_prompt_compute_it_once_and_share_its_bloc
     assert len(tables) == N
     first = next(iter(tables.values()))
     assert all(t[:full] == first[:full] for t in tables.values())  # the prompt's blocks, once
+
+
+def test_a_lost_instance_moves_the_group_and_the_prompt_is_computed_once_there() -> None:
+    """The instance computing a group's prompt is lost while three samples wait for it: all
+    four move to the other instance, which computes the prompt once for them, and each ends
+    with the reference's tokens; every block comes back."""
+    prompt = make_prompt(36, PROMPT_LEN)
+    reqs = [
+        rpb.GenerateRequest(
+            request_id=f"m{i}",
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+            sample_group="g-lost",
+        )
+        for i in range(4)
+    ]
+
+    def slow(executor: Any) -> None:  # 30 ms a step: the prompt takes several steps
+        execute = executor.execute
+
+        def slowed(work: Any) -> Any:
+            time.sleep(0.03)
+            return execute(work)
+
+        executor.execute = slowed
+
+    async def go() -> tuple[list[Result], str, int]:
+        engine = {"scheduler.long_prefill_token_threshold": 128}
+        nodes = {"i0": Node(), "i1": Node()}
+        async with model_daemon(nodes, block_size=BS, engine=engine, patch_executor=slow) as h:
+            runs = [asyncio.ensure_future(_sample(h, r)) for r in reqs]
+            engines = h.daemon.engines
+
+            def held_somewhere() -> str:
+                return next((i for i, e in engines.items() if e.sched and e.sched.num_held), "")
+
+            await wait_until(lambda: bool(held_somewhere()), 30, "three samples held")
+            lost = held_somewhere()
+            assert engines[lost].sched.num_held == 3
+            before = {i: w.stats.num_prefill_tokens for i, w in h.workers.items()}
+            await h.stop_worker(lost)
+            results = list(await asyncio.gather(*runs))
+            other = next(i for i in nodes if i != lost)
+            await h.wait_pool_free([other])
+            return results, lost, h.workers[other].stats.num_prefill_tokens - before[other]
+
+    results, lost, computed = run(go())
+    full = (PROMPT_LEN - 1) // BS
+    for r in results:
+        assert r.reason == LENGTH and r.tokens == r.expected, r.req_id
+        assert r.instance == lost  # (where it was queued; it finished elsewhere)
+    assert computed == PROMPT_LEN + 3 * (PROMPT_LEN - full * BS)

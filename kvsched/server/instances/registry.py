@@ -338,9 +338,9 @@ class InstanceRegistry:
         group = req.sample_group
         if not group:
             return None
-        model = model or self.model_for("")
         for e in self.engines.values():
-            if e.queueing and e.leads_group(group) and _limits(e, self.config.model).model == model:
+            same_model = not model or _limits(e, self.config.model).model == model
+            if e.queueing and e.leads_group(group) and same_model:
                 return e
         return None
 
