@@ -192,3 +192,32 @@ def test_a_late_member_after_the_leaders_first_token_queues_and_hits_the_cache()
     assert s.num_held == 0
     tasks, _ = step(s)
     assert [p.num_cached_tokens for p in tasks.placements] == [FULL * BS]
+
+
+def test_a_held_sample_is_judged_by_its_tail_when_deadlines_shed() -> None:
+    """Shedding (rule 12) predicts a held sample's wait as its leader's prefill (queued ahead)
+    plus its own tail: a deadline that this meets keeps the sample; an ungrouped copy, which
+    would prefill the whole prompt after the leader's, is shed."""
+    from kvsched.core import CapacityExceeded
+    from kvsched.core.config import ShedPolicy
+
+    s = make_scheduler(block_size=BS, max_num_batched_tokens=256)
+    s.config.fairness.shed = ShedPolicy.SHED
+    leader = make_request(PROMPT, req_id="l", sample_group="g")
+    s.add_request(leader)
+    whole = s.backlog.predicted_prefill_ms(leader, 0)
+    tail = s.backlog.predicted_prefill_ms(leader, FULL * BS)
+    deadline = (3 * whole + tail) / 2  # between whole + tail and whole + whole
+    member = make_request(PROMPT, req_id="m", sample_group="g", ttft_deadline_ms=deadline)
+    s.add_request(member)
+    s.check_integrity()
+    assert s.num_held == 1 and s.num_shed == 0
+    alone = make_request(PROMPT, req_id="a", ttft_deadline_ms=deadline)
+    try:
+        s.add_request(alone)
+    except CapacityExceeded:
+        pass
+    else:
+        raise AssertionError("a copy outside the group should have been shed")
+    assert s.num_shed == 1
+    s.check_integrity()

@@ -77,7 +77,7 @@ class Backlog:
                 "retry later or raise scheduler.max_waiting"
             )
         lifecycle.queue(req, self._clock())
-        self.check_deadline(req)  # may shed it (CapacityExceeded) or demote it
+        self.check_deadline(req, shared=not queued)  # may shed it (CapacityExceeded) or demote it
         table.track(req)
         if queued:
             self.push(req)
@@ -142,13 +142,16 @@ class Backlog:
         return (ahead + own) / self._prefill_share()
 
     # ==== admission's side ====================================================================
-    def check_deadline(self, req: Request) -> None:
+    def check_deadline(self, req: Request, shared: bool = False) -> None:
         """A new request (validated, arrival set): its deadline, its queued work, and the shed
-        policy. Raises CapacityExceeded (state unchanged) when it is shed."""
+        policy (`shared`: a sample held for its group's prompt, groups.py: its work is the
+        tail after the prompt's full blocks). Raises CapacityExceeded (state unchanged) when
+        it is shed."""
         fc = self._config.fairness
         own = req.ttft_deadline_ms
         req.deadline = req.arrival_time + (own or fc.default_ttft_deadline_ms) / 1e3
-        hit = self._kv.hit_tokens(req)
+        bs = self._table.block_size
+        hit = (req.num_tokens - 1) // bs * bs if shared else self._kv.hit_tokens(req)
         req.queued_ms = self.predicted_prefill_ms(req, hit)
         if not own or fc.shed == ShedPolicy.OFF:
             return
