@@ -183,9 +183,9 @@ async def _serve(worker: Worker) -> int:
 def _log_stats(worker: Worker) -> None:
     s = worker.stats
     log.info(
-        "worker stats: %d steps, %d tokens, %d prompt tokens computed, %d paused, busy %.3f s, idle %.3f s "
-        "(%.3f s waiting on the daemon, idle_frac_control_plane %.3f), %d connects, "
-        "%d tasks messages, tasks digest %08x, KV pushes %d (%d failed), received %d, "
+        "worker stats: %d steps, %d tokens, %d prompt tokens computed, %d paused, "
+        "busy %.3f s, idle %.3f s (%.3f s waiting on the daemon, idle_frac_control_plane "
+        "%.3f), %d connects, %d tasks messages, tasks digest %08x, KV pushes %d (%d failed), received %d, "
         "drafts %d, accepted %d",
         s.num_steps,
         s.num_tokens,
