@@ -41,6 +41,7 @@ def test_eight_samples_compute_the_prompt_once_and_hold_its_blocks_once() -> Non
         s.check_integrity()
     leader, members = group[0], group[1:]
     assert s.num_waiting == 1 and s.num_held == 7  # only the leader is queued
+    assert s.snapshot().num_waiting == 8  # status shows the held ones as waiting
     # Until the leader's first token is reported, no member is placed.
     sent = run_until(s, lambda: bool(leader.output_token_ids))
     assert all(r.status == RequestStatus.WAITING and r.handle < 0 for r in members)

@@ -117,7 +117,7 @@ class Scheduler:
             config, table, kv, plan, backlog, exits, outbox, events, stats, clock
         )
         self.facts = Facts(
-            config, table, kv, self.enc, plan, backlog, exits, outbox, reports, stats
+            config, table, kv, self.enc, plan, backlog, exits, outbox, reports, stats, self.groups
         )
 
     # ==== the two verbs =======================================================================
