@@ -222,3 +222,21 @@ def test_a_held_sample_is_judged_by_its_tail_when_deadlines_shed() -> None:
         raise AssertionError("a copy outside the group should have been shed")
     assert s.num_shed == 1
     s.check_integrity()
+
+
+def test_held_samples_count_against_max_waiting() -> None:
+    from kvsched.core import CapacityExceeded
+
+    s = make_scheduler(block_size=BS, max_waiting=3)
+    a, b, c, d = samples(4)
+    for r in (a, b, c):
+        s.add_request(r)
+    assert s.num_waiting == 1 and s.num_held == 2
+    try:
+        s.add_request(d)
+    except CapacityExceeded as exc:
+        assert "max_waiting" in str(exc)
+    else:
+        raise AssertionError("a fourth waiting request past max_waiting 3 was accepted")
+    s.check_integrity()
+    assert s.num_held == 2 and d.req_id not in s.requests

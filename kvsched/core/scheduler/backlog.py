@@ -64,14 +64,15 @@ class Backlog:
         self.num_demoted = 0
 
     # ==== the queue ===========================================================================
-    def add(self, req: Request, queued: bool = True) -> None:
+    def add(self, req: Request, queued: bool = True, num_held: int = 0) -> None:
         """A new request, validated, stamped, checked against its deadline, tracked and queued
-        (not `queued`: held by its sample group, `groups.py`, until `release_held`). Raises
-        InvalidRequest (bad fields, duplicate id) or CapacityExceeded (the queue is at
-        max_waiting, or it is shed); state is unchanged when it raises."""
+        (not `queued`: held by its sample group, `groups.py`, until `release_held`; `num_held`
+        such samples wait already and count against max_waiting). Raises InvalidRequest (bad
+        fields, duplicate id) or CapacityExceeded (the queue is at max_waiting, or it is
+        shed); state is unchanged when it raises."""
         table, sc = self._table, self._config.scheduler
         validate(req, self._config, table.requests, self._kv.pool.num_blocks)
-        if len(self.waiting) >= sc.max_waiting:
+        if len(self.waiting) + num_held >= sc.max_waiting:
             raise CapacityExceeded(
                 f"waiting queue is full ({sc.max_waiting} requests); "
                 "retry later or raise scheduler.max_waiting"

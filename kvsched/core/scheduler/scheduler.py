@@ -191,7 +191,7 @@ class Scheduler:
         held until it has: `groups.py`). Raises InvalidRequest (bad fields, duplicate id) or
         CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises."""
         held = self.groups.waits(req)
-        self.backlog.add(req, queued=not held)
+        self.backlog.add(req, queued=not held, num_held=self.groups.num_held)
         self.groups.added(req, held)
 
     def abort(
