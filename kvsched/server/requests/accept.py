@@ -81,12 +81,8 @@ class Acceptor:
         req = codec.request_from_proto(pb, req_id, time.monotonic(), config.default_max_tokens)
         carrier = carrier or {}
         cluster = table.cluster
-        # Choose (a value: an engine here, or a peer's instance) ... a sample goes where its
-        # group's first request computes the prompt (groups.py: it waits there for it).
-        grouped = registry.group_engine(req, model)
-        if grouped is not None:
-            eng = grouped
-        elif cluster is None:
+        # Choose (a value: an engine here, or a peer's instance) ...
+        if cluster is None:
             eng = registry.route(req, model)
         else:
             chosen, owner = cluster.route_new(req, dict(carrier), owner, model)
