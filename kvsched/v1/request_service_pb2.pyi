@@ -136,8 +136,7 @@ class GenerateRequest(_message.Message):
     At most 128 bytes. Metrics label it by name only for tenants listed in the config.
     """
     sample_group: _builtins.str
-    """(Numbers 22-49 are left free for other additions to this message.)
-    Several samples of one prompt (OpenAI's `n`, vLLM's parallel sampling), computed once. A
+    """Several samples of one prompt (OpenAI's `n`, vLLM's parallel sampling), computed once. A
     client wanting n samples sends n GenerateRequests (or Session submits), each a request of
     its own (its id, stream, seed, Finished, Abort, Resume), naming one group here: any string
     unique to that group, at most 128 bytes (INVALID_ARGUMENT otherwise). Requests of one
