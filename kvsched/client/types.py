@@ -44,6 +44,7 @@ class RequestOptions(TypedDict, total=False):
     detachable: bool
     ttft_deadline_ms: int  # time to first token asked for, ms after arrival; 0: none
     tenant: str  # who the request is served for (fair shares between tenants)
+    sample_group: str  # samples of one prompt, computed once (GenerateRequest.sample_group)
 
 
 _SAMPLING = (
@@ -68,6 +69,7 @@ _REQUEST = (
     "detachable",
     "ttft_deadline_ms",
     "tenant",
+    "sample_group",
 )
 
 

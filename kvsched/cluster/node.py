@@ -247,6 +247,8 @@ class ClusterNode:
                 return self.registry.route(req, model), owner
             except Unavailable as exc:
                 raise Unavailable(self.unreachable_reason(str(exc))) from None
+        if (grouped := self.registry.group_engine(req, model)) is not None:
+            return grouped, owner  # a sample waits where its group's prompt is computed here
         return self.router.route(req, model), owner
 
     def _reroute(

@@ -76,6 +76,9 @@ class Request:
     # deadline applies), and who the request is served for (fair shares between tenants).
     ttft_deadline_ms: float = 0.0
     tenant: str = ""
+    # Several samples of one prompt (OpenAI's `n`): requests naming the same group and the same
+    # prompt compute it once (`kvsched.core.scheduler.groups`); "": none.
+    sample_group: str = ""
 
     status: RequestStatus = RequestStatus.WAITING
     # Output tokens. While the request is placed, the tokens of plain decode rows land in the

@@ -33,7 +33,8 @@ def usage(*gens: Generation) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": gens[0].cached_tokens},
+        # The prompt's own cache hit: the sample that computed it (the others took its blocks).
+        "prompt_tokens_details": {"cached_tokens": min(g.cached_tokens for g in gens)},
     }
 
 

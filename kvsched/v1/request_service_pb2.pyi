@@ -99,6 +99,7 @@ class GenerateRequest(_message.Message):
     DETACHABLE_FIELD_NUMBER: _builtins.int
     TTFT_DEADLINE_MS_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    SAMPLE_GROUP_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among unfinished requests. Empty: the daemon assigns one (returned in `queued`)."""
     priority: _builtins.int
@@ -134,6 +135,21 @@ class GenerateRequest(_message.Message):
     weight in `fairness.tenant_weights` (1.0 for a tenant not listed). Empty: the tenant "".
     At most 128 bytes. Metrics label it by name only for tenants listed in the config.
     """
+    sample_group: _builtins.str
+    """Several samples of one prompt (OpenAI's `n`, vLLM's parallel sampling), computed once. A
+    client wanting n samples sends n GenerateRequests (or Session submits), each a request of
+    its own (its id, stream, seed, Finished, Abort, Resume), naming one group here: any string
+    unique to that group, at most 128 bytes (INVALID_ARGUMENT otherwise). Requests of one
+    group with the same prompt (model, prompt_token_ids, lora_name, cache_salt, mm_ranges)
+    go to the instance where the group's first one computes the prompt; the others wait
+    (queued, not placed) until its first token, then take the prompt's full KV blocks from
+    that instance's prefix cache (held once, shared) and compute only the tail (under one
+    block). Each sample's `seed` is the client's choice (vLLM seeds sample i with seed + i).
+    A member whose group's first request ended before its first token leads in its place;
+    one that finds no live member of its group (its first request finished, another daemon,
+    a cluster peer's instance, a prefill/decode pair, prefix caching off) runs as a request
+    of its own, its prompt shared only through the prefix cache. Empty: no group.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt, tokenized. Must not be empty."""
@@ -158,10 +174,11 @@ class GenerateRequest(_message.Message):
         detachable: _builtins.bool = ...,
         ttft_deadline_ms: _builtins.int = ...,
         tenant: _builtins.str = ...,
+        sample_group: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "detachable", b"detachable", "lora_name", b"lora_name", "mm_ranges", b"mm_ranges", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "tenant", b"tenant", "ttft_deadline_ms", b"ttft_deadline_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "detachable", b"detachable", "lora_name", b"lora_name", "mm_ranges", b"mm_ranges", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sample_group", b"sample_group", "sampling", b"sampling", "tenant", b"tenant", "ttft_deadline_ms", b"ttft_deadline_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -102,7 +102,8 @@ class RequestServiceStub:
     (0, 1], ...); prompt + max_tokens over the model's
     max_model_len; a token id outside its vocabulary; a
     request_id a live request holds; `model` empty while
-    several models are served and the configured one is not
+    several models are served and the configured one is not;
+    sample_group over 128 bytes
     NOT_FOUND *         `model` names a model no instance serves
     RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
     ttft_deadline_ms cannot be met (fairness.shed = "shed")
@@ -239,7 +240,8 @@ class RequestServiceServicer:
     (0, 1], ...); prompt + max_tokens over the model's
     max_model_len; a token id outside its vocabulary; a
     request_id a live request holds; `model` empty while
-    several models are served and the configured one is not
+    several models are served and the configured one is not;
+    sample_group over 128 bytes
     NOT_FOUND *         `model` names a model no instance serves
     RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
     ttft_deadline_ms cannot be met (fairness.shed = "shed")
@@ -415,7 +417,8 @@ class RequestService:
     (0, 1], ...); prompt + max_tokens over the model's
     max_model_len; a token id outside its vocabulary; a
     request_id a live request holds; `model` empty while
-    several models are served and the configured one is not
+    several models are served and the configured one is not;
+    sample_group over 128 bytes
     NOT_FOUND *         `model` names a model no instance serves
     RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
     ttft_deadline_ms cannot be met (fairness.shed = "shed")

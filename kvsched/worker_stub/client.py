@@ -183,12 +183,13 @@ async def _serve(worker: Worker) -> int:
 def _log_stats(worker: Worker) -> None:
     s = worker.stats
     log.info(
-        "worker stats: %d steps, %d tokens, %d paused, busy %.3f s, idle %.3f s "
-        "(%.3f s waiting on the daemon, idle_frac_control_plane %.3f), %d connects, "
-        "%d tasks messages, tasks digest %08x, KV pushes %d (%d failed), received %d, "
-        "drafts %d, accepted %d, KV pushed %d blocks in %.3f s (export %.3f s)",
+        "worker stats: %d steps, %d tokens, %d prompt tokens computed, %d paused, "
+        "busy %.3f s, idle %.3f s (%.3f s waiting on the daemon, idle_frac_control_plane "
+        "%.3f), %d connects, %d tasks messages, tasks digest %08x, KV pushes %d (%d failed), "
+        "received %d, drafts %d, accepted %d, KV pushed %d blocks in %.3f s (export %.3f s)",
         s.num_steps,
         s.num_tokens,
+        s.num_prefill_tokens,
         s.num_paused,
         s.busy_s,
         s.idle_s,

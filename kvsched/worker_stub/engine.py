@@ -115,6 +115,7 @@ class WorkerEngine:
         self.num_draft_tokens = 0  # speculative drafts verified, and of them accepted
         self.num_accepted_drafts = 0
         self.kv_export_s = 0.0  # reading pushed KV out of the executor's cache (prefill role)
+        self.num_prefill_tokens = 0  # prompt positions computed by chunks (a prefix hit: none)
 
     def reset(self) -> None:
         """Forget every handle and all KV (a reconnect starts from an empty cache)."""
@@ -339,7 +340,9 @@ class WorkerEngine:
             s = self._held[handle]
             if self._chunk_readiness(s) is _Ready.RUN:
                 del self._prefills[handle]
-                batch.append((s, self._rows.work(s)))
+                work = self._rows.work(s)
+                self.num_prefill_tokens += len(work.token_ids)
+                batch.append((s, work))
             elif not self._table.paused[s.slot]:
                 self._table.paused[s.slot] = True
                 report.paused.append(handle)

@@ -30,6 +30,7 @@ class WorkerStats:
     kv_push_s: float = 0.0
     num_draft_tokens: int = 0  # speculative drafts verified, and of them accepted
     num_accepted_drafts: int = 0
+    num_prefill_tokens: int = 0  # prompt positions computed (chunks run; prefix hits are not)
 
     @property
     def idle_frac_control_plane(self) -> float:

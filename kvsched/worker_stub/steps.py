@@ -226,6 +226,8 @@ class StepLoop:
         engine.num_draft_tokens = engine.num_accepted_drafts = 0
         self.stats.kv_export_s += engine.kv_export_s
         engine.kv_export_s = 0.0
+        self.stats.num_prefill_tokens += engine.num_prefill_tokens
+        engine.num_prefill_tokens = 0
         self.stats.num_paused += len(report.paused)
         if self.rank == 0:
             self._report(outbox, codec.report_message(report))

@@ -28,7 +28,7 @@ import httpx
 from kvsched.tinymodel.model import make_model
 from kvsched.tinymodel.tokenizer import make_tokenizer
 from tests.http.harness import start_http
-from tests.integration.harness import Proc, child_env, start_daemon, wait_ready
+from tests.integration.harness import Proc, child_env, start_daemon, status, wait_ready
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -49,6 +49,9 @@ KNOWN = {
     ("chat", "logprobs"): "log-probabilities are not reported by kvsched's workers yet",
     ("completions", "echo"): "echo needs prompt log-probabilities: not served yet",
 }
+
+
+_DAEMON: list[str] = []  # the daemon's address, while `servers` runs
 
 
 def _free_port() -> int:
@@ -121,6 +124,7 @@ def servers(model: Path) -> Iterator[tuple[str, str]]:
         wait_ready(address, ["v0"], timeout=600)
         vllm.wait()
         http, url = start_http(model, address)
+        _DAEMON[:] = [address]
         yield vllm.url, url
     finally:
         for p in (http, worker, daemon):
@@ -203,6 +207,31 @@ def test_n_samples_equal(servers: tuple[str, str], sampling: dict[str, Any]) -> 
     assert [c["finish_reason"] for c in kc] == [c["finish_reason"] for c in vc]
     assert k["usage"]["prompt_tokens"] == v["usage"]["prompt_tokens"]
     assert k["usage"]["completion_tokens"] == v["usage"]["completion_tokens"]
+
+
+def test_n_samples_of_a_long_prompt_fork_one_prefill_and_equal_vllms(
+    servers: tuple[str, str],
+) -> None:
+    """n = 4 on a prompt of several KV blocks: the daemon computes it once (the three other
+    samples take its full blocks from the prefix cache: the instance's hit counter grows by
+    exactly 3 x those), and each sample still equals vLLM's of the same index."""
+    prompt = "Four long takes on one theme, each its own: " + " ".join(
+        f"item {i} of a list that makes the prompt span several blocks;" for i in range(24)
+    )
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "n": 4, "temperature": 1}
+    before = status(_DAEMON[0], "v0").instances[0]
+    v, k = both(servers, "/v1/completions", {**body, "seed": 11})
+    after = status(_DAEMON[0], "v0").instances[0]
+    vc = sorted(v["choices"], key=lambda c: c["index"])
+    kc = sorted(k["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in kc] == [c["text"] for c in vc]
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert k["usage"][key] == v["usage"][key], key
+    n_prompt = v["usage"]["prompt_tokens"]
+    full = (n_prompt - 1) // before.block_size * before.block_size
+    assert full >= 2 * before.block_size
+    hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+    assert hits == 3 * full, (hits, full)
 
 
 def test_chat_equal_with_text_parts(servers: tuple[str, str]) -> None:

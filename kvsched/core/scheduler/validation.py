@@ -50,6 +50,8 @@ def validate(req: Request, config: EngineConfig, live: Container[str], num_block
         )
     if len(req.tenant.encode()) > 128:
         raise InvalidRequest(f"request {rid!r}: tenant is longer than 128 bytes")
+    if len(req.sample_group.encode()) > 128:
+        raise InvalidRequest(f"request {rid!r}: sample_group is longer than 128 bytes")
     block_size = config.cache.block_size
     need_blocks = -(-(n + 1) // block_size)
     if need_blocks > num_blocks:

@@ -239,6 +239,10 @@ class InstanceEngine:
         self._load = None
         self.sched.add_request(req)
 
+    def leads_group(self, group: str) -> bool:
+        """Whether a request of sample group `group` computes its prompt here now."""
+        return self.sched is not None and self.sched.leads_group(group)
+
     def holds(self, req: Request) -> bool:
         """Whether this instance's scheduler holds this very Request object."""
         sched = self.sched

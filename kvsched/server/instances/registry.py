@@ -326,11 +326,27 @@ class InstanceRegistry:
 
     def route(self, req: Request, model: str = "") -> InstanceEngine:
         """The instance a new request goes to; Unavailable when none takes new requests. A
-        paused instance queues it (the router prefers one that is not paused)."""
+        paused instance queues it (the router prefers one that is not paused). A sample of a
+        group whose prompt an instance computes now goes there (`group_engine`)."""
         ready = [e for e in self.engines.values() if e.queueing and not e.is_decode]
         if not ready:
             raise Unavailable(self.no_instance_reason())
-        return _route(self.router, self.candidates(req, model or self.model_for(""), ready), req)
+        model = model or self.model_for("")
+        if (grouped := self.group_engine(req, model)) is not None:
+            return grouped  # a sample waits where its group's prompt is computed (groups.py)
+        return _route(self.router, self.candidates(req, model, ready), req)
+
+    def group_engine(self, req: Request, model: str = "") -> InstanceEngine | None:
+        """The instance where a request of req's sample group computes the prompt now (its
+        members belong there: they take the prompt's blocks from its cache), or None."""
+        group = req.sample_group
+        if not group:
+            return None
+        for e in self.engines.values():
+            same_model = not model or _limits(e, self.config.model).model == model
+            if e.queueing and e.leads_group(group) and same_model:
+                return e
+        return None
 
     def no_instance_reason(self) -> str:
         """Why no instance here takes a request (what the caller can do about it)."""
