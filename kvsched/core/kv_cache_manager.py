@@ -39,8 +39,11 @@ def reads_prompt(req: Request) -> bool:
     """Whether req's sampling reads its prompt's token ids (a repetition penalty does, as in
     vLLM): the worker learns a prompt's tokens only from the chunks it computes, so such a
     request takes no prefix hit and sends its whole prompt (correct, at the cost of the
-    recompute). Its blocks are still cached for others."""
-    return req.sampling.repetition_penalty != 1.0
+    recompute). Its blocks are still cached for others. A request asking for prompt
+    log-probabilities computes its whole prompt too (vLLM's scheduler skips the prefix cache
+    for it: the log-probabilities come from the prompt's forward pass)."""
+    sp = req.sampling
+    return sp.repetition_penalty != 1.0 or sp.prompt_logprobs is not None
 
 
 class KVCacheManager:

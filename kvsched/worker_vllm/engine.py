@@ -43,6 +43,8 @@ def vllm_sampling(
         repetition_penalty=sampling.repetition_penalty,
         logit_bias=dict(sampling.logit_bias) or None,
         min_p=sampling.min_p,
+        logprobs=sampling.logprobs,
+        prompt_logprobs=sampling.prompt_logprobs,
         detokenize=False,
     )
     params.update_from_generation_config(facts.generation_config, facts.eos_token_id)

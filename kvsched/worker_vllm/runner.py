@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsched.worker_stub.executor import SeqWork, StepResult
-from kvsched.worker_vllm import spec_decode
+from kvsched.worker_vllm import logprobs, spec_decode
 from kvsched.worker_vllm.spin import nap_seconds, quiet_executor
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class EngineFacts:
     eos_token_id: int | None  # the tokenizer's (None without tokenizer files)
     generation_config: dict[str, Any]
     num_speculative_tokens: int = 0  # drafts per step the runner verifies (0: none)
+    max_logprobs: int = 0  # log-probability alternatives per token (vLLM's max_logprobs)
 
 
 @dataclass(slots=True)
@@ -92,6 +93,7 @@ class _Req:
     num_out: int = 0  # tokens the runner sampled for it since it last (re)sent it
     synced: bool = False  # the runner holds its current prompt and table
     alias_live: bool = False  # the runner holds its prompt's first chunks under the alias id
+    prompt_head: list[Any] | None = None  # prompt log-probability rows of the alias's chunks
 
 
 class VllmModel:
@@ -158,6 +160,7 @@ class VllmModel:
             eos_token_id=_tokenizer_eos(model),
             generation_config=dict(mc.try_get_generation_config() or {}),
             num_speculative_tokens=num_speculative_tokens,
+            max_logprobs=int(mc.get_vocab_size() if mc.max_logprobs < 0 else mc.max_logprobs),
         )
         log.info("vLLM engine ready in %.1f s: %s", time.monotonic() - started, self.facts)
 
@@ -309,6 +312,8 @@ class VllmExecutor:
             if not r.synced or w.start < r.num_prefill:
                 r.prompt[w.start : end] = w.token_ids[: end - w.start]
                 if r.alias_live:
+                    if r.params.prompt_logprobs is not None and w.start > 0:
+                        r.prompt_head = self._alias_prompt_rows(w.req_id + _ALIAS, w.start, r)
                     self._finished.add(w.req_id + _ALIAS)
                     r.alias_live = False
                 new.append(self._new_data(w.req_id, r, r.params, blocks, w.start))
@@ -348,7 +353,40 @@ class VllmExecutor:
             self._reqs[w.req_id].num_out += len(kept)
             tokens.append(kept)
         self.num_steps += 1
-        return StepResult(tokens, time.perf_counter() - started)
+        out = StepResult(tokens, time.perf_counter() - started)
+        if result is not None and (result.logprobs is not None or result.prompt_logprobs_dict):
+            self._logprobs(work, tokens, result, out)  # only steps with requests that asked
+        return out
+
+    def _logprobs(
+        self, work: list[SeqWork], tokens: list[list[int]], result: Any, out: StepResult
+    ) -> None:
+        """The step's log-probability rows (logprobs.py) into `out`, per SeqWork."""
+        out.logprobs = [[] for _ in work]
+        out.prompt_logprobs = [None] * len(work)
+        prompt_dict = result.prompt_logprobs_dict or {}
+        for j, w in enumerate(work):
+            r = self._reqs.get(w.req_id)
+            if not w.sample or r is None:
+                continue
+            k = r.params.logprobs
+            if k is not None and result.logprobs is not None and tokens[j]:
+                index = result.req_id_to_index[w.req_id]
+                out.logprobs[j] = logprobs.sample_rows(result.logprobs, index, len(tokens[j]), k)
+            got = prompt_dict.get(w.req_id)
+            if got is not None and r.params.prompt_logprobs is not None:
+                rows = logprobs.prompt_rows(got, r.params.prompt_logprobs)
+                if r.prompt_head is not None:  # the chunks the alias ran
+                    rows[: len(r.prompt_head)] = r.prompt_head
+                    r.prompt_head = None
+                out.prompt_logprobs[j] = rows
+
+    def _alias_prompt_rows(self, alias: str, end: int, r: _Req) -> list[Any]:
+        """The prompt log-probability rows [0, end) the runner computed under `alias`."""
+        from kvsched.worker_vllm.logprobs import alias_prompt_rows, rows_of
+
+        got = self.model.executor.collective_rpc(alias_prompt_rows, args=(alias, end))[0]
+        return rows_of(*got, k=r.params.prompt_logprobs)
 
     @staticmethod
     def _new_data(req_id: str, r: _Req, params: Any, blocks: Any, start: int) -> Any:

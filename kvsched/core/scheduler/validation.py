@@ -102,6 +102,10 @@ def _validate_adjustments(req: Request) -> None:
         )
     if not (math.isfinite(sp.min_p) and 0.0 <= sp.min_p <= 1.0):
         raise InvalidRequest(f"request {rid!r}: min_p = {sp.min_p:g} must be in [0, 1]")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(sp, name)
+        if k is not None and k < 0:
+            raise InvalidRequest(f"request {rid!r}: {name} = {k} must be >= 0")
     for token, bias in sp.logit_bias.items():
         if token < 0 or not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
             raise InvalidRequest(
