@@ -217,13 +217,17 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
+        cluster = self.requests.cluster
         owner = principal(context) or None
+        if cluster is not None and owner is not None:  # a peer's relayed abort: its client's
+            owner = cluster.caller_of(metadata(context), owner) or None
         reason, message = _abort_reason(request.reason)
         try:
             self.requests.abort(request.request_id, message, owner=owner, reason=reason)
         except RequestNotFound:
-            cluster = self.requests.cluster
-            if cluster is None or not await cluster.abort_elsewhere(request.request_id, owner):
+            if cluster is None or not await cluster.abort_elsewhere(
+                request.request_id, owner, reason
+            ):
                 raise
         return pb.AbortResponse()
 
