@@ -236,6 +236,39 @@ def test_kvsched_with_vllm_worker_gives_vllm_tokens(
     wait_pool_free(kvsched_vllm, timeout=30)  # every block returned
 
 
+def test_chunked_prompt_logprobs_equal_vllms(
+    model: Path, kvsched_vllm: str, tmp_path: Path
+) -> None:
+    """A prompt prefilled in 3 chunks (its first two under the worker's alias id) with prompt
+    and output log-probabilities: each position's value, rank and top k equal vLLM's own
+    (`LLM.generate`, whole prompt in one step) within 1e-4."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(5, 512) for _ in range(2 * STEP_TOKENS + 44)]
+    params = {"max_tokens": 8, "temperature": 0.0, "prompt_logprobs": 3, "logprobs": 2}
+
+    async def run() -> tuple[list[int], Any, Any]:
+        async with AsyncClient(kvsched_vllm, timeout=600) as client:
+            stream = await client.generate(prompt, request_id="plp", **params)
+            tokens, rows = [], []
+            async for batch in stream:
+                tokens += batch
+                rows += stream.last_logprobs
+            return tokens, stream.prompt_logprobs, rows
+
+    tokens, prompt_rows, rows = asyncio.run(run())
+    ref = _reference(model, {"requests": [{"prompt": prompt, "params": params}]}, tmp_path)
+    assert tokens == ref["outputs"][0]
+    want = ref["logprobs"][0]
+    assert want["prompt"][0] is None and prompt_rows is not None
+    for got, exp in ((prompt_rows, want["prompt"][1:]), (rows, want["output"])):
+        assert len(got) == len(exp)
+        for g, e in zip(got, exp, strict=True):
+            assert g.rank == e["rank"] and abs(g.logprob - e["logprob"]) <= 1e-4, (g, e)
+            top = dict(zip(map(str, g.top_token_ids), g.top_logprobs, strict=True))
+            assert set(top) == set(e["top"]), (g, e)
+            assert all(abs(top[t] - e["top"][t]) <= 1e-4 for t in top), (g, e)
+
+
 def test_hello_announces_the_engines_facts(kvsched_vllm: str) -> None:
     st = status(kvsched_vllm).instances[0]
     assert st.model == "tiny-llama"  # the model directory's name
