@@ -253,6 +253,23 @@ class SessionBatch:
         return out
 
     @property
+    def logprobs(self) -> dict[str, tuple[list[TokenLogprob], list[TokenLogprob]]]:
+        """Request id -> (the rows of its new tokens, its prompt's rows: with its first tokens
+        only, else empty), for the requests of this batch that asked for log-probabilities."""
+        t = self.raw.tokens
+        if not len(t.num_logprobs) and not len(t.num_prompt_logprobs):
+            return {}
+        rows, prompt = logprob_rows(t.logprobs), logprob_rows(t.prompt_logprobs)
+        n_rows = list(t.num_logprobs) or [0] * len(t.request_ids)
+        n_prompt = list(t.num_prompt_logprobs) or [0] * len(t.request_ids)
+        out, i, j = {}, 0, 0
+        for rid, n, m in zip(t.request_ids, n_rows, n_prompt, strict=True):
+            if n or m:
+                out[rid] = (rows[i : i + n], prompt[j : j + m])
+            i, j = i + n, j + m
+        return out
+
+    @property
     def finished(self) -> list[Finished]:
         return [Finished.from_pb(f) for f in self.raw.finished]
 

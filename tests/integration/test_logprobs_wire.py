@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvsched.client import logprob_rows
+from kvsched.client import SessionBatch, logprob_rows
 from kvsched.v1 import common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
 from tests.integration.clients import run
@@ -148,23 +148,14 @@ def test_rows_reach_a_session_with_their_tokens(daemon: str) -> None:
                 num_prompt_logprobs=[2],
                 prompt_logprobs=_rows(*PROMPT_ROWS),
             )
-            seen: dict[str, list[Any]] = {"s-asks": [], "s-no": []}
-            prompt: dict[str, list[Any]] = {"s-asks": [], "s-no": []}
-            while not seen["s-asks"] or not seen["s-no"]:
-                d = (await session.read()).tokens
-                if not d.request_ids:
-                    continue
-                rows = logprob_rows(d.logprobs)
-                prows = logprob_rows(d.prompt_logprobs)
-                for rid, n, np_ in zip(
-                    d.request_ids, d.num_logprobs, d.num_prompt_logprobs, strict=True
-                ):
-                    seen[rid].append(rows[:n])
-                    rows = rows[n:]
-                    prompt[rid] += prows[:np_]
-                    prows = prows[np_:]
-            assert seen["s-asks"] == [[tuple(ROW_A)]] and seen["s-no"] == [[]]
-            assert prompt["s-asks"] == [tuple(r) for r in PROMPT_ROWS] and prompt["s-no"] == []
+            got: dict[str, list[int]] = {}
+            rows: dict[str, Any] = {}
+            while len(got) < 2:  # (through kvsched.client's SessionBatch)
+                batch = SessionBatch(await session.read())
+                got.update(batch.tokens)
+                rows.update(batch.logprobs)
+            assert got == {"s-asks": [501], "s-no": [601]}
+            assert rows == {"s-asks": ([tuple(ROW_A)], [tuple(r) for r in PROMPT_ROWS])}
             session.cancel()
             w.close()
 
