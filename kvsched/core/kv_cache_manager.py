@@ -46,6 +46,16 @@ def reads_prompt(req: Request) -> bool:
     return sp.repetition_penalty != 1.0 or sp.prompt_logprobs is not None
 
 
+def prefills_at_once(req: Request) -> bool:
+    """Whether req's prompt must be computed in one step: it still awaits its prompt
+    log-probabilities. The worker learns a prompt's tokens only from the chunks it is sent, and
+    the log-probability at a chunk's last position is that of the next chunk's first token (a
+    chunk boundary would leave it unknown). Validation refuses such a prompt longer than a
+    step's token budget."""
+    lp = req.logprobs
+    return lp is not None and lp.prompt is None and req.sampling.prompt_logprobs is not None
+
+
 class KVCacheManager:
     def __init__(
         self,

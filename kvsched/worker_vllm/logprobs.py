@@ -3,12 +3,11 @@
 The runner's sampler returns, per sampled token, a row of the batch's widest k + 1: the sampled
 token first (its log-probability, its rank), then the top k. vLLM's output processor keeps the
 first k + 1 of a row for a request that asked for k (`append_logprobs_for_next_position`); so
-does `sample_rows`. Prompt log-probabilities come once, when the prompt's last chunk ran
-(`prompt_logprobs_dict`), one row per prompt token after the first.
-
-A prompt computed in several chunks runs its earlier chunks under an alias id (runner.py): the
-runner keeps that alias's rows in its request state, which `alias_prompt_rows` reads inside
-vLLM's worker process (through `collective_rpc`) before the alias is dropped.
+does `sample_rows`. Prompt log-probabilities come once, when the prompt ran
+(`prompt_logprobs_dict`), one row per prompt token after the first: the daemon sends a
+request that asks for them its whole prompt in one chunk (a chunk's last row needs the next
+chunk's first token, which this worker would not know yet: core/kv_cache_manager.py's
+`prefills_at_once`), so it never runs under runner.py's alias id.
 """
 
 from __future__ import annotations
@@ -46,19 +45,4 @@ def prompt_rows(tensors: Any, k: int) -> list[LogprobRow]:
         tensors.logprobs.tolist(),
         tensors.selected_token_ranks.tolist(),
         k,
-    )
-
-
-def alias_prompt_rows(worker: Any, alias: str, end: int) -> tuple[list[Any], list[Any], list[Any]]:
-    """(Runs in vLLM's worker process.) Rows [0, end) of the prompt log-probabilities the
-    runner computed so far for `alias`: token ids, log-probabilities, ranks, as lists."""
-    runner = getattr(worker, "model_runner", None) or worker.worker.model_runner
-    state = runner.requests.get(alias)
-    t = getattr(state, "in_progress_prompt_logprobs_cpu", None)
-    if t is None:
-        raise RuntimeError(f"the runner holds no prompt log-probabilities for {alias!r}")
-    return (
-        t.logprob_token_ids[:end].tolist(),
-        t.logprobs[:end].tolist(),
-        t.selected_token_ranks[:end].tolist(),
     )

@@ -93,7 +93,6 @@ class _Req:
     num_out: int = 0  # tokens the runner sampled for it since it last (re)sent it
     synced: bool = False  # the runner holds its current prompt and table
     alias_live: bool = False  # the runner holds its prompt's first chunks under the alias id
-    prompt_head: list[Any] | None = None  # prompt log-probability rows of the alias's chunks
 
 
 class VllmModel:
@@ -312,8 +311,6 @@ class VllmExecutor:
             if not r.synced or w.start < r.num_prefill:
                 r.prompt[w.start : end] = w.token_ids[: end - w.start]
                 if r.alias_live:
-                    if r.params.prompt_logprobs is not None and w.start > 0:
-                        r.prompt_head = self._alias_prompt_rows(w.req_id + _ALIAS, w.start, r)
                     self._finished.add(w.req_id + _ALIAS)
                     r.alias_live = False
                 new.append(self._new_data(w.req_id, r, r.params, blocks, w.start))
@@ -375,18 +372,7 @@ class VllmExecutor:
                 out.logprobs[j] = logprobs.sample_rows(result.logprobs, index, len(tokens[j]), k)
             got = prompt_dict.get(w.req_id)
             if got is not None and r.params.prompt_logprobs is not None:
-                rows = logprobs.prompt_rows(got, r.params.prompt_logprobs)
-                if r.prompt_head is not None:  # the chunks the alias ran
-                    rows[: len(r.prompt_head)] = r.prompt_head
-                    r.prompt_head = None
-                out.prompt_logprobs[j] = rows
-
-    def _alias_prompt_rows(self, alias: str, end: int, r: _Req) -> list[Any]:
-        """The prompt log-probability rows [0, end) the runner computed under `alias`."""
-        from kvsched.worker_vllm.logprobs import alias_prompt_rows, rows_of
-
-        got = self.model.executor.collective_rpc(alias_prompt_rows, args=(alias, end))[0]
-        return rows_of(*got, k=r.params.prompt_logprobs)
+                out.prompt_logprobs[j] = logprobs.prompt_rows(got, r.params.prompt_logprobs)
 
     @staticmethod
     def _new_data(req_id: str, r: _Req, params: Any, blocks: Any, start: int) -> Any:

@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this")
 
-from kvsched.client import AsyncClient
+from kvsched.client import AsyncClient, InvalidArgument
 from kvsched.tinymodel.model import make_model
 from tests.integration.harness import (
     REPO,
@@ -236,18 +236,19 @@ def test_kvsched_with_vllm_worker_gives_vllm_tokens(
     wait_pool_free(kvsched_vllm, timeout=30)  # every block returned
 
 
-def test_chunked_prompt_logprobs_equal_vllms(
-    model: Path, kvsched_vllm: str, tmp_path: Path
-) -> None:
-    """A prompt prefilled in 3 chunks (its first two under the worker's alias id) with prompt
-    and output log-probabilities: each position's value, rank and top k equal vLLM's own
-    (`LLM.generate`, whole prompt in one step) within 1e-4."""
+def test_prompt_logprobs_equal_vllms(model: Path, kvsched_vllm: str, tmp_path: Path) -> None:
+    """Prompt and output log-probabilities of a prompt that fills most of a step: each
+    position's value, rank and top k equal vLLM's own (`LLM.generate`) within 1e-4. A prompt
+    longer than a step is refused naming prompt_logprobs (its log-probabilities need it whole
+    in one step: core/kv_cache_manager.py's `prefills_at_once`)."""
     rng = random.Random(5)
-    prompt = [rng.randrange(5, 512) for _ in range(2 * STEP_TOKENS + 44)]
+    prompt = [rng.randrange(5, 512) for _ in range(STEP_TOKENS - 8)]
     params = {"max_tokens": 8, "temperature": 0.0, "prompt_logprobs": 3, "logprobs": 2}
 
     async def run() -> tuple[list[int], Any, Any]:
         async with AsyncClient(kvsched_vllm, timeout=600) as client:
+            with pytest.raises(InvalidArgument, match="prompt_logprobs: a prompt of"):
+                await client.generate(prompt * 3, request_id="plp-long", **params)
             stream = await client.generate(prompt, request_id="plp", **params)
             tokens, rows = [], []
             async for batch in stream:

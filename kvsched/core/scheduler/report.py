@@ -336,5 +336,6 @@ def put_logprobs(report: StepReport, get: Callable[[int], Request | None]) -> No
     if report.prompt_logprob_handles and report.prompt_logprobs is not None:
         runs = report.prompt_logprobs.split(list(report.num_prompt_logprobs))
         for h, rows in zip(report.prompt_logprob_handles, runs, strict=True):
-            if (req := get(int(h))) is not None and req.logprobs is not None:
-                req.logprobs.prompt = rows
+            lp = req.logprobs if (req := get(int(h))) is not None else None
+            if lp is not None and lp.prompt is None:  # (once: a re-placement recomputes it)
+                lp.prompt = rows

@@ -34,6 +34,12 @@ def validate(req: Request, config: EngineConfig, live: Container[str], num_block
         raise InvalidRequest(
             f"request {rid!r}: min_tokens = {sp.min_tokens} must be in [0, max_tokens]"
         )
+    if sp.prompt_logprobs is not None and n > sc.max_num_batched_tokens:
+        raise InvalidRequest(
+            f"request {rid!r}: prompt_logprobs: a prompt of {n} tokens is computed in one step "
+            f"for its log-probabilities, and a step holds max_num_batched_tokens "
+            f"{sc.max_num_batched_tokens}"
+        )
     if n + sp.max_tokens > sc.max_model_len:
         raise InvalidRequest(
             f"request {rid!r}: prompt ({n} tokens) + max_tokens ({sp.max_tokens}) = "
