@@ -180,7 +180,8 @@ class SamplingParams(_message.Message):
     prompt_logprobs: _builtins.int
     """The same for each prompt token after the first (positions 1..prompt-1), sent once with the
     request's first Tokens. A request asking for them takes no prefix-cache hit: its whole
-    prompt is computed (as vLLM's scheduler does).
+    prompt is computed (as vLLM's scheduler does), in one step (a prompt over the daemon's
+    max_num_batched_tokens: INVALID_ARGUMENT naming `prompt_logprobs`).
     """
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
