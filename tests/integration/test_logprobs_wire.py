@@ -201,3 +201,52 @@ def test_more_alternatives_than_the_workers_report_is_refused(daemon: str) -> No
             w.close()
 
     run(go())
+
+
+def test_a_resumed_stream_gets_the_rows_of_the_tokens_it_lacks(daemon: str) -> None:
+    """Resume from the tokens held: the rest of the tokens with their rows; the prompt's rows
+    only for a Resume from the start (none here: the client holds a token)."""
+
+    async def go() -> None:
+        async with grpc.aio.insecure_channel(daemon) as ch:
+            stub = request_service_pb2_grpc.RequestServiceStub(ch)
+            w = RawWorker(ch, hello("lp-r", model="lp-resume", max_logprobs=5))
+            await w.read("welcome")
+            msg = _request("r-asks", max_tokens=3, logprobs=2, prompt_logprobs=1)
+            msg.model, msg.detachable = "lp-resume", True
+            first = stub.Generate(msg)
+            assert (await first.read()).queued.instance == "lp-r"
+            (p,) = (await w.tasks_where(lambda t: len(t.placements) > 0)).placements
+            w.report(
+                handles=[p.handle],
+                num_computed=[3],
+                num_new_tokens=[1],
+                token_ids=[501],
+                num_logprobs=[1],
+                logprobs=_rows(ROW_A),
+                prompt_logprob_handles=[p.handle],
+                num_prompt_logprobs=[2],
+                prompt_logprobs=_rows(*PROMPT_ROWS),
+            )
+            assert list((await first.read()).tokens.token_ids) == [501]
+            first.cancel()  # detachable: the request runs on
+            resumed = stub.Resume(
+                rpb.RequestServiceResumeRequest(request_id="r-asks", token_ids=[501])
+            )
+            assert (await resumed.read()).queued.request_id == "r-asks"
+            w.report(
+                handles=[p.handle],
+                num_computed=[5],
+                num_new_tokens=[2],
+                token_ids=[502, 503],
+                num_logprobs=[2],
+                logprobs=_rows(ROW_B, ROW_C),
+            )
+            got = (await resumed.read()).tokens
+            assert list(got.token_ids) == [502, 503]
+            assert logprob_rows(got.logprobs) == [tuple(ROW_B), tuple(ROW_C)]
+            assert not got.HasField("prompt_logprobs")
+            assert (await resumed.read()).finished.usage.output_tokens == 3
+            w.close()
+
+    run(go())
