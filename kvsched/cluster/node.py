@@ -40,7 +40,7 @@ from kvsched.cluster.peer_rpc import FORWARD_INSTANCE, FORWARDED_BY, HAND_OVER, 
 from kvsched.cluster.routing import ClusterRouter, RemoteInstance
 from kvsched.cluster.selffence import SelfFence
 from kvsched.cluster.worker_gate import WorkerGate
-from kvsched.core import Request, Unavailable
+from kvsched.core import FinishReason, Request, Unavailable
 from kvsched.server.auth import principal_of
 from kvsched.server.instances.engine import InstanceEngine
 from kvsched.v1 import admin_service_pb2 as apb
@@ -382,9 +382,12 @@ class ClusterNode:
         relayed = relay_owner(carrier, caller, self._cluster_principal)
         return caller if relayed is None else relayed
 
-    async def abort_elsewhere(self, request_id: str, owner: str | None) -> bool:
-        """Ask every daemon to abort `request_id` (True: one of them tracked it)."""
-        return await self.aborts.ask(request_id, owner)
+    async def abort_elsewhere(
+        self, request_id: str, owner: str | None, reason: FinishReason = FinishReason.ABORT
+    ) -> bool:
+        """Ask every daemon to abort `request_id` (True: one of them tracked it), ending it
+        with `reason` (ABORT, or STOP for its client's own stop condition)."""
+        return await self.aborts.ask(request_id, owner, reason)
 
     # ---- status ---------------------------------------------------------------------------
     def cluster_status(self) -> apb.ClusterStatus:

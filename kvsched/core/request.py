@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol
 
+from kvsched.core.logprobs import RequestLogprobs
 from kvsched.core.protocol import FinishReason, MultimodalRange, SamplingParams
 
 
@@ -128,6 +129,14 @@ class Request:
     charged_output: int = 0
     # Opaque to the core: the caller's per-request state (the daemon's stream and tracing).
     tag: object = None
+    # Its log-probabilities so far, only when its sampling asks (`with_logprobs`); the report
+    # path puts rows in, the daemon's sinks read them.
+    logprobs: RequestLogprobs | None = None
+
+    def __post_init__(self) -> None:
+        sp = self.sampling
+        if self.logprobs is None and (sp.logprobs is not None or sp.prompt_logprobs is not None):
+            self.logprobs = RequestLogprobs()
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -103,7 +103,7 @@ async def _stream(
         first = set(range(len(gens)))
         if shape.chat:
             for i in range(len(gens)):
-                yield shape.chunk("", None, first=True, index=i)
+                yield shape.role_chunk(gens[i], index=i)
             first.clear()
         running = len(gens)
         while running:
@@ -114,9 +114,9 @@ async def _stream(
                 if g.finish_reason == "error":
                     yield sse(ApiError(500, f"kvsched: {g.message}", "internal_error").body())
                 else:
-                    yield shape.chunk(None if shape.chat else "", g.finish_reason, index=i)
+                    yield shape.closing_chunk(g, index=i)
                 continue
-            yield shape.chunk(piece, None, first=i in first, index=i)
+            yield shape.piece_chunk(gens[i], piece, first=i in first, index=i)
             first.discard(i)
         if shape.include_usage:
             yield shape.usage_chunk(*gens)

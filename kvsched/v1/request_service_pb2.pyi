@@ -218,16 +218,33 @@ class GenerateResponse(_message.Message):
         DESCRIPTOR: _descriptor.Descriptor
 
         TOKEN_IDS_FIELD_NUMBER: _builtins.int
+        LOGPROBS_FIELD_NUMBER: _builtins.int
+        PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
         @_builtins.property
         def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        @_builtins.property
+        def logprobs(self) -> _common_pb2.TokenLogprobs:
+            """Only for a request whose SamplingParams.logprobs is set: one row per token of token_ids
+            (rows of tokens a daemon recovered from its journal are empty: num_top 0, logprob 0,
+            rank 0).
+            """
+
+        @_builtins.property
+        def prompt_logprobs(self) -> _common_pb2.TokenLogprobs:
+            """Only for a request whose SamplingParams.prompt_logprobs is set, in its first Tokens: one
+            row per prompt token after the first.
+            """
+
         def __init__(
             self,
             *,
             token_ids: _abc.Iterable[_builtins.int] | None = ...,
+            logprobs: _common_pb2.TokenLogprobs | None = ...,
+            prompt_logprobs: _common_pb2.TokenLogprobs | None = ...,
         ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["token_ids", b"token_ids"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "token_ids", b"token_ids"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -448,22 +465,45 @@ class SessionResponse(_message.Message):
         REQUEST_IDS_FIELD_NUMBER: _builtins.int
         NUM_TOKENS_FIELD_NUMBER: _builtins.int
         TOKEN_IDS_FIELD_NUMBER: _builtins.int
+        NUM_LOGPROBS_FIELD_NUMBER: _builtins.int
+        LOGPROBS_FIELD_NUMBER: _builtins.int
+        NUM_PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+        PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
         @_builtins.property
         def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
         @_builtins.property
         def num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
         @_builtins.property
         def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        @_builtins.property
+        def num_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Log-probabilities, only when one of these requests asked for them (SamplingParams.
+            logprobs / prompt_logprobs; otherwise both columns are empty): num_logprobs[i] rows of
+            `logprobs` belong to request_ids[i] (num_tokens[i] when it asked, else 0), and
+            num_prompt_logprobs[i] rows of `prompt_logprobs` (its prompt's, once, with its first
+            tokens), in the order of request_ids.
+            """
+
+        @_builtins.property
+        def logprobs(self) -> _common_pb2.TokenLogprobs: ...
+        @_builtins.property
+        def num_prompt_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        @_builtins.property
+        def prompt_logprobs(self) -> _common_pb2.TokenLogprobs: ...
         def __init__(
             self,
             *,
             request_ids: _abc.Iterable[_builtins.str] | None = ...,
             num_tokens: _abc.Iterable[_builtins.int] | None = ...,
             token_ids: _abc.Iterable[_builtins.int] | None = ...,
+            num_logprobs: _abc.Iterable[_builtins.int] | None = ...,
+            logprobs: _common_pb2.TokenLogprobs | None = ...,
+            num_prompt_logprobs: _abc.Iterable[_builtins.int] | None = ...,
+            prompt_logprobs: _common_pb2.TokenLogprobs | None = ...,
         ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "request_ids", b"request_ids", "token_ids", b"token_ids"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "num_logprobs", b"num_logprobs", "num_prompt_logprobs", b"num_prompt_logprobs", "num_tokens", b"num_tokens", "prompt_logprobs", b"prompt_logprobs", "request_ids", b"request_ids", "token_ids", b"token_ids"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 

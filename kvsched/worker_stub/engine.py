@@ -14,6 +14,7 @@ from enum import Enum
 import numpy as np
 
 from kvsched.core.errors import ProtocolError
+from kvsched.core.logprobs import TokenLogprobs
 from kvsched.core.protocol import (
     Chunk,
     Extension,
@@ -23,7 +24,7 @@ from kvsched.core.protocol import (
     Tasks,
 )
 from kvsched.worker_stub.encoder_drops import check_encoder_drops
-from kvsched.worker_stub.executor import ColumnarExecutor, Executor, SeqWork
+from kvsched.worker_stub.executor import ColumnarExecutor, Executor, SeqWork, StepResult
 from kvsched.worker_stub.host_kv import HostCopies
 from kvsched.worker_stub.rows import After, Held, Rows
 from kvsched.worker_stub.slots import IntArray, SlotTable
@@ -315,8 +316,13 @@ class WorkerEngine:
                 (s, self._rows.work(s)) for s in (held[occupant[i]] for i in decodes.tolist())
             ]
             result = self.executor.execute([w for _, w in batch])
-            for (s, w), tokens in zip(batch, result.tokens, strict=True):
+            lps = result.logprobs is not None or result.prompt_logprobs is not None
+            for j, ((s, w), tokens) in enumerate(zip(batch, result.tokens, strict=True)):
                 self._record(s, w, tokens, report)
+                if lps:  # (rows of works that asked: the vLLM executor's)
+                    add_logprobs(report, s.handle, result, j)
+            if report.num_logprobs:
+                report.num_logprobs.extend([0] * (len(report.handles) - len(report.num_logprobs)))
             report.step_time_ns = round(result.step_time_s * 1e9)
         self._push_kv()
         report.acked = list(self._acked)
@@ -403,3 +409,24 @@ class WorkerEngine:
                 log.warning("KV push of handle %d failed", handle, exc_info=True)
                 self._failed[handle] = None
             self._free(handle)
+
+
+def add_logprobs(report: StepReport, handle: int, result: StepResult, j: int) -> None:
+    """SeqWork j's log-probability rows into the report, after its row (the last one): one
+    per token kept (a stop cuts the rest), and its prompt's rows once its last chunk ran."""
+    rows = result.logprobs[j] if result.logprobs is not None else []
+    kept = int(report.num_new_tokens[-1]) if len(report.handles) else 0
+    if rows and kept and report.handles[-1] == handle:
+        counts = report.num_logprobs
+        counts.extend([0] * (len(report.handles) - 1 - len(counts)))
+        counts.append(kept)
+        if report.logprobs is None:
+            report.logprobs = TokenLogprobs()
+        report.logprobs.extend(rows[:kept])
+    prompt = result.prompt_logprobs[j] if result.prompt_logprobs is not None else None
+    if prompt is not None:
+        report.prompt_logprob_handles.append(handle)
+        report.num_prompt_logprobs.append(len(prompt))
+        if report.prompt_logprobs is None:
+            report.prompt_logprobs = TokenLogprobs()
+        report.prompt_logprobs.extend(prompt)

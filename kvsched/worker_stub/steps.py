@@ -241,7 +241,7 @@ class StepLoop:
         a growing queue of stale ones, and its decisions stay within a few steps of the worker.
         """
         if self._held is not None:
-            self._held.MergeFrom(msg)
+            codec.merge_reports(self._held.report, msg.report)
         elif self._paced and len(self._unanswered) >= MAX_UNANSWERED:
             self._held = msg
         else:
