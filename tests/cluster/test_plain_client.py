@@ -48,6 +48,23 @@ def test_the_page_lists_exactly_what_the_plain_client_uses() -> None:
     assert {m for m in mods if m and m.startswith("kvsched")} == {"kvsched.v1"}, mods
 
 
+def test_the_node_example_uses_what_the_page_lists() -> None:
+    """examples/node/resume.js follows the same section: its channel options and its two
+    bounds are the page's (tests/cluster/test_node_resume.py runs it through a kill -9)."""
+    sec = _section()
+    block = sec[sec.index("```text") : sec.index("```", sec.index("```text") + 1)]
+    listed = dict((k, int(v)) for k, v in re.findall(r"^(grpc\.[\w.]+) = (\d+)$", block, re.M))
+    js = (REPO / "examples" / "node" / "resume.js").read_text()
+    opts = js[js.index("const CHANNEL_OPTIONS = {") : js.index("};", js.index("CHANNEL_OPTIONS"))]
+    used = {k: int(v) for k, v in re.findall(r'"(grpc\.[\w.]+)": (\d+),', opts)}
+    assert used == listed
+    first = re.search(r"^const FIRST_ANSWER_MS = (\d+);", js, re.M)
+    backoff = re.search(r"^const RETRY_BACKOFF_MS = (\d+);", js, re.M)
+    assert first is not None and int(first.group(1)) == plain_client.FIRST_ANSWER_TIMEOUT_S * 1000
+    assert backoff is not None and int(backoff.group(1)) == plain_client.RETRY_BACKOFF_S * 1000
+    assert "detachable: true" in js and "RequestAlreadyLive" in js
+
+
 def _check(out: plain_kit.Outcome) -> list[int]:
     """Exact streams, and the streams the fault stalled (>= 1 s without a token): returned."""
     assert not out.errors, out.errors[:3]
