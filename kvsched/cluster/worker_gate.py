@@ -36,7 +36,8 @@ log = logging.getLogger("kvsched.cluster")
 
 NATS_TIMEOUT_S = 2.0
 # A worker whose instance's daemon is silent waits here (`WorkerGate._hold`) this long at most
-# per Hello, and less than its silence bound by HOLD_MARGIN_S; its lease is looked at this often.
+# per Hello, and less than its silence bound by HOLD_MARGIN_S; its owner's silence is looked at
+# this often (a change of its lease wakes it at once: `Leases.changed`).
 HOLD_S = 5.0
 HOLD_MARGIN_S = 0.5
 HOLD_POLL_S = 0.05
@@ -144,7 +145,7 @@ class WorkerGate:
         bound = cfg.silence_timeout_intervals * cfg.heartbeat_interval_s
         until = time.monotonic() + max(HOLD_POLL_S, min(HOLD_S, bound - HOLD_MARGIN_S))
         while time.monotonic() < until:
-            await asyncio.sleep(HOLD_POLL_S)
+            await self.node.leases.changed(HOLD_POLL_S)  # woken by the takeover's lease write
             if self.node.leases.cached_owner(iid) != owner_id or not self._silent(owner_id):
                 return True
         return False
