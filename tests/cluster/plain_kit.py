@@ -200,8 +200,8 @@ async def _drive(
                 await asyncio.sleep(pause_s)
             finally:
                 proc.signal(signal.SIGCONT)
-        else:
-            daemons[out.victim].kill9()
+        else:  # (in a thread: waiting for the killed process must not stall these streams)
+            await asyncio.to_thread(daemons[out.victim].kill9)
         out.woke_at = time.monotonic()
         got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 180)
         out.errors = [g for g in got if isinstance(g, BaseException)]
