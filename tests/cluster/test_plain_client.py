@@ -89,6 +89,11 @@ def test_plain_client_streams_leave_a_paused_daemon_while_it_is_stopped() -> Non
     late = [i for i in stalled if out.fault_at + (out.stall(i) or 0.0) >= out.woke_at]
     assert not late, [f"{out.timeline(i)}\n{out.log_of(i)}" for i in late]
     assert out.converged_s >= 0  # one daemon per instance, the one its lease names
+    # The paused daemon's workers left it and waited at a survivor (WorkerGate._hold), never
+    # sent back to the paused daemon, until its lease moved.
+    victim = f"pl-d{out.victim}"
+    assert out.events(r"waits here: its daemon " + victim), "no survivor held a worker"
+    assert not out.events(r"redirected to daemon " + victim + r"\b"), out.events("redirected")
 
 
 @pytest.mark.faults
