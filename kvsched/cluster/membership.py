@@ -246,13 +246,14 @@ class Membership:
         """Whether a member of the last view has no key in the bucket any more (read from its
         stream's subjects, one request); False when NATS does not answer (the full poll
         tells)."""
-        if self.stale or time.monotonic() < self._grace_until:
+        peers = [did for did in self.members if did != self.daemon_id]
+        if not peers or self.stale or time.monotonic() < self._grace_until:
             return False  # (within the grace after an outage a gone key is no departure)
         try:
             keys = set(await asyncio.wait_for(self.link.keys_of(MEMBERS_BUCKET), 1.0))
         except Exception:
             return False
-        return any(did not in keys for did in self.members if did != self.daemon_id)
+        return any(did not in keys for did in peers)
 
     async def stop(self) -> None:
         """Stop refreshing and mark this daemon's entry `leaving` (peers see a graceful
