@@ -71,6 +71,10 @@ class Takeover:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
 
+    def busy(self, dead_id: str) -> bool:
+        """Whether a pass for `dead_id` runs on this daemon now."""
+        return dead_id in self._busy
+
     def start(self) -> None:
         q = self.node.membership.departures()
         self._task = asyncio.get_running_loop().create_task(self._loop(q), name="takeover")
