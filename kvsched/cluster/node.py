@@ -68,6 +68,8 @@ class _Stoppable(Protocol):
 
     async def settled(self, timeout_s: float) -> None: ...
 
+    def busy(self, dead_id: str) -> bool: ...
+
 
 class ClusterNode:
     def __init__(
@@ -372,6 +374,12 @@ class ClusterNode:
         of being adopted here (its record is stored under this daemon before the CAS)."""
         if self.takeover is not None:
             await self.takeover.settled(TAKEOVER_WAIT_S)
+
+    def adopting(self, daemon_id: str) -> bool:
+        """Whether a takeover pass of `daemon_id` runs here now: a Resume of one of its
+        requests waits for it (`takeovers_settled`) and is served from the table once adopted
+        here, rather than refused as the dead daemon's."""
+        return self.takeover is not None and self.takeover.busy(daemon_id)
 
     def forwarded_by(self, carrier: Mapping[str, str]) -> str:
         """The peer daemon that forwarded (or relayed) this call here, or "" for a client's."""

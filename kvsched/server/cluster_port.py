@@ -71,6 +71,10 @@ class ClusterPort(Protocol):
         """Wait (bounded, about a second) until no takeover pass runs on this daemon."""
         ...
 
+    def adopting(self, daemon_id: str) -> bool:
+        """Whether a takeover pass of `daemon_id` runs on this daemon now."""
+        ...
+
     def refuse_if_fenced(self) -> None:
         """Unavailable while this daemon is fenced: a Resume of a request it does not hold
         is not looked up in a journal it cannot reach."""

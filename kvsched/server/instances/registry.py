@@ -149,6 +149,8 @@ class InstanceRegistry:
                 eng.engine_config.scheduler.max_model_len,
                 hello.max_logprobs,
             )
+            if eng.cost_seed is None:  # never ran here: priced like its model's instances
+                eng.cost_seed = self._sibling_cost(eng)
         if not eng.ranks and self.fencing_epoch is not None:  # its ranks share the epoch
             eng.fencing_epoch = self.fencing_epoch(hello.instance_id)
         try:
@@ -160,6 +162,20 @@ class InstanceRegistry:
         if eng.ready and not was_ready:
             self.announce_peers()  # prefill workers push KV to the receivers listed
         return eng, conn
+
+    def _sibling_cost(self, eng: InstanceEngine) -> tuple[float, ...] | None:
+        """The step-cost fit of a ready instance here with `eng`'s model and role (the first
+        in id order that has learned one), for an instance that never ran here: its workers
+        just moved here (a takeover, a redirect) and its first steps would otherwise be priced
+        at the config's default GPU while the router spreads work over it."""
+        model = eng.limits.model if eng.limits is not None else ""
+        for iid in sorted(self.engines):
+            other = self.engines[iid]
+            if other is eng or other.role != eng.role or other.limits is None:
+                continue
+            if other.limits.model == model and (fit := other.learned_cost()) is not None:
+                return fit
+        return None
 
     def welcome(self, eng: InstanceEngine, conn: RankConn) -> bytes:
         cfg = eng.engine_config

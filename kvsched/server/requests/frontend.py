@@ -121,6 +121,17 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             if node is None:
                 raise
             mine = exc.daemon_id == node.daemon_id
+            if not mine and node.adopting(exc.daemon_id):
+                # Read before this daemon's takeover pass of its (dead) owner stored it here:
+                # once the pass ends it is served from the table if adopted here, not refused
+                # as the dead daemon's (the client would try the other daemons first).
+                await node.takeovers_settled()
+                if request.request_id in self.requests.tracked:
+                    got = await self.resumer.resume(request, owner, sink)
+                    if isinstance(got, Tracked):
+                        async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse):
+                            yield msg
+                        return
             if mine or (giver and giver == exc.daemon_id):
                 # Its owner hands it over: adopted here (the journal's CAS), then resumed. Or
                 # its record names this daemon, which does not run it (an accept whose write
