@@ -29,6 +29,7 @@ from kvsched.worker_stub.factories import (
     sim_engine_factory,
 )
 from kvsched.worker_stub.faults import Faults
+from kvsched.worker_stub.lora import lora_slots_from_args
 from kvsched.worker_stub.session import Worker, WorkerError
 from kvsched.worker_stub.sim import STORAGE_GBPS
 from kvsched.worker_stub.stats import WorkerStats
@@ -59,6 +60,9 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
     max_model_len = getattr(args, "max_model_len", 0)
     if max_model_len < 0:
         raise ValueError(f"--max-model-len must be >= 0, got {max_model_len}")
+    lora = lora_slots_from_args(args)
+    if lora.adapters and args.executor == "model":
+        raise ValueError("--lora-modules: the model executor applies no LoRA adapters")
     if args.executor == "sim":
         vocab_size = getattr(args, "vocab_size", SIM_VOCAB_SIZE)  # announced in Hello too
         if not args.num_blocks:  # the --gpu profile's KV memory, as `replay --embedded` gives
@@ -88,7 +92,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
     elif args.executor == "vllm":
         from kvsched.worker_vllm.cli import vllm_factory_from_args
 
-        factory, facts = vllm_factory_from_args(args)
+        factory, facts = vllm_factory_from_args(args, lora)
         vocab_size = facts.vocab_size
         max_model_len = facts.max_model_len
         args.num_blocks, args.block_size = facts.num_blocks, facts.block_size
@@ -133,6 +137,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         kv_token=args.token or None,
         reconnect_backoff_s=_backoff(args),
         give_up_after_s=getattr(args, "give_up_after", 0.0),
+        lora=lora,
     )
 
 
@@ -186,7 +191,7 @@ def _log_stats(worker: Worker) -> None:
         "worker stats: %d steps, %d tokens, %d paused, busy %.3f s, idle %.3f s "
         "(%.3f s waiting on the daemon, idle_frac_control_plane %.3f), %d connects, "
         "%d tasks messages, tasks digest %08x, KV pushes %d (%d failed), received %d, "
-        "drafts %d, accepted %d",
+        "drafts %d, accepted %d, LoRA steps by adapters %s (%d over max_loras %d)",
         s.num_steps,
         s.num_tokens,
         s.num_paused,
@@ -202,4 +207,7 @@ def _log_stats(worker: Worker) -> None:
         s.num_kv_received,
         s.num_draft_tokens,
         s.num_accepted_drafts,
+        dict(sorted(s.lora_steps.items())),
+        s.num_lora_steps_over,
+        worker.max_loras,
     )

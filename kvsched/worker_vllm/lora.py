@@ -1,0 +1,44 @@
+"""LoRA adapters under vLLM's runner, as vLLM's engine runs them: the engine is built with LoRA
+enabled (`enable_lora`, `max_loras`, `max_cpu_loras`, `max_lora_rank`: its CPU punica wrapper on
+CPU), each adapter the worker announced gets one `LoRARequest` (a stable integer id from 1,
+its name and path, as vLLM's server makes them for `--lora-modules`), and every request of an
+adapter carries it in its `NewRequestData.lora_request` (its prompt's non-final chunks under
+the alias id too: their KV is the adapter's).
+
+Loading is vLLM's own: per step the runner activates the adapters of the requests scheduled
+(`set_active_loras`), and its `LRUCacheWorkerLoRAManager` loads an adapter from its path on
+first use into host memory (at most max_cpu_loras kept, least recently used evicted) and into
+one of max_loras GPU slots. It raises when one step needs more than max_loras adapters: the
+daemon never places requests of more (`scheduler.max_loras` from the Hello), and the worker
+engine counts every step's distinct adapters (WorkerStats.lora_steps).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvsched.worker_stub.lora import LoraSlots
+
+
+def engine_args(slots: LoraSlots) -> dict[str, Any]:
+    """EngineArgs fields that enable LoRA for `slots` (none without adapters)."""
+    if not slots.adapters:
+        return {}
+    return {
+        "enable_lora": True,
+        "max_loras": slots.max_loras,
+        "max_cpu_loras": slots.max_cpu_loras or slots.max_loras,
+        "max_lora_rank": slots.max_lora_rank,
+    }
+
+
+def lora_requests(slots: LoraSlots) -> dict[str, Any]:
+    """Adapter name -> vLLM's LoRARequest (ids 1, 2, ... in the order announced)."""
+    if not slots.adapters:
+        return {}
+    from vllm.lora.request import LoRARequest
+
+    return {
+        name: LoRARequest(lora_name=name, lora_int_id=i, lora_path=path)
+        for i, (name, path) in enumerate(slots.adapters, start=1)
+    }
