@@ -42,3 +42,34 @@ def lora_requests(slots: LoraSlots) -> dict[str, Any]:
         name: LoRARequest(lora_name=name, lora_int_id=i, lora_path=path)
         for i, (name, path) in enumerate(slots.adapters, start=1)
     }
+
+
+def mask_base_rows(_worker: Any = None) -> int:
+    """Fix vLLM 0.32's CPU LoRA kernels for tokens without an adapter (run in vLLM's worker
+    child through `collective_rpc`; returns how many functions were patched).
+
+    The CPU punica wrapper's torch ops select each token's adapter weights with
+    `weights[lora_indices]`, and a token without an adapter has index -1: it gets the LAST
+    adapter slot's weights. In a step that mixes base-model requests with max_loras adapters
+    (the last slot filled), the base requests run with that adapter: measured on the tiny model,
+    vLLM's own `LLM.generate` with LoRA enabled gives other greedy texts for base requests
+    batched with adapter requests than for the same requests alone (or without LoRA). Every
+    LoRA path first shrinks into a buffer (`bgmv_shrink`, also through `sgmv_shrink`) and then
+    expands that buffer, so zeroing the shrink's rows of index -1 makes their LoRA term zero."""
+    import vllm.lora.ops.torch_ops.lora_ops as ops
+    import vllm.lora.punica_wrapper.punica_cpu as cpu
+
+    original = getattr(ops.bgmv_shrink, "kvsched_original", ops.bgmv_shrink)
+
+    def bgmv_shrink(
+        inputs: Any, weights: Any, output: Any, indices: Any, scaling: float = 1.0
+    ) -> None:
+        original(inputs, weights, output, indices, scaling)
+        base = indices < 0
+        if bool(base.any()):
+            output[: base.shape[0]][base] = 0
+
+    bgmv_shrink.kvsched_original = original  # type: ignore[attr-defined]
+    ops.bgmv_shrink = bgmv_shrink  # sgmv_shrink calls it through the module
+    cpu.bgmv_shrink = bgmv_shrink  # (bound by name at import)
+    return 2

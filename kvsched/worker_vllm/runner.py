@@ -156,6 +156,8 @@ class VllmModel:
             raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER is set: this worker drives runner V1")
         self.executor = _build_executor(config)
         quiet_executor(self.executor, nap)
+        if self.lora_requests and current_platform.is_cpu():  # (vLLM's CPU kernels: lora.py)
+            self.executor.collective_rpc(vllm_lora.mask_base_rows)
         mc, sc = config.model_config, config.scheduler_config
         self.facts = EngineFacts(
             num_blocks=int(config.cache_config.num_gpu_blocks or 0) - 1,

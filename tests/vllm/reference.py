@@ -1,7 +1,9 @@
 """vLLM's own `LLM.generate` on the same requests, in a process of its own (the proof test's
 reference): `python -m tests.vllm.reference IN.json OUT.json`.
 
-IN: {"model": DIR, "requests": [{"prompt": [...], "params": {...}}], "gaps": [...]}. OUT: each
+IN: {"model": DIR, "requests": [{"prompt": [...], "params": {...}, "lora": NAME}], "gaps": [...],
+"lora": {"modules": {NAME: DIR}, "max_loras": N, "max_lora_rank": R}} ("lora" optional: with
+it vLLM runs with LoRA enabled and each request's adapter as its LoRARequest). OUT: each
 request's output token ids; for each entry of "gaps" ({"prompt": prompt + the common output
 prefix, "tokens": [a, b]}) the two tokens' logprobs at the next position (raw logits:
 the logprob gap equals the logit gap) and the top token's.
@@ -19,6 +21,15 @@ def main(path_in: str, path_out: str) -> None:
     with open(path_in) as f:
         job = json.load(f)
     vocab = int(job.get("vocab_size", 512))
+    lora = job.get("lora") or {}
+    lora_args = {}
+    if lora:
+        lora_args = {
+            "enable_lora": True,
+            "max_loras": lora["max_loras"],
+            "max_cpu_loras": max(lora["max_loras"], len(lora["modules"])),
+            "max_lora_rank": lora["max_lora_rank"],
+        }
     llm = LLM(
         job["model"],
         dtype="float32",
@@ -31,12 +42,14 @@ def main(path_in: str, path_out: str) -> None:
         # ("CPU Generator does not use offset" when it rewinds the generator of a partial one).
         max_num_batched_tokens=16384,
         seed=0,
+        **lora_args,
     )
     out: dict[str, object] = {}
     if job.get("requests"):
         params = [SamplingParams(detokenize=False, **r["params"]) for r in job["requests"]]
         prompts = [{"prompt_token_ids": r["prompt"]} for r in job["requests"]]
-        results = llm.generate(prompts, params, use_tqdm=False)
+        loras = _lora_requests(lora, job["requests"]) if lora else None
+        results = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         out["outputs"] = [list(r.outputs[0].token_ids) for r in results]
     if job.get("gaps"):
         one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=vocab, detokenize=False)
@@ -59,6 +72,18 @@ def main(path_in: str, path_out: str) -> None:
         out["gaps"] = gaps
     with open(path_out, "w") as f:
         json.dump(out, f)
+
+
+def _lora_requests(lora: dict, requests: list[dict]) -> list:  # type: ignore[type-arg]
+    """Each request's LoRARequest (None: the base model), ids as vLLM's server numbers
+    --lora-modules: 1, 2, ... in the order given."""
+    from vllm.lora.request import LoRARequest
+
+    by_name = {
+        name: LoRARequest(name, i, path)
+        for i, (name, path) in enumerate(lora["modules"].items(), start=1)
+    }
+    return [by_name[r["lora"]] if r.get("lora") else None for r in requests]
 
 
 if __name__ == "__main__":
