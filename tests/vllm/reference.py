@@ -3,7 +3,9 @@ reference): `python -m tests.vllm.reference IN.json OUT.json`.
 
 IN: {"model": DIR, "requests": [{"prompt": [...], "params": {...}, "lora": NAME}], "gaps": [...],
 "lora": {"modules": {NAME: DIR}, "max_loras": N, "max_lora_rank": R}} ("lora" optional: with
-it vLLM runs with LoRA enabled and each request's adapter as its LoRARequest). OUT: each
+it vLLM runs with LoRA enabled and each request's adapter as its LoRARequest; the base requests
+go in a generate call of their own: vLLM 0.32's CPU LoRA kernels give a base request batched
+with adapter requests the last adapter slot's weights, kvsched/worker_vllm/lora.py). OUT: each
 request's output token ids; for each entry of "gaps" ({"prompt": prompt + the common output
 prefix, "tokens": [a, b]}) the two tokens' logprobs at the next position (raw logits:
 the logprob gap equals the logit gap) and the top token's.
@@ -48,9 +50,23 @@ def main(path_in: str, path_out: str) -> None:
     if job.get("requests"):
         params = [SamplingParams(detokenize=False, **r["params"]) for r in job["requests"]]
         prompts = [{"prompt_token_ids": r["prompt"]} for r in job["requests"]]
-        loras = _lora_requests(lora, job["requests"]) if lora else None
-        results = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-        out["outputs"] = [list(r.outputs[0].token_ids) for r in results]
+        loras = _lora_requests(lora, job["requests"]) if lora else [None] * len(prompts)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        for batch in (  # base requests apart from adapter requests (see the docstring)
+            [i for i, lr in enumerate(loras) if lr is None],
+            [i for i, lr in enumerate(loras) if lr is not None],
+        ):
+            if not batch:
+                continue
+            results = llm.generate(
+                [prompts[i] for i in batch],
+                [params[i] for i in batch],
+                use_tqdm=False,
+                lora_request=[loras[i] for i in batch] if lora else None,
+            )
+            for i, r in zip(batch, results, strict=True):
+                outputs[i] = list(r.outputs[0].token_ids)
+        out["outputs"] = outputs
     if job.get("gaps"):
         one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=vocab, detokenize=False)
         results = llm.generate(

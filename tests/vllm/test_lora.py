@@ -4,9 +4,9 @@
 adapter by `lora_name`, some by `model` (as vLLM's server takes it), half sharing one prompt
 prefix (the prefix cache is keyed by adapter: a block computed under one adapter must never
 serve another). Every adapter text must equal vLLM's own `LLM.generate` with the same
-LoRARequests, every base text vLLM's without LoRA (vLLM's CPU LoRA kernels run a base request
-batched with adapter requests with the last adapter slot's weights; the worker masks those rows:
-`kvsched/worker_vllm/lora.py`), and the worker's count of every step it ran must never show more than 2 distinct adapters (while
+LoRARequests (vLLM's CPU LoRA kernels run a base request batched with adapter requests with the
+last adapter slot's weights: the worker masks those rows, `kvsched/worker_vllm/lora.py`, and the
+reference runs base requests in a generate call of their own), and the worker's count of every step it ran must never show more than 2 distinct adapters (while
 the limit binds: steps with 2 happen). Real processes on loopback.
 
 Needs vLLM (`make test-vllm`); skipped in the main virtualenv.
@@ -116,20 +116,13 @@ def test_three_adapters_with_max_loras_2_give_vllms_tokens(
         worker.stop()
         daemon.stop()
         print("\n--- worker output (tail) ---\n" + "\n".join(worker.lines[-4:]))
-    # vLLM's own generate: the adapter requests with LoRA enabled and the same LoRARequests,
-    # the base requests without LoRA (vLLM's CPU kernels give a base request batched with
-    # adapter requests the last adapter slot's weights: worker_vllm/lora.py, mask_base_rows).
+    # vLLM's own generate with the same LoRARequests, its base requests in a generate call of
+    # their own (vLLM's CPU kernels give a base request batched with adapter requests the last
+    # adapter slot's weights: worker_vllm/lora.py, mask_base_rows; reference.py).
     lora = {"modules": adapters, "max_loras": MAX_LORAS, "max_lora_rank": RANK}
-    with_lora = [r for r in reqs if r["lora"]]
-    by_id = dict(
-        zip(
-            (r["id"] for r in with_lora),
-            reference_outputs(model, with_lora, tmp_path, lora),
-            strict=True,
-        )
-    )
-    base = reference_outputs(model, [dict(r, lora="") for r in reqs], tmp_path)
-    ref = [by_id.get(r["id"], b) for r, b in zip(reqs, base, strict=True)]
+    # (One process: the same requests without their adapters too, to show adapters matter.)
+    both = reference_outputs(model, reqs + [dict(r, lora="") for r in reqs], tmp_path, lora)
+    ref, base = both[: len(reqs)], both[len(reqs) :]
     bad = compare(reqs, got, ref)
     m = worker.wait_for(r"LoRA steps by adapters (\{[^}]*\}) \((\d+) over max_loras (\d+)\)")
     by_count: dict[int, int] = ast.literal_eval(m.group(1))

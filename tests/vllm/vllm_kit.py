@@ -24,8 +24,7 @@ def reference_outputs(
     job: dict[str, Any] = {
         "model": str(model),
         "requests": [
-            {"prompt": r["prompt"], "params": r["params"], "lora": r.get("lora", "")}
-            for r in reqs
+            {"prompt": r["prompt"], "params": r["params"], "lora": r.get("lora", "")} for r in reqs
         ],
     }
     if lora:
