@@ -120,10 +120,16 @@ def vllm_counters(url: str) -> dict[str, float]:
 
 @contextlib.contextmanager
 def started(
-    kind: str, model_dir: Path, logs: Path, env: dict[str, str] | None = None
+    kind: str,
+    model_dir: Path,
+    logs: Path,
+    env: dict[str, str] | None = None,
+    engine_args: list[str] | None = None,
 ) -> Iterator[Stack]:
-    """Start one stack, wait until it serves, stop it on exit. `env` goes to every process."""
+    """Start one stack, wait until it serves, stop it on exit. `env` goes to every process;
+    `engine_args` to vLLM's server or to the kvsched worker (flags both take, e.g. LoRA's)."""
     kind, extra, server_args = VARIANTS.get(kind, (kind, {}, []))
+    server_args = [*server_args, *(engine_args or [])]
     env = {**(env or {}), **extra}
     logs.mkdir(parents=True, exist_ok=True)
     with running(logs) as procs:
@@ -138,13 +144,17 @@ def started(
             url = f"http://127.0.0.1:{port}"
             wait_http(procs, f"{url}/health")
         elif kind in ("kvsched", "kvsched-grpc"):
-            url = _start_kvsched(procs, model_dir, env, http=kind == "kvsched")
+            url = _start_kvsched(
+                procs, model_dir, env, http=kind == "kvsched", worker_args=engine_args or []
+            )
         else:
             raise ValueError(f"unknown stack {kind!r}: one of {', '.join([*STACKS, *VARIANTS])}")
         yield Stack(kind, procs, url, env)
 
 
-def _start_kvsched(procs: Procs, model_dir: Path, env: dict[str, str], http: bool) -> str:
+def _start_kvsched(
+    procs: Procs, model_dir: Path, env: dict[str, str], http: bool, worker_args: list[str]
+) -> str:
     daemon = f"127.0.0.1:{free_port()}"
     procs.start(
         "kvsched_daemon",
@@ -153,7 +163,7 @@ def _start_kvsched(procs: Procs, model_dir: Path, env: dict[str, str], http: boo
     )
     worker = [*_KVSCHED, "worker", "--server", daemon, "--instance", "v0", "--executor", "vllm"]
     worker += ["--model", str(model_dir), "--dtype", "float32"]
-    worker += ["--max-model-len", MAX_MODEL_LEN, "--served-model-name", NAME]
+    worker += ["--max-model-len", MAX_MODEL_LEN, "--served-model-name", NAME, *worker_args]
     procs.start("kvsched_worker", worker, env)
     if not http:
         wait_ready(procs, daemon)

@@ -34,6 +34,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,14 @@ METRICS = [
 
 
 def bench(
-    base_url: str, model_dir: Path, concurrency: int, a: argparse.Namespace
+    base_url: str,
+    model_dir: Path,
+    concurrency: int,
+    a: argparse.Namespace,
+    extra: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """One run of vLLM's serving benchmark; its result dict."""
+    """One run of vLLM's serving benchmark; its result dict. `extra`: more of its arguments
+    (e.g. `--lora-modules A B`: each request names one of those adapters as its model)."""
     from vllm.benchmarks import serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -90,6 +96,7 @@ def bench(
             "--seed",
             "0",
             "--disable-tqdm",
+            *extra,
         ]
     )
     result: dict[str, Any] = serve.main(args)

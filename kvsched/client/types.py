@@ -292,13 +292,16 @@ class SessionBatch:
 class ModelInfo:
     """One model the daemon serves (RequestService.ListModels): what GenerateRequest.model
     names, the longest prompt + output its ready instances hold, its vocabulary size (0: not
-    announced) and how many of its instances are ready now."""
+    announced) and how many of its instances are ready now; for a LoRA adapter, its base
+    model (`parent`) and path (`root`)."""
 
     name: str
     max_model_len: int
     vocab_size: int
     ready_instances: int
+    parent: str = ""  # a LoRA adapter's base model ("" for a base model)
+    root: str = ""  # a LoRA adapter's path as its workers announced it
 
     @classmethod
     def from_pb(cls, m: rpb.ListModelsResponse.Model) -> ModelInfo:
-        return cls(m.name, m.max_model_len, m.vocab_size, m.ready_instances)
+        return cls(m.name, m.max_model_len, m.vocab_size, m.ready_instances, m.parent, m.root)

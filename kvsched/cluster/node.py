@@ -244,11 +244,15 @@ class ClusterNode:
             else:
                 self.registry.candidates(req, model or self.registry.model_for(""), [eng])
             return eng, owner if relayed is None else relayed
-        if not self.connected:  # degraded: local instances only
+        # Degraded, or a LoRA request (peers publish no adapters: only this daemon's instances
+        # are known to hold it): local instances only.
+        if not self.connected or req.lora_name:
             try:
                 return self.registry.route(req, model), owner
             except Unavailable as exc:
-                raise Unavailable(self.unreachable_reason(str(exc))) from None
+                if not self.connected:
+                    raise Unavailable(self.unreachable_reason(str(exc))) from None
+                raise
         if (grouped := self.registry.group_engine(req, model)) is not None:
             return grouped, owner  # a sample waits where its group's prompt is computed here
         return self.router.route(req, model), owner

@@ -130,9 +130,15 @@ class SchedulerConfig:
     # Never starve a prompt: the oldest prefilling request may take a chunk of this many
     # tokens even when the time target leaves none (decoding alone may fill the target).
     min_prefill_chunk: int = 256
+    # Distinct LoRA adapters placed at once (vLLM's max_loras: a worker step runs every placed
+    # request, so this bounds the adapters of every step): a request naming another adapter
+    # waits (it is skipped, the requests behind it may go) while this many are placed. 0: no
+    # limit. The daemon takes it from the worker's Hello (`Hello.max_loras`).
+    max_loras: int = 0
 
     def validate(self) -> None:
         s = "scheduler"
+        _check_range(s, "max_loras", self.max_loras, 0, 1 << 16)
         _check_range(s, "itl_target_ms", self.itl_target_ms, 0.0, 3.6e6)
         _check_range(s, "min_prefill_chunk", self.min_prefill_chunk, 1, 1 << 24)
         _check_range(s, "max_num_seqs", self.max_num_seqs, 1, 1 << 20)

@@ -82,6 +82,7 @@ class SloQueue(RequestQueue):
             self.counters.lift(t, iter(self._waiting_by_tenant))
         self._waiting_by_tenant[t] = n + 1
         self._live += 1
+        self._count_lora(req, 1)
         self.queued_ms += req.queued_ms
         k = class_key(req)
         self._ms_by_class[k] = self._ms_by_class.get(k, 0.0) + req.queued_ms
@@ -94,6 +95,7 @@ class SloQueue(RequestQueue):
         else:
             del self._waiting_by_tenant[t]
         self._live -= 1
+        self._count_lora(req, -1)
         k = class_key(req)
         left = self._ms_by_class.get(k, 0.0) - req.queued_ms
         self._ms_by_class[k] = max(0.0, left)

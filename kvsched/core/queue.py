@@ -19,6 +19,8 @@ class RequestQueue:
         # Predicted prefill milliseconds of the queued requests (their `queued_ms`), for
         # shedding and routing by queued work.
         self.queued_ms = 0.0
+        # LoRA adapter -> queued requests naming it (vLLM's waiting_lora_adapters; routing).
+        self.loras: dict[str, int] = {}
 
     def __len__(self) -> int:
         return self._live
@@ -26,6 +28,16 @@ class RequestQueue:
     def _count(self, req: Request, sign: int) -> None:
         self._live += sign
         self.queued_ms = max(0.0, self.queued_ms + sign * req.queued_ms) if self._live else 0.0
+        self._count_lora(req, sign)
+
+    def _count_lora(self, req: Request, sign: int) -> None:
+        name = req.lora_name
+        if name:
+            n = self.loras.get(name, 0) + sign
+            if n > 0:
+                self.loras[name] = n
+            else:
+                self.loras.pop(name, None)
 
     def discard(self, req: Request) -> None:
         """Account for a request that left while queued (abort); it is skipped lazily."""

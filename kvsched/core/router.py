@@ -116,6 +116,15 @@ class Candidate(Protocol):
 
     def predicted_wait_ms(self, req: Request, hit_tokens: int) -> float: ...
 
+    def lora_affinity(self, req: Request) -> int: ...
+
+
+def lora_eligible(affinity: Sequence[int]) -> npt.NDArray[np.bool_]:
+    """The candidates of the best LoRA affinity tier (llm-d's order: the adapter loaded there,
+    2, before a free adapter slot, 1, before neither, 0): the only ones the rule scores."""
+    a = np.asarray(affinity, dtype=np.int64)
+    return np.asarray(a == a.max(), bool)
+
 
 def instance_load(facts: Mapping[str, float], load_seconds: float, by_count: bool = False) -> float:
     """An instance's load, from its facts (`Scheduler.load_facts`, or what a peer published):
@@ -261,7 +270,13 @@ class Router:
         if mixed:
             use_hashes(req, [])
         target = req.ttft_deadline_ms or self.ttft_target_ms
-        choice = choose(hits, waits, load_of, target, self.overload, self.load_weight)
+        # A LoRA request goes where its adapter is loaded, else to a free adapter slot.
+        eligible = (
+            lora_eligible([schedulers[i].lora_affinity(req) for i in cands])
+            if req.lora_name
+            else None
+        )
+        choice = choose(hits, waits, load_of, target, self.overload, self.load_weight, eligible)
         best = cands[choice.index]
         if choice.overflowed:
             self.num_overflowed += 1

@@ -112,10 +112,16 @@ async def _model_cards(state: State, token: str | None) -> list[dict[str, Any]]:
     daemon's other models this front end's tokenizer fits (same vocabulary size)."""
     daemon = await _list_models(state, token)
     names = state.settings.served_names
-    cards = [_card(n, _daemon_entry(daemon, _daemon_name(state, n, daemon))) for n in names]
+    entries = [_daemon_entry(daemon, _daemon_name(state, n, daemon)) for n in names]
+    cards = [_card(n, e) for n, e in zip(names, entries, strict=True)]
+    # A LoRA adapter's parent as vLLM shows it: the served name of its base model.
+    served_as = {e.name: n for n, e in reversed(list(zip(names, entries, strict=True))) if e}
     for m in daemon or []:
         if m.name not in names and _fits(state, m):
-            cards.append(_card(m.name, m))
+            card = _card(m.name, m)
+            if m.parent:
+                card["root"], card["parent"] = m.root, served_as.get(m.parent, m.parent)
+            cards.append(card)
     return cards
 
 
@@ -152,7 +158,8 @@ def _daemon_entry(daemon: list[ModelInfo] | None, name: str) -> ModelInfo | None
         return None
     if name:
         return next((m for m in daemon if m.name == name), None)
-    return daemon[0] if len(daemon) == 1 else None
+    bases = [m for m in daemon if not m.parent]  # (LoRA adapters are listed beside them)
+    return bases[0] if len(bases) == 1 else None
 
 
 async def _resolve(state: State, model: str, token: str | None) -> tuple[str, ModelInfo | None]:

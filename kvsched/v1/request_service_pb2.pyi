@@ -46,6 +46,8 @@ class ListModelsResponse(_message.Message):
         MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
         VOCAB_SIZE_FIELD_NUMBER: _builtins.int
         READY_INSTANCES_FIELD_NUMBER: _builtins.int
+        PARENT_FIELD_NUMBER: _builtins.int
+        ROOT_FIELD_NUMBER: _builtins.int
         name: _builtins.str
         """As Hello.model names it; what GenerateRequest.model selects."""
         max_model_len: _builtins.int
@@ -54,6 +56,13 @@ class ListModelsResponse(_message.Message):
         """Its vocabulary size (0 = not announced)."""
         ready_instances: _builtins.int
         """Instances serving it that are ready now."""
+        parent: _builtins.str
+        """For a LoRA adapter (one a worker's Hello.lora_adapters lists): the base model it applies
+        to (GenerateRequest.model may name the adapter; the request then runs on that model with
+        lora_name = the adapter). Empty for a base model.
+        """
+        root: _builtins.str
+        """For a LoRA adapter: where its workers load it from (Hello's LoraAdapter.path)."""
         def __init__(
             self,
             *,
@@ -61,10 +70,12 @@ class ListModelsResponse(_message.Message):
             max_model_len: _builtins.int = ...,
             vocab_size: _builtins.int = ...,
             ready_instances: _builtins.int = ...,
+            parent: _builtins.str = ...,
+            root: _builtins.str = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["max_model_len", b"max_model_len", "name", b"name", "ready_instances", b"ready_instances", "vocab_size", b"vocab_size"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["max_model_len", b"max_model_len", "name", b"name", "parent", b"parent", "ready_instances", b"ready_instances", "root", b"root", "vocab_size", b"vocab_size"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -108,13 +119,18 @@ class GenerateRequest(_message.Message):
     int32 is accepted; under `priority` it must be >= 0.
     """
     lora_name: _builtins.str
-    """LoRA adapter; part of the prefix-cache key."""
+    """LoRA adapter, as a worker's Hello.lora_adapters names it; part of the prefix-cache key.
+    Empty: the base model, unless `model` names an adapter (then that adapter). An adapter
+    no instance of the model announced is refused with NOT_FOUND.
+    """
     cache_salt: _builtins.str
     """Isolates prefix-cache sharing: only requests with the same salt share cached blocks."""
     model: _builtins.str
     """Which model: the request runs only on instances whose workers' Hello.model equals it
     (NOT_FOUND naming the models served otherwise). Empty: the daemon's configured `model`
-    (the TOML key or KVSCHED_MODEL) when set, else the only model served.
+    (the TOML key or KVSCHED_MODEL) when set, else the only model served. May name a LoRA
+    adapter (as vLLM's server takes one): the request runs on the adapter's base model with
+    that adapter (lora_name, if set, must then name the same adapter).
     """
     detachable: _builtins.bool
     """When true, a dropped stream does not abort the request (see the service comment, step 6)."""

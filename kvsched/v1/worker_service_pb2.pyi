@@ -116,6 +116,9 @@ class Hello(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     STORAGE_BACKENDS_FIELD_NUMBER: _builtins.int
     MAX_LOGPROBS_FIELD_NUMBER: _builtins.int
+    LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_CPU_LORAS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """The instance (model replica) this worker is a rank of; the same for all its ranks."""
     rank: _builtins.int
@@ -158,9 +161,26 @@ class Hello(_message.Message):
     naming `logprobs` / `prompt_logprobs`, a request asking for more than any instance of
     its model reports.
     """
+    max_loras: _builtins.int
+    """Distinct adapters one step may run (vLLM's max_loras: its GPU adapter slots); the daemon
+    never has requests of more adapters than this placed at once. 0 = no limit announced;
+    must be >= 1 when lora_adapters is not empty.
+    """
+    max_cpu_loras: _builtins.int
+    """Adapters the worker keeps loaded in host memory (vLLM's max_cpu_loras: an LRU cache the
+    worker evicts from itself); for status and routing only. 0 = not announced.
+    """
     @_builtins.property
     def storage_backends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Shared storage tiers this rank can reach (e.g. "mooncake"); empty: none (see step 13)."""
+
+    @_builtins.property
+    def lora_adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoraAdapter]:
+        """LoRA adapters this rank can load (vLLM's --lora-modules), the same on every rank. A
+        request naming an adapter (GenerateRequest.lora_name, or GenerateRequest.model = the
+        adapter's name) runs only on an instance that announced it; Placement.lora_name names it.
+        Empty: no adapters (the daemon refuses requests naming one with NOT_FOUND).
+        """
 
     def __init__(
         self,
@@ -180,14 +200,45 @@ class Hello(_message.Message):
         vocab_size: _builtins.int = ...,
         storage_backends: _abc.Iterable[_builtins.str] | None = ...,
         max_logprobs: _builtins.int = ...,
+        lora_adapters: _abc.Iterable[Global___LoraAdapter] | None = ...,
+        max_loras: _builtins.int = ...,
+        max_cpu_loras: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "max_logprobs", b"max_logprobs", "max_model_len", b"max_model_len", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "storage_backends", b"storage_backends", "vocab_size", b"vocab_size", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "lora_adapters", b"lora_adapters", "max_cpu_loras", b"max_cpu_loras", "max_logprobs", b"max_logprobs", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "storage_backends", b"storage_backends", "vocab_size", b"vocab_size", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Hello: _TypeAlias = Hello  # noqa: Y015
+
+@_typing.final
+class LoraAdapter(_message.Message):
+    """One LoRA adapter a worker can load."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """What requests name it by (GenerateRequest.lora_name / model); unique per worker."""
+    path: _builtins.str
+    """Where the worker loads it from (a directory or id, the worker's business); shown as the
+    adapter's `root` in model lists.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraAdapter: _TypeAlias = LoraAdapter  # noqa: Y015
 
 @_typing.final
 class Welcome(_message.Message):

@@ -54,6 +54,39 @@ def add_worker_parser(
         "spec-decode path and rejection sampler); the daemon's engine.speculative."
         "num_speculative_tokens must not exceed it (0: no speculative decoding)",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters this worker can load, announced in its Hello (vLLM's flag): a "
+        "request naming NAME (GenerateRequest.lora_name, or model = NAME) runs with it; vllm "
+        "loads PATH (a PEFT adapter directory), sim and model only announce it",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        metavar="N",
+        help="distinct LoRA adapters one step may run (vLLM's max_loras; the daemon places "
+        "requests of at most N adapters at once)",
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=0,
+        metavar="N",
+        help="vllm: LoRA adapters kept loaded in host memory, least recently used evicted "
+        "(vLLM's max_cpu_loras; default: --max-loras)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        metavar="R",
+        help="vllm: the largest LoRA rank to load (vLLM's max_lora_rank)",
+    )
     p.add_argument("--gpu", choices=("h100", "a100"), default="h100", help="sim cost model")
     p.add_argument("--speed", type=float, default=1.0, help="sim: step time divided by this")
     p.add_argument("--zero-cost", action="store_true", help="sim: steps take no time")

@@ -29,6 +29,7 @@ from kvsched.worker_stub.factories import (
     sim_engine_factory,
 )
 from kvsched.worker_stub.faults import Faults
+from kvsched.worker_stub.lora import lora_slots_from_args
 from kvsched.worker_stub.session import Worker, WorkerError
 from kvsched.worker_stub.sim import STORAGE_GBPS
 from kvsched.worker_stub.stats import WorkerStats
@@ -60,6 +61,9 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
     max_logprobs = 0  # the sim and model executors report no log-probabilities
     if max_model_len < 0:
         raise ValueError(f"--max-model-len must be >= 0, got {max_model_len}")
+    lora = lora_slots_from_args(args)
+    if lora.adapters and args.executor == "model":
+        raise ValueError("--lora-modules: the model executor applies no LoRA adapters")
     if args.executor == "sim":
         vocab_size = getattr(args, "vocab_size", SIM_VOCAB_SIZE)  # announced in Hello too
         if not args.num_blocks:  # the --gpu profile's KV memory, as `replay --embedded` gives
@@ -89,7 +93,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
     elif args.executor == "vllm":
         from kvsched.worker_vllm.cli import vllm_factory_from_args
 
-        factory, facts = vllm_factory_from_args(args)
+        factory, facts = vllm_factory_from_args(args, lora)
         vocab_size = facts.vocab_size
         max_model_len = facts.max_model_len
         max_logprobs = facts.max_logprobs
@@ -136,6 +140,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         kv_token=args.token or None,
         reconnect_backoff_s=_backoff(args),
         give_up_after_s=getattr(args, "give_up_after", 0.0),
+        lora=lora,
     )
 
 
@@ -189,7 +194,8 @@ def _log_stats(worker: Worker) -> None:
         "worker stats: %d steps, %d tokens, %d prompt tokens computed, %d paused, "
         "busy %.3f s, idle %.3f s (%.3f s waiting on the daemon, idle_frac_control_plane "
         "%.3f), %d connects, %d tasks messages, tasks digest %08x, KV pushes %d (%d failed), "
-        "received %d, drafts %d, accepted %d, KV pushed %d blocks in %.3f s (export %.3f s)",
+        "received %d, drafts %d, accepted %d, KV pushed %d blocks in %.3f s (export %.3f s), "
+        "LoRA steps by adapters %s (%d over max_loras %d)",
         s.num_steps,
         s.num_tokens,
         s.num_prefill_tokens,
@@ -209,4 +215,7 @@ def _log_stats(worker: Worker) -> None:
         s.num_kv_push_blocks,
         s.kv_push_s,
         s.kv_export_s,
+        dict(sorted(s.lora_steps.items())),
+        s.num_lora_steps_over,
+        worker.max_loras,
     )

@@ -117,6 +117,8 @@ class WorkerEngine:
         self.num_accepted_drafts = 0
         self.kv_export_s = 0.0  # reading pushed KV out of the executor's cache (prefill role)
         self.num_prefill_tokens = 0  # prompt positions computed by chunks (a prefix hit: none)
+        self._num_lora_held = 0  # held handles naming a LoRA adapter
+        self.step_loras = 0  # distinct LoRA adapters the last step ran
 
     def reset(self) -> None:
         """Forget every handle and all KV (a reconnect starts from an empty cache)."""
@@ -207,6 +209,8 @@ class WorkerEngine:
     def _free(self, handle: int) -> None:
         """The one path that drops a handle: finish, preempt, abort, failure, hand-off."""
         s = self._held.pop(handle)
+        if s.lora_name:
+            self._num_lora_held -= 1
         del self._occupant[s.slot]
         self._table.vacate(s.slot)
         self._prefills.pop(handle, None)
@@ -235,7 +239,10 @@ class WorkerEngine:
             sampling=p.sampling,
             history=[p.last_token_id] if decoding and self._draft is not None else [],
             mm_ranges=p.mm_ranges,
+            lora_name=p.lora_name,
         )
+        if p.lora_name:
+            self._num_lora_held += 1
         t = self._table
         key = self.executor.request_key(p.req_id) if self._columnar else 0  # type: ignore[attr-defined]
         t.occupy(p.slot, p.handle, p.sampling, key)
@@ -308,6 +315,7 @@ class WorkerEngine:
         t = self._table
         report.paused.extend(t.handle[t.take_newly_blocked()].tolist())
         decodes = np.flatnonzero(t.decode_runnable())
+        self.step_loras = self._count_loras(prefills, decodes) if self._num_lora_held else 0
         if self._columnar:
             self._run_columns(prefills, decodes, report)
         elif prefills or len(decodes):
@@ -332,6 +340,14 @@ class WorkerEngine:
         self._copies.fill(report)
         self.storage.fill(report)
         return report
+
+    def _count_loras(self, prefills: list[tuple[Held, SeqWork]], decodes: IntArray) -> int:
+        """Distinct LoRA adapters among the handles this step runs (vLLM's per-step count)."""
+        held, occupant = self._held, self._occupant
+        names = {s.lora_name for s, _ in prefills}
+        names.update(held[occupant[i]].lora_name for i in decodes.tolist())
+        names.discard("")
+        return len(names)
 
     def _chunk_readiness(self, s: Held) -> _Ready:
         """Of a handle in _prefills: whether its queued chunk fits its blocks."""

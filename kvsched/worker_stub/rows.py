@@ -53,6 +53,7 @@ class Held:
     chunks: dict[int, list[int]] = field(default_factory=dict)  # start -> token ids
     kv_send: KvSend | None = None
     mm_ranges: list[MultimodalRange] = field(default_factory=list)
+    lora_name: str = ""  # its LoRA adapter (Placement.lora_name; "" = the base model)
 
 
 class After(Enum):

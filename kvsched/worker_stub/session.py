@@ -31,6 +31,7 @@ from kvsched.worker_stub.channels import open_channel
 from kvsched.worker_stub.factories import EngineFactory
 from kvsched.worker_stub.guard import DaemonGuard, DaemonSilent, Fenced
 from kvsched.worker_stub.kv_push import KvPush
+from kvsched.worker_stub.lora import LoraSlots
 from kvsched.worker_stub.reconnect import (
     FATAL_CODES,
     Backoff,
@@ -84,6 +85,7 @@ class Worker(StepLoop):
         give_up_after_s: float = 0.0,
         on_step: Callable[[StepReport], None] | None = None,
         storage_backends: Sequence[str] | None = None,
+        lora: LoraSlots | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
@@ -117,6 +119,8 @@ class Worker(StepLoop):
         self.num_host_blocks = num_host_blocks  # the host KV tier the engine's executor holds
         self.num_slots = num_slots
         self.model = model  # "": the daemon's configured model
+        self.lora = lora or LoraSlots()  # adapters announced in Hello (none by default)
+        self.max_loras = self.lora.max_loras  # (StepLoop counts steps over it)
         self.max_model_len = max_model_len  # announced limits (0: not announced)
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs  # Hello.max_logprobs: 0, none (sim, model)
@@ -274,6 +278,9 @@ class Worker(StepLoop):
             worker_address=self.kv.address or "",
             executor=self.executor_name,
             storage_backends=self.storage_backends,
+            lora_adapters=[pb.LoraAdapter(name=n, path=p) for n, p in self.lora.adapters],
+            max_loras=self.lora.max_loras,
+            max_cpu_loras=self.lora.max_cpu_loras,
         )
 
     async def _serve_steps(self, inbox: asyncio.Queue[InboxItem], outbox: Outbox) -> None:

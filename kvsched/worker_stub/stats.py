@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -31,6 +31,16 @@ class WorkerStats:
     num_draft_tokens: int = 0  # speculative drafts verified, and of them accepted
     num_accepted_drafts: int = 0
     num_prefill_tokens: int = 0  # prompt positions computed (chunks run; prefix hits are not)
+    # Steps that ran LoRA adapters, by their number of distinct adapters (every step counted
+    # as it ran), and those over the announced max_loras (the daemon's rule broken: 0).
+    lora_steps: dict[int, int] = field(default_factory=dict)
+    num_lora_steps_over: int = 0
+
+    def lora_step(self, num_loras: int, max_loras: int) -> None:
+        if num_loras:
+            self.lora_steps[num_loras] = self.lora_steps.get(num_loras, 0) + 1
+            if max_loras and num_loras > max_loras:
+                self.num_lora_steps_over += 1
 
     @property
     def idle_frac_control_plane(self) -> float:

@@ -58,6 +58,7 @@ class StepLoop:
         self.stats = stats
         self.rank = rank
         self.block_size = block_size
+        self.max_loras = 0  # the adapter slots announced (Worker sets it; 0: none)
         self._on_step = on_step
         self.engine: WorkerEngine | None = None
         self._settings: EngineSettings | None = None
@@ -220,6 +221,15 @@ class StepLoop:
         self.stats.busy_s += time.perf_counter() - started
         if report is None:
             return
+        if engine.step_loras:
+            self.stats.lora_step(engine.step_loras, self.max_loras)
+            if self.max_loras and engine.step_loras > self.max_loras:
+                log.error(
+                    "step %d ran %d LoRA adapters, over max_loras %d",
+                    report.step,
+                    engine.step_loras,
+                    self.max_loras,
+                )
         self.stats.num_tokens += sum(report.num_new_tokens)
         self.stats.num_draft_tokens += engine.num_draft_tokens
         self.stats.num_accepted_drafts += engine.num_accepted_drafts

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from kvsched.worker_stub.factories import EngineFactory
+from kvsched.worker_stub.lora import LoraSlots
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,9 +23,12 @@ class AnnouncedFacts:
     max_logprobs: int = 0
 
 
-def vllm_factory_from_args(args: argparse.Namespace) -> tuple[EngineFactory, AnnouncedFacts]:
+def vllm_factory_from_args(
+    args: argparse.Namespace, lora: LoraSlots | None = None
+) -> tuple[EngineFactory, AnnouncedFacts]:
     """Load the model into vLLM's executor now (tens of seconds on CPU): its facts go into the
-    Hello. ValueError naming the flag on bad arguments."""
+    Hello; with `lora`'s adapters, LoRA enabled (each adapter's path must be a directory: vLLM
+    loads it on first use). ValueError naming the flag on bad arguments."""
     model = getattr(args, "model", "")
     if not model:
         raise ValueError("--executor vllm needs --model DIR (a model directory)")
@@ -38,6 +42,10 @@ def vllm_factory_from_args(args: argparse.Namespace) -> tuple[EngineFactory, Ann
     ]:
         if value < 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
+    lora = lora or LoraSlots()
+    for name, path in lora.adapters:
+        if not os.path.isdir(path):
+            raise ValueError(f"--lora-modules {name}={path}: {path!r} is not a directory")
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("--executor vllm needs vLLM: pip install 'kvsched[vllm]'")
     from kvsched.worker_vllm.engine import vllm_engine_factory
@@ -54,6 +62,7 @@ def vllm_factory_from_args(args: argparse.Namespace) -> tuple[EngineFactory, Ann
         seed=args.seed,
         num_host_blocks=getattr(args, "host_blocks", 0),
         num_speculative_tokens=spec_k,
+        lora=lora,
     )
     f = engine.facts
     name = os.path.basename(os.path.normpath(model))

@@ -74,7 +74,7 @@ class VllmEngine(WorkerEngine):
     def _place(self, p: Placement) -> None:
         params, sampling = vllm_sampling(p.sampling, p.num_output_tokens, self.executor.model.facts)
         super()._place(replace(p, sampling=sampling))
-        self.executor.place(p.req_id, p.num_prefill_tokens, params)
+        self.executor.place(p.req_id, p.num_prefill_tokens, params, p.lora_name)
 
     def _free(self, handle: int) -> None:
         req_id = self._held[handle].req_id

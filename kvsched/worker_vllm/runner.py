@@ -19,6 +19,8 @@ How kvsched's decisions map onto vLLM's per-step structures:
                                              keeping its seeded generator, as vLLM does
     SeqWork, a decode                    -> CachedRequestData: new blocks, computed tokens,
                                              output count
+    ... of a request naming an adapter   -> its LoRARequest in NewRequestData.lora_request
+                                             (alias too); vLLM activates and loads it (lora.py)
     ... with drafts (num_draft > 0)      -> the drafts as scheduled_spec_decode_tokens, never in
                                              the prompt (spec_decode.py); the accepted drafts
                                              and a bonus token come back
@@ -41,7 +43,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsched.worker_stub.executor import SeqWork, StepResult
+from kvsched.worker_stub.lora import LoraSlots
 from kvsched.worker_vllm import logprobs, spec_decode
+from kvsched.worker_vllm import lora as vllm_lora
 from kvsched.worker_vllm.spin import nap_seconds, quiet_executor
 
 log = logging.getLogger(__name__)
@@ -89,6 +93,7 @@ class _Req:
     prompt: list[int]  # num_prefill tokens as known so far (zeros where not yet received)
     num_prefill: int
     params: Any  # vllm.SamplingParams
+    lora: Any = None  # vLLM's LoRARequest of its adapter (None: the base model)
     num_blocks_known: int = 0  # blocks of its table the runner has
     num_out: int = 0  # tokens the runner sampled for it since it last (re)sent it
     synced: bool = False  # the runner holds its current prompt and table
@@ -112,6 +117,7 @@ class VllmModel:
         num_host_blocks: int = 0,
         num_speculative_tokens: int = 0,
         extra: dict[str, Any] | None = None,
+        lora: LoraSlots | None = None,
     ) -> None:
         from vllm import envs
         from vllm.engine.arg_utils import EngineArgs
@@ -127,6 +133,9 @@ class VllmModel:
         extra = dict(extra or {})
         if num_speculative_tokens:  # the runner's spec-decode path: kvsched proposes the drafts
             extra["speculative_config"] = spec_decode.vllm_config(num_speculative_tokens)
+        extra.update(vllm_lora.engine_args(lora or LoraSlots()))
+        # Adapter name -> its LoRARequest, for each placement naming it (lora.py).
+        self.lora_requests: dict[str, Any] = vllm_lora.lora_requests(lora or LoraSlots())
         args = EngineArgs(
             model=model,
             dtype=dtype,
@@ -148,6 +157,8 @@ class VllmModel:
             raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER is set: this worker drives runner V1")
         self.executor = _build_executor(config)
         quiet_executor(self.executor, nap)
+        if self.lora_requests and current_platform.is_cpu():  # (vLLM's CPU kernels: lora.py)
+            self.executor.collective_rpc(vllm_lora.mask_base_rows)
         mc, sc = config.model_config, config.scheduler_config
         self.facts = EngineFacts(
             num_blocks=int(config.cache_config.num_gpu_blocks or 0) - 1,
@@ -254,11 +265,17 @@ class VllmExecutor:
 
     # ---- what the engine tells it between steps ---------------------------------------------
 
-    def place(self, req_id: str, num_prefill: int, params: Any) -> None:
-        """A placement: the request runs here from its next SeqWork. A request parked by a
+    def place(self, req_id: str, num_prefill: int, params: Any, lora_name: str = "") -> None:
+        """A placement: the request runs here from its next SeqWork (with its LoRA adapter's
+        LoRARequest; ValueError for one this worker did not announce). A request parked by a
         preemption is re-sent (its runner state, and generator, are kept)."""
+        lora = None
+        if lora_name:
+            lora = self.model.lora_requests.get(lora_name)
+            if lora is None:
+                raise ValueError(f"placement of {req_id!r} names unknown adapter {lora_name!r}")
         self._parked.pop(req_id, None)
-        self._reqs[req_id] = _Req([0] * num_prefill, num_prefill, params)
+        self._reqs[req_id] = _Req([0] * num_prefill, num_prefill, params, lora)
 
     def release(self, req_id: str, *, preempted: bool) -> None:
         """The engine dropped the request: finished, aborted or failed (the runner forgets
@@ -386,7 +403,7 @@ class VllmExecutor:
             pooling_params=None,
             block_ids=blocks,
             num_computed_tokens=start,
-            lora_request=None,
+            lora_request=r.lora,
         )
 
     # ---- the host KV tier: copies run inside vLLM's worker process (host.py) ------------------

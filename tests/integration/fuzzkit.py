@@ -111,6 +111,8 @@ def verdict(msg: rpb.GenerateRequest, live_ids: set[str]) -> Verdict:
     top_p = sp.top_p if sp.HasField("top_p") else 1.0
     if msg.model and msg.model != MODEL:
         return Verdict("unknown model", code=grpc.StatusCode.NOT_FOUND)
+    if msg.lora_name:  # the sim worker announces no LoRA adapter
+        return Verdict("unknown LoRA adapter", code=grpc.StatusCode.NOT_FOUND)
     if msg.request_id in live_ids:
         return Verdict("already in use")
     if n == 0:

@@ -263,7 +263,7 @@ def generate_requests(draw: st.DrawFn) -> rpb.GenerateRequest:
         prompt_token_ids=prompt,
         sampling=draw(rarely(sane_sampling(), wild_sampling(), 3)),
         priority=draw(int32),
-        lora_name=draw(text),
+        lora_name=draw(rarely(st.just(""), text, 5)),  # (a name: NOT_FOUND, none announced)
         cache_salt=draw(text),
         mm_ranges=mm,
         model=draw(rarely(st.sampled_from(["", "default"]), text, 10)),

@@ -15,13 +15,20 @@ from tests.integration.harness import REPO, Proc, child_env, start_daemon
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def reference_outputs(model: Path, reqs: list[dict[str, Any]], tmp: Path) -> list[list[int]]:
-    """vLLM's own output token ids for each {"prompt", "params"}."""
+def reference_outputs(
+    model: Path, reqs: list[dict[str, Any]], tmp: Path, lora: dict[str, Any] | None = None
+) -> list[list[int]]:
+    """vLLM's own output token ids for each {"prompt", "params"[, "lora"]}; `lora`: {"modules":
+    {name: dir}, "max_loras", "max_lora_rank"} runs it with those adapters (reference.py)."""
     path_in, path_out = tmp / "ref_in.json", tmp / "ref_out.json"
-    job = {
+    job: dict[str, Any] = {
         "model": str(model),
-        "requests": [{"prompt": r["prompt"], "params": r["params"]} for r in reqs],
+        "requests": [
+            {"prompt": r["prompt"], "params": r["params"], "lora": r.get("lora", "")} for r in reqs
+        ],
     }
+    if lora:
+        job["lora"] = lora
     path_in.write_text(json.dumps(job))
     proc = subprocess.run(
         [sys.executable, "-m", "tests.vllm.reference", str(path_in), str(path_out)],

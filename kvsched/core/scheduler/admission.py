@@ -57,6 +57,11 @@ class StepBudget:
     floor_ms: float = 0.0  # slack held back for floor_for's floor chunk until it is sized
 
 
+# Queue heads one admission pass sets aside for their LoRA adapter at most (vLLM scans its whole
+# waiting queue; a bound keeps a step's work bounded when thousands wait for busy adapters).
+_MAX_SKIPPED = 256
+
+
 def _prefill_left(req: Request) -> int:
     return req.num_prefill_tokens - req.num_computed_tokens
 
@@ -184,12 +189,27 @@ class Admitter:
 
     def admit(self, max_prompt: int = -1) -> None:
         """Admit from the queue's head while the budget lasts (max_prompt: only heads with at
-        most this many tokens left to prefill)."""
+        most this many tokens left to prefill). A head whose LoRA adapter would make more than
+        max_loras distinct adapters placed is skipped (as vLLM's scheduler skips it) and put
+        back at the front afterwards, in its place."""
+        skipped: list[Request] = []
+        try:
+            self._admit(max_prompt, skipped)
+        finally:
+            self.backlog.restore_skipped(skipped)
+
+    def _admit(self, max_prompt: int, skipped: list[Request]) -> None:
         budget, table, kv, backlog = self.budget, self.table, self.kv, self.backlog
         waiting, free_slots = backlog.waiting, table.free_slots
+        max_loras = self.config.scheduler.max_loras
         while budget.tokens > 0 and free_slots and (req := waiting.peek()) is not None:
             if self.config.role == Role.DECODE and not req.output_token_ids:
                 break  # a decode instance takes new prompts only through add_prefilled
+            if max_loras and table.lora_blocked(req, max_loras):
+                if len(skipped) >= _MAX_SKIPPED:
+                    break  # (a bounded pass: the rest waits for the next step)
+                skipped.append(backlog.skip_head())
+                continue
             # The host tier continues the GPU hits (swap-ins into fresh blocks, if cheaper than
             # recomputing those tokens: `_host_hits`), the storage tier the host hits (fetches
             # into fresh blocks after the swap-ins, likewise priced: `_storage_hits`).

@@ -99,6 +99,16 @@ class Backlog:
     def pop_head(self) -> None:
         self.waiting.pop()
 
+    def skip_head(self) -> Request:
+        """Take the queue's head out for this admission pass (it may not run now: its LoRA
+        adapter would exceed max_loras); `restore_skipped` puts it back."""
+        return self.waiting.pop()
+
+    def restore_skipped(self, skipped: list[Request]) -> None:
+        """The heads `skip_head` took, back at the queue's front in their order."""
+        for req in reversed(skipped):
+            self.waiting.push_front(req)
+
     def discard(self, req: Request) -> None:
         self.waiting.discard(req)
 

@@ -153,6 +153,17 @@ SNAPSHOT_COUNTERS = (
 
 
 @dataclass(frozen=True, slots=True)
+class LoraState:
+    """An instance's LoRA adapters now, as vLLM's `vllm:lora_requests_info` shows them: its
+    limit (`max_loras`, 0: none), the adapters of its running requests and of its queued ones
+    (name -> requests)."""
+
+    max_loras: int
+    running: dict[str, int]
+    waiting: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerSnapshot:
     """Everything the daemon's status, admin and metrics read from a scheduler, taken at once
     (`Scheduler.snapshot()`): numbers only, nothing that changes afterwards."""

@@ -12,7 +12,7 @@ from kvsched.core.encoder_cache import EncoderCache
 from kvsched.core.kv_cache_manager import KVCacheManager
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.backlog import Backlog
-from kvsched.core.scheduler.events import SchedulerSnapshot, SchedulerStats
+from kvsched.core.scheduler.events import LoraState, SchedulerSnapshot, SchedulerStats
 from kvsched.core.scheduler.exits import Exits
 from kvsched.core.scheduler.groups import SampleGroups
 from kvsched.core.scheduler.outbox import Outbox
@@ -77,6 +77,29 @@ class Facts:
             **self.plan.view(),
             **cache_views(self.kv, self.enc),
         )
+
+    def lora_state(self) -> LoraState:
+        """The adapters running and queued here now (copies), with the max_loras limit."""
+        return LoraState(
+            self.config.scheduler.max_loras,
+            dict(self.table.loras),
+            dict(self.backlog.waiting.loras),
+        )
+
+    def lora_affinity(self, req: Request) -> int:
+        """How well req's LoRA adapter fits here (llm-d's order): 2 loaded (requests of it run
+        or wait here), 1 a free adapter slot (fewer than max_loras adapters running or
+        waiting), 0 neither (it would queue behind other adapters); 0 for no adapter."""
+        name = req.lora_name
+        if not name:
+            return 0
+        running, waiting = self.table.loras, self.backlog.waiting.loras
+        if name in running or name in waiting:
+            return 2
+        max_loras = self.config.scheduler.max_loras
+        if not max_loras or len(running.keys() | waiting.keys()) < max_loras:
+            return 1
+        return 0
 
     def load_facts(self, queued: bool = False) -> dict[str, float]:
         """The numbers an instance's load is computed from (`kvsched.core.router.instance_load`)

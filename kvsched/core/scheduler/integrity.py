@@ -1,7 +1,8 @@
 """The scheduler's invariants, asserted (`check_integrity`): O(everything), for tests and
 debugging, never on a hot path. Every block owned as often as tables name it, every placed
 request on its own slot under a live handle, every live request in exactly one state, and the
-counters (`num_decoding`, the prefill debt) equal to what they count.
+counters (`num_decoding`, the prefill debt, the running and waiting LoRA adapters) equal to
+what they count.
 
 Reads the state the placement table, the backlog and the caches own and changes nothing;
 imported by the scheduler facade only.
@@ -91,3 +92,14 @@ def check_integrity(
     assert set(sched.prefilling) == {
         r.req_id for r in sched.running.values() if not r.is_prefill_done
     }
+    running_loras: dict[str, int] = {}
+    for r in sched.running.values():
+        if r.lora_name:
+            running_loras[r.lora_name] = running_loras.get(r.lora_name, 0) + 1
+    assert sched.loras == running_loras, f"running adapters {sched.loras} != {running_loras}"
+    waiting_loras: dict[str, int] = {}
+    for r in waiting:
+        if r.lora_name:
+            waiting_loras[r.lora_name] = waiting_loras.get(r.lora_name, 0) + 1
+    queued = backlog.waiting.loras
+    assert queued == waiting_loras, f"waiting adapters {queued} != {waiting_loras}"

@@ -45,7 +45,7 @@ from kvsched.core.protocol import FinishReason, StepReport, Tasks
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.admission import Admitter
 from kvsched.core.scheduler.backlog import Backlog
-from kvsched.core.scheduler.events import Events, SchedulerSnapshot, SchedulerStats
+from kvsched.core.scheduler.events import Events, LoraState, SchedulerSnapshot, SchedulerStats
 from kvsched.core.scheduler.exits import Exits
 from kvsched.core.scheduler.facts import Facts
 from kvsched.core.scheduler.groups import SampleGroups
@@ -375,6 +375,14 @@ class Scheduler:
     def host_block_hashes(self) -> list[bytes]:
         """Every hash the host-memory tier holds now ([] without one)."""
         return self.facts.host_block_hashes()
+
+    def lora_state(self) -> LoraState:
+        """The LoRA adapters running and queued here, and max_loras: `Facts.lora_state`."""
+        return self.facts.lora_state()
+
+    def lora_affinity(self, req: Request) -> int:
+        """2 adapter loaded here, 1 a free adapter slot, 0 neither: `Facts.lora_affinity`."""
+        return self.facts.lora_affinity(req)
 
     @property
     def cost(self) -> Any:

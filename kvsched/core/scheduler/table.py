@@ -59,6 +59,8 @@ class PlacementTable:
         self.slots = SlotTable(sc.max_num_seqs)
         # Blocks the admitted prompts still need to finish their prefill (admit_full_prompt).
         self.prefill_debt = 0
+        # LoRA adapter -> running requests naming it (the worker's adapters of every step).
+        self.loras: dict[str, int] = {}
 
     # ==== in ==================================================================================
     def track(self, req: Request) -> None:
@@ -76,6 +78,7 @@ class PlacementTable:
         self.live[req.handle] = req
         self.running[req.req_id] = req
         self.prefilling[req.req_id] = req
+        self._lora_in(req)
         self._events.scheduled.append(req)
 
     def first_placement(
@@ -129,7 +132,27 @@ class PlacementTable:
         self.live[req.handle] = req
         self.running[req.req_id] = req
         self.num_decoding += 1
+        self._lora_in(req)
         self._events.scheduled.append(req)
+
+    def _lora_in(self, req: Request) -> None:
+        if req.lora_name:
+            self.loras[req.lora_name] = self.loras.get(req.lora_name, 0) + 1
+
+    def _lora_out(self, req: Request) -> None:
+        name = req.lora_name
+        if name:
+            n = self.loras[name] - 1
+            if n:
+                self.loras[name] = n
+            else:
+                del self.loras[name]
+
+    def lora_blocked(self, req: Request, max_loras: int) -> bool:
+        """Whether placing req would run more than max_loras distinct adapters (vLLM's rule:
+        a request with a new adapter waits while max_loras are running; 0: no limit)."""
+        name = req.lora_name
+        return bool(max_loras and name and name not in self.loras and len(self.loras) >= max_loras)
 
     def _issue_handle(self, req: Request) -> None:
         """A fresh handle for req's slot (handle & mask == slot), and the slot table row."""
@@ -236,6 +259,7 @@ class PlacementTable:
         rid = req.req_id
         was_prefilling = False
         if self.running.pop(rid, None) is not None:
+            self._lora_out(req)
             if self.prefilling.pop(rid, None) is None:
                 self.num_decoding -= 1
             else:

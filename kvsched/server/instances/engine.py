@@ -369,6 +369,10 @@ class InstanceEngine:
         sched = self.sched
         return float("inf") if sched is None else sched.predicted_wait_ms(req, hit_tokens)
 
+    def lora_affinity(self, req: Request) -> int:
+        """2 req's LoRA adapter is loaded here, 1 a free adapter slot, 0 neither (routing)."""
+        return 0 if self.sched is None else self.sched.lora_affinity(req)
+
     def host_block_hashes(self) -> list[bytes]:
         """Every hash this instance's host-memory tier holds now ([] without one)."""
         return [] if self.sched is None else self.sched.host_block_hashes()
@@ -397,6 +401,7 @@ class InstanceEngine:
             shed=shed,
             tenant_weights=self.info.tenant_weights,
             model=self.limits.model if self.limits is not None else "",
+            lora=None if sched is None else sched.lora_state(),
         )
 
     def counters(self) -> dict[str, int]:

@@ -11,11 +11,11 @@ the limit), never queued for a worker to crash on.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from kvsched.core import InvalidRequest, Request, RequestNotFound, Unavailable
+from kvsched.core import InvalidRequest, ProtocolError, Request, RequestNotFound, Unavailable
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +26,11 @@ class Limits:
     max_model_len: int
     vocab_size: int = 0
     max_logprobs: int = 0  # log-probability alternatives per token its workers report
+    # The LoRA adapters its workers can load, (name, path) pairs (Hello.lora_adapters).
+    loras: tuple[tuple[str, str], ...] = ()
+
+    def has_lora(self, name: str) -> bool:
+        return any(n == name for n, _ in self.loras)
 
 
 class HasLimits(Protocol):
@@ -40,12 +45,64 @@ def limits_of(
     configured_model: str,
     daemon_max_model_len: int,
     hello_max_logprobs: int = 0,
+    loras: tuple[tuple[str, str], ...] = (),
 ) -> Limits:
     """An instance's limits from its first rank's Hello and the daemon's configuration."""
     mml = daemon_max_model_len
     if hello_max_model_len > 0:
         mml = min(mml, hello_max_model_len)
-    return Limits(hello_model or configured_model, mml, hello_vocab_size, hello_max_logprobs)
+    return Limits(hello_model or configured_model, mml, hello_vocab_size, hello_max_logprobs, loras)
+
+
+def check_loras(adapters: Any, max_loras: int, model: str) -> tuple[tuple[str, str], ...]:
+    """A Hello's LoRA adapters as (name, path) pairs; ProtocolError naming the field when a
+    name is empty, repeated or the model's own, or when adapters come without max_loras."""
+    got: list[tuple[str, str]] = []
+    for a in adapters:
+        if not a.name:
+            raise ProtocolError("Hello.lora_adapters: an adapter's name is empty")
+        if a.name == model or any(a.name == n for n, _ in got):
+            raise ProtocolError(
+                f"Hello.lora_adapters: adapter name {a.name!r} is repeated or names the model"
+            )
+        got.append((a.name, a.path))
+    if got and not 1 <= max_loras <= 1 << 16:
+        raise ProtocolError(
+            f"Hello.max_loras = {max_loras} is out of range [1, 65536] for a worker that "
+            "announces LoRA adapters"
+        )
+    return tuple(got)
+
+
+def resolve_lora(requested_model: str, lora_name: str, adapters: Mapping[str, str]) -> str:
+    """The LoRA adapter a request names: `lora_name`, or `requested_model` when that names an
+    adapter (`adapters`: adapter name -> its base model), as vLLM's server takes `model`.
+    InvalidRequest when both name different adapters."""
+    if requested_model in adapters:
+        if lora_name and lora_name != requested_model:
+            raise InvalidRequest(
+                f"GenerateRequest.model names LoRA adapter {requested_model!r} but lora_name "
+                f"names {lora_name!r}: name one adapter"
+            )
+        return requested_model
+    return lora_name
+
+
+def check_lora_known(lora_name: str, model: str, limits: Iterable[Limits]) -> None:
+    """RequestNotFound (NOT_FOUND, as vLLM answers an unknown model: 404) naming the adapter
+    and the model's known adapters when no instance of `model` announced `lora_name`."""
+    if not lora_name:
+        return
+    known: set[str] = set()
+    for lim in limits:
+        if lim.model == model:
+            if lim.has_lora(lora_name):
+                return
+            known.update(n for n, _ in lim.loras)
+    raise RequestNotFound(
+        f"unknown LoRA adapter lora_name={lora_name!r} for model {model!r}; its workers "
+        f"announce: {', '.join(map(repr, sorted(known))) or 'none'}"
+    )
 
 
 def misfit(req: Request, lim: Limits) -> str | None:
@@ -135,6 +192,12 @@ def fitting(req: Request, model: str, candidates: Sequence[tuple[_C, Limits]]) -
     of_model = [(c, lim) for c, lim in candidates if lim.model == model]
     if not of_model:
         raise Unavailable(f"no instance of model {model!r} is ready now")
+    if req.lora_name:  # only instances whose workers can load its adapter
+        of_model = [(c, lim) for c, lim in of_model if lim.has_lora(req.lora_name)]
+        if not of_model:
+            raise Unavailable(
+                f"no ready instance of model {model!r} has LoRA adapter {req.lora_name!r} now"
+            )
     fits = [c for c, lim in of_model if misfit(req, lim) is None]
     if not fits:
         # The most permissive instance's reason: the limit no instance of the model passes.

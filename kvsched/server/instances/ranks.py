@@ -28,6 +28,10 @@ class RankConn:
     max_model_len: int = 0  # Hello's limits (0: not announced); see server/instances/models.py
     vocab_size: int = 0
     storage_backends: tuple[str, ...] = ()  # Hello.storage_backends (step 13)
+    # Hello.lora_adapters as (name, path) pairs, and its adapter slots (0: none announced).
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 0
+    max_cpu_loras: int = 0
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     last_seen: float = field(default_factory=time.monotonic)
     closed: bool = False
@@ -62,6 +66,8 @@ def check_joining_rank(
             "model",
             "max_model_len",
             "vocab_size",
+            "lora_adapters",
+            "max_loras",
         ):
             mine, theirs = getattr(conn, name), getattr(first, name)
             if mine != theirs:

@@ -28,7 +28,15 @@ from kvsched.core import (
 )
 from kvsched.server.instances.engine import InstanceEngine, RankConn
 from kvsched.server.instances.events import EngineListener
-from kvsched.server.instances.models import Limits, fitting, limits_of, resolve_model
+from kvsched.server.instances.models import (
+    Limits,
+    check_lora_known,
+    check_loras,
+    fitting,
+    limits_of,
+    resolve_lora,
+    resolve_model,
+)
 from kvsched.server.telemetry.values import InstanceFacts
 from kvsched.v1 import worker_service_pb2
 
@@ -138,6 +146,9 @@ class InstanceRegistry:
             max_model_len=hello.max_model_len,
             vocab_size=hello.vocab_size,
             storage_backends=tuple(hello.storage_backends),
+            lora_adapters=check_loras(hello.lora_adapters, hello.max_loras, hello.model),
+            max_loras=hello.max_loras,
+            max_cpu_loras=hello.max_cpu_loras,
         )
         was_ready = eng.ready
         if not eng.ranks:  # the first rank names the model and its limits (the others agree)
@@ -148,6 +159,7 @@ class InstanceRegistry:
                 self.config.model,
                 eng.engine_config.scheduler.max_model_len,
                 hello.max_logprobs,
+                conn.lora_adapters,
             )
             if eng.cost_seed is None:  # never ran here: priced like its model's instances
                 eng.cost_seed = self._sibling_cost(eng)
@@ -289,6 +301,40 @@ class InstanceRegistry:
             ready |= self.peer_ready_models()
         return resolve_model(requested, self.config.model, self.models(), ready)
 
+    def model_and_lora(self, requested: str, lora_name: str) -> tuple[str, str]:
+        """The model and LoRA adapter of a request naming model `requested` and `lora_name`:
+        `requested` may name an adapter (its base model then runs it, as vLLM's server
+        takes `model`). NOT_FOUND naming an adapter no instance of the model announced."""
+        limits = self._all_limits()
+        models = self.models()  # (a model's own name is never read as an adapter's)
+        adapters = {n: lim.model for lim in limits for n, _ in lim.loras if n not in models}
+        lora = resolve_lora(requested, lora_name, adapters)
+        model = self.model_for(adapters[requested] if lora and lora == requested else requested)
+        check_lora_known(lora, model, limits)
+        return model, lora
+
+    def _all_limits(self) -> list[Limits]:
+        """The limits of every instance here that said Hello, and of its peers' (cluster)."""
+        got = [e.limits for e in self.engines.values() if e.limits is not None]
+        if self.peer_limits is not None:
+            got += self.peer_limits()
+        return got
+
+    def adapter_table(self) -> dict[str, tuple[str, str, int]]:
+        """Per LoRA adapter announced here (or by a peer): (its base model, its path, ready
+        instances that can load it)."""
+        out: dict[str, tuple[str, str, int]] = {}
+        rows: list[tuple[Limits, bool]] = [
+            (e.limits, e.queueing) for e in self.engines.values() if e.limits is not None
+        ]
+        if self.peer_limits is not None:
+            rows += [(lim, True) for lim in self.peer_limits()]
+        for lim, ready in rows:
+            for name, path in lim.loras:
+                _, _, n = out.get(name, (lim.model, path, 0))
+                out[name] = (lim.model, path, n + int(ready))
+        return out
+
     def models(self) -> set[str]:
         """Every model an instance of this daemon (or of a peer, in a cluster) serves or
         served, ready or not."""
@@ -389,6 +435,8 @@ class InstanceRegistry:
             except KvschedError:
                 want = self.config.model
         ready = [e for e in ready if _limits(e, self.config.model).model == want]
+        if req.lora_name:
+            ready = [e for e in ready if _limits(e, self.config.model).has_lora(req.lora_name)]
         return _route(self.router, ready, req) if ready else None
 
     # ---- admin ------------------------------------------------------------------------------

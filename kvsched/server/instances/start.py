@@ -28,14 +28,17 @@ LEARNED_AFTER = 8
 
 
 def instance_config(engine_config: EngineConfig, first: RankConn, limits: Any) -> EngineConfig:
-    """A copy of the instance's config with the sizes its ranks announced, slots capped by the
-    worker's, and max_model_len from `limits` (server.models.Limits: the smaller of the
-    daemon's and the worker's; None: as configured)."""
+    """A copy of the instance's config with the sizes its ranks announced, slots and
+    max_loras capped by the worker's, and max_model_len from `limits` (server.models.Limits:
+    the smaller of the daemon's and the worker's; None: as configured)."""
     cfg = copy.deepcopy(engine_config)
     cfg.cache.block_size = first.block_size
     cfg.cache.num_gpu_blocks = first.num_gpu_blocks  # every rank says the same (attach)
     cfg.cache.num_host_blocks = first.num_host_blocks
     cfg.scheduler.max_num_seqs = min(cfg.scheduler.max_num_seqs, first.num_slots)
+    if first.max_loras:  # the worker's adapter slots bound the configured limit (0: none)
+        mine = cfg.scheduler.max_loras
+        cfg.scheduler.max_loras = min(mine, first.max_loras) if mine else first.max_loras
     if limits is not None:
         cfg.scheduler.max_model_len = limits.max_model_len
     return cfg

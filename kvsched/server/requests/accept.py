@@ -69,7 +69,9 @@ class Acceptor:
         table, registry, config = self.table, self.registry, self.config
         if table.draining:
             raise Unavailable("kvsched is draining (shutting down): not accepting new requests")
-        model = registry.model_for(pb.model)
+        model, lora = registry.model_and_lora(pb.model, pb.lora_name)
+        if lora != pb.lora_name:  # `model` named the adapter: the message says it plainly
+            pb.model, pb.lora_name = model, lora  # (so its journal record and forwards do)
         req_id = pb.request_id or uuid.uuid4().hex
         live = table.tracked.get(req_id)
         if live is not None:

@@ -219,10 +219,22 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        """The models this daemon's instances serve (and, in a cluster, its peers')."""
+        """The models this daemon's instances serve (and, in a cluster, its peers'), then the
+        LoRA adapters their workers announced, each with its base model as `parent`."""
         out = pb.ListModelsResponse()
-        for name, (mml, vocab, ready) in sorted(self.requests.registry.model_table().items()):
+        table = self.requests.registry.model_table()
+        for name, (mml, vocab, ready) in sorted(table.items()):
             out.models.add(name=name, max_model_len=mml, vocab_size=vocab, ready_instances=ready)
+        for name, (parent, path, ready) in sorted(self.requests.registry.adapter_table().items()):
+            mml, vocab, _ = table.get(parent, (0, 0, 0))
+            out.models.add(
+                name=name,
+                max_model_len=mml,
+                vocab_size=vocab,
+                ready_instances=ready,
+                parent=parent,
+                root=path,
+            )
         return out
 
     async def Abort(

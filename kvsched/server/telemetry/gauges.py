@@ -6,10 +6,13 @@ The host-memory KV tier's gauges, built at scrape time beside the other kvsched_
 
 Each instance's step-cost model as gauges, built at scrape time beside the other kvsched_*
 families (`metrics._Collector`).
+
+Each instance's LoRA adapters as vLLM's `lora_requests_info` (`lora_families`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -104,3 +107,38 @@ def step_cost_families(
         for family, ms in zip(families, values, strict=True):
             family.add_metric([iid, model], ms / 1e3)
     yield from families
+
+
+def lora_families(facts: Mapping[str, InstanceFacts], model: str) -> Iterator[Metric]:
+    """vLLM's `vllm:lora_requests_info` per instance running LoRA adapters (its `max_lora` and
+    the adapters of its running and waiting requests, comma-separated, as labels; the value is
+    the scrape's Unix time, as vLLM's is its last update's): what the Gateway API inference
+    extension and llm-d read for adapter affinity. Instances with no adapter limit and no
+    adapter in use are left out, as vLLM leaves it out without LoRA."""
+    family = GaugeMetricFamily(
+        "kvsched_lora_requests_info",
+        "Running stats on LoRA requests (vLLM's vllm:lora_requests_info).",
+        labels=[
+            "instance",
+            "model",
+            "max_lora",
+            "running_lora_adapters",
+            "waiting_lora_adapters",
+        ],
+    )
+    now = time.time()
+    for iid, f in facts.items():
+        lora = f.lora
+        if lora is None or not (lora.max_loras or lora.running or lora.waiting):
+            continue
+        family.add_metric(
+            [
+                iid,
+                f.model or model,
+                str(lora.max_loras),
+                ",".join(sorted(lora.running)),
+                ",".join(sorted(lora.waiting)),
+            ],
+            now,
+        )
+    yield family

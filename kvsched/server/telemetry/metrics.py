@@ -50,7 +50,12 @@ from prometheus_client.exposition import choose_encoder
 from kvsched.core import FinishReason, Unavailable
 from kvsched.core.scheduler import SNAPSHOT_COUNTERS
 from kvsched.server.config.settings import split_host_port
-from kvsched.server.telemetry.gauges import cluster_families, host_tier_families, step_cost_families
+from kvsched.server.telemetry.gauges import (
+    cluster_families,
+    host_tier_families,
+    lora_families,
+    step_cost_families,
+)
 from kvsched.server.telemetry.histograms import (
     BATCH_BUCKETS,
     ITL_BUCKETS,
@@ -387,5 +392,6 @@ class _Collector:
         yield from step_cost_families(facts, model, labels)
         yield from mx.tenants.families(facts, model)
         yield from host_tier_families(facts, model, labels)
+        yield from lora_families(facts, model)
         yield from cluster_families(mx.cluster_facts(), model)
         yield from mx.refusals.families(model)

@@ -38,6 +38,7 @@ class InstanceFacts(NamedTuple):
     shed: Mapping[str, int]  # requests shed or demoted per tenant
     tenant_weights: Mapping[str, float]
     model: str = ""  # as its workers announced it (Hello.model); "" before they did
+    lora: Any = None  # core LoraState (adapters running / waiting, max_loras); None: not up
 
 
 class ClusterFacts(NamedTuple):
