@@ -27,6 +27,7 @@ so such a request is let go, running on at the peer (`Follower.client_gone`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -357,14 +358,18 @@ class Forwarder:
 
     def _stop_there(self, tr: Tracked, address: str, relay: asyncio.Task[None]) -> None:
         """End a relayed request at its peer as stopped (Abort with reason STOP, as its client
-        asked here), not as an abort (what the relay's cancellation alone would say); the
-        relay ends once the peer has been told (or could not be, within 5 s)."""
+        asked here), not as an abort (what the relay's cancellation alone would say). The
+        relay then ends with the peer's own Finished; it is cancelled only if the peer could
+        not be told or sends no Finished within 5 s (cancelled at once, the relayed call's end
+        could reach the peer's engine before the STOP and count an abort)."""
         md = [(FORWARDED_BY, self.daemon_id), (FORWARD_OWNER, tr.owner), *self.stubs.auth()]
         msg = rpb.AbortRequest(request_id=tr.req.req_id, reason=common_pb2.FINISH_REASON_STOP)
 
         async def stop() -> None:
             try:
                 await self.stubs.stub(address).Abort(msg, metadata=md, timeout=5.0)
+                with contextlib.suppress(Exception):  # (a relay's own end is the relay's)
+                    await asyncio.wait_for(asyncio.shield(relay), 5.0)
             except grpc.aio.AioRpcError as exc:
                 log.info("stop of %s at %s: %s", tr.req.req_id, address, exc.code().name)
             finally:

@@ -17,7 +17,7 @@ from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
 from tests.cluster.conftest import start_cluster
-from tests.integration.clients import generate
+from tests.integration.clients import Outcome, generate
 
 STOP = common_pb2.FINISH_REASON_STOP
 
@@ -32,6 +32,28 @@ def _finished(metrics_addr: str) -> dict[str, float]:
                 r = s.labels["finished_reason"]
                 out[r] = out.get(r, 0.0) + s.value
     return out
+
+
+async def submitted(
+    stub: request_service_pb2_grpc.RequestServiceStub, msg: rpb.GenerateRequest
+) -> asyncio.Task[Outcome]:
+    """The Generate call's task once the request is queued. Daemon a forwards to st1 only once
+    its routing has seen st1's daemon in its membership and lease views (refreshed every 0.2 s,
+    after `start_cluster`'s wait for the instance's load): until then it answers UNAVAILABLE,
+    and the submit is repeated (for at most 15 s)."""
+    deadline = time.monotonic() + 15
+    while True:
+        queued = asyncio.Event()
+        task = asyncio.create_task(generate(stub, msg, queued=queued, timeout=60))
+        waiter = asyncio.create_task(queued.wait())
+        await asyncio.wait({task, waiter}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if queued.is_set():
+            return task
+        out = await asyncio.wait_for(task, 20)
+        assert out.code == grpc.StatusCode.UNAVAILABLE, (msg.request_id, out)
+        assert time.monotonic() < deadline, (msg.request_id, out)
+        await asyncio.sleep(0.2)
 
 
 def test_stop_keeps_its_reason_across_daemons(nats_server: NatsServer) -> None:
@@ -62,10 +84,7 @@ def test_stop_keeps_its_reason_across_daemons(nats_server: NatsServer) -> None:
                 await admin_a.Drain(apb.DrainRequest(instance_id="st0"), timeout=5)
                 cases = []
                 for rid, stub in (("relayed", sa), ("elsewhere", sb)):
-                    queued = asyncio.Event()
-                    task = asyncio.create_task(generate(stub, long(rid), queued=queued, timeout=60))
-                    await asyncio.wait_for(queued.wait(), 20)
-                    cases.append((rid, task))
+                    cases.append((rid, await submitted(stub, long(rid))))
                 await asyncio.sleep(0.5)  # both are decoding on st1 (daemon b)
                 for rid, _ in cases:  # through daemon a: relayed from there, unknown there
                     await sa.Abort(rpb.AbortRequest(request_id=rid, reason=STOP), timeout=10)
