@@ -1,11 +1,11 @@
 """The daemons behind the front end, reached only through kvsched.client: one AsyncClient per
-`--server` address, a request submitted through the next one in turn and followed across
-broken streams and dead daemons by kvsched.client.resumable (Resume), each request carrying
-its caller's bearer token as gRPC metadata."""
+`--server` address; every request over a Session stream (kvsched.http.session: one per address
+and bearer token, requests submitted through the addresses in turn), followed across broken
+streams and dead daemons by Resume when it is detachable (several addresses), each stream
+carrying its caller's bearer token as gRPC metadata."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -13,9 +13,11 @@ from typing import Any
 import grpc
 
 from kvsched.client import AsyncClient, KvschedClientError, ModelInfo
-from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, ResumableStream, resumable
+from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS
+from kvsched.http.session import RequestStream, SessionLink
 
 _MODELS_TTL_S = 5.0
+_MAX_LINKS = 256  # sessions kept open (one per address and token); idle ones closed beyond
 _REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
@@ -43,6 +45,7 @@ class Backend:
         self._tls = (tls_ca, tls_cert, tls_key)
         self._clients: list[AsyncClient] = []
         self._turn = 0
+        self._links: dict[tuple[int, str], SessionLink] = {}
         # ListModels answers by token (a cached answer never serves a caller the daemon
         # would refuse): token -> (when, models)
         self._models: dict[str, tuple[float, list[ModelInfo] | None]] = {}
@@ -71,28 +74,46 @@ class Backend:
 
     def submit(
         self, prompt: Sequence[int], options: dict[str, Any], token: str | None
-    ) -> ResumableStream:
-        """A request, not yet sent: iterating the stream submits it. With several daemons the
-        request is detachable, so a request forwarded to a peer survives the daemon this
+    ) -> RequestStream:
+        """A request, not yet sent: its first `next_batch()` submits it. With several daemons
+        the request is detachable, so a request forwarded to a peer survives the daemon this
         front end talks to (the front end aborts it explicitly when its caller goes). With one
         daemon it is not: a front end that dies (kill -9) takes its requests with it, the
-        daemon aborting each as its stream drops."""
+        daemon aborting each as its session drops."""
         options = {**options, "detachable": len(self.addresses) > 1}
-        return resumable(
-            self._rotation(),
+        return RequestStream(
             prompt,
-            retry_for_s=self.retry_for_s,
-            metadata=self.metadata(token),
-            **options,
+            options,
+            self.metadata(token),
+            lambda s: self._place(s, token or self.token),
+            self._rotation,
+            self.retry_for_s,
         )
 
-    async def abort(self, stream: ResumableStream, token: str | None, stop: bool = False) -> None:
+    def _place(self, stream: RequestStream, token: str) -> SessionLink:
+        """Submit `stream` on the session of the next address in turn (opened if needed)."""
+        clients = self._all()
+        self._turn = (self._turn + 1) % len(clients)
+        key = (self._turn, token)
+        link = self._links.get(key)
+        if link is None or link.dead:
+            if len(self._links) >= _MAX_LINKS:
+                self._close_idle()
+            link = SessionLink(clients[self._turn], stream.metadata)
+            self._links[key] = link
+        link.submit(stream)
+        return link
+
+    def _close_idle(self) -> None:
+        for key, link in list(self._links.items()):
+            if link.dead or not link.streams:
+                link.close()
+                del self._links[key]
+
+    async def abort(self, stream: RequestStream, token: str | None, stop: bool = False) -> None:
         """Abort the request wherever it runs (`stop`: it ended at a stop string, so it finishes
         with reason stop); a request already finished or unknown is fine."""
-        with contextlib.suppress(KvschedClientError):
-            await stream.client.abort(
-                stream.request_id, timeout=5.0, metadata=self.metadata(token), stop=stop
-            )
+        await stream.abort(stop)
 
     async def list_models(self, token: str | None) -> list[ModelInfo] | None:
         """The daemons' models (cached a few seconds per token), or None when no daemon
@@ -115,6 +136,9 @@ class Backend:
         return models
 
     async def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links = {}
         for c in self._clients:
             await c.close()
         self._clients = []
