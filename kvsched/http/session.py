@@ -207,9 +207,7 @@ class RequestStream:
         elif self.follower is not None and self.follower.attempts:
             client = self.follower.client
             with contextlib.suppress(KvschedClientError):
-                await client.abort(
-                    self.request_id, timeout=5.0, metadata=self.metadata, stop=stop
-                )
+                await client.abort(self.request_id, timeout=5.0, metadata=self.metadata, stop=stop)
         # else: between a break and its retry, which sees `_aborted`
 
     # -- the session's side
