@@ -130,6 +130,27 @@ def test_async_session(address: str) -> None:
     assert asyncio.run(main()) == {f"as-{i}": want(f"as-{i}", PROMPT, 4 + i) for i in range(3)}
 
 
+def test_session_abort_with_stop_finishes_the_request_as_stopped(address: str) -> None:
+    async def main() -> dict[str, str]:
+        reasons: dict[str, str] = {}
+        async with AsyncClient(address, timeout=30) as client, client.session() as session:
+            for rid in ("sa-stop", "sa-abort"):
+                await session.submit(PROMPT, request_id=rid, max_tokens=LONG, ignore_eos=True)
+            seen: set[str] = set()
+            async for batch in session:
+                for rid in batch.tokens:
+                    if rid not in seen:  # running: end it, one as stopped, one as aborted
+                        seen.add(rid)
+                        await session.abort(rid, stop=rid == "sa-stop")
+                for f in batch.finished:
+                    reasons[f.request_id] = f.reason
+                if len(reasons) == 2:
+                    break
+        return reasons
+
+    assert asyncio.run(main()) == {"sa-stop": "stop", "sa-abort": "abort"}
+
+
 def test_abort_ends_a_running_request_and_unknown_is_not_found(address: str) -> None:
     with Client(address, timeout=30) as client:
         stream = client.generate(PROMPT, request_id="to-abort", max_tokens=LONG, ignore_eos=True)

@@ -31,13 +31,10 @@ from kvsched.client import AsyncClient, KvschedClientError
 from kvsched.client.aio import AsyncSession
 from kvsched.client.errors import Cancelled, Unavailable, error_for
 from kvsched.client.resumable import ResumableStream
-from kvsched.client.types import Finished, build_request
-from kvsched.v1 import common_pb2
+from kvsched.client.types import Finished, build_request, session_abort
 from kvsched.v1 import request_service_pb2 as rpb
 
 _BACKOFF_S = 0.1
-_STOP = common_pb2.FINISH_REASON_STOP
-_ABORT = common_pb2.FINISH_REASON_UNSPECIFIED
 
 
 class SessionLink:
@@ -63,8 +60,7 @@ class SessionLink:
         self._outbox.put_nowait(rpb.SessionRequest(submit=sub))
 
     def abort(self, request_id: str, stop: bool) -> None:
-        msg = rpb.SessionRequest.Abort(request_id=request_id, reason=_STOP if stop else _ABORT)
-        self._outbox.put_nowait(rpb.SessionRequest(abort=msg))
+        self._outbox.put_nowait(rpb.SessionRequest(abort=session_abort(request_id, stop)))
 
     def detach(self, stream: RequestStream) -> None:
         """Stop delivering to `stream` (it is followed elsewhere now)."""
