@@ -35,6 +35,7 @@ class Backend:
         tls_key: str = "",
         retry_for_s: float = 10.0,
         timeout_s: float | None = None,
+        sessions: int = 4,
     ) -> None:
         if not addresses:
             raise ValueError("at least one --server address is needed")
@@ -45,7 +46,12 @@ class Backend:
         self._tls = (tls_ca, tls_cert, tls_key)
         self._clients: list[AsyncClient] = []
         self._turn = 0
-        self._links: dict[tuple[int, str], SessionLink] = {}
+        # Session streams per address and token, requests spread over them in turn: a
+        # stream's submits are written (and read by the daemon) one at a time, so a burst of
+        # new requests queues behind one stream's writes; a few streams take them in parallel.
+        self.sessions = max(1, sessions)
+        self._spread = 0
+        self._links: dict[tuple[int, str, int], SessionLink] = {}
         # ListModels answers by token (a cached answer never serves a caller the daemon
         # would refuse): token -> (when, models)
         self._models: dict[str, tuple[float, list[ModelInfo] | None]] = {}
@@ -94,7 +100,8 @@ class Backend:
         """Submit `stream` on the session of the next address in turn (opened if needed)."""
         clients = self._all()
         self._turn = (self._turn + 1) % len(clients)
-        key = (self._turn, token)
+        self._spread = (self._spread + 1) % self.sessions
+        key = (self._turn, token, self._spread)
         link = self._links.get(key)
         if link is None or link.dead:
             if len(self._links) >= _MAX_LINKS:

@@ -11,7 +11,9 @@ requests goes on by itself:
   until `retry_for_s` has passed (the daemon aborted whatever it had of a non-detachable one);
 - accepted and detachable (a front end with several --server addresses): followed alone by
   kvsched.client.resumable, Resume with the tokens it holds (submitted again when the daemons
-  never accepted it), through the next address first;
+  never accepted it), through the next address first; a detachable request that its session
+  does not accept within ATTEMPT_TIMEOUT_S (2 s: a paused daemon) is followed alone the same
+  way;
 - accepted and not detachable (one address): the daemon aborted it when the stream dropped;
   it ends in error, which the HTTP client sees;
 - a refusal that is the caller's (UNAUTHENTICATED, PERMISSION_DENIED) ends its requests with
@@ -30,7 +32,7 @@ from typing import Any
 from kvsched.client import AsyncClient, KvschedClientError
 from kvsched.client.aio import AsyncSession
 from kvsched.client.errors import Cancelled, Unavailable, error_for
-from kvsched.client.resumable import ResumableStream
+from kvsched.client.resumable import ATTEMPT_TIMEOUT_S, ResumableStream
 from kvsched.client.types import Finished, build_request, session_abort
 from kvsched.v1 import request_service_pb2 as rpb
 
@@ -170,7 +172,7 @@ class RequestStream:
     async def next_batch(self) -> list[int] | None:
         if not self._placed:
             self._placed = True
-            self.link = self._place(self)
+            self._put_on(self._place(self))
         while self._taken == len(self.tokens) and not self._ended:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
@@ -254,12 +256,27 @@ class RequestStream:
         else:
             self._task = loop.create_task(self._submit_again())
 
+    def _put_on(self, link: SessionLink) -> None:
+        """`link` carries it now. A detachable request not accepted within ATTEMPT_TIMEOUT_S
+        (a paused or hung daemon whose connection still stands: keepalive would take longer
+        to break it) leaves that session and is followed alone through the next daemon."""
+        self.link = link
+        if self.detachable:
+            loop = asyncio.get_running_loop()
+            loop.call_later(ATTEMPT_TIMEOUT_S, self._no_answer, link)
+
+    def _no_answer(self, link: SessionLink) -> None:
+        if self.link is link and not self.accepted and not self._ended and not self._aborted:
+            link.detach(self)
+            self.link = None
+            self._task = asyncio.get_running_loop().create_task(self._follow())
+
     async def _submit_again(self) -> None:
         await asyncio.sleep(_BACKOFF_S)
         if self._aborted:
             self.fail(Cancelled("aborted", request_id=self.request_id))
         elif not self._ended:
-            self.link = self._place(self)
+            self._put_on(self._place(self))
 
     async def _follow(self) -> None:
         """A detachable request whose session broke: Resume it alone (submitted again when no

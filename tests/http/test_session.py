@@ -54,7 +54,7 @@ def test_concurrent_requests_share_one_session_and_a_disconnect_aborts_only_its_
     # a shared stream reaches (Generate calls have no such limit).
     cfg = config("max_session_requests = 2\n")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    with stack(model_dir, daemon_args=("--config", cfg)) as live:
+    with stack(model_dir, daemon_args=("--config", cfg), http_args=("--sessions", "1")) as live:
         url = live.url + "/v1/completions"
         hog = {"model": MODEL, "prompt": "hog", "max_tokens": LONG, "ignore_eos": True}
         aborted = live.finished("abort")
