@@ -77,10 +77,10 @@ def add_http_parser(sub: Any) -> None:
     p.add_argument(
         "--sessions",
         type=int,
-        default=4,
+        default=1,
         metavar="N",
         help="Session streams per daemon address (and bearer token) that requests are spread "
-        "over (default 4)",
+        "over (default 1)",
     )
     p.add_argument(
         "--log-level",

@@ -35,7 +35,7 @@ class Backend:
         tls_key: str = "",
         retry_for_s: float = 10.0,
         timeout_s: float | None = None,
-        sessions: int = 4,
+        sessions: int = 1,
     ) -> None:
         if not addresses:
             raise ValueError("at least one --server address is needed")
@@ -46,9 +46,9 @@ class Backend:
         self._tls = (tls_ca, tls_cert, tls_key)
         self._clients: list[AsyncClient] = []
         self._turn = 0
-        # Session streams per address and token, requests spread over them in turn: a
-        # stream's submits are written (and read by the daemon) one at a time, so a burst of
-        # new requests queues behind one stream's writes; a few streams take them in parallel.
+        # Session streams per address and token, requests spread over them in turn (a
+        # stream's submits are written, and read by the daemon, one at a time; at c=64 on the
+        # sim, 4 streams gave no more than 1: bench.frontend_ab, BENCHMARKS 18).
         self.sessions = max(1, sessions)
         self._spread = 0
         self._links: dict[tuple[int, str, int], SessionLink] = {}
