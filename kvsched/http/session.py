@@ -56,8 +56,8 @@ class SessionLink:
         self._reader = loop.create_task(self._read_loop())
 
     def submit(self, stream: RequestStream) -> None:
-        self.streams[stream.request_id] = stream
         req = build_request(stream.prompt, stream.options)  # type: ignore[arg-type]
+        self.streams[stream.request_id] = stream
         sub = rpb.SessionRequest.Submit(request=req, client_tag=stream.request_id)
         self._outbox.put_nowait(rpb.SessionRequest(submit=sub))
 
