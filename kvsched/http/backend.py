@@ -1,12 +1,14 @@
 """The daemons behind the front end, reached only through kvsched.client: one AsyncClient per
 `--server` address; every request over a Session stream (kvsched.http.session: one per address
-and bearer token, requests submitted through the addresses in turn), followed across broken
-streams and dead daemons by Resume when it is detachable (several addresses), each stream
-carrying its caller's bearer token as gRPC metadata."""
+and bearer token, requests submitted through the addresses in turn, the samples of one sample
+group through one address), followed across broken streams and dead daemons by Resume when it
+is detachable (several addresses), each stream carrying its caller's bearer token as gRPC
+metadata."""
 
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,12 +69,22 @@ class Backend:
             ]
         return self._clients
 
-    def _rotation(self) -> list[AsyncClient]:
+    def _rotation(self, group: str = "") -> list[AsyncClient]:
         """Every client, starting with the next one in turn (spreads requests, and a dead
-        daemon is skipped by the resumable stream's failover)."""
+        daemon is skipped by the resumable stream's failover); the samples of one sample
+        group all start at one daemon (it computes their prompt once)."""
         clients = self._all()
-        self._turn = (self._turn + 1) % len(clients)
-        return clients[self._turn :] + clients[: self._turn]
+        turn = self._next_turn(group)
+        return clients[turn:] + clients[:turn]
+
+    def _next_turn(self, group: str) -> int:
+        """The index of the address a request starts at: the next in turn, or its sample
+        group's (the same for every sample of the group)."""
+        n = len(self._all())
+        if group:
+            return zlib.crc32(group.encode()) % n
+        self._turn = (self._turn + 1) % n
+        return self._turn
 
     def metadata(self, token: str | None) -> tuple[tuple[str, str], ...]:
         tok = token or self.token
@@ -87,26 +99,28 @@ class Backend:
         daemon it is not: a front end that dies (kill -9) takes its requests with it, the
         daemon aborting each as its session drops."""
         options = {**options, "detachable": len(self.addresses) > 1}
+        group = options.get("sample_group", "")
         return RequestStream(
             prompt,
             options,
             self.metadata(token),
             lambda s: self._place(s, token or self.token),
-            self._rotation,
+            lambda: self._rotation(group),
             self.retry_for_s,
         )
 
     def _place(self, stream: RequestStream, token: str) -> SessionLink:
-        """Submit `stream` on the session of the next address in turn (opened if needed)."""
+        """Submit `stream` on the session of the next address in turn (opened if needed); a
+        sample of a sample group on the session of its group's address (see `_rotation`)."""
         clients = self._all()
-        self._turn = (self._turn + 1) % len(clients)
+        turn = self._next_turn(stream.options.get("sample_group", ""))
         self._spread = (self._spread + 1) % self.sessions
-        key = (self._turn, token, self._spread)
+        key = (turn, token, self._spread)
         link = self._links.get(key)
         if link is None or link.dead:
             if len(self._links) >= _MAX_LINKS:
                 self._close_idle()
-            link = SessionLink(clients[self._turn], stream.metadata)
+            link = SessionLink(clients[turn], stream.metadata)
             self._links[key] = link
         link.submit(stream)
         return link

@@ -11,6 +11,7 @@ from typing import Any
 from kvsched.client import KvschedClientError
 from kvsched.http.backend import Backend
 from kvsched.http.errors import ApiError, from_client_error
+from kvsched.http.logprobs import ChoiceExtras
 from kvsched.http.session import RequestStream
 from kvsched.http.text import Detokenizer, StopStrings
 
@@ -46,6 +47,8 @@ class Generation:
         self.message = ""
         self._aborted = False
         self.disconnected = False  # the HTTP client went away (set by the route)
+        # Log-probabilities, echo, streamed token ids: only for a request that asked
+        self.extras: ChoiceExtras | None = None
 
     @property
     def text(self) -> str:

@@ -33,10 +33,17 @@ from kvsched.client import AsyncClient, KvschedClientError
 from kvsched.client.aio import AsyncSession
 from kvsched.client.errors import Cancelled, Unavailable, error_for
 from kvsched.client.resumable import ATTEMPT_TIMEOUT_S, ResumableStream
-from kvsched.client.types import Finished, build_request, session_abort
+from kvsched.client.types import (
+    Finished,
+    TokenLogprob,
+    build_request,
+    logprob_rows,
+    session_abort,
+)
 from kvsched.v1 import request_service_pb2 as rpb
 
 _BACKOFF_S = 0.1
+_UNKNOWN = TokenLogprob(0.0, 0, [], [])  # the row of a token that came without one
 
 
 class SessionLink:
@@ -104,12 +111,15 @@ class SessionLink:
         t = raw.tokens
         if t.request_ids:
             ids = list(t.token_ids)
-            pos = 0
-            for rid, n in zip(t.request_ids, t.num_tokens, strict=True):
-                end = pos + n
-                if (s := streams.get(rid)) is not None:
-                    s.push(ids[pos:end])
-                pos = end
+            if len(t.num_logprobs) or len(t.num_prompt_logprobs):
+                self._deltas_with_logprobs(t, ids)
+            else:  # (usually: no request of this message asked for log-probabilities)
+                pos = 0
+                for rid, n in zip(t.request_ids, t.num_tokens, strict=True):
+                    end = pos + n
+                    if (s := streams.get(rid)) is not None:
+                        s.push(ids[pos:end])
+                    pos = end
         for f in raw.finished:
             if (s := streams.pop(f.request_id, None)) is not None:
                 s.end(Finished.from_pb(f))
@@ -118,6 +128,19 @@ class SessionLink:
             # finished meanwhile) needs nothing.
             if e.client_tag and (s := streams.pop(e.client_tag, None)) is not None:
                 s.fail(error_for(e.code, e.message, s.request_id))
+
+    def _deltas_with_logprobs(self, t: rpb.SessionResponse.TokenDeltas, ids: list[int]) -> None:
+        """Token deltas with log-probability columns: each request's rows (num_logprobs[i] of
+        `logprobs`) and its prompt's (num_prompt_logprobs[i], with its first tokens) go with
+        its tokens."""
+        rows, prompt = logprob_rows(t.logprobs), logprob_rows(t.prompt_logprobs)
+        n_rows = list(t.num_logprobs) or [0] * len(t.request_ids)
+        n_prompt = list(t.num_prompt_logprobs) or [0] * len(t.request_ids)
+        pos = i = j = 0
+        for rid, n, m, k in zip(t.request_ids, t.num_tokens, n_rows, n_prompt, strict=True):
+            if (s := self.streams.get(rid)) is not None:
+                s.push(ids[pos : pos + n], rows[i : i + m], prompt[j : j + k] if k else None)
+            pos, i, j = pos + n, i + m, j + k
 
     def close(self) -> None:
         """Drop the stream (the daemon aborts its non-detachable requests)."""
@@ -131,7 +154,10 @@ class RequestStream:
     """One request's outputs, from its session (or, after a break, from a stream of its own):
     `await next_batch()` gives every token that arrived since the last call (waiting for one),
     None once it finished; raises the request's error (a refusal, a break it cannot survive).
-    Then `finished`, `tokens`, `resumes` (Resume calls that succeeded)."""
+    Then `finished`, `tokens`, `resumes` (Resume calls that succeeded). For a request that
+    asked (options `logprobs` / `prompt_logprobs`), as kvsched.client.resumable's stream:
+    `logprobs`, one row per token of `tokens` (rank 0: not known), and `prompt_logprobs`, the
+    prompt's rows once they came."""
 
     def __init__(
         self,
@@ -149,6 +175,9 @@ class RequestStream:
         self.detachable = bool(self.options.get("detachable"))
         self.metadata = metadata
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        self._asked = "logprobs" in self.options or "prompt_logprobs" in self.options
         self.finished: Finished | None = None
         self.instance = ""
         self.accepted = False
@@ -209,7 +238,21 @@ class RequestStream:
         # else: between a break and its retry, which sees `_aborted`
 
     # -- the session's side
-    def push(self, batch: list[int]) -> None:
+    def push(
+        self,
+        batch: list[int],
+        rows: list[TokenLogprob] | None = None,
+        prompt_rows: list[TokenLogprob] | None = None,
+    ) -> None:
+        """Tokens that arrived, with their log-probability rows and the prompt's (only for a
+        request that asked; a batch that came without rows gets unknown ones, rank 0)."""
+        if self._asked:
+            rows = rows if "logprobs" in self.options else []
+            if rows is None or len(rows) != len(batch):
+                rows = ((rows or []) + [_UNKNOWN] * len(batch))[: len(batch)]
+            self.logprobs.extend(rows)
+            if self.prompt_logprobs is None and prompt_rows is not None:
+                self.prompt_logprobs = prompt_rows
         self.tokens.extend(batch)
         self._wake()
 
@@ -291,12 +334,15 @@ class RequestStream:
             metadata=self.metadata,
         )
         rs.tokens = list(self.tokens)
+        rs.logprobs = list(self.logprobs)
+        rs.prompt_logprobs = self.prompt_logprobs
         rs.accepted = self.accepted
         rs.broken_at.append(time.monotonic())
         self.follower = rs
         try:
             async for batch in rs:
-                self.push(batch)
+                have = len(self.logprobs)
+                self.push(batch, rs.logprobs[have : have + len(batch)], rs.prompt_logprobs)
             self.resumes = rs.resumes
             self.end(rs.finished)
         except KvschedClientError as exc:

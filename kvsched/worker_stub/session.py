@@ -70,6 +70,7 @@ class Worker(StepLoop):
         model: str = "",
         max_model_len: int = 0,
         vocab_size: int = 0,
+        max_logprobs: int = 0,
         executor_name: str = "sim",
         channel_credentials: grpc.ChannelCredentials | None = None,
         metadata: Sequence[tuple[str, str]] = (),
@@ -118,6 +119,7 @@ class Worker(StepLoop):
         self.model = model  # "": the daemon's configured model
         self.max_model_len = max_model_len  # announced limits (0: not announced)
         self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs  # Hello.max_logprobs: 0, none (sim, model)
         self.executor_name = executor_name
         # Hello.storage_backends (step 13); None: what this executor can reach
         self.storage_backends = list(
@@ -267,6 +269,7 @@ class Worker(StepLoop):
             model=self.model,
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
+            max_logprobs=self.max_logprobs,
             protocol_version=codec.PROTOCOL_VERSION,
             worker_address=self.kv.address or "",
             executor=self.executor_name,

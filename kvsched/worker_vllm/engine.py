@@ -43,6 +43,9 @@ def vllm_sampling(
         repetition_penalty=sampling.repetition_penalty,
         logit_bias=dict(sampling.logit_bias) or None,
         min_p=sampling.min_p,
+        logprobs=sampling.logprobs,
+        # (a re-placement after outputs recomputes prompt + outputs: its prompt's rows are known)
+        prompt_logprobs=sampling.prompt_logprobs if num_output == 0 else None,
         detokenize=False,
     )
     params.update_from_generation_config(facts.generation_config, facts.eos_token_id)
