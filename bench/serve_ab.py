@@ -266,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kvsched-env", action="append", default=[], help="K=V for kvsched's only")
     p.add_argument("--json", default=str(REPO / "bench/results/serve_ab.json"))
     p.add_argument("--plot", metavar="JSON", help="only draw the plots of a result file")
+    p.add_argument(
+        "--merge",
+        metavar="JSON,JSON...",
+        help="only merge the rounds of result files (runs kept short, e.g. one round each in "
+        "alternating stack order) into --json, with their summary",
+    )
     p.add_argument("--plot-dir", default=str(REPO / "docs/img"))
     a = p.parse_args(argv)
     if a.plot:
@@ -273,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         for f in plot(Path(a.plot), Path(a.plot_dir)):
             print(f"wrote {f}")
         return 0
+    if a.merge:
+        return merge(a.merge.split(","), Path(a.json))
     work = Path(tempfile.mkdtemp(prefix="kvsched-serve-ab-"))
     print(f"models and logs in {work}", flush=True)
     command = "python -m bench.serve_ab " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -301,6 +309,30 @@ def main(argv: list[str] | None = None) -> int:
         save(w)
         print_summary(name, w["summary"])
     print(f"wrote {a.json}; plots: .venv-vllm/bin/python -m bench.serve_ab --plot {a.json}")
+    return 0
+
+
+def merge(paths: list[str], out: Path) -> int:
+    """One result file holding every run of `paths` (their rounds renumbered in order)."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    merged: dict[str, Any] = {**docs[0], "merged_from": paths, "workloads": {}}
+    merged["command"] = [d["command"] for d in docs]
+    merged["rounds"] = sum(d["rounds"] for d in docs)
+    offset = 0
+    for d in docs:
+        for name, w in d["workloads"].items():
+            into = merged["workloads"].setdefault(name, {"model": w["model"], "runs": {}})
+            for stack, by_c in w["runs"].items():
+                for c, recs in by_c.items():
+                    into["runs"].setdefault(stack, {}).setdefault(c, []).extend(
+                        {**r, "round": r.get("round", 0) + offset} for r in recs
+                    )
+        offset += d["rounds"]
+    for name, w in merged["workloads"].items():
+        w["summary"] = summarize(w["runs"])
+        print_summary(name, w["summary"])
+    out.write_text(json.dumps(merged, indent=1) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

@@ -130,6 +130,58 @@ def test_async_session(address: str) -> None:
     assert asyncio.run(main()) == {f"as-{i}": want(f"as-{i}", PROMPT, 4 + i) for i in range(3)}
 
 
+def test_session_abort_with_stop_finishes_the_request_as_stopped(address: str) -> None:
+    async def main() -> dict[str, str]:
+        reasons: dict[str, str] = {}
+        async with AsyncClient(address, timeout=30) as client, client.session() as session:
+            for rid in ("sa-stop", "sa-abort"):
+                await session.submit(PROMPT, request_id=rid, max_tokens=LONG, ignore_eos=True)
+            seen: set[str] = set()
+            async for batch in session:
+                for rid in batch.tokens:
+                    if rid not in seen:  # running: end it, one as stopped, one as aborted
+                        seen.add(rid)
+                        await session.abort(rid, stop=rid == "sa-stop")
+                for f in batch.finished:
+                    reasons[f.request_id] = f.reason
+                if len(reasons) == 2:
+                    break
+        return reasons
+
+    assert asyncio.run(main()) == {"sa-stop": "stop", "sa-abort": "abort"}
+
+
+def test_a_session_abort_with_a_reason_other_than_abort_or_stop_is_refused_in_band(
+    address: str,
+) -> None:
+    from kvsched.client.types import build_request
+    from kvsched.v1 import common_pb2, request_service_pb2_grpc
+    from kvsched.v1 import request_service_pb2 as rpb
+
+    req = build_request(PROMPT, {"request_id": "sa-bad", "max_tokens": 5, "ignore_eos": True})
+    msgs = [
+        rpb.SessionRequest(submit=rpb.SessionRequest.Submit(request=req, client_tag="t")),
+        rpb.SessionRequest(
+            abort=rpb.SessionRequest.Abort(
+                request_id="sa-bad", reason=common_pb2.FINISH_REASON_LENGTH
+            )
+        ),
+    ]
+    with grpc.insecure_channel(address) as channel:
+        stub = request_service_pb2_grpc.RequestServiceStub(channel)  # type: ignore[no-untyped-call]
+        out = list(stub.Session(iter(msgs), timeout=30))
+    errors = [e for m in out for e in m.errors]
+    assert [(e.request_id, e.code) for e in errors] == [
+        ("sa-bad", grpc.StatusCode.INVALID_ARGUMENT.value[0])
+    ]
+    assert "ABORT or STOP" in errors[0].message
+    # The abort was refused: the request ran to its end.
+    finished = [f for m in out for f in m.finished]
+    assert [(f.request_id, f.reason) for f in finished] == [
+        ("sa-bad", common_pb2.FINISH_REASON_LENGTH)
+    ]
+
+
 def test_abort_ends_a_running_request_and_unknown_is_not_found(address: str) -> None:
     with Client(address, timeout=30) as client:
         stream = client.generate(PROMPT, request_id="to-abort", max_tokens=LONG, ignore_eos=True)

@@ -21,6 +21,7 @@ from kvsched.client.types import (
     TokenLogprob,
     build_request,
     logprob_rows,
+    session_abort,
 )
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
@@ -132,9 +133,10 @@ class AsyncSession:
         )
         return tag
 
-    async def abort(self, request_id: str) -> None:
-        """Abort one of this session's requests; its `finished` comes in a later batch."""
-        await self._write(rpb.SessionRequest(abort=rpb.SessionRequest.Abort(request_id=request_id)))
+    async def abort(self, request_id: str, *, stop: bool = False) -> None:
+        """Abort one of this session's requests; its `finished` comes in a later batch.
+        `stop`: the client found a stop condition of its own (it finishes with reason stop)."""
+        await self._write(rpb.SessionRequest(abort=session_abort(request_id, stop)))
 
     async def __aiter__(self) -> AsyncIterator[SessionBatch]:
         try:

@@ -129,7 +129,10 @@ class ResumableStream:
         self.prompt_logprobs: list[TokenLogprob] | None = None
         self._asked = "logprobs" in self.options or "prompt_logprobs" in self.options
         self.finished: Finished | None = None
-        self.accepted = False  # a stream was opened: the daemon accepted the request
+        # A stream was opened: the daemon accepted the request. A caller that followed the
+        # request some other way (a Session) and hands it over sets it, with `tokens` and
+        # `broken_at`: the helper then Resumes it and never submits it again.
+        self.accepted = False
         self.resumes = 0  # Resume calls that succeeded
         self.broken_at: list[float] = []  # time.monotonic() of each break
         self.first_token_after_break: list[float] = []  # seconds, one per break that resumed
@@ -197,7 +200,7 @@ class ResumableStream:
         task.add_done_callback(_ABORTS.discard)
 
     async def _follow(self) -> AsyncIterator[list[int]]:
-        queued = False
+        queued = self.accepted  # set by a caller that hands over a request already accepted
         deadline = time.monotonic() + self.retry_for_s
         waiting_first = False
         while True:

@@ -20,6 +20,7 @@ from kvsched.client.types import (
     TokenLogprob,
     build_request,
     logprob_rows,
+    session_abort,
 )
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc, request_service_pb2_grpc
@@ -112,11 +113,12 @@ class Session:
         )
         return tag
 
-    def abort(self, request_id: str) -> None:
-        """Abort one of this session's requests; its `finished` comes in a later batch."""
+    def abort(self, request_id: str, *, stop: bool = False) -> None:
+        """Abort one of this session's requests; its `finished` comes in a later batch.
+        `stop`: the client found a stop condition of its own (it finishes with reason stop)."""
         if self._closed:
             raise Cancelled("session closed")
-        self._outbox.put(rpb.SessionRequest(abort=rpb.SessionRequest.Abort(request_id=request_id)))
+        self._outbox.put(rpb.SessionRequest(abort=session_abort(request_id, stop)))
 
     def __iter__(self) -> Iterator[SessionBatch]:
         try:

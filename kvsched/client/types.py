@@ -305,3 +305,10 @@ class ModelInfo:
     @classmethod
     def from_pb(cls, m: rpb.ListModelsResponse.Model) -> ModelInfo:
         return cls(m.name, m.max_model_len, m.vocab_size, m.ready_instances, m.parent, m.root)
+
+
+def session_abort(request_id: str, stop: bool = False) -> rpb.SessionRequest.Abort:
+    """A Session abort: reason STOP when the client ended the request at a stop condition of
+    its own (it then finishes with reason stop), else ABORT."""
+    reason = common_pb2.FINISH_REASON_STOP if stop else common_pb2.FINISH_REASON_UNSPECIFIED
+    return rpb.SessionRequest.Abort(request_id=request_id, reason=reason)

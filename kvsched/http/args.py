@@ -75,6 +75,14 @@ def add_http_parser(sub: Any) -> None:
         help="how long a request keeps trying the daemons when they are unreachable (default 10)",
     )
     p.add_argument(
+        "--sessions",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Session streams per daemon address (and bearer token) that requests are spread "
+        "over (default 1)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -115,6 +123,7 @@ def run_http(args: argparse.Namespace) -> int:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             retry_for_s=args.retry_for_s,
+            sessions=args.sessions,
         ),
     )
     try:

@@ -1,11 +1,12 @@
 """The daemons behind the front end, reached only through kvsched.client: one AsyncClient per
-`--server` address, a request submitted through the next one in turn and followed across
-broken streams and dead daemons by kvsched.client.resumable (Resume), each request carrying
-its caller's bearer token as gRPC metadata."""
+`--server` address; every request over a Session stream (kvsched.http.session: one per address
+and bearer token, requests submitted through the addresses in turn, the samples of one sample
+group through one address), followed across broken streams and dead daemons by Resume when it
+is detachable (several addresses), each stream carrying its caller's bearer token as gRPC
+metadata."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 import zlib
 from collections.abc import Sequence
@@ -14,9 +15,11 @@ from typing import Any
 import grpc
 
 from kvsched.client import AsyncClient, KvschedClientError, ModelInfo
-from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS, ResumableStream, resumable
+from kvsched.client.resumable import RESUMABLE_CHANNEL_OPTIONS
+from kvsched.http.session import RequestStream, SessionLink
 
 _MODELS_TTL_S = 5.0
+_MAX_LINKS = 256  # sessions kept open (one per address and token); idle ones closed beyond
 _REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
@@ -34,6 +37,7 @@ class Backend:
         tls_key: str = "",
         retry_for_s: float = 10.0,
         timeout_s: float | None = None,
+        sessions: int = 1,
     ) -> None:
         if not addresses:
             raise ValueError("at least one --server address is needed")
@@ -44,6 +48,12 @@ class Backend:
         self._tls = (tls_ca, tls_cert, tls_key)
         self._clients: list[AsyncClient] = []
         self._turn = 0
+        # Session streams per address and token, requests spread over them in turn (a
+        # stream's submits are written, and read by the daemon, one at a time; at c=64 on the
+        # sim, 4 streams gave no more than 1: bench.frontend_ab, BENCHMARKS 18).
+        self.sessions = max(1, sessions)
+        self._spread = 0
+        self._links: dict[tuple[int, str, int], SessionLink] = {}
         # ListModels answers by token (a cached answer never serves a caller the daemon
         # would refuse): token -> (when, models)
         self._models: dict[str, tuple[float, list[ModelInfo] | None]] = {}
@@ -64,11 +74,17 @@ class Backend:
         daemon is skipped by the resumable stream's failover); the samples of one sample
         group all start at one daemon (it computes their prompt once)."""
         clients = self._all()
-        if group:
-            turn = zlib.crc32(group.encode()) % len(clients)
-        else:
-            self._turn = turn = (self._turn + 1) % len(clients)
+        turn = self._next_turn(group)
         return clients[turn:] + clients[:turn]
+
+    def _next_turn(self, group: str) -> int:
+        """The index of the address a request starts at: the next in turn, or its sample
+        group's (the same for every sample of the group)."""
+        n = len(self._all())
+        if group:
+            return zlib.crc32(group.encode()) % n
+        self._turn = (self._turn + 1) % n
+        return self._turn
 
     def metadata(self, token: str | None) -> tuple[tuple[str, str], ...]:
         tok = token or self.token
@@ -76,28 +92,49 @@ class Backend:
 
     def submit(
         self, prompt: Sequence[int], options: dict[str, Any], token: str | None
-    ) -> ResumableStream:
-        """A request, not yet sent: iterating the stream submits it. With several daemons the
-        request is detachable, so a request forwarded to a peer survives the daemon this
+    ) -> RequestStream:
+        """A request, not yet sent: its first `next_batch()` submits it. With several daemons
+        the request is detachable, so a request forwarded to a peer survives the daemon this
         front end talks to (the front end aborts it explicitly when its caller goes). With one
         daemon it is not: a front end that dies (kill -9) takes its requests with it, the
-        daemon aborting each as its stream drops."""
+        daemon aborting each as its session drops."""
         options = {**options, "detachable": len(self.addresses) > 1}
-        return resumable(
-            self._rotation(options.get("sample_group", "")),
+        group = options.get("sample_group", "")
+        return RequestStream(
             prompt,
-            retry_for_s=self.retry_for_s,
-            metadata=self.metadata(token),
-            **options,
+            options,
+            self.metadata(token),
+            lambda s: self._place(s, token or self.token),
+            lambda: self._rotation(group),
+            self.retry_for_s,
         )
 
-    async def abort(self, stream: ResumableStream, token: str | None, stop: bool = False) -> None:
+    def _place(self, stream: RequestStream, token: str) -> SessionLink:
+        """Submit `stream` on the session of the next address in turn (opened if needed); a
+        sample of a sample group on the session of its group's address (see `_rotation`)."""
+        clients = self._all()
+        turn = self._next_turn(stream.options.get("sample_group", ""))
+        self._spread = (self._spread + 1) % self.sessions
+        key = (turn, token, self._spread)
+        link = self._links.get(key)
+        if link is None or link.dead:
+            if len(self._links) >= _MAX_LINKS:
+                self._close_idle()
+            link = SessionLink(clients[turn], stream.metadata)
+            self._links[key] = link
+        link.submit(stream)
+        return link
+
+    def _close_idle(self) -> None:
+        for key, link in list(self._links.items()):
+            if link.dead or not link.streams:
+                link.close()
+                del self._links[key]
+
+    async def abort(self, stream: RequestStream, token: str | None, stop: bool = False) -> None:
         """Abort the request wherever it runs (`stop`: it ended at a stop string, so it finishes
         with reason stop); a request already finished or unknown is fine."""
-        with contextlib.suppress(KvschedClientError):
-            await stream.client.abort(
-                stream.request_id, timeout=5.0, metadata=self.metadata(token), stop=stop
-            )
+        await stream.abort(stop)
 
     async def list_models(self, token: str | None) -> list[ModelInfo] | None:
         """The daemons' models (cached a few seconds per token), or None when no daemon
@@ -120,6 +157,9 @@ class Backend:
         return models
 
     async def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links = {}
         for c in self._clients:
             await c.close()
         self._clients = []

@@ -1,19 +1,18 @@
-"""One request's life in the front end: submitted through the backend, its token batches turned
-into text (incremental detokenization, stop strings), aborted in kvsched when a stop string is
-hit or the HTTP client goes, and its usage counted."""
+"""One request's life in the front end: submitted through the backend (over a Session stream),
+its token batches turned into text (incremental detokenization, stop strings), aborted in
+kvsched when a stop string is hit or the HTTP client goes, and its usage counted."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from kvsched.client import KvschedClientError
-from kvsched.client.resumable import ResumableStream
 from kvsched.http.backend import Backend
 from kvsched.http.errors import ApiError, from_client_error
 from kvsched.http.logprobs import ChoiceExtras
+from kvsched.http.session import RequestStream
 from kvsched.http.text import Detokenizer, StopStrings
 
 _DRAIN_AFTER_ABORT_S = 2.0
@@ -38,15 +37,10 @@ class Generation:
         self.token = token
         self.prompt_tokens = len(prompt)
         self._stop_ids = frozenset(options.get("stop_token_ids", ()))
-        self.stream: ResumableStream = backend.submit(prompt, options, token)
-        self._it = aiter(self.stream)
+        self.stream: RequestStream = backend.submit(prompt, options, token)
         self._detok = detok
         self._stops = StopStrings(stops)
         self._first: list[int] | None = None
-        self._buf: list[int] = []  # tokens read and not yet taken (see deltas)
-        self._ended = False  # the stream ended (finished or failed)
-        self._failed: Exception | None = None
-        self._waiter: asyncio.Future[None] | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
@@ -76,17 +70,15 @@ class Generation:
 
     async def start(self) -> None:
         try:
-            self._first = await anext(self._it)
-        except StopAsyncIteration:
-            self._first = []
+            self._first = await self.stream.next_batch() or []
         except KvschedClientError as exc:
             raise from_client_error(exc) from None
 
     async def deltas(self) -> AsyncIterator[str]:
         """The text as it comes, each piece once; ends when the request finished. Tokens are
-        read from kvsched by a task of their own: a caller that falls behind (its HTTP client,
-        or this process's CPU) gets every token that arrived meanwhile in one piece."""
-        pump = asyncio.get_running_loop().create_task(self._pump())
+        gathered by the request's stream as its session delivers them: a caller that falls
+        behind (its HTTP client, or this process's CPU) gets every token that arrived
+        meanwhile in one piece."""
         try:
             batch = self._first or []
             while True:
@@ -94,9 +86,9 @@ class Generation:
                 if piece:
                     yield piece
                 if self._stops.hit is not None:
-                    await self._stop_early(pump)
+                    await self._stop_early()
                     break
-                nxt = await self._next()
+                nxt = await self.stream.next_batch()
                 if nxt is None:
                     self._finish()
                     break
@@ -109,40 +101,8 @@ class Generation:
         except KvschedClientError as exc:  # the stream broke for good (resume gave up)
             self.finish_reason, self.message = "error", from_client_error(exc).message
         finally:
-            pump.cancel()
             if self.finish_reason is None:  # cancelled: the HTTP client went away
                 await self.abort()
-
-    async def _pump(self) -> None:
-        """Read the stream into the buffer until it ends (or fails: kept for `_next`)."""
-        try:
-            async for batch in self._it:
-                self._buf.extend(batch)
-                self._wake()
-        except Exception as exc:
-            self._failed = exc
-        finally:
-            self._ended = True
-            self._wake()
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def _next(self) -> list[int] | None:
-        """Every token read since the last call (waiting for one); None once the stream
-        ended; the stream's error, if it failed."""
-        while not self._buf and not self._ended:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        self._waiter = None
-        if self._buf:
-            batch, self._buf = self._buf, []
-            return batch
-        if self._failed is not None:
-            raise self._failed
-        return None
 
     def _take(self, batch: list[int]) -> str:
         """Feed tokens to the detokenizer one at a time, so that the tokens counted are those
@@ -164,14 +124,12 @@ class Generation:
         self.prompt_tokens = f.usage.prompt_tokens or self.prompt_tokens
         self.finish_reason, self.message = f.reason, f.message
 
-    async def _stop_early(self, pump: asyncio.Task[None]) -> None:
-        """A stop string ended the text: abort the request in kvsched, and let its stream be
-        read to the end for a moment so that it closes cleanly."""
+    async def _stop_early(self) -> None:
+        """A stop string ended the text: abort the request in kvsched, and wait a moment for
+        its finished record (its cached tokens)."""
         await self.abort(stop=True)
         self.finish_reason = "stop"
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(_DRAIN_AFTER_ABORT_S):
-                await asyncio.shield(pump)
+        await self.stream.wait_ended(_DRAIN_AFTER_ABORT_S)
         if self.stream.finished is not None:
             self.cached_tokens = self.stream.finished.usage.cached_tokens
 

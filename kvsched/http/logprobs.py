@@ -226,7 +226,7 @@ class ChoiceExtras:
     """What one choice's answer carries besides its text, made only for a request that asked:
     log-probabilities (`k` alternatives per output token, `prompt_k` for the prompt's; chat
     shapes them as chat does), echo (`echo_text`, completions), token ids (`return_ids`:
-    streamed too). `stream` is the Generation's ResumableStream (its `tokens`, `logprobs`,
+    streamed too). `stream` is the Generation's RequestStream (its `tokens`, `logprobs`,
     `prompt_logprobs`)."""
 
     def __init__(

@@ -403,15 +403,22 @@ class SessionRequest(_message.Message):
         DESCRIPTOR: _descriptor.Descriptor
 
         REQUEST_ID_FIELD_NUMBER: _builtins.int
+        REASON_FIELD_NUMBER: _builtins.int
         request_id: _builtins.str
+        reason: _common_pb2.FinishReason.ValueType
+        """How it ends, as AbortRequest.reason: UNSPECIFIED or ABORT, or STOP (the client found a
+        stop condition of its own, e.g. a front end's stop string); others are refused in
+        `errors` (INVALID_ARGUMENT).
+        """
         def __init__(
             self,
             *,
             request_id: _builtins.str = ...,
+            reason: _common_pb2.FinishReason.ValueType = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -315,7 +315,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                             )
                         )
                     else:
-                        self.requests.abort_tracked(tr, "aborted by client")
+                        self._abort_in_session(tr, msg.abort, sink)
                 else:
                     sink.errors.append(
                         pb.SessionResponse.Error(
@@ -329,6 +329,21 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         finally:
             sink.client_done = True
             sink.event.set()
+
+    def _abort_in_session(
+        self, tr: Tracked, abort: pb.SessionRequest.Abort, sink: SessionSink
+    ) -> None:
+        try:
+            reason, message = _abort_reason(abort.reason)
+        except InvalidRequest as exc:
+            code, text = status_for(exc)
+            sink.errors.append(
+                pb.SessionResponse.Error(
+                    request_id=abort.request_id, code=code.value[0], message=text
+                )
+            )
+            return
+        self.requests.abort_tracked(tr, message, reason)
 
     def _submit(
         self,
