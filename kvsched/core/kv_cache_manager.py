@@ -39,8 +39,13 @@ def reads_prompt(req: Request) -> bool:
     """Whether req's sampling reads its prompt's token ids (a repetition penalty does, as in
     vLLM): the worker learns a prompt's tokens only from the chunks it computes, so such a
     request takes no prefix hit and sends its whole prompt (correct, at the cost of the
-    recompute). Its blocks are still cached for others."""
-    return req.sampling.repetition_penalty != 1.0
+    recompute). Its blocks are still cached for others. So does a structured-output request
+    placed again after outputs: a worker that must rebuild its grammar replays those outputs
+    (the prompt's end) into it."""
+    sp = req.sampling
+    return sp.repetition_penalty != 1.0 or (
+        sp.structured is not None and bool(req.output_token_ids)
+    )
 
 
 class KVCacheManager:

@@ -115,6 +115,7 @@ class Hello(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     STORAGE_BACKENDS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """The instance (model replica) this worker is a rank of; the same for all its ranks."""
     rank: _builtins.int
@@ -151,6 +152,10 @@ class Hello(_message.Message):
     """Token ids this rank's model accepts are 0..vocab_size-1; 0 = not announced (unchecked).
     The daemon refuses, before queueing, a prompt or stop token id outside it.
     """
+    structured_outputs: _builtins.bool
+    """The worker applies SamplingParams.structured_output (the vLLM worker, through vLLM's
+    structured-output backend); false: the daemon places no such request on this instance.
+    """
     @_builtins.property
     def storage_backends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Shared storage tiers this rank can reach (e.g. "mooncake"); empty: none (see step 13)."""
@@ -172,10 +177,11 @@ class Hello(_message.Message):
         max_model_len: _builtins.int = ...,
         vocab_size: _builtins.int = ...,
         storage_backends: _abc.Iterable[_builtins.str] | None = ...,
+        structured_outputs: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "storage_backends", b"storage_backends", "vocab_size", b"vocab_size", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "storage_backends", b"storage_backends", "structured_outputs", b"structured_outputs", "vocab_size", b"vocab_size", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

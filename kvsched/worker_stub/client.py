@@ -59,6 +59,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
     max_model_len = getattr(args, "max_model_len", 0)
     if max_model_len < 0:
         raise ValueError(f"--max-model-len must be >= 0, got {max_model_len}")
+    structured_outputs = False  # Hello.structured_outputs: only vLLM's backend applies grammars
     if args.executor == "sim":
         vocab_size = getattr(args, "vocab_size", SIM_VOCAB_SIZE)  # announced in Hello too
         if not args.num_blocks:  # the --gpu profile's KV memory, as `replay --embedded` gives
@@ -91,6 +92,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         factory, facts = vllm_factory_from_args(args)
         vocab_size = facts.vocab_size
         max_model_len = facts.max_model_len
+        structured_outputs = facts.structured_outputs
         args.num_blocks, args.block_size = facts.num_blocks, facts.block_size
         args.served_model_name = getattr(args, "served_model_name", "") or facts.model_name
     elif args.executor == "model":
@@ -126,6 +128,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         model=getattr(args, "served_model_name", ""),
         max_model_len=max_model_len,
         vocab_size=vocab_size,
+        structured_outputs=structured_outputs,
         channel_credentials=credentials,
         metadata=(("authorization", f"Bearer {args.token}"),) if args.token else (),
         kv_listen=args.listen_kv or None,

@@ -70,6 +70,7 @@ class Worker(StepLoop):
         model: str = "",
         max_model_len: int = 0,
         vocab_size: int = 0,
+        structured_outputs: bool = False,
         executor_name: str = "sim",
         channel_credentials: grpc.ChannelCredentials | None = None,
         metadata: Sequence[tuple[str, str]] = (),
@@ -118,6 +119,7 @@ class Worker(StepLoop):
         self.model = model  # "": the daemon's configured model
         self.max_model_len = max_model_len  # announced limits (0: not announced)
         self.vocab_size = vocab_size
+        self.structured_outputs = structured_outputs  # the executor applies grammars
         self.executor_name = executor_name
         # Hello.storage_backends (step 13); None: what this executor can reach
         self.storage_backends = list(
@@ -271,6 +273,7 @@ class Worker(StepLoop):
             worker_address=self.kv.address or "",
             executor=self.executor_name,
             storage_backends=self.storage_backends,
+            structured_outputs=self.structured_outputs,
         )
 
     async def _serve_steps(self, inbox: asyncio.Queue[InboxItem], outbox: Outbox) -> None:

@@ -19,6 +19,7 @@ class AnnouncedFacts:
     max_model_len: int
     vocab_size: int
     model_name: str
+    structured_outputs: bool  # a tokenizer to compile grammars against
 
 
 def vllm_factory_from_args(args: argparse.Namespace) -> tuple[EngineFactory, AnnouncedFacts]:
@@ -56,5 +57,7 @@ def vllm_factory_from_args(args: argparse.Namespace) -> tuple[EngineFactory, Ann
     )
     f = engine.facts
     name = os.path.basename(os.path.normpath(model))
-    facts = AnnouncedFacts(f.num_blocks, f.block_size, f.max_model_len, f.vocab_size, name)
+    facts = AnnouncedFacts(
+        f.num_blocks, f.block_size, f.max_model_len, f.vocab_size, name, f.eos_token_id is not None
+    )
     return vllm_engine_factory(engine, args.num_slots), facts

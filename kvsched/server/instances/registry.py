@@ -147,6 +147,7 @@ class InstanceRegistry:
                 hello.vocab_size,
                 self.config.model,
                 eng.engine_config.scheduler.max_model_len,
+                hello.structured_outputs,
             )
         if not eng.ranks and self.fencing_epoch is not None:  # its ranks share the epoch
             eng.fencing_epoch = self.fencing_epoch(hello.instance_id)
