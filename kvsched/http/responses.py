@@ -78,9 +78,12 @@ class Shape:
     def _choice(self, index: int, gen: Generation, text: str) -> dict[str, Any]:
         if self.chat and self.tools is not None:
             content, calls = self.tools.parse(text)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:  # (vLLM leaves an empty list out)
+                message["tool_calls"] = calls
             choice: dict[str, Any] = {
                 "index": index,
-                "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": self.tools.finish_reason(calls, gen.finish_reason),
                 "stop_reason": gen.stop_reason,

@@ -232,7 +232,7 @@ class ChatCompletionRequest(SamplingFields):
         """A required or named tool call's schema overrides response_format (as vLLM's)."""
         mode = self._mode
         if self.tools and mode is not None:
-            forced = tool_constraint(self.tools, mode)
+            forced = tool_constraint(self.tools, mode, self.parallel_tool_calls)
             if forced is not None:
                 return forced
         return super().constraint()

@@ -111,7 +111,7 @@ def response_constraint(
 
 # ---- tools ------------------------------------------------------------------------------------
 
-ToolChoice = Literal["none", "auto", "required"] | dict[str, Any] | None
+ToolChoice = str | dict[str, Any] | None  # "none" / "auto" / "required" / a named function
 
 
 def tool_mode(tools: list[Tool] | None, choice: ToolChoice, auto_enabled: bool) -> str | None:
@@ -129,6 +129,12 @@ def tool_mode(tools: list[Tool] | None, choice: ToolChoice, auto_enabled: bool) 
         return "none" if tools else None
     if not tools:
         raise invalid("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if isinstance(choice, str) and choice not in ("auto", "required"):
+        raise invalid(
+            f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or '
+            '"required" are supported.',
+            "tool_choice",
+        )
     if isinstance(choice, dict):
         function = choice.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -156,9 +162,11 @@ def _params(params: dict[str, Any] | None) -> dict[str, Any]:
     return params if params else {"type": "object", "properties": {}}
 
 
-def tool_constraint(tools: list[Tool], mode: str) -> dict[str, Any] | None:
+def tool_constraint(
+    tools: list[Tool], mode: str, parallel_tool_calls: bool | None = None
+) -> dict[str, Any] | None:
     """The JSON schema a required or named call is held to (vLLM's get_json_schema_from_tools
-    for chat requests), else None."""
+    for chat requests: `parallel_tool_calls` false allows one call), else None."""
     if mode in ("none", "auto"):
         return None
     if mode != "required":
@@ -179,6 +187,8 @@ def tool_constraint(tools: list[Tool], mode: str) -> dict[str, Any] | None:
         "minItems": 1,
         "items": {"type": "object", "anyOf": items},
     }
+    if parallel_tool_calls is False:
+        schema["maxItems"] = 1
     defs: dict[str, Any] = {}
     for t in tools:
         defs.update((t.function.parameters or {}).get("$defs") or {})
