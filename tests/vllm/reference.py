@@ -1,7 +1,8 @@
 """vLLM's own `LLM.generate` on the same requests, in a process of its own (the proof test's
 reference): `python -m tests.vllm.reference IN.json OUT.json`.
 
-IN: {"model": DIR, "requests": [{"prompt": [...], "params": {...}}], "gaps": [...]}. OUT: each
+IN: {"model": DIR, "requests": [{"prompt": [...], "params": {...}}], "gaps": [...],
+"tokenizer": bool (load the model's tokenizer: structured output needs it)}. OUT: each
 request's output token ids; for each entry of "gaps" ({"prompt": prompt + the common output
 prefix, "tokens": [a, b]}) the two tokens' logprobs at the next position (raw logits:
 the logprob gap equals the logit gap) and the top token's.
@@ -11,6 +12,17 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
+
+
+def _params(cls: Any, params: dict[str, Any]) -> Any:
+    """vLLM's SamplingParams; a "structured_outputs" dict becomes StructuredOutputsParams."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = dict(params)
+    if "structured_outputs" in params:
+        params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
+    return cls(detokenize=False, **params)
 
 
 def main(path_in: str, path_out: str) -> None:
@@ -25,7 +37,7 @@ def main(path_in: str, path_out: str) -> None:
         max_model_len=1024,
         block_size=32,
         enforce_eager=True,
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not job.get("tokenizer"),  # structured output needs it
         max_logprobs=vocab,
         # Whole prompts in one step: vLLM CPU's own chunked prefill fails on a seeded request
         # ("CPU Generator does not use offset" when it rewinds the generator of a partial one).
@@ -34,7 +46,7 @@ def main(path_in: str, path_out: str) -> None:
     )
     out: dict[str, object] = {}
     if job.get("requests"):
-        params = [SamplingParams(detokenize=False, **r["params"]) for r in job["requests"]]
+        params = [_params(SamplingParams, r["params"]) for r in job["requests"]]
         prompts = [{"prompt_token_ids": r["prompt"]} for r in job["requests"]]
         results = llm.generate(prompts, params, use_tqdm=False)
         out["outputs"] = [list(r.outputs[0].token_ids) for r in results]

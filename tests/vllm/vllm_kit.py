@@ -15,12 +15,16 @@ from tests.integration.harness import REPO, Proc, child_env, start_daemon
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def reference_outputs(model: Path, reqs: list[dict[str, Any]], tmp: Path) -> list[list[int]]:
-    """vLLM's own output token ids for each {"prompt", "params"}."""
+def reference_outputs(
+    model: Path, reqs: list[dict[str, Any]], tmp: Path, tokenizer: bool = False
+) -> list[list[int]]:
+    """vLLM's own output token ids for each {"prompt", "params"} (`tokenizer`: load the
+    model's tokenizer, which structured outputs need)."""
     path_in, path_out = tmp / "ref_in.json", tmp / "ref_out.json"
     job = {
         "model": str(model),
         "requests": [{"prompt": r["prompt"], "params": r["params"]} for r in reqs],
+        "tokenizer": tokenizer,
     }
     path_in.write_text(json.dumps(job))
     proc = subprocess.run(
