@@ -27,14 +27,14 @@ from tests.vllm.vllm_kit import reference_outputs, vllm_worker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-NUM_BLOCKS = 14  # x 32 tokens; 10 requests of ~70 + up to 90 tokens: preemptions
+NUM_BLOCKS = 34  # x 32 tokens (max_model_len 1024 must fit); 14 requests of ~5 blocks each
 REGEXES = ["[a-z]{40,60}", "([0-9]{2}-){20,28}[0-9]{2}", "(ab|cd|ef){25,35}"]
 CHOICES = ["alpha", "beta", "gamma delta"]
 
 
 def _requests(tok: Any) -> list[dict[str, Any]]:
     reqs = []
-    for i in range(10):
+    for i in range(14):
         text = f"Request {i}: the scheduler keeps its grammar while it waits. " * 4
         prompt = tok(text).input_ids[: 60 + i]
         so = {"choice": CHOICES} if i % 4 == 3 else {"regex": REGEXES[i % 3]}
@@ -85,6 +85,7 @@ def test_structured_requests_preempted_mid_grammar_give_vllms_tokens(
     finally:
         worker.stop()
         daemon.stop()
+        print("\n--- worker output (tail) ---\n" + "\n".join(worker.lines[-15:]))
     ref = reference_outputs(model, reqs, tmp_path, tokenizer=True)
     print(f"\nstructured under preemption: {st.num_preemptions} preemptions")
     for r, (have, reason), want in zip(reqs, got, ref, strict=True):
