@@ -102,7 +102,9 @@ class RequestServiceStub:
     (0, 1], ...); prompt + max_tokens over the model's
     max_model_len; a token id outside its vocabulary; a
     request_id a live request holds; `model` empty while
-    several models are served and the configured one is not
+    several models are served and the configured one is not;
+    a structured_output whose syntax is wrong, or that no
+    instance of the model can apply (Hello.structured_outputs)
     NOT_FOUND *         `model` names a model no instance serves
     RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
     ttft_deadline_ms cannot be met (fairness.shed = "shed")
@@ -239,7 +241,9 @@ class RequestServiceServicer:
     (0, 1], ...); prompt + max_tokens over the model's
     max_model_len; a token id outside its vocabulary; a
     request_id a live request holds; `model` empty while
-    several models are served and the configured one is not
+    several models are served and the configured one is not;
+    a structured_output whose syntax is wrong, or that no
+    instance of the model can apply (Hello.structured_outputs)
     NOT_FOUND *         `model` names a model no instance serves
     RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
     ttft_deadline_ms cannot be met (fairness.shed = "shed")
@@ -415,7 +419,9 @@ class RequestService:
     (0, 1], ...); prompt + max_tokens over the model's
     max_model_len; a token id outside its vocabulary; a
     request_id a live request holds; `model` empty while
-    several models are served and the configured one is not
+    several models are served and the configured one is not;
+    a structured_output whose syntax is wrong, or that no
+    instance of the model can apply (Hello.structured_outputs)
     NOT_FOUND *         `model` names a model no instance serves
     RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
     ttft_deadline_ms cannot be met (fairness.shed = "shed")
