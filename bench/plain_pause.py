@@ -9,7 +9,8 @@ every daemon, streams round robin over the daemons); this adds the scale and the
 Per run: streams exact (tokens and usage as an uninterrupted run), fault -> next token p50/p99
 over every stream running at the fault, how many stalled (>= 1 s), how many got their next
 token only after SIGCONT, convergence after SIGCONT (every instance at the one daemon its lease
-names: no split), and the timeline of each stream past the target. Targets: stop, p99 <=
+names: no split), and the timeline of each stream past the target; a run past the target keeps
+the daemons' logs in a temporary folder (its path: `logs` in the run's figures). Targets: stop, p99 <=
 TTL + 1 s; kill, p99 <= 1.0 s.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,11 @@ def one(fault: str, streams: int, tokens: int, pause_s: float, ttl_s: float, see
         "converged_s": round(out.converged_s, 2),
         "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
     }
+    if not fig["met"]:  # the daemons' whole logs, to find where the time went
+        keep = Path(tempfile.mkdtemp(prefix=f"plain_pause_{fault}_{seed}_"))
+        for did, text in out.outputs.items():
+            (keep / f"{did}.log").write_text(text)
+        fig["logs"] = str(keep)
     print(json.dumps(fig))
     print(out.events())
     worst = max(running, key=lambda i: stalls[i] or 1e9)

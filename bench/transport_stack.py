@@ -96,7 +96,10 @@ class Stack:
         if self.sink is not None:
             self.sink.stop()
         time.sleep(0.2)  # let the pump threads take the last lines
-        if m := last_match(self.worker, r"worker stats: (\d+) steps, (\d+) tokens, (\d+) paused"):
+        if m := last_match(
+            self.worker,
+            r"worker stats: (\d+) steps, (\d+) tokens, \d+ prompt tokens computed, (\d+) paused",
+        ):
             out["worker_paused_rows"] = int(m.group(3))
             steps, tokens = int(m.group(1)), int(m.group(2))
             out["worker_tokens_per_step"] = round(tokens / steps, 1) if steps else 0.0

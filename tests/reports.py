@@ -12,6 +12,6 @@ def listed(report: StepReport) -> StepReport:
     cols = {
         f.name: [int(v) for v in getattr(report, f.name)]
         for f in dataclasses.fields(report)
-        if f.name not in ("step", "applied_seq", "step_time_ns")
+        if f.name not in ("step", "applied_seq", "step_time_ns", "logprobs", "prompt_logprobs")
     }
     return dataclasses.replace(report, **cols)

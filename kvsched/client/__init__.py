@@ -36,7 +36,9 @@ from kvsched.client.types import (
     SessionBatch,
     SessionError,
     Timings,
+    TokenLogprob,
     Usage,
+    logprob_rows,
 )
 
 __all__ = [
@@ -62,7 +64,9 @@ __all__ = [
     "SessionBatch",
     "SessionError",
     "Timings",
+    "TokenLogprob",
     "Unauthenticated",
     "Unavailable",
     "Usage",
+    "logprob_rows",
 ]

@@ -18,7 +18,9 @@ from kvsched.client.types import (
     ModelInfo,
     RequestOptions,
     SessionBatch,
+    TokenLogprob,
     build_request,
+    logprob_rows,
 )
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
@@ -35,13 +37,20 @@ class AsyncGenerateStream:
         self.request_id: str = queued.request_id
         self.instance: str = queued.instance
         self.finished: Finished | None = None
+        # Only for a request that asked (`logprobs` / `prompt_logprobs` options): the rows of the
+        # batch just yielded, one per token, and the prompt's rows once they came.
+        self.last_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] | None = None
 
     async def __aiter__(self) -> AsyncIterator[list[int]]:
         try:
             while (msg := await self._call.read()) is not grpc.aio.EOF:
                 kind = msg.WhichOneof("kind")
                 if kind == "tokens":
-                    yield list(msg.tokens.token_ids)
+                    t = msg.tokens
+                    if t.HasField("logprobs") or t.HasField("prompt_logprobs"):
+                        self._logprobs(t)
+                    yield list(t.token_ids)
                 elif kind == "finished":
                     if self.finished is not None:  # the contract says exactly one
                         raise KvschedClientError(
@@ -52,6 +61,11 @@ class AsyncGenerateStream:
             raise from_rpc_error(exc, self.request_id) from None
         if self.finished is None:
             raise KvschedClientError("stream ended without finished", request_id=self.request_id)
+
+    def _logprobs(self, t: rpb.GenerateResponse.Tokens) -> None:
+        self.last_logprobs = logprob_rows(t.logprobs)
+        if t.HasField("prompt_logprobs") and self.prompt_logprobs is None:
+            self.prompt_logprobs = logprob_rows(t.prompt_logprobs)
 
     async def tokens(self) -> list[int]:
         """Read the stream to its end; every token, in order."""

@@ -57,7 +57,7 @@ from typing import Unpack
 
 from kvsched.client.aio import AsyncClient, AsyncGenerateStream
 from kvsched.client.errors import AlreadyLive, Cancelled, NoAnswer, NotFound, Unavailable
-from kvsched.client.types import Finished, RequestOptions
+from kvsched.client.types import Finished, RequestOptions, TokenLogprob
 
 ATTEMPT_TIMEOUT_S = 2.0  # default bound on a Generate/Resume attempt's first answer
 KEEPALIVE_S = 5.0  # a kvsched daemon refuses pings more often than every 5 s (no data)
@@ -123,6 +123,11 @@ class ResumableStream:
         self.unanswered = 0  # attempts abandoned for want of a first answer (NoAnswer)
         self.last_error: Exception | None = None  # what ended the last stream or attempt
         self.tokens: list[int] = []
+        # Only for a request that asked (options `logprobs` / `prompt_logprobs`): one row per
+        # token of `tokens`, and the prompt's rows.
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        self._asked = "logprobs" in self.options or "prompt_logprobs" in self.options
         self.finished: Finished | None = None
         self.accepted = False  # a stream was opened: the daemon accepted the request
         self.resumes = 0  # Resume calls that succeeded
@@ -204,6 +209,8 @@ class ResumableStream:
                         self.first_token_after_break.append(time.monotonic() - self.broken_at[-1])
                         waiting_first = False
                     self.tokens.extend(batch)
+                    if self._asked:  # (only a request that asked for log-probabilities)
+                        self._logprobs(stream, len(batch))
                     yield batch
                 self.finished = stream.finished
                 return
@@ -222,6 +229,17 @@ class ResumableStream:
                     (self.clients.index(self.client) + 1) % len(self.clients)
                 ]
                 await asyncio.sleep(self.backoff_s)
+
+    def _logprobs(self, stream: AsyncGenerateStream, n: int) -> None:
+        """The rows of the batch just read (a resumed stream's rows follow on; a batch that
+        came without them gets unknown rows, rank 0)."""
+        rows = stream.last_logprobs if "logprobs" in self.options else []
+        if len(rows) != n:
+            rows = (rows + [TokenLogprob(0.0, 0, [], [])] * n)[:n]
+        self.logprobs.extend(rows)
+        stream.last_logprobs = []
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = stream.prompt_logprobs
 
     async def read_all(self) -> list[int]:
         async for _ in self:

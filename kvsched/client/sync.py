@@ -17,7 +17,9 @@ from kvsched.client.types import (
     ModelInfo,
     RequestOptions,
     SessionBatch,
+    TokenLogprob,
     build_request,
+    logprob_rows,
 )
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc, request_service_pb2_grpc
@@ -35,13 +37,22 @@ class GenerateStream:
         self.request_id: str = queued.request_id
         self.instance: str = queued.instance
         self.finished: Finished | None = None
+        # Only for a request that asked (`logprobs` / `prompt_logprobs` options): the rows of the
+        # batch just yielded, one per token, and the prompt's rows once they came.
+        self.last_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] | None = None
 
     def __iter__(self) -> Iterator[list[int]]:
         try:
             for msg in self._call:
                 kind = msg.WhichOneof("kind")
                 if kind == "tokens":
-                    yield list(msg.tokens.token_ids)
+                    t = msg.tokens
+                    if t.HasField("logprobs") or t.HasField("prompt_logprobs"):
+                        self.last_logprobs = logprob_rows(t.logprobs)
+                        if t.HasField("prompt_logprobs") and self.prompt_logprobs is None:
+                            self.prompt_logprobs = logprob_rows(t.prompt_logprobs)
+                    yield list(t.token_ids)
                 elif kind == "finished":
                     if self.finished is not None:  # the contract says exactly one
                         raise KvschedClientError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import NamedTuple, TypedDict
 
 from kvsched.client.errors import InvalidArgument, KvschedClientError, error_for
 from kvsched.v1 import common_pb2
@@ -42,6 +42,8 @@ class RequestOptions(TypedDict, total=False):
     # (a dict or its JSON text)}, {"json_object": True}, {"regex": str}, {"choice": [str]},
     # {"grammar": str}
     structured_output: Mapping[str, object]
+    logprobs: int  # each output token's log-probability and this many top alternatives
+    prompt_logprobs: int  # the same for the prompt's tokens (after the first)
     priority: int
     lora_name: str
     cache_salt: str
@@ -49,6 +51,7 @@ class RequestOptions(TypedDict, total=False):
     detachable: bool
     ttft_deadline_ms: int  # time to first token asked for, ms after arrival; 0: none
     tenant: str  # who the request is served for (fair shares between tenants)
+    sample_group: str  # samples of one prompt, computed once (GenerateRequest.sample_group)
 
 
 _SAMPLING = (
@@ -63,6 +66,8 @@ _SAMPLING = (
     "frequency_penalty",
     "repetition_penalty",
     "min_p",
+    "logprobs",
+    "prompt_logprobs",
 )
 _REQUEST = (
     "request_id",
@@ -73,6 +78,7 @@ _REQUEST = (
     "detachable",
     "ttft_deadline_ms",
     "tenant",
+    "sample_group",
 )
 
 
@@ -165,6 +171,26 @@ def _put_list(field: object, key: str, values: Sequence[int]) -> None:
 def _why(exc: Exception) -> str:
     text = str(exc).strip() or type(exc).__name__
     return "out of range for its field" if "out of range" in text.lower() else text
+
+
+class TokenLogprob(NamedTuple):
+    """One token's log-probability (natural log) and rank (1 = most likely; 0 = not known: a
+    token recovered without it), and the top alternatives, most likely first."""
+
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+def logprob_rows(pb: common_pb2.TokenLogprobs) -> list[TokenLogprob]:
+    """The rows of a TokenLogprobs message."""
+    out, k = [], 0
+    ids, lps = pb.top_token_ids, pb.top_logprobs
+    for lp, rank, n in zip(pb.logprobs, pb.ranks, pb.num_top, strict=True):
+        out.append(TokenLogprob(lp, rank, list(ids[k : k + n]), list(lps[k : k + n])))
+        k += n
+    return out
 
 
 @dataclass(frozen=True)
@@ -261,6 +287,23 @@ class SessionBatch:
         for rid, n in zip(t.request_ids, t.num_tokens, strict=True):
             out[rid] = list(ids[pos : pos + n])
             pos += n
+        return out
+
+    @property
+    def logprobs(self) -> dict[str, tuple[list[TokenLogprob], list[TokenLogprob]]]:
+        """Request id -> (the rows of its new tokens, its prompt's rows: with its first tokens
+        only, else empty), for the requests of this batch that asked for log-probabilities."""
+        t = self.raw.tokens
+        if not len(t.num_logprobs) and not len(t.num_prompt_logprobs):
+            return {}
+        rows, prompt = logprob_rows(t.logprobs), logprob_rows(t.prompt_logprobs)
+        n_rows = list(t.num_logprobs) or [0] * len(t.request_ids)
+        n_prompt = list(t.num_prompt_logprobs) or [0] * len(t.request_ids)
+        out, i, j = {}, 0, 0
+        for rid, n, m in zip(t.request_ids, n_rows, n_prompt, strict=True):
+            if n or m:
+                out[rid] = (rows[i : i + n], prompt[j : j + m])
+            i, j = i + n, j + m
         return out
 
     @property

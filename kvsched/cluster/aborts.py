@@ -9,6 +9,8 @@ import contextlib
 import json
 from typing import TYPE_CHECKING, Any
 
+from kvsched.core.protocol import FinishReason
+
 if TYPE_CHECKING:
     from kvsched.cluster.link import ClusterLink
     from kvsched.server.requests.table import RequestTable
@@ -34,11 +36,21 @@ class AbortBus:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def ask(self, request_id: str, owner: str | None) -> bool:
-        """Ask every daemon to abort `request_id` (True: one of them tracked it)."""
+    async def ask(
+        self, request_id: str, owner: str | None, reason: FinishReason = FinishReason.ABORT
+    ) -> bool:
+        """Ask every daemon to abort `request_id` (True: one of them tracked it), ending it with
+        `reason` (ABORT or STOP: its client's own stop condition, counted as a stop)."""
         if not self.link.nc.is_connected:
             return False
-        body = json.dumps({"request_id": request_id, "owner": owner, "from": self.daemon_id})
+        body = json.dumps(
+            {
+                "request_id": request_id,
+                "owner": owner,
+                "from": self.daemon_id,
+                "reason": int(reason),
+            }
+        )
         try:
             await self.link.nc.request(ABORT_SUBJECT, body.encode(), timeout=1.0)
         except Exception:  # no daemon answered: nobody tracks it
@@ -56,6 +68,10 @@ class AbortBus:
         tr = self.requests.tracked.get(rid)
         if tr is None or (owner is not None and tr.owner != owner):
             return  # not ours: stay silent (the asker times out when nobody has it)
-        self.requests.abort_tracked(tr, f"aborted by client (through daemon {d.get('from')})")
+        via = f"through daemon {d.get('from')}"
+        if d.get("reason") == FinishReason.STOP:  # (an asker before the field: an abort)
+            self.requests.abort_tracked(tr, f"stopped by client ({via})", FinishReason.STOP)
+        else:
+            self.requests.abort_tracked(tr, f"aborted by client ({via})")
         with contextlib.suppress(Exception):
             await msg.respond(b"ok")

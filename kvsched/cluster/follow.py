@@ -58,7 +58,10 @@ class Follower:
     def take(
         self, tr: Tracked, out: rpb.GenerateResponse | rpb.RequestServiceResumeResponse
     ) -> bool:
-        """One output of the peer's stream into the local request; True at its Finished."""
+        """One output of the peer's stream into the local request; True at its Finished (or
+        once it ended here: a stopped request's relay reads on until its peer is told)."""
+        if tr.finished:
+            return True
         req = tr.req
         kind = out.WhichOneof("kind")
         if kind == "tokens":

@@ -46,8 +46,9 @@ from kvsched.cluster.peer_rpc import (
     live_there,
 )
 from kvsched.cluster.routing import RemoteInstance
-from kvsched.core import KvschedError
+from kvsched.core import FinishReason, KvschedError
 from kvsched.server.requests.record import Parked, RemotePeer
+from kvsched.v1 import common_pb2
 from kvsched.v1 import request_service_pb2 as rpb
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ class Forwarder:
         # Relays whose peer has not accepted the request yet (by request id): the Generate
         # that forwarded it waits on this before its client is told `queued` (`confirmed`).
         self._unconfirmed: dict[str, asyncio.Future[None]] = {}
+        self._stops: set[asyncio.Task[None]] = set()  # STOP aborts on their way to peers
 
     def use_journal(self, durable: Durability) -> None:
         """Record requests in this daemon's journal (refused by a peer, or parked here)."""
@@ -348,7 +350,29 @@ class Forwarder:
         cancellation tells it)."""
         loc = tr.location
         if type(loc) is RemotePeer and loc.relay is not None:
-            loc.relay.cancel()
+            if tr.req.finish_reason == FinishReason.STOP:  # its client's own stop (a stop string)
+                self._stop_there(tr, loc.instance.address, loc.relay)
+            else:
+                loc.relay.cancel()
+
+    def _stop_there(self, tr: Tracked, address: str, relay: asyncio.Task[None]) -> None:
+        """End a relayed request at its peer as stopped (Abort with reason STOP, as its client
+        asked here), not as an abort (what the relay's cancellation alone would say); the
+        relay ends once the peer has been told (or could not be, within 5 s)."""
+        md = [(FORWARDED_BY, self.daemon_id), (FORWARD_OWNER, tr.owner), *self.stubs.auth()]
+        msg = rpb.AbortRequest(request_id=tr.req.req_id, reason=common_pb2.FINISH_REASON_STOP)
+
+        async def stop() -> None:
+            try:
+                await self.stubs.stub(address).Abort(msg, metadata=md, timeout=5.0)
+            except grpc.aio.AioRpcError as exc:
+                log.info("stop of %s at %s: %s", tr.req.req_id, address, exc.code().name)
+            finally:
+                relay.cancel()
+
+        task = asyncio.get_running_loop().create_task(stop(), name=f"stop-{tr.req.req_id}")
+        self._stops.add(task)
+        task.add_done_callback(self._stops.discard)
 
     async def resume(
         self, address: str, msg: rpb.RequestServiceResumeRequest, owner: str

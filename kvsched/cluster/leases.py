@@ -73,6 +73,7 @@ class Leases:
         self._watch: asyncio.Task[None] | None = None
         self._restart = asyncio.Event()
         self.num_watchers = 0  # watchers replaced (one per NATS reconnect)
+        self._waiters: list[asyncio.Event] = []  # `changed` callers, woken at the next change
         link.on_reconnect.append(self._restart_watcher)
 
     async def start(self) -> None:
@@ -202,11 +203,30 @@ class Leases:
         self._cache.pop(instance_id, None)
         return True
 
+    async def changed(self, timeout_s: float) -> None:
+        """Return once the cache changed (a lease taken, moved or released, as this daemon's
+        watcher or its own calls saw it), or after `timeout_s`."""
+        ev = asyncio.Event()
+        self._waiters.append(ev)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), timeout_s)
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(ev)
+
     # ---- the watcher ------------------------------------------------------------------------
     def _note(self, lease: Lease) -> None:
         have = self._cache.get(lease.instance_id)
         if have is None or have.revision <= lease.revision:
+            if have is None or have.owner != lease.owner:
+                self._wake()
             self._cache[lease.instance_id] = lease
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for ev in waiters:
+            ev.set()
 
     def _restart_watcher(self) -> None:
         """After a NATS reconnect: a new watcher (the old one's ordered consumer may be gone
@@ -241,6 +261,7 @@ class Leases:
                         have = self._cache.get(entry.key)
                         if have is not None and have.revision <= (entry.revision or 0):
                             del self._cache[entry.key]
+                            self._wake()
                     else:
                         self._note(Lease(entry.key, entry.value.decode(), entry.revision or 0))
             except asyncio.CancelledError:

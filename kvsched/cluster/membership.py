@@ -21,8 +21,9 @@ Public API (`takeover.py` follows the departures):
     await m.stop()                    # stop the loop; the entry says `leaving`
 
 Departures are found by polling the bucket every `poll_s` (min(ttl_s / 4, 0.5 s); JetStream does
-not notify watchers of an entry removed by TTL), so a daemon learns of a peer's expiry at most
-`ttl_s + poll_s` after its last refresh. The poll lists the bucket's keys from its stream's
+not notify watchers of an entry removed by TTL), and in between by reading its key list alone
+every `EXPIRY_CHECK_S` (0.1 s; a member's key gone: a full poll at once), so a daemon learns of
+a peer's expiry at most ~0.1 s after NATS removed its entry (~0.25 s after its TTL). The poll lists the bucket's keys from its stream's
 subjects (`ClusterLink.keys_of`: no consumer per poll) and always counts this daemon itself
 once its own write succeeded. `last_put_ok` (monotonic) is when this daemon's entry was last
 written: `selffence.py` fences the daemon when it grows older than the safety margin. While NATS is unreachable the loop keeps trying; `members` keeps its
@@ -49,6 +50,11 @@ from kvsched.core.errors import Unavailable
 log = logging.getLogger("kvsched.cluster")
 
 MEMBERS_BUCKET = "kvsched_members"
+# Between two full polls (`poll_s`), the bucket's key list alone is read this often: a peer
+# whose entry NATS removed (~0.25 s after its TTL) is seen gone within this long, not within
+# `poll_s` (0.5 s: the takeover of a paused daemon waited up to that long more, issue 38).
+# One stream-info request each: no entry is read or written.
+EXPIRY_CHECK_S = 0.1
 
 
 @dataclass
@@ -225,11 +231,29 @@ class Membership:
         return out
 
     async def _loop(self) -> None:
+        last = time.monotonic()
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+                await asyncio.wait_for(self._wake.wait(), min(self.poll_s, EXPIRY_CHECK_S))
+            early = not self._wake.is_set() and time.monotonic() - last < self.poll_s
+            if early and not await self._member_gone():
+                continue  # a full poll is not due, and no member's key is gone
             self._wake.clear()
+            last = time.monotonic()
             await self.refresh()
+
+    async def _member_gone(self) -> bool:
+        """Whether a member of the last view has no key in the bucket any more (read from its
+        stream's subjects, one request); False when NATS does not answer (the full poll
+        tells)."""
+        peers = [did for did in self.members if did != self.daemon_id]
+        if not peers or self.stale or time.monotonic() < self._grace_until:
+            return False  # (within the grace after an outage a gone key is no departure)
+        try:
+            keys = set(await asyncio.wait_for(self.link.keys_of(MEMBERS_BUCKET), 1.0))
+        except Exception:
+            return False
+        return any(did not in keys for did in peers)
 
     async def stop(self) -> None:
         """Stop refreshing and mark this daemon's entry `leaving` (peers see a graceful

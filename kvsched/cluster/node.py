@@ -40,7 +40,7 @@ from kvsched.cluster.peer_rpc import FORWARD_INSTANCE, FORWARDED_BY, HAND_OVER, 
 from kvsched.cluster.routing import ClusterRouter, RemoteInstance
 from kvsched.cluster.selffence import SelfFence
 from kvsched.cluster.worker_gate import WorkerGate
-from kvsched.core import Request, Unavailable
+from kvsched.core import FinishReason, Request, Unavailable
 from kvsched.server.auth import principal_of
 from kvsched.server.instances.engine import InstanceEngine
 from kvsched.v1 import admin_service_pb2 as apb
@@ -67,6 +67,8 @@ class _Stoppable(Protocol):
     async def confirmed_dead(self, dead_id: str, address: str, instances: list[str]) -> None: ...
 
     async def settled(self, timeout_s: float) -> None: ...
+
+    def busy(self, dead_id: str) -> bool: ...
 
 
 class ClusterNode:
@@ -247,6 +249,8 @@ class ClusterNode:
                 return self.registry.route(req, model), owner
             except Unavailable as exc:
                 raise Unavailable(self.unreachable_reason(str(exc))) from None
+        if (grouped := self.registry.group_engine(req, model)) is not None:
+            return grouped, owner  # a sample waits where its group's prompt is computed here
         return self.router.route(req, model), owner
 
     def _reroute(
@@ -371,6 +375,12 @@ class ClusterNode:
         if self.takeover is not None:
             await self.takeover.settled(TAKEOVER_WAIT_S)
 
+    def adopting(self, daemon_id: str) -> bool:
+        """Whether a takeover pass of `daemon_id` runs here now: a Resume of one of its
+        requests waits for it (`takeovers_settled`) and is served from the table once adopted
+        here, rather than refused as the dead daemon's."""
+        return self.takeover is not None and self.takeover.busy(daemon_id)
+
     def forwarded_by(self, carrier: Mapping[str, str]) -> str:
         """The peer daemon that forwarded (or relayed) this call here, or "" for a client's."""
         return carrier.get(FORWARDED_BY, "")
@@ -380,9 +390,12 @@ class ClusterNode:
         relayed = relay_owner(carrier, caller, self._cluster_principal)
         return caller if relayed is None else relayed
 
-    async def abort_elsewhere(self, request_id: str, owner: str | None) -> bool:
-        """Ask every daemon to abort `request_id` (True: one of them tracked it)."""
-        return await self.aborts.ask(request_id, owner)
+    async def abort_elsewhere(
+        self, request_id: str, owner: str | None, reason: FinishReason = FinishReason.ABORT
+    ) -> bool:
+        """Ask every daemon to abort `request_id` (True: one of them tracked it), ending it
+        with `reason` (ABORT, or STOP for its client's own stop condition)."""
+        return await self.aborts.ask(request_id, owner, reason)
 
     # ---- status ---------------------------------------------------------------------------
     def cluster_status(self) -> apb.ClusterStatus:

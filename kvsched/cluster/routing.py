@@ -198,6 +198,8 @@ class ClusterRouter:
         if mask is None:
             mask = self._model_masks[model] = np.array([m == model for m in self._models], bool)
         n, sp = len(req.prompt_token_ids), req.sampling
+        if req.logprobs is not None:  # the relay carries no log-probabilities: this daemon's
+            return np.zeros(mask.shape, bool)
         mml, vocab = self._max_model_len, self._vocab
         fits: npt.NDArray[np.bool_] = mask & ((mml == 0) | (n + sp.max_tokens <= mml))
         if not self._any_vocab:  # no peer announced a vocabulary: skip the scan of the prompt

@@ -62,6 +62,8 @@ class Takeover:
         self.passes: list[tuple[str, float, int, int]] = []  # dead id, when, instances, requests
         self._idle = asyncio.Event()  # set while no pass runs here
         self._idle.set()
+        # dead id -> the pass a confirmed death started, running on, and its leases-moved event
+        self._passes: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
 
     async def settled(self, timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until no takeover pass runs on this daemon: a Resume of
@@ -69,11 +71,19 @@ class Takeover:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
 
+    def busy(self, dead_id: str) -> bool:
+        """Whether a pass for `dead_id` runs on this daemon now."""
+        return dead_id in self._busy
+
     def start(self) -> None:
         q = self.node.membership.departures()
         self._task = asyncio.get_running_loop().create_task(self._loop(q), name="takeover")
 
     async def stop(self) -> None:
+        for task, _ in list(self._passes.values()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -125,7 +135,10 @@ class Takeover:
     async def confirmed_dead(self, dead_id: str, address: str, instances: list[str]) -> None:
         """A live-looking peer proven dead (a worker of its came here and its address refuses
         connections): one pass at once, without waiting for its membership entry to expire.
-        Leases still move by CAS and requests by the journal's per-request CAS."""
+        Leases still move by CAS and requests by the journal's per-request CAS. Returns once
+        the pass has moved the leases (or ended): the worker whose Hello proved the death
+        attaches before the dead daemon's requests are adopted, so they are spread over its
+        instance too, not only over the instances ready here before (the pass runs on)."""
         log.warning(
             "daemon %s refuses connections at %s: dead; taking over now (before its "
             "membership TTL)",
@@ -133,31 +146,57 @@ class Takeover:
             address,
         )
         self._retry.setdefault(dead_id, set()).update(instances)
+        loop = asyncio.get_running_loop()
+        running = self._passes.get(dead_id)
+        if running is None:  # (another of its workers' Hellos started one: wait for that one)
+            moved = asyncio.Event()
+            task = loop.create_task(
+                self._confirmed_pass(dead_id, moved), name=f"takeover-{dead_id}"
+            )
+            running = self._passes[dead_id] = (task, moved)
+            task.add_done_callback(lambda _t: self._passes.pop(dead_id, None))
+        task, moved = running
+        waiter = loop.create_task(moved.wait())
         try:
-            await self.take_over(dead_id, self._retry[dead_id], force=True)
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+
+    async def _confirmed_pass(self, dead_id: str, moved: asyncio.Event) -> None:
+        try:
+            await self.take_over(dead_id, self._retry[dead_id], force=True, moved=moved)
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:  # NATS away or slow: the next scan (or the TTL) retries
             log.warning("takeover of daemon %s: %r (retried at the next scan)", dead_id, exc)
             return
         self._retry.pop(dead_id, None)
 
     async def take_over(
-        self, dead_id: str, instances: Iterable[str], force: bool = False
+        self,
+        dead_id: str,
+        instances: Iterable[str],
+        force: bool = False,
+        moved: asyncio.Event | None = None,
     ) -> tuple[int, int]:
         """One pass for `dead_id` (see the module docstring): (instances won by this call,
         requests adopted). `force` (`serve --take-over`, the operator says it is dead): no
-        liveness check, and its requests are adopted whatever the leases say."""
+        liveness check, and its requests are adopted whatever the leases say. `moved` is set
+        once step 2 is done (the leases moved), before the requests are adopted."""
         if dead_id == self.daemon_id or dead_id in self._busy:
             return 0, 0
         self._busy.add(dead_id)
         self._idle.clear()
         try:
-            return await self._pass(dead_id, set(instances), force)
+            return await self._pass(dead_id, set(instances), force, moved)
         finally:
             self._busy.discard(dead_id)
             if not self._busy:
                 self._idle.set()
 
-    async def _pass(self, dead_id: str, instances: set[str], force: bool) -> tuple[int, int]:
+    async def _pass(
+        self, dead_id: str, instances: set[str], force: bool, moved: asyncio.Event | None
+    ) -> tuple[int, int]:
         node = self.node
         if not force and (
             await asyncio.wait_for(node.membership.lookup(dead_id), NATS_TIMEOUT_S) is not None
@@ -173,6 +212,9 @@ class Takeover:
         if not instances:  # no instance to decide by: the smallest live id adopts
             live = set(node.membership.members) | {self.daemon_id}
             mine = int(min(live) == self.daemon_id)
+        if moved is not None:
+            moved.set()
+            await asyncio.sleep(0)  # a worker waiting on `moved` attaches before the adoption
         adopted = await self._recover(dead_id) if mine or force else 0
         self.num_instances_taken += won
         self.num_requests_adopted += adopted

@@ -5,14 +5,21 @@ taken by compare-and-set in the NATS KV bucket) and the worker attaches here, or
 answers a Redirect to the live daemon that holds the lease. A lease whose holder is dead
 (gone from the membership, or its address refusing connections: `refuses_connections`) is
 taken at once, with the same compare-and-set, and the dead daemon's requests with it
-(`Takeover.confirmed_dead`). With NATS out of reach the worker attaches here without a lease
-(the node degrades to this daemon's own instances).
+(`Takeover.confirmed_dead`). A lease whose holder is alive but silent (its membership entry
+not refreshed for a refresh period: paused, hung, cut off from NATS) keeps the worker here
+(`_hold`: redirected to this daemon again each time its silence bound nears) until the lease
+moves (the takeover after its TTL: the worker attaches at once where the lease now is, before
+the dead daemon's requests are placed) or the holder is heard again (redirected to it): sent
+to a paused holder, the worker spent its silence bound there round after round, and the
+takeover found it away. With NATS out of reach the worker attaches here without a lease (the
+node degrades to this daemon's own instances).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvsched.cluster.cluster_view import refuses_connections
@@ -28,6 +35,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvsched.cluster")
 
 NATS_TIMEOUT_S = 2.0
+# A worker whose instance's daemon is silent waits here (`WorkerGate._hold`) this long at most
+# per Hello, and less than its silence bound by HOLD_MARGIN_S; its owner's silence is looked at
+# this often (a change of its lease wakes it at once: `Leases.changed`).
+HOLD_S = 5.0
+HOLD_MARGIN_S = 0.5
+HOLD_POLL_S = 0.05
 
 
 class _Takeover(Protocol):
@@ -91,6 +104,19 @@ class WorkerGate:
                     return None
         except (TimeoutError, Unavailable) as exc:
             raise Unavailable(f"instance {iid}: cluster lease unavailable: {exc}") from None
+        if self._silent(lease.owner):
+            if await self._hold(iid, lease.owner):
+                return await self.admit(hello)  # its lease moved, or its owner is back
+            me = self.node.membership.address
+            log.info("worker of instance %s waits here: its daemon %s is silent", iid, lease.owner)
+            return wpb.ConnectResponse(
+                redirect=wpb.Redirect(
+                    address=me,
+                    owner_daemon_id=lease.owner,
+                    reason=f"instance {iid}'s daemon {lease.owner} has missed its membership "
+                    "heartbeats: wait here (Hello again) until its lease moves",
+                )
+            ).SerializeToString()
         log.info("worker of instance %s redirected to daemon %s", iid, lease.owner)
         return wpb.ConnectResponse(
             redirect=wpb.Redirect(
@@ -99,6 +125,30 @@ class WorkerGate:
                 reason=f"instance {iid} is owned by daemon {lease.owner}",
             )
         ).SerializeToString()
+
+    def _silent(self, daemon_id: str) -> bool:
+        """Whether `daemon_id` has missed its membership refreshes lately (no new entry seen
+        for a refresh period: a live daemon writes one every poll, 0.5 s at most)."""
+        membership = self.node.membership
+        return daemon_id != self.node.daemon_id and membership.silent_for(daemon_id) > max(
+            1.0, membership.refresh_s
+        )
+
+    async def _hold(self, iid: str, owner_id: str) -> bool:
+        """Keep a worker whose instance's lease names a silent daemon here instead of sending
+        it there (a paused daemon holds it until the worker's silence bound, round after
+        round, and the takeover then finds it away): True as soon as the lease names another
+        daemon (a takeover moved it) or the owner refreshes again; False after HOLD (less than
+        the silence bound this daemon's Welcome gives its workers, which they keep before a
+        Welcome too), when the caller redirects the worker here again."""
+        cfg = self.node.config
+        bound = cfg.silence_timeout_intervals * cfg.heartbeat_interval_s
+        until = time.monotonic() + max(HOLD_POLL_S, min(HOLD_S, bound - HOLD_MARGIN_S))
+        while time.monotonic() < until:
+            await self.node.leases.changed(HOLD_POLL_S)  # woken by the takeover's lease write
+            if self.node.leases.cached_owner(iid) != owner_id or not self._silent(owner_id):
+                return True
+        return False
 
     async def live_member(self, daemon_id: str) -> Member | None:
         """The daemon's membership entry read now (not the polled view: a daemon that just

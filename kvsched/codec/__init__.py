@@ -26,6 +26,7 @@ from kvsched.codec.common import (
 from kvsched.codec.requests import finished_to_proto, request_from_proto
 from kvsched.codec.worker import (
     PROTOCOL_VERSION,
+    merge_reports,
     placement_from_proto,
     placement_to_proto,
     report_from_proto,
@@ -41,6 +42,7 @@ __all__ = [
     "finish_reason_from_proto",
     "finish_reason_to_proto",
     "finished_to_proto",
+    "merge_reports",
     "mm_ranges_from_proto",
     "mm_ranges_to_proto",
     "placement_from_proto",

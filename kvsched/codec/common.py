@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from kvsched.core import protocol as core
 from kvsched.core.config import Role
+from kvsched.core.logprobs import TokenLogprobs
 from kvsched.v1 import common_pb2
 
 FINISH_REASONS = frozenset(int(r) for r in core.FinishReason)
@@ -63,6 +64,8 @@ def sampling_to_proto(params: core.SamplingParams) -> common_pb2.SamplingParams:
         logit_bias=params.logit_bias,
         min_p=params.min_p,
         structured_output=structured_to_proto(params.structured),
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
     )
 
 
@@ -120,7 +123,26 @@ def sampling_from_proto(
         params.top_p = pb.top_p
     if pb.HasField("structured_output"):
         params.structured = structured_from_proto(pb.structured_output)
+    if pb.HasField("logprobs"):
+        params.logprobs = pb.logprobs
+    if pb.HasField("prompt_logprobs"):
+        params.prompt_logprobs = pb.prompt_logprobs
     return params
+
+
+def logprobs_to_proto(lp: TokenLogprobs, out: common_pb2.TokenLogprobs) -> None:
+    """Fill `out` (a message field) with `lp`'s columns."""
+    out.logprobs.extend(lp.logprobs)
+    out.ranks.extend(lp.ranks)
+    out.num_top.extend(lp.num_top)
+    out.top_token_ids.extend(lp.top_token_ids)
+    out.top_logprobs.extend(lp.top_logprobs)
+
+
+def logprobs_from_proto(pb: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        pb.logprobs[:], pb.ranks[:], pb.num_top[:], pb.top_token_ids[:], pb.top_logprobs[:]
+    )
 
 
 def mm_ranges_to_proto(ranges: Iterable[core.MultimodalRange]) -> list[common_pb2.MultimodalRange]:

@@ -27,6 +27,7 @@ def request_from_proto(
         mm_ranges=mm_ranges_from_proto(pb.mm_ranges),
         ttft_deadline_ms=float(pb.ttft_deadline_ms),
         tenant=pb.tenant,
+        sample_group=pb.sample_group,
     )
 
 

@@ -33,6 +33,8 @@ import numpy as np
 from kvsched.codec.common import (
     FINISH_REASONS,
     MAX_FINISH_REASON,
+    logprobs_from_proto,
+    logprobs_to_proto,
     mm_ranges_from_proto,
     mm_ranges_to_proto,
     sampling_from_proto,
@@ -291,6 +293,17 @@ def _fill_report(r: worker_service_pb2.StepReport, report: core.StepReport) -> N
         r.failed_storage_writes.extend(report.failed_storage_writes)
     if report.failed_storage_fetches:
         r.failed_storage_fetches.extend(report.failed_storage_fetches)
+    if report.draft_handles:
+        r.draft_handles.extend(report.draft_handles)
+        r.num_draft_tokens.extend(report.num_draft_tokens)
+        r.num_accepted_drafts.extend(report.num_accepted_drafts)
+    if report.num_logprobs and report.logprobs is not None:
+        r.num_logprobs.extend(report.num_logprobs)
+        logprobs_to_proto(report.logprobs, r.logprobs)
+    if report.prompt_logprob_handles and report.prompt_logprobs is not None:
+        r.prompt_logprob_handles.extend(report.prompt_logprob_handles)
+        r.num_prompt_logprobs.extend(report.num_prompt_logprobs)
+        logprobs_to_proto(report.prompt_logprobs, r.prompt_logprobs)
 
 
 def _fill(
@@ -306,6 +319,20 @@ def _fill(
         r.MergeFromString(bytes((field << 3 | 2,)) + _varint(n) + bytes((values[0],)) * n)
     else:
         column.extend(values)
+
+
+def merge_reports(
+    held: worker_service_pb2.StepReport, later: worker_service_pb2.StepReport
+) -> None:
+    """`later` appended to `held` (a worker's merged report): the columns concatenated, the later
+    step; num_logprobs padded with zeros where only one of them has it (parallel to handles)."""
+    if len(held.num_logprobs) != len(later.num_logprobs) and not (
+        len(held.num_logprobs) and len(later.num_logprobs)
+    ):
+        for r in (held, later):
+            if not len(r.num_logprobs):
+                r.num_logprobs.extend([0] * len(r.handles))
+    held.MergeFrom(later)
 
 
 def _varint(n: int) -> bytes:
@@ -360,7 +387,15 @@ def report_from_proto(pb: worker_service_pb2.StepReport) -> core.StepReport:
     ):
         bad = sorted({r for r in finish_reasons.tolist() if r not in FINISH_REASONS})
         raise ValueError(f"StepReport: unknown finish reasons {bad}")
-    return core.StepReport(
+    draft_handles = pb.draft_handles[:] if len(pb.draft_handles) else []
+    if not len(draft_handles) == len(pb.num_draft_tokens) == len(pb.num_accepted_drafts):
+        _check_parallel(
+            "StepReport",
+            draft_handles=draft_handles,
+            num_draft_tokens=pb.num_draft_tokens,
+            num_accepted_drafts=pb.num_accepted_drafts,
+        )
+    report = core.StepReport(
         step=pb.step,
         applied_seq=pb.applied_seq,
         handles=handles,
@@ -376,4 +411,43 @@ def report_from_proto(pb: worker_service_pb2.StepReport) -> core.StepReport:
         failed_swap_ins=pb.failed_swap_ins[:],
         failed_storage_writes=pb.failed_storage_writes[:],
         failed_storage_fetches=pb.failed_storage_fetches[:],
+        draft_handles=draft_handles,
+        num_draft_tokens=pb.num_draft_tokens[:] if draft_handles else [],
+        num_accepted_drafts=pb.num_accepted_drafts[:] if draft_handles else [],
     )
+    if len(pb.num_logprobs) or len(pb.prompt_logprob_handles):
+        _logprobs_from_proto(pb, report, num_new_tokens)
+    return report
+
+
+def _logprobs_from_proto(
+    pb: worker_service_pb2.StepReport, report: core.StepReport, num_new: np.ndarray
+) -> None:
+    """A report's log-probability columns (only reports of requests that asked have them),
+    checked: ValueError naming what does not add up."""
+    if len(pb.num_logprobs):
+        if len(pb.num_logprobs) != len(num_new):
+            raise ValueError(
+                f"StepReport: {len(pb.num_logprobs)} num_logprobs for {len(num_new)} handles"
+            )
+        report.num_logprobs = pb.num_logprobs[:]
+        report.logprobs = logprobs_from_proto(pb.logprobs)
+        if any(n and n != t for n, t in zip(report.num_logprobs, num_new.tolist(), strict=True)):
+            raise ValueError("StepReport: num_logprobs[i] must be 0 or num_new_tokens[i]")
+    if len(pb.prompt_logprob_handles):
+        report.prompt_logprob_handles = pb.prompt_logprob_handles[:]
+        report.num_prompt_logprobs = pb.num_prompt_logprobs[:]
+        report.prompt_logprobs = logprobs_from_proto(pb.prompt_logprobs)
+        if len(report.num_prompt_logprobs) != len(report.prompt_logprob_handles):
+            raise ValueError("StepReport: prompt_logprob_handles and num_prompt_logprobs differ")
+    for name, lp, counts in (
+        ("logprobs", report.logprobs, report.num_logprobs),
+        ("prompt_logprobs", report.prompt_logprobs, report.num_prompt_logprobs),
+    ):
+        if lp is None:
+            continue
+        wrong = lp.check() or (
+            "" if sum(counts) == len(lp) else f"{sum(counts)} rows named, {len(lp)} sent"
+        )
+        if wrong:
+            raise ValueError(f"StepReport.{name}: {wrong}")

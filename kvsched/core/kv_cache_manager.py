@@ -41,11 +41,25 @@ def reads_prompt(req: Request) -> bool:
     request takes no prefix hit and sends its whole prompt (correct, at the cost of the
     recompute). Its blocks are still cached for others. So does a structured-output request
     placed again after outputs: a worker that must rebuild its grammar replays those outputs
-    (the prompt's end) into it."""
+    (the prompt's end) into it. A request asking for prompt log-probabilities computes its
+    whole prompt too (vLLM's scheduler skips the prefix cache for it: the log-probabilities
+    come from the prompt's forward pass)."""
     sp = req.sampling
-    return sp.repetition_penalty != 1.0 or (
-        sp.structured is not None and bool(req.output_token_ids)
+    return (
+        sp.repetition_penalty != 1.0
+        or sp.prompt_logprobs is not None
+        or (sp.structured is not None and bool(req.output_token_ids))
     )
+
+
+def prefills_at_once(req: Request) -> bool:
+    """Whether req's prompt must be computed in one step: it still awaits its prompt
+    log-probabilities. The worker learns a prompt's tokens only from the chunks it is sent, and
+    the log-probability at a chunk's last position is that of the next chunk's first token (a
+    chunk boundary would leave it unknown). Validation refuses such a prompt longer than a
+    step's token budget."""
+    lp = req.logprobs
+    return lp is not None and lp.prompt is None and req.sampling.prompt_logprobs is not None
 
 
 class KVCacheManager:

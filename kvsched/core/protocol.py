@@ -45,6 +45,8 @@ from typing import Any, Union
 
 import numpy as np
 
+from kvsched.core.logprobs import TokenLogprobs
+
 # A report column: a list of ints or a 1-D integer numpy array.
 IntColumn = Union[list[int], "np.ndarray[Any, Any]"]
 
@@ -92,6 +94,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_p: float = 0.0
     structured: StructuredOutput | None = None  # None: unconstrained
+    # Log-probabilities (core/logprobs.py): None none; k >= 0 the token's own and k alternatives
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass(slots=True)
@@ -231,3 +236,15 @@ class StepReport:
     # key (never counted as stored), fetches by handle (that handle did not run: it recomputes).
     failed_storage_writes: list[str] = field(default_factory=list)
     failed_storage_fetches: list[int] = field(default_factory=list)
+    # Speculative decoding, sparse: draft_handles[i] verified num_draft_tokens[i] drafts in one
+    # step and kept num_accepted_drafts[i] of them (only rows that had drafts).
+    draft_handles: list[int] = field(default_factory=list)
+    num_draft_tokens: list[int] = field(default_factory=list)
+    num_accepted_drafts: list[int] = field(default_factory=list)
+    # Log-probabilities (only rows whose request asked): num_logprobs[i] rows (0 or
+    # num_new_tokens[i]) of `logprobs` are handles[i]'s; prompt rows per handle, once.
+    num_logprobs: list[int] = field(default_factory=list)  # empty: no row has any
+    logprobs: TokenLogprobs | None = None
+    prompt_logprob_handles: list[int] = field(default_factory=list)
+    num_prompt_logprobs: list[int] = field(default_factory=list)
+    prompt_logprobs: TokenLogprobs | None = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol
 
+from kvsched.core.logprobs import RequestLogprobs
 from kvsched.core.protocol import FinishReason, MultimodalRange, SamplingParams
 
 
@@ -76,6 +77,9 @@ class Request:
     # deadline applies), and who the request is served for (fair shares between tenants).
     ttft_deadline_ms: float = 0.0
     tenant: str = ""
+    # Several samples of one prompt (OpenAI's `n`): requests naming the same group and the same
+    # prompt compute it once (`kvsched.core.scheduler.groups`); "": none.
+    sample_group: str = ""
 
     status: RequestStatus = RequestStatus.WAITING
     # Output tokens. While the request is placed, the tokens of plain decode rows land in the
@@ -102,6 +106,9 @@ class Request:
     num_host_cached_tokens: int = 0  # of those, swapped in from the host tier (first placement)
     num_storage_cached_tokens: int = 0  # of those, fetched from the storage tier (first placement)
     num_preemptions: int = 0
+    # Speculative decoding: drafts verified for it, and of them accepted (its report rows).
+    num_draft_tokens: int = 0
+    num_accepted_drafts: int = 0
     first_scheduled_time: float = -1.0
     first_token_time: float = -1.0
     finished_time: float = -1.0
@@ -122,6 +129,14 @@ class Request:
     charged_output: int = 0
     # Opaque to the core: the caller's per-request state (the daemon's stream and tracing).
     tag: object = None
+    # Its log-probabilities so far, only when its sampling asks (`with_logprobs`); the report
+    # path puts rows in, the daemon's sinks read them.
+    logprobs: RequestLogprobs | None = None
+
+    def __post_init__(self) -> None:
+        sp = self.sampling
+        if self.logprobs is None and (sp.logprobs is not None or sp.prompt_logprobs is not None):
+            self.logprobs = RequestLogprobs()
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,12 +59,16 @@ class Backend:
             ]
         return self._clients
 
-    def _rotation(self) -> list[AsyncClient]:
+    def _rotation(self, group: str = "") -> list[AsyncClient]:
         """Every client, starting with the next one in turn (spreads requests, and a dead
-        daemon is skipped by the resumable stream's failover)."""
+        daemon is skipped by the resumable stream's failover); the samples of one sample
+        group all start at one daemon (it computes their prompt once)."""
         clients = self._all()
-        self._turn = (self._turn + 1) % len(clients)
-        return clients[self._turn :] + clients[: self._turn]
+        if group:
+            turn = zlib.crc32(group.encode()) % len(clients)
+        else:
+            self._turn = turn = (self._turn + 1) % len(clients)
+        return clients[turn:] + clients[:turn]
 
     def metadata(self, token: str | None) -> tuple[tuple[str, str], ...]:
         tok = token or self.token
@@ -79,7 +84,7 @@ class Backend:
         daemon aborting each as its stream drops."""
         options = {**options, "detachable": len(self.addresses) > 1}
         return resumable(
-            self._rotation(),
+            self._rotation(options.get("sample_group", "")),
             prompt,
             retry_for_s=self.retry_for_s,
             metadata=self.metadata(token),

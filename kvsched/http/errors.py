@@ -78,6 +78,8 @@ _PARAMS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     for pattern, param in (
         (r"^prompt (of \d+ tokens exceeds|\(\d+ tokens\) \+ max_tokens)", "input_tokens"),
         (r"^a prompt of \d+ tokens needs", "input_tokens"),
+        (r"^prompt_logprobs", "prompt_logprobs"),
+        (r"^logprobs", "logprobs"),
         (r"^max_tokens", "max_tokens"),
         (r"^min_tokens", "min_tokens"),
         (r"^prompt", "prompt"),

@@ -13,6 +13,7 @@ from kvsched.client import KvschedClientError
 from kvsched.client.resumable import ResumableStream
 from kvsched.http.backend import Backend
 from kvsched.http.errors import ApiError, from_client_error
+from kvsched.http.logprobs import ChoiceExtras
 from kvsched.http.text import Detokenizer, StopStrings
 
 _DRAIN_AFTER_ABORT_S = 2.0
@@ -52,6 +53,8 @@ class Generation:
         self.message = ""
         self._aborted = False
         self.disconnected = False  # the HTTP client went away (set by the route)
+        # Log-probabilities, echo, streamed token ids: only for a request that asked
+        self.extras: ChoiceExtras | None = None
 
     @property
     def text(self) -> str:

@@ -34,7 +34,8 @@ def usage(*gens: Generation) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": gens[0].cached_tokens},
+        # The prompt's own cache hit: the sample that computed it (the others took its blocks).
+        "prompt_tokens_details": {"cached_tokens": min(g.cached_tokens for g in gens)},
     }
 
 
@@ -72,6 +73,9 @@ class Shape:
         body = self._head("chat.completion" if self.chat else "text_completion")
         pairs = enumerate(zip(gens, texts, strict=True))
         body["choices"] = [self._choice(i, g, t) for i, (g, t) in pairs]
+        for g, choice in zip(gens, body["choices"], strict=True):
+            if g.extras is not None:  # (only a request that asked)
+                g.extras.full(g.stream, g.token_ids, choice, body)
         body["usage"] = usage(*gens)
         return body
 
@@ -124,7 +128,42 @@ class Shape:
             return piece[0] + _json(text) + piece[1]
         return self._chunk(text, finish_reason, first, index)
 
-    def _chunk(self, text: str | None, finish_reason: str | None, first: bool, index: int) -> bytes:
+    def piece_chunk(self, gen: Generation, text: str, first: bool = False, index: int = 0) -> bytes:
+        """A streamed piece of `gen`'s text, with what its request asked for besides (its
+        tokens' log-probabilities and ids, echo's prompt text first)."""
+        ex = gen.extras
+        if ex is None:
+            return self.chunk(text, None, first=first, index=index)
+        before, fields = ex.piece(gen.stream, gen.token_ids, gen.completion_tokens)
+        return self._chunk(before + text, None, first, index, fields)
+
+    def closing_chunk(self, gen: Generation, index: int = 0) -> bytes:
+        """The chunk with `gen`'s finish_reason (and the fields of tokens not sent yet)."""
+        text = None if self.chat else ""
+        ex = gen.extras
+        if ex is None:
+            return self.chunk(text, gen.finish_reason, index=index)
+        before, fields = ex.piece(gen.stream, gen.token_ids, gen.completion_tokens)
+        if not self.chat:
+            text = before
+        return self._chunk(text, gen.finish_reason, False, index, fields)
+
+    def role_chunk(self, gen: Generation, index: int = 0) -> bytes:
+        """Chat's first chunk (the role); with return_token_ids, the prompt's ids."""
+        ex = gen.extras
+        if ex is None or not ex.return_ids:
+            return self.chunk("", None, first=True, index=index)
+        return self._chunk("", None, True, index, top={"prompt_token_ids": ex.prompt})
+
+    def _chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        first: bool,
+        index: int,
+        fields: dict[str, Any] | None = None,
+        top: dict[str, Any] | None = None,
+    ) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {}
             if first:
@@ -146,6 +185,10 @@ class Shape:
                 "finish_reason": finish_reason,
             }
             body = self._head("text_completion")
+        if fields:
+            choice.update(fields)
+        if top:
+            body.update(top)
         body["choices"] = [choice]
         if self.include_usage:
             body["usage"] = None

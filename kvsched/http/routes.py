@@ -19,6 +19,7 @@ from kvsched.client import KvschedClientError, ModelInfo
 from kvsched.http.backend import Backend
 from kvsched.http.errors import ApiError, from_client_error, model_not_found
 from kvsched.http.generation import Generation, raise_if_failed
+from kvsched.http.logprobs import ChoiceExtras, TokenTexts
 from kvsched.http.metrics import HttpMetrics
 from kvsched.http.responses import DONE, Shape, sse
 from kvsched.http.samples import sample_options, serve_samples
@@ -53,6 +54,7 @@ class State:
             if settings.tool_call_parser
             else None
         )
+        self.token_texts = TokenTexts(text.hf)
 
 
 def bearer(request: Request) -> str | None:
@@ -216,10 +218,12 @@ async def _serve(
         body.wanted_max_tokens() if isinstance(body, ChatCompletionRequest) else body.max_tokens
     )
     options = body.options(_clamp(max_tokens, len(prompt), info))
+    options.update(body.logprob_options(state.text.vocab_size))
     if daemon_model:
         options["model"] = daemon_model
     token_ids = prompt if body.return_token_ids else None
     shape = Shape(chat, body.model, body.include_usage(), token_ids, tools)
+    extras = _extras(state, body, prompt)
     if (body.n or 1) > 1:
         gens = [
             Generation(
@@ -232,6 +236,8 @@ async def _serve(
             )
             for opts in sample_options(options, body.n or 1)
         ]
+        for g in gens:
+            g.extras = extras()
         return await serve_samples(
             gens, shape, body.stream, request, state.metrics, endpoint, arrived
         )
@@ -243,6 +249,7 @@ async def _serve(
         state.text.detokenizer(body.skip_special_tokens, prompt),
         body.stop_strings(),
     )
+    gen.extras = extras()
     m = state.metrics
     m.in_flight.inc()
     watch = _watch_disconnect(request, gen)
@@ -280,6 +287,38 @@ async def _serve(
     return JSONResponse(shape.full(gen, text))
 
 
+def _extras(
+    state: State, body: SamplingFields, prompt: list[int]
+) -> Callable[[], ChoiceExtras | None]:
+    """What makes each choice's extras (None: the request asked for none of them)."""
+    echo = isinstance(body, CompletionRequest) and body.echo
+    k, prompt_k = body.num_logprobs(), body.num_prompt_logprobs()
+    streamed_ids = body.return_token_ids and body.stream
+    if k is None and prompt_k is None and not echo and not streamed_ids:
+        return lambda: None
+    echo_text = None
+    if isinstance(body, CompletionRequest) and body.echo:
+        echo_text = "" if body.return_token_ids else _prompt_text(state, body.prompt, prompt)
+    return lambda: ChoiceExtras(
+        state.token_texts,
+        chat=isinstance(body, ChatCompletionRequest),
+        prompt=prompt,
+        k=k,
+        prompt_k=prompt_k,
+        echo_text=echo_text,
+        return_ids=body.return_token_ids,
+    )
+
+
+def _prompt_text(state: State, given: Any, ids: list[int]) -> str:
+    """The prompt as echo repeats it: the text sent, or token ids decoded."""
+    if isinstance(given, list) and given and isinstance(given[0], str):
+        given = given[0]
+    if isinstance(given, str):
+        return given
+    return state.token_texts.decode(ids)
+
+
 def _clamp(max_tokens: int | None, n: int, info: ModelInfo | None) -> int | None:
     """max_tokens as vLLM's server makes it: at most what the context leaves after the prompt
     (the request then ends with finish_reason length); absent, all of it. A prompt that
@@ -305,14 +344,14 @@ async def _stream(gen: Generation, shape: Shape, done: Callable[[], None]) -> As
     try:
         first = True
         if shape.chat:
-            yield shape.chunk("", None, first=True)
+            yield shape.role_chunk(gen)
             first = False
         held: list[str] = []  # a tool call's text: parsed when whole
         async for piece in gen.deltas():
             if shape.tools is not None:
                 held.append(piece)
                 continue
-            yield shape.chunk(piece, None, first=first)
+            yield shape.piece_chunk(gen, piece, first=first)
             first = False
         if gen.finish_reason == "error":
             err = ApiError(500, f"kvsched: {gen.message}", "internal_error")
@@ -323,7 +362,7 @@ async def _stream(gen: Generation, shape: Shape, done: Callable[[], None]) -> As
             if shape.include_usage:
                 yield shape.usage_chunk(gen)
         else:
-            yield shape.chunk(None if shape.chat else "", gen.finish_reason)
+            yield shape.closing_chunk(gen)
             if shape.include_usage:
                 yield shape.usage_chunk(gen)
         yield DONE

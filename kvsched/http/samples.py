@@ -1,15 +1,17 @@
 """`n` > 1: several samples of one prompt in one response. Each sample is a kvsched request of
 its own, seeded as vLLM's parallel sampling seeds its children (sample i: seed + i; no seed: each
-unseeded), so each equals vLLM's sample of the same index; they share the prompt's KV blocks
-only through the prefix cache (a sample placed after another's prefill hits it), not as forks of
-one prefill (docs/HTTP.md). Streamed: each piece is a chunk of its choice's `index`; each choice
-closes with its own finish_reason chunk; usage counts the prompt once (as vLLM)."""
+unseeded), so each equals vLLM's sample of the same index. All n name one `sample_group` (a
+fresh id per HTTP request), so the daemon computes the prompt once: the first it accepts
+prefills it, the others wait for its first token and take the prompt's full KV blocks from the
+prefix cache (docs/HTTP.md). Streamed: each piece is a chunk of its choice's `index`; each
+choice closes with its own finish_reason chunk; usage counts the prompt once (as vLLM)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -23,11 +25,13 @@ from kvsched.http.responses import DONE, Shape, sse
 
 
 def sample_options(options: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """The kvsched options of each of n samples: seed + i when seeded, request_id + "-i" when
-    the client named the request."""
+    """The kvsched options of each of n samples: one sample group (the daemon computes the
+    prompt once), seed + i when seeded, request_id + "-i" when the client named the request."""
     out = []
+    group = uuid.uuid4().hex
     for i in range(n):
         o = dict(options)
+        o["sample_group"] = group
         if o.get("seed") is not None:
             o["seed"] = (o["seed"] + i) % (1 << 64)
         if o.get("request_id"):
@@ -99,7 +103,7 @@ async def _stream(
         first = set(range(len(gens)))
         if shape.chat:
             for i in range(len(gens)):
-                yield shape.chunk("", None, first=True, index=i)
+                yield shape.role_chunk(gens[i], index=i)
             first.clear()
         running = len(gens)
         held: dict[int, list[str]] = {i: [] for i in range(len(gens))}  # tool calls: whole
@@ -114,12 +118,12 @@ async def _stream(
                     for chunk in shape.tool_chunks("".join(held[i]), g, index=i):
                         yield chunk
                 else:
-                    yield shape.chunk(None if shape.chat else "", g.finish_reason, index=i)
+                    yield shape.closing_chunk(g, index=i)
                 continue
             if shape.tools is not None:
                 held[i].append(piece)
                 continue
-            yield shape.chunk(piece, None, first=i in first, index=i)
+            yield shape.piece_chunk(gens[i], piece, first=i in first, index=i)
             first.discard(i)
         if shape.include_usage:
             yield shape.usage_chunk(*gens)

@@ -7,9 +7,12 @@ seed, n (samples: http/samples.py), stop, stream, stream_options.include_usage, 
 logit_bias, user (ignored); vLLM's extensions ignore_eos, stop_token_ids, top_k, min_tokens,
 min_p, repetition_penalty, skip_special_tokens, add_generation_prompt, request_id (kvsched's
 request id: the same id and sampling give the same tokens on the sim).
+Log-probabilities (http/logprobs.py): completions' logprobs (int) and echo, chat's logprobs
+(bool) and top_logprobs, vLLM's prompt_logprobs; -1 means the whole vocabulary (as vLLM: over
+its max_logprobs, the daemon refuses it naming the field).
 Structured output (response_format, vLLM's structured_outputs) and chat tools / tool_choice:
-http/structured.py. Refused with 400: best_of > 1, echo, suffix, logprobs, functions (the
-pre-tools API), several prompts.
+http/structured.py. Refused with 400: best_of > 1, suffix, functions (the pre-tools API),
+several prompts.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ class SamplingFields(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
-    return_token_ids: bool = False  # vLLM's: token ids in the (non-streamed) answer
+    return_token_ids: bool = False  # vLLM's: prompt and output token ids in the answer
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' log-probabilities
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension
@@ -86,6 +90,11 @@ class SamplingFields(BaseModel):
         self.token_biases()
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
+        _check_k("prompt_logprobs", self.prompt_logprobs)
+        if self.stream and self.prompt_logprobs is not None and self.prompt_logprobs != 0:
+            raise invalid(
+                "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+            )
         stops = self.stop_strings()
         if any(s == "" for s in stops):
             raise invalid("stop strings must not be empty", "stop")
@@ -145,6 +154,29 @@ class SamplingFields(BaseModel):
             out["structured_output"] = constraint
         return out
 
+    def logprob_options(self, vocab_size: int) -> dict[str, int]:
+        """The `logprobs` / `prompt_logprobs` request options (-1: the whole vocabulary)."""
+        out = {}
+        for name, k in (
+            ("logprobs", self.num_logprobs()),
+            ("prompt_logprobs", self.num_prompt_logprobs()),
+        ):
+            if k is not None:
+                out[name] = vocab_size if k == -1 else k
+        return out
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per output token the answer shows (None: no log-probabilities)."""
+        return None
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+
+def _check_k(name: str, k: int | None) -> None:
+    if k is not None and k < 0 and k != -1:
+        raise invalid(f"`{name}` must be a positive value or -1.", name)
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -156,12 +188,9 @@ class CompletionRequest(SamplingFields):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise invalid("echo is not supported", "echo")
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
-        if self.logprobs is not None:
-            raise invalid("logprobs is not supported", "logprobs")
+        _check_k("logprobs", self.logprobs)
         if self.best_of not in (None, 1):
             raise invalid("best_of must be 1", "best_of")
         p = self.prompt
@@ -169,6 +198,15 @@ class CompletionRequest(SamplingFields):
             raise invalid("one prompt per request: send several requests instead", "prompt")
         if p == "" or p == []:
             raise invalid("prompt must not be empty", "prompt")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's rule: echo with logprobs asks for the prompt's too."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class TextPart(BaseModel):
@@ -202,7 +240,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = 0
     tools: list[Tool] | None = None
     tool_choice: ToolChoice = None
     parallel_tool_calls: bool | None = None
@@ -214,8 +252,11 @@ class ChatCompletionRequest(SamplingFields):
     def check(self, auto_tools: bool = False) -> str | None:
         """The checks; returns the tool mode (http/structured.py: None without tools)."""
         self.check_common()
-        if self.logprobs or self.top_logprobs:
-            raise invalid("logprobs is not supported", "logprobs")
+        _check_k("top_logprobs", self.top_logprobs)
+        if self.top_logprobs and not self.logprobs:
+            raise invalid(
+                "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
+            )
         if self.functions:
             raise invalid("functions is not supported: use tools", "functions")
         mode = tool_mode(self.tools, self.tool_choice, auto_tools)
@@ -241,6 +282,9 @@ class ChatCompletionRequest(SamplingFields):
         if self.tools and self._mode not in (None, "none", "auto"):
             return "tool_choice"
         return super().constraint_param()
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

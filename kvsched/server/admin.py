@@ -27,6 +27,8 @@ _FROM_SNAPSHOT = (
     "prefix_cache_query_tokens",
     "prefix_cache_hit_tokens",
     "num_preemptions",
+    "num_draft_tokens",
+    "num_accepted_drafts",
     "step_predicted_ms",
     "step_measured_ms",
     "step_predicted_ewma_ms",

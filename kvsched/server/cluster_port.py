@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from kvsched.core import Request
+from kvsched.core.protocol import FinishReason
 from kvsched.server.instances.engine import InstanceEngine
 from kvsched.server.requests.record import PeerInstance, Tracked
 from kvsched.v1 import request_service_pb2
@@ -43,7 +44,9 @@ class ClusterPort(Protocol):
         journals it before that), or until it is recorded here, or its relay has ended."""
         ...
 
-    async def abort_elsewhere(self, request_id: str, owner: str | None) -> bool: ...
+    async def abort_elsewhere(
+        self, request_id: str, owner: str | None, reason: FinishReason = FinishReason.ABORT
+    ) -> bool: ...
 
     def caller_of(self, carrier: dict[str, str], caller: str) -> str: ...
 
@@ -66,6 +69,10 @@ class ClusterPort(Protocol):
 
     async def takeovers_settled(self) -> None:
         """Wait (bounded, about a second) until no takeover pass runs on this daemon."""
+        ...
+
+    def adopting(self, daemon_id: str) -> bool:
+        """Whether a takeover pass of `daemon_id` runs on this daemon now."""
         ...
 
     def refuse_if_fenced(self) -> None:

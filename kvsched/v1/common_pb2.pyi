@@ -132,6 +132,8 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     MIN_P_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Output tokens at most, >= 1. Absent: the daemon's default_max_tokens setting (16 unless
@@ -168,6 +170,20 @@ class SamplingParams(_message.Message):
     """
     min_p: _builtins.float
     """Tokens less likely than min_p times the most likely one are dropped, in [0, 1]."""
+    logprobs: _builtins.int
+    """Log-probabilities, as vLLM's SamplingParams.logprobs / prompt_logprobs define them. Only a
+    request that sets them pays for them (the tokens' messages carry TokenLogprobs for it
+    alone). Absent: none. k >= 0: each output token's log-probability and rank, with the k
+    most likely alternatives; at most the instance's Hello.max_logprobs (INVALID_ARGUMENT
+    naming `logprobs` otherwise, or when no instance of the model reports them: the sim and
+    model workers do not).
+    """
+    prompt_logprobs: _builtins.int
+    """The same for each prompt token after the first (positions 1..prompt-1), sent once with the
+    request's first Tokens. A request asking for them takes no prefix-cache hit: its whole
+    prompt is computed (as vLLM's scheduler does), in one step (a prompt over the daemon's
+    max_num_batched_tokens: INVALID_ARGUMENT naming `prompt_logprobs`).
+    """
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end the request (with FINISH_REASON_STOP), besides EOS."""
@@ -200,14 +216,20 @@ class SamplingParams(_message.Message):
         repetition_penalty: _builtins.float | None = ...,
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         min_p: _builtins.float = ...,
+        logprobs: _builtins.int | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
         structured_output: Global___StructuredOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "max_tokens", b"max_tokens", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "structured_output", b"structured_output", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "structured_output", b"structured_output", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
@@ -215,7 +237,11 @@ class SamplingParams(_message.Message):
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
@@ -224,6 +250,49 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class TokenLogprobs(_message.Message):
+    """Log-probabilities of a run of tokens, columnar (as the engine's sampler reports them: vLLM's
+    LogprobsTensors). Row i: the token's own log-probability logprobs[i] and its rank ranks[i]
+    (1 = the most likely), then num_top[i] alternatives, most likely first, stored consecutively
+    in top_token_ids / top_logprobs (their ranks are 1, 2, ...; the token itself may be among
+    them). Log-probabilities are natural logarithms, float32 as the engine computes them.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    NUM_TOP_FIELD_NUMBER: _builtins.int
+    TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_top(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        num_top: _abc.Iterable[_builtins.int] | None = ...,
+        top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "num_top", b"num_top", "ranks", b"ranks", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprobs: _TypeAlias = TokenLogprobs  # noqa: Y015
 
 @_typing.final
 class StructuredOutput(_message.Message):

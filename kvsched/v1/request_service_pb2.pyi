@@ -99,6 +99,7 @@ class GenerateRequest(_message.Message):
     DETACHABLE_FIELD_NUMBER: _builtins.int
     TTFT_DEADLINE_MS_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    SAMPLE_GROUP_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among unfinished requests. Empty: the daemon assigns one (returned in `queued`)."""
     priority: _builtins.int
@@ -134,6 +135,21 @@ class GenerateRequest(_message.Message):
     weight in `fairness.tenant_weights` (1.0 for a tenant not listed). Empty: the tenant "".
     At most 128 bytes. Metrics label it by name only for tenants listed in the config.
     """
+    sample_group: _builtins.str
+    """Several samples of one prompt (OpenAI's `n`, vLLM's parallel sampling), computed once. A
+    client wanting n samples sends n GenerateRequests (or Session submits), each a request of
+    its own (its id, stream, seed, Finished, Abort, Resume), naming one group here: any string
+    unique to that group, at most 128 bytes (INVALID_ARGUMENT otherwise). Requests of one
+    group with the same prompt (model, prompt_token_ids, lora_name, cache_salt, mm_ranges)
+    go to the instance where the group's first one computes the prompt; the others wait
+    (queued, not placed) until its first token, then take the prompt's full KV blocks from
+    that instance's prefix cache (held once, shared) and compute only the tail (under one
+    block). Each sample's `seed` is the client's choice (vLLM seeds sample i with seed + i).
+    A member whose group's first request ended before its first token leads in its place;
+    one that finds no live member of its group (its first request finished, another daemon,
+    a cluster peer's instance, a prefill/decode pair, prefix caching off) runs as a request
+    of its own, its prompt shared only through the prefix cache. Empty: no group.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt, tokenized. Must not be empty."""
@@ -158,10 +174,11 @@ class GenerateRequest(_message.Message):
         detachable: _builtins.bool = ...,
         ttft_deadline_ms: _builtins.int = ...,
         tenant: _builtins.str = ...,
+        sample_group: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "detachable", b"detachable", "lora_name", b"lora_name", "mm_ranges", b"mm_ranges", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "tenant", b"tenant", "ttft_deadline_ms", b"ttft_deadline_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "detachable", b"detachable", "lora_name", b"lora_name", "mm_ranges", b"mm_ranges", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sample_group", b"sample_group", "sampling", b"sampling", "tenant", b"tenant", "ttft_deadline_ms", b"ttft_deadline_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -201,16 +218,33 @@ class GenerateResponse(_message.Message):
         DESCRIPTOR: _descriptor.Descriptor
 
         TOKEN_IDS_FIELD_NUMBER: _builtins.int
+        LOGPROBS_FIELD_NUMBER: _builtins.int
+        PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
         @_builtins.property
         def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        @_builtins.property
+        def logprobs(self) -> _common_pb2.TokenLogprobs:
+            """Only for a request whose SamplingParams.logprobs is set: one row per token of token_ids
+            (rows of tokens a daemon recovered from its journal are empty: num_top 0, logprob 0,
+            rank 0).
+            """
+
+        @_builtins.property
+        def prompt_logprobs(self) -> _common_pb2.TokenLogprobs:
+            """Only for a request whose SamplingParams.prompt_logprobs is set, in its first Tokens: one
+            row per prompt token after the first.
+            """
+
         def __init__(
             self,
             *,
             token_ids: _abc.Iterable[_builtins.int] | None = ...,
+            logprobs: _common_pb2.TokenLogprobs | None = ...,
+            prompt_logprobs: _common_pb2.TokenLogprobs | None = ...,
         ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["token_ids", b"token_ids"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "token_ids", b"token_ids"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -431,22 +465,45 @@ class SessionResponse(_message.Message):
         REQUEST_IDS_FIELD_NUMBER: _builtins.int
         NUM_TOKENS_FIELD_NUMBER: _builtins.int
         TOKEN_IDS_FIELD_NUMBER: _builtins.int
+        NUM_LOGPROBS_FIELD_NUMBER: _builtins.int
+        LOGPROBS_FIELD_NUMBER: _builtins.int
+        NUM_PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+        PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
         @_builtins.property
         def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
         @_builtins.property
         def num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
         @_builtins.property
         def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        @_builtins.property
+        def num_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Log-probabilities, only when one of these requests asked for them (SamplingParams.
+            logprobs / prompt_logprobs; otherwise both columns are empty): num_logprobs[i] rows of
+            `logprobs` belong to request_ids[i] (num_tokens[i] when it asked, else 0), and
+            num_prompt_logprobs[i] rows of `prompt_logprobs` (its prompt's, once, with its first
+            tokens), in the order of request_ids.
+            """
+
+        @_builtins.property
+        def logprobs(self) -> _common_pb2.TokenLogprobs: ...
+        @_builtins.property
+        def num_prompt_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        @_builtins.property
+        def prompt_logprobs(self) -> _common_pb2.TokenLogprobs: ...
         def __init__(
             self,
             *,
             request_ids: _abc.Iterable[_builtins.str] | None = ...,
             num_tokens: _abc.Iterable[_builtins.int] | None = ...,
             token_ids: _abc.Iterable[_builtins.int] | None = ...,
+            num_logprobs: _abc.Iterable[_builtins.int] | None = ...,
+            logprobs: _common_pb2.TokenLogprobs | None = ...,
+            num_prompt_logprobs: _abc.Iterable[_builtins.int] | None = ...,
+            prompt_logprobs: _common_pb2.TokenLogprobs | None = ...,
         ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "request_ids", b"request_ids", "token_ids", b"token_ids"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "num_logprobs", b"num_logprobs", "num_prompt_logprobs", b"num_prompt_logprobs", "num_tokens", b"num_tokens", "prompt_logprobs", b"prompt_logprobs", "request_ids", b"request_ids", "token_ids", b"token_ids"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -100,11 +100,14 @@ class RequestServiceStub:
     Generate    INVALID_ARGUMENT *  empty prompt; a value out of range (max_tokens < 1, min_tokens
     outside [0, max_tokens], temperature < 0, top_p outside
     (0, 1], ...); prompt + max_tokens over the model's
-    max_model_len; a token id outside its vocabulary; a
+    max_model_len; a token id outside its vocabulary;
+    logprobs / prompt_logprobs beyond what its workers report
+    (Hello.max_logprobs; the sim's: none); a
     request_id a live request holds; `model` empty while
     several models are served and the configured one is not;
-    a structured_output whose syntax is wrong, or that no
-    instance of the model can apply (Hello.structured_outputs)
+    sample_group over 128 bytes; a structured_output whose
+    syntax is wrong, or that no instance of the model can
+    apply (Hello.structured_outputs)
     NOT_FOUND *         `model` names a model no instance serves
     RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
     ttft_deadline_ms cannot be met (fairness.shed = "shed")
@@ -239,11 +242,14 @@ class RequestServiceServicer:
     Generate    INVALID_ARGUMENT *  empty prompt; a value out of range (max_tokens < 1, min_tokens
     outside [0, max_tokens], temperature < 0, top_p outside
     (0, 1], ...); prompt + max_tokens over the model's
-    max_model_len; a token id outside its vocabulary; a
+    max_model_len; a token id outside its vocabulary;
+    logprobs / prompt_logprobs beyond what its workers report
+    (Hello.max_logprobs; the sim's: none); a
     request_id a live request holds; `model` empty while
     several models are served and the configured one is not;
-    a structured_output whose syntax is wrong, or that no
-    instance of the model can apply (Hello.structured_outputs)
+    sample_group over 128 bytes; a structured_output whose
+    syntax is wrong, or that no instance of the model can
+    apply (Hello.structured_outputs)
     NOT_FOUND *         `model` names a model no instance serves
     RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
     ttft_deadline_ms cannot be met (fairness.shed = "shed")
@@ -417,11 +423,14 @@ class RequestService:
     Generate    INVALID_ARGUMENT *  empty prompt; a value out of range (max_tokens < 1, min_tokens
     outside [0, max_tokens], temperature < 0, top_p outside
     (0, 1], ...); prompt + max_tokens over the model's
-    max_model_len; a token id outside its vocabulary; a
+    max_model_len; a token id outside its vocabulary;
+    logprobs / prompt_logprobs beyond what its workers report
+    (Hello.max_logprobs; the sim's: none); a
     request_id a live request holds; `model` empty while
     several models are served and the configured one is not;
-    a structured_output whose syntax is wrong, or that no
-    instance of the model can apply (Hello.structured_outputs)
+    sample_group over 128 bytes; a structured_output whose
+    syntax is wrong, or that no instance of the model can
+    apply (Hello.structured_outputs)
     NOT_FOUND *         `model` names a model no instance serves
     RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
     ttft_deadline_ms cannot be met (fairness.shed = "shed")

@@ -115,6 +115,7 @@ class Hello(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     STORAGE_BACKENDS_FIELD_NUMBER: _builtins.int
+    MAX_LOGPROBS_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """The instance (model replica) this worker is a rank of; the same for all its ranks."""
@@ -152,6 +153,12 @@ class Hello(_message.Message):
     """Token ids this rank's model accepts are 0..vocab_size-1; 0 = not announced (unchecked).
     The daemon refuses, before queueing, a prompt or stop token id outside it.
     """
+    max_logprobs: _builtins.int
+    """Log-probabilities this rank reports (StepReport.logprobs): the most alternatives per token
+    it computes (vLLM's max_logprobs). 0 = none: the daemon refuses, with INVALID_ARGUMENT
+    naming `logprobs` / `prompt_logprobs`, a request asking for more than any instance of
+    its model reports.
+    """
     structured_outputs: _builtins.bool
     """The worker applies SamplingParams.structured_output (the vLLM worker, through vLLM's
     structured-output backend); false: the daemon places no such request on this instance.
@@ -177,11 +184,12 @@ class Hello(_message.Message):
         max_model_len: _builtins.int = ...,
         vocab_size: _builtins.int = ...,
         storage_backends: _abc.Iterable[_builtins.str] | None = ...,
+        max_logprobs: _builtins.int = ...,
         structured_outputs: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "storage_backends", b"storage_backends", "structured_outputs", b"structured_outputs", "vocab_size", b"vocab_size", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "max_logprobs", b"max_logprobs", "max_model_len", b"max_model_len", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "storage_backends", b"storage_backends", "structured_outputs", b"structured_outputs", "vocab_size", b"vocab_size", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -796,6 +804,14 @@ class StepReport(_message.Message):
     FAILED_SWAP_INS_FIELD_NUMBER: _builtins.int
     FAILED_STORAGE_WRITES_FIELD_NUMBER: _builtins.int
     FAILED_STORAGE_FETCHES_FIELD_NUMBER: _builtins.int
+    DRAFT_HANDLES_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_ACCEPTED_DRAFTS_FIELD_NUMBER: _builtins.int
+    NUM_LOGPROBS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROB_HANDLES_FIELD_NUMBER: _builtins.int
+    NUM_PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Strictly increasing on a stream, from 1; a merged report carries its last step's number."""
     applied_seq: _builtins.int
@@ -858,6 +874,38 @@ class StepReport(_message.Message):
     def failed_storage_fetches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Handles whose storage_fetches (of the messages up to applied_seq) failed; see step 13."""
 
+    @_builtins.property
+    def draft_handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Speculative decoding, sparse and parallel: draft_handles[i] had num_draft_tokens[i] drafts
+        verified in one step, of which num_accepted_drafts[i] were accepted (kept before any stop).
+        Only rows that verified drafts appear (a merged report may name a handle once per step);
+        empty without speculative decoding. The daemon sums them per request (metrics, spans).
+        """
+
+    @_builtins.property
+    def num_draft_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_accepted_drafts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Log-probabilities of the tokens above, only for handles whose placement's SamplingParams
+        asked (logprobs set); both empty when no row did: num_logprobs[i] rows of `logprobs` (0 or
+        num_new_tokens[i]) belong to handles[i], in row order.
+        """
+
+    @_builtins.property
+    def logprobs(self) -> _common_pb2.TokenLogprobs: ...
+    @_builtins.property
+    def prompt_logprob_handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Prompt log-probabilities (SamplingParams.prompt_logprobs), each handle's once, when its
+        prompt's last chunk ran: num_prompt_logprobs[i] rows of `prompt_logprobs` (prompt - 1)
+        belong to prompt_logprob_handles[i].
+        """
+
+    @_builtins.property
+    def num_prompt_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def prompt_logprobs(self) -> _common_pb2.TokenLogprobs: ...
     def __init__(
         self,
         *,
@@ -876,10 +924,18 @@ class StepReport(_message.Message):
         failed_swap_ins: _abc.Iterable[_builtins.int] | None = ...,
         failed_storage_writes: _abc.Iterable[_builtins.str] | None = ...,
         failed_storage_fetches: _abc.Iterable[_builtins.int] | None = ...,
+        draft_handles: _abc.Iterable[_builtins.int] | None = ...,
+        num_draft_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        num_accepted_drafts: _abc.Iterable[_builtins.int] | None = ...,
+        num_logprobs: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _common_pb2.TokenLogprobs | None = ...,
+        prompt_logprob_handles: _abc.Iterable[_builtins.int] | None = ...,
+        num_prompt_logprobs: _abc.Iterable[_builtins.int] | None = ...,
+        prompt_logprobs: _common_pb2.TokenLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "applied_seq", b"applied_seq", "failed", b"failed", "failed_storage_fetches", b"failed_storage_fetches", "failed_storage_writes", b"failed_storage_writes", "failed_swap_ins", b"failed_swap_ins", "failed_swap_outs", b"failed_swap_outs", "finish_reasons", b"finish_reasons", "handles", b"handles", "num_computed", b"num_computed", "num_new_tokens", b"num_new_tokens", "paused", b"paused", "step", b"step", "step_time_ns", b"step_time_ns", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "applied_seq", b"applied_seq", "draft_handles", b"draft_handles", "failed", b"failed", "failed_storage_fetches", b"failed_storage_fetches", "failed_storage_writes", b"failed_storage_writes", "failed_swap_ins", b"failed_swap_ins", "failed_swap_outs", b"failed_swap_outs", "finish_reasons", b"finish_reasons", "handles", b"handles", "logprobs", b"logprobs", "num_accepted_drafts", b"num_accepted_drafts", "num_computed", b"num_computed", "num_draft_tokens", b"num_draft_tokens", "num_logprobs", b"num_logprobs", "num_new_tokens", b"num_new_tokens", "num_prompt_logprobs", b"num_prompt_logprobs", "paused", b"paused", "prompt_logprob_handles", b"prompt_logprob_handles", "prompt_logprobs", b"prompt_logprobs", "step", b"step", "step_time_ns", b"step_time_ns", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

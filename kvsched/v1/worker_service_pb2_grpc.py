@@ -83,7 +83,9 @@ class WorkerServiceStub:
     Ranks > 0 send only hello and heartbeats: they receive the same welcome and tasks, run
     the same steps with rank 0 (the collectives), and never report. The worker checks stop
     conditions after each sampled token and reports a finish (see SamplingParams for the
-    rules); the handle's slot is free once reported.
+    rules); the handle's slot is free once reported. Log-probabilities go with the tokens,
+    only for handles whose SamplingParams ask (StepReport.num_logprobs / logprobs, and the
+    prompt's once: prompt_logprob_handles ...), never beyond Hello.max_logprobs.
     7. A preempted or aborted handle, and a task naming a handle the worker has already finished
     or dropped, is listed in `acked` of the next report and otherwise ignored: once per handle
     is enough (a handle acknowledged again, in the same or a later report, is ignored). The
@@ -215,7 +217,9 @@ class WorkerServiceServicer:
     Ranks > 0 send only hello and heartbeats: they receive the same welcome and tasks, run
     the same steps with rank 0 (the collectives), and never report. The worker checks stop
     conditions after each sampled token and reports a finish (see SamplingParams for the
-    rules); the handle's slot is free once reported.
+    rules); the handle's slot is free once reported. Log-probabilities go with the tokens,
+    only for handles whose SamplingParams ask (StepReport.num_logprobs / logprobs, and the
+    prompt's once: prompt_logprob_handles ...), never beyond Hello.max_logprobs.
     7. A preempted or aborted handle, and a task naming a handle the worker has already finished
     or dropped, is listed in `acked` of the next report and otherwise ignored: once per handle
     is enough (a handle acknowledged again, in the same or a later report, is ignored). The
@@ -357,7 +361,9 @@ class WorkerService:
     Ranks > 0 send only hello and heartbeats: they receive the same welcome and tasks, run
     the same steps with rank 0 (the collectives), and never report. The worker checks stop
     conditions after each sampled token and reports a finish (see SamplingParams for the
-    rules); the handle's slot is free once reported.
+    rules); the handle's slot is free once reported. Log-probabilities go with the tokens,
+    only for handles whose SamplingParams ask (StepReport.num_logprobs / logprobs, and the
+    prompt's once: prompt_logprob_handles ...), never beyond Hello.max_logprobs.
     7. A preempted or aborted handle, and a task naming a handle the worker has already finished
     or dropped, is listed in `acked` of the next report and otherwise ignored: once per handle
     is enough (a handle acknowledged again, in the same or a later report, is ignored). The

@@ -57,6 +57,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
     if host_blocks < 0:
         raise ValueError(f"--host-blocks must be >= 0, got {host_blocks}")
     max_model_len = getattr(args, "max_model_len", 0)
+    max_logprobs = 0  # the sim and model executors report no log-probabilities
     if max_model_len < 0:
         raise ValueError(f"--max-model-len must be >= 0, got {max_model_len}")
     structured_outputs = False  # Hello.structured_outputs: only vLLM's backend applies grammars
@@ -93,6 +94,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         vocab_size = facts.vocab_size
         max_model_len = facts.max_model_len
         structured_outputs = facts.structured_outputs
+        max_logprobs = facts.max_logprobs
         args.num_blocks, args.block_size = facts.num_blocks, facts.block_size
         args.served_model_name = getattr(args, "served_model_name", "") or facts.model_name
     elif args.executor == "model":
@@ -129,6 +131,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         max_model_len=max_model_len,
         vocab_size=vocab_size,
         structured_outputs=structured_outputs,
+        max_logprobs=max_logprobs,
         channel_credentials=credentials,
         metadata=(("authorization", f"Bearer {args.token}"),) if args.token else (),
         kv_listen=args.listen_kv or None,
@@ -186,12 +189,13 @@ async def _serve(worker: Worker) -> int:
 def _log_stats(worker: Worker) -> None:
     s = worker.stats
     log.info(
-        "worker stats: %d steps, %d tokens, %d paused, busy %.3f s, idle %.3f s "
-        "(%.3f s waiting on the daemon, idle_frac_control_plane %.3f), %d connects, "
-        "%d tasks messages, tasks digest %08x, KV pushes %d (%d failed), received %d, "
-        "drafts %d, accepted %d",
+        "worker stats: %d steps, %d tokens, %d prompt tokens computed, %d paused, "
+        "busy %.3f s, idle %.3f s (%.3f s waiting on the daemon, idle_frac_control_plane "
+        "%.3f), %d connects, %d tasks messages, tasks digest %08x, KV pushes %d (%d failed), "
+        "received %d, drafts %d, accepted %d, KV pushed %d blocks in %.3f s (export %.3f s)",
         s.num_steps,
         s.num_tokens,
+        s.num_prefill_tokens,
         s.num_paused,
         s.busy_s,
         s.idle_s,
@@ -205,4 +209,7 @@ def _log_stats(worker: Worker) -> None:
         s.num_kv_received,
         s.num_draft_tokens,
         s.num_accepted_drafts,
+        s.num_kv_push_blocks,
+        s.kv_push_s,
+        s.kv_export_s,
     )

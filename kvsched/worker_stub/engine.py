@@ -7,12 +7,14 @@ handles it holds; one handle's SeqWork and the counters its tokens advance are `
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from enum import Enum
 
 import numpy as np
 
 from kvsched.core.errors import ProtocolError
+from kvsched.core.logprobs import TokenLogprobs
 from kvsched.core.protocol import (
     Chunk,
     Extension,
@@ -22,7 +24,7 @@ from kvsched.core.protocol import (
     Tasks,
 )
 from kvsched.worker_stub.encoder_drops import check_encoder_drops
-from kvsched.worker_stub.executor import ColumnarExecutor, Executor, SeqWork
+from kvsched.worker_stub.executor import ColumnarExecutor, Executor, SeqWork, StepResult
 from kvsched.worker_stub.host_kv import HostCopies
 from kvsched.worker_stub.rows import After, Held, Rows
 from kvsched.worker_stub.slots import IntArray, SlotTable
@@ -113,6 +115,8 @@ class WorkerEngine:
         self.step_count = 0  # reports produced
         self.num_draft_tokens = 0  # speculative drafts verified, and of them accepted
         self.num_accepted_drafts = 0
+        self.kv_export_s = 0.0  # reading pushed KV out of the executor's cache (prefill role)
+        self.num_prefill_tokens = 0  # prompt positions computed by chunks (a prefix hit: none)
 
     def reset(self) -> None:
         """Forget every handle and all KV (a reconnect starts from an empty cache)."""
@@ -312,8 +316,13 @@ class WorkerEngine:
                 (s, self._rows.work(s)) for s in (held[occupant[i]] for i in decodes.tolist())
             ]
             result = self.executor.execute([w for _, w in batch])
-            for (s, w), tokens in zip(batch, result.tokens, strict=True):
+            lps = result.logprobs is not None or result.prompt_logprobs is not None
+            for j, ((s, w), tokens) in enumerate(zip(batch, result.tokens, strict=True)):
                 self._record(s, w, tokens, report)
+                if lps:  # (rows of works that asked: the vLLM executor's)
+                    add_logprobs(report, s.handle, result, j)
+            if report.num_logprobs:
+                report.num_logprobs.extend([0] * (len(report.handles) - len(report.num_logprobs)))
             report.step_time_ns = round(result.step_time_s * 1e9)
         self._push_kv()
         report.acked = list(self._acked)
@@ -337,7 +346,9 @@ class WorkerEngine:
             s = self._held[handle]
             if self._chunk_readiness(s) is _Ready.RUN:
                 del self._prefills[handle]
-                batch.append((s, self._rows.work(s)))
+                work = self._rows.work(s)
+                self.num_prefill_tokens += len(work.token_ids)
+                batch.append((s, work))
             elif not self._table.paused[s.slot]:
                 self._table.paused[s.slot] = True
                 report.paused.append(handle)
@@ -365,8 +376,12 @@ class WorkerEngine:
     def _record(self, s: Held, w: SeqWork, tokens: list[int], report: StepReport) -> None:
         """Advance a handle by what its SeqWork produced (its report row), then act on it."""
         if w.num_draft:
+            accepted = min(w.num_draft, max(0, len(tokens) - 1))
             self.num_draft_tokens += w.num_draft
-            self.num_accepted_drafts += max(0, len(tokens) - 1)
+            self.num_accepted_drafts += accepted
+            report.draft_handles.append(s.handle)
+            report.num_draft_tokens.append(w.num_draft)
+            report.num_accepted_drafts.append(accepted)
         after = self._rows.record(s, w, tokens, report)
         if after is After.NEXT_CHUNK:
             self._prefills[s.handle] = None
@@ -386,9 +401,32 @@ class WorkerEngine:
                     raise RuntimeError("no kv_sender configured")
                 if len(send.dst_block_ids) < num_blocks:
                     raise ValueError(f"{num_blocks} blocks to send, destination has fewer")
+                started = time.perf_counter()
                 data = self.executor.export_kv(s.block_ids[:num_blocks])
+                self.kv_export_s += time.perf_counter() - started
                 self._kv_sender(send, data)
             except Exception:
                 log.warning("KV push of handle %d failed", handle, exc_info=True)
                 self._failed[handle] = None
             self._free(handle)
+
+
+def add_logprobs(report: StepReport, handle: int, result: StepResult, j: int) -> None:
+    """SeqWork j's log-probability rows into the report, after its row (the last one): one
+    per token kept (a stop cuts the rest), and its prompt's rows once its last chunk ran."""
+    rows = result.logprobs[j] if result.logprobs is not None else []
+    kept = int(report.num_new_tokens[-1]) if len(report.handles) else 0
+    if rows and kept and report.handles[-1] == handle:
+        counts = report.num_logprobs
+        counts.extend([0] * (len(report.handles) - 1 - len(counts)))
+        counts.append(kept)
+        if report.logprobs is None:
+            report.logprobs = TokenLogprobs()
+        report.logprobs.extend(rows[:kept])
+    prompt = result.prompt_logprobs[j] if result.prompt_logprobs is not None else None
+    if prompt is not None:
+        report.prompt_logprob_handles.append(handle)
+        report.num_prompt_logprobs.append(len(prompt))
+        if report.prompt_logprobs is None:
+            report.prompt_logprobs = TokenLogprobs()
+        report.prompt_logprobs.extend(prompt)

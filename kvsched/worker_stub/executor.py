@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from kvsched.core.logprobs import LogprobRow
 from kvsched.core.protocol import MultimodalRange, SamplingParams
 
 
@@ -44,6 +45,11 @@ class StepResult:
     tokens: list[list[int]]  # per SeqWork: sampled tokens ([] when sample is False);
     # with drafts: the accepted drafts followed by one bonus token
     step_time_s: float  # what the step took (simulated or measured)
+    # Per SeqWork, only from an executor that reports log-probabilities (the vLLM one) and only
+    # for works whose sampling asked: one row per sampled token ([] otherwise), and the
+    # prompt's rows (positions 1..) when its last chunk ran (None otherwise).
+    logprobs: list[list[LogprobRow]] | None = None
+    prompt_logprobs: list[list[LogprobRow] | None] | None = None
 
 
 class Executor(Protocol):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -118,7 +119,9 @@ class KvPush:
 
     async def push_all(self, due: list[_DuePush], report: StepReport | None) -> None:
         """Push concurrently; a failed push lists its handle in the report's `failed`."""
+        started = time.perf_counter()
         results = await asyncio.gather(*(self._push(p) for p in due), return_exceptions=True)
+        self.stats.kv_push_s += time.perf_counter() - started
         for p, result in zip(due, results, strict=True):
             if isinstance(result, Exception):
                 self.stats.num_kv_push_failures += 1
@@ -134,6 +137,7 @@ class KvPush:
                     report.failed.append(p.send.handle)
             else:
                 self.stats.num_kv_pushes += 1
+                self.stats.num_kv_push_blocks += len(p.send.dst_block_ids)
 
     async def _push(self, p: _DuePush) -> None:
         channel = self._channels.get(p.address)

@@ -71,6 +71,7 @@ class Worker(StepLoop):
         max_model_len: int = 0,
         vocab_size: int = 0,
         structured_outputs: bool = False,
+        max_logprobs: int = 0,
         executor_name: str = "sim",
         channel_credentials: grpc.ChannelCredentials | None = None,
         metadata: Sequence[tuple[str, str]] = (),
@@ -120,6 +121,7 @@ class Worker(StepLoop):
         self.max_model_len = max_model_len  # announced limits (0: not announced)
         self.vocab_size = vocab_size
         self.structured_outputs = structured_outputs  # the executor applies grammars
+        self.max_logprobs = max_logprobs  # Hello.max_logprobs: 0, none (sim, model)
         self.executor_name = executor_name
         # Hello.storage_backends (step 13); None: what this executor can reach
         self.storage_backends = list(
@@ -269,6 +271,7 @@ class Worker(StepLoop):
             model=self.model,
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
+            max_logprobs=self.max_logprobs,
             protocol_version=codec.PROTOCOL_VERSION,
             worker_address=self.kv.address or "",
             executor=self.executor_name,

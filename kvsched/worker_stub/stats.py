@@ -23,8 +23,14 @@ class WorkerStats:
     num_kv_pushes: int = 0
     num_kv_push_failures: int = 0
     num_kv_received: int = 0
+    # KV pushes' cost (prefill role): blocks pushed, seconds reading them out of the executor's
+    # cache (inside steps), and wall seconds of the pushes (the receiver's write included).
+    num_kv_push_blocks: int = 0
+    kv_export_s: float = 0.0
+    kv_push_s: float = 0.0
     num_draft_tokens: int = 0  # speculative drafts verified, and of them accepted
     num_accepted_drafts: int = 0
+    num_prefill_tokens: int = 0  # prompt positions computed (chunks run; prefix hits are not)
 
     @property
     def idle_frac_control_plane(self) -> float:

@@ -224,6 +224,10 @@ class StepLoop:
         self.stats.num_draft_tokens += engine.num_draft_tokens
         self.stats.num_accepted_drafts += engine.num_accepted_drafts
         engine.num_draft_tokens = engine.num_accepted_drafts = 0
+        self.stats.kv_export_s += engine.kv_export_s
+        engine.kv_export_s = 0.0
+        self.stats.num_prefill_tokens += engine.num_prefill_tokens
+        engine.num_prefill_tokens = 0
         self.stats.num_paused += len(report.paused)
         if self.rank == 0:
             self._report(outbox, codec.report_message(report))
@@ -237,7 +241,7 @@ class StepLoop:
         a growing queue of stale ones, and its decisions stay within a few steps of the worker.
         """
         if self._held is not None:
-            self._held.MergeFrom(msg)
+            codec.merge_reports(self._held.report, msg.report)
         elif self._paced and len(self._unanswered) >= MAX_UNANSWERED:
             self._held = msg
         else:

@@ -44,6 +44,9 @@ def vllm_sampling(
         repetition_penalty=sampling.repetition_penalty,
         logit_bias=dict(sampling.logit_bias) or None,
         min_p=sampling.min_p,
+        logprobs=sampling.logprobs,
+        # (a re-placement after outputs recomputes prompt + outputs: its prompt's rows are known)
+        prompt_logprobs=sampling.prompt_logprobs if num_output == 0 else None,
         detokenize=False,
         structured_outputs=vllm_params(sampling.structured) if sampling.structured else None,
     )

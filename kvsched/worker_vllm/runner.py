@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsched.worker_stub.executor import SeqWork, StepResult
-from kvsched.worker_vllm import spec_decode
+from kvsched.worker_vllm import logprobs, spec_decode
 from kvsched.worker_vllm.spin import nap_seconds, quiet_executor
 from kvsched.worker_vllm.structured import Grammars
 
@@ -82,6 +82,7 @@ class EngineFacts:
     eos_token_id: int | None  # the tokenizer's (None without tokenizer files)
     generation_config: dict[str, Any]
     num_speculative_tokens: int = 0  # drafts per step the runner verifies (0: none)
+    max_logprobs: int = 0  # log-probability alternatives per token (vLLM's max_logprobs)
 
 
 @dataclass(slots=True)
@@ -159,6 +160,7 @@ class VllmModel:
             eos_token_id=_tokenizer_eos(model),
             generation_config=dict(mc.try_get_generation_config() or {}),
             num_speculative_tokens=num_speculative_tokens,
+            max_logprobs=int(mc.get_vocab_size() if mc.max_logprobs < 0 else mc.max_logprobs),
         )
         log.info("vLLM engine ready in %.1f s: %s", time.monotonic() - started, self.facts)
 
@@ -369,7 +371,29 @@ class VllmExecutor:
                 self.grammars.accept(w.req_id, kept)
             tokens.append(kept)
         self.num_steps += 1
-        return StepResult(tokens, time.perf_counter() - started)
+        out = StepResult(tokens, time.perf_counter() - started)
+        if result is not None and (result.logprobs is not None or result.prompt_logprobs_dict):
+            self._logprobs(work, tokens, result, out)  # only steps with requests that asked
+        return out
+
+    def _logprobs(
+        self, work: list[SeqWork], tokens: list[list[int]], result: Any, out: StepResult
+    ) -> None:
+        """The step's log-probability rows (logprobs.py) into `out`, per SeqWork."""
+        out.logprobs = [[] for _ in work]
+        out.prompt_logprobs = [None] * len(work)
+        prompt_dict = result.prompt_logprobs_dict or {}
+        for j, w in enumerate(work):
+            r = self._reqs.get(w.req_id)
+            if not w.sample or r is None:
+                continue
+            k = r.params.logprobs
+            if k is not None and result.logprobs is not None and tokens[j]:
+                index = result.req_id_to_index[w.req_id]
+                out.logprobs[j] = logprobs.sample_rows(result.logprobs, index, len(tokens[j]), k)
+            got = prompt_dict.get(w.req_id)
+            if got is not None and r.params.prompt_logprobs is not None:
+                out.prompt_logprobs[j] = logprobs.prompt_rows(got, r.params.prompt_logprobs)
 
     @staticmethod
     def _new_data(req_id: str, r: _Req, params: Any, blocks: Any, start: int) -> Any:

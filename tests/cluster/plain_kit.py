@@ -200,8 +200,10 @@ async def _drive(
                 await asyncio.sleep(pause_s)
             finally:
                 proc.signal(signal.SIGCONT)
-        else:
-            daemons[out.victim].kill9()
+        else:  # SIGKILL now; its exit waited for in a thread, not on this loop (the wait
+            # stalled every stream here), and not the kill itself (a thread may start late)
+            proc.popen.kill()
+            await asyncio.to_thread(proc.popen.wait, 10)
         out.woke_at = time.monotonic()
         got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 180)
         out.errors = [g for g in got if isinstance(g, BaseException)]

@@ -48,6 +48,23 @@ def test_the_page_lists_exactly_what_the_plain_client_uses() -> None:
     assert {m for m in mods if m and m.startswith("kvsched")} == {"kvsched.v1"}, mods
 
 
+def test_the_node_example_uses_what_the_page_lists() -> None:
+    """examples/node/resume.js follows the same section: its channel options and its two
+    bounds are the page's (tests/cluster/test_node_resume.py runs it through a kill -9)."""
+    sec = _section()
+    block = sec[sec.index("```text") : sec.index("```", sec.index("```text") + 1)]
+    listed = dict((k, int(v)) for k, v in re.findall(r"^(grpc\.[\w.]+) = (\d+)$", block, re.M))
+    js = (REPO / "examples" / "node" / "resume.js").read_text()
+    opts = js[js.index("const CHANNEL_OPTIONS = {") : js.index("};", js.index("CHANNEL_OPTIONS"))]
+    used = {k: int(v) for k, v in re.findall(r'"(grpc\.[\w.]+)": (\d+),', opts)}
+    assert used == listed
+    first = re.search(r"^const FIRST_ANSWER_MS = (\d+);", js, re.M)
+    backoff = re.search(r"^const RETRY_BACKOFF_MS = (\d+);", js, re.M)
+    assert first is not None and int(first.group(1)) == plain_client.FIRST_ANSWER_TIMEOUT_S * 1000
+    assert backoff is not None and int(backoff.group(1)) == plain_client.RETRY_BACKOFF_S * 1000
+    assert "detachable: true" in js and "RequestAlreadyLive" in js
+
+
 def _check(out: plain_kit.Outcome) -> list[int]:
     """Exact streams, and the streams the fault stalled (>= 1 s without a token): returned."""
     assert not out.errors, out.errors[:3]
@@ -72,6 +89,11 @@ def test_plain_client_streams_leave_a_paused_daemon_while_it_is_stopped() -> Non
     late = [i for i in stalled if out.fault_at + (out.stall(i) or 0.0) >= out.woke_at]
     assert not late, [f"{out.timeline(i)}\n{out.log_of(i)}" for i in late]
     assert out.converged_s >= 0  # one daemon per instance, the one its lease names
+    # The paused daemon's workers left it and waited at a survivor (WorkerGate._hold), never
+    # sent back to the paused daemon, until its lease moved.
+    victim = f"pl-d{out.victim}"
+    assert out.events(r"waits here: its daemon " + victim), "no survivor held a worker"
+    assert not out.events(r"redirected to daemon " + victim + r"\b"), out.events("redirected")
 
 
 @pytest.mark.faults

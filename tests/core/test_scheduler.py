@@ -334,6 +334,28 @@ def test_speculative_budget_k_plus_one_and_extra_block() -> None:
     assert ext and set(ext) == {2}, "prealloc_blocks + one extra block with speculation"
 
 
+def test_draft_counts_reach_the_request_and_the_counters() -> None:
+    """A report's sparse draft columns add each row's verified and accepted drafts to its
+    request and the snapshot's counters; a row about a handle no longer live is dropped, and
+    an accepted count above the drafts is clamped to them."""
+    s = make_scheduler(block_size=16, num_speculative_tokens=3)
+    a, b = make_request(20, max_tokens=50), make_request(20, max_tokens=50)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)
+    for drafts, accepted in ((3, 2), (3, 0), (3, 5)):
+        s.schedule()
+        rep = report(s, [(a.handle, a.num_tokens + 1, [1] * (1 + min(accepted, drafts)))])
+        rep.draft_handles, rep.num_draft_tokens = [a.handle, 10_000], [drafts, 7]
+        rep.num_accepted_drafts = [accepted, 7]
+        s.apply_report(rep)
+        s.check_integrity()
+    assert (a.num_draft_tokens, a.num_accepted_drafts) == (9, 5)
+    assert (b.num_draft_tokens, b.num_accepted_drafts) == (0, 0)
+    snap = s.snapshot()
+    assert (snap.num_draft_tokens, snap.num_accepted_drafts) == (9, 5)
+
+
 def test_pause_preempts_everything_and_holds_admission() -> None:
     s = make_scheduler()
     reqs = make_requests(3, 20, max_tokens=50)

@@ -302,7 +302,8 @@ class Harness:
         self.streamed: defaultdict[str, list[int]] = defaultdict(list)  # Events.tokens, in order
 
     # ---- what a front end does -----------------------------------------------------------
-    def add(self, prompt: list[int], max_tokens: int, priority: int = 0) -> None:
+    def add(self, prompt: list[int], max_tokens: int, priority: int = 0, group: str = "") -> None:
+        """group: a sample group (core/scheduler/groups.py): its samples share the prompt."""
         req_id = f"r{len(self.requests)}"
         n = len(self.requests)
         # Tenants and deadlines vary (the clock ticks 1 s per read: own deadlines of a few ms
@@ -316,6 +317,7 @@ class Harness:
             ttft_deadline_ms=float((n * 7) % 5 * 3),
             tenant=f"t{n % 3}",
             mm_ranges=self._items(prompt),
+            sample_group=group,
         )
         self.scheduler.add_request(req)
         self.requests[req_id] = req
@@ -539,6 +541,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         for prefix, suffix, max_tokens, priority in reqs:
             self.h.add(make_prompt(prefix, suffix), max_tokens, priority)
 
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        suffix=st.lists(st.integers(10, 40), min_size=1, max_size=8),
+        max_tokens=st.integers(1, 12),
+        n=st.integers(2, 4),
+    )
+    def add_samples(self, prefix: int, suffix: list[int], max_tokens: int, n: int) -> None:
+        """n samples of one prompt (a sample group): one computes it, the others wait."""
+        group = f"g{len(self.h.requests)}"
+        for _ in range(n):
+            self.h.add(make_prompt(prefix, suffix), max_tokens, 0, group)
+
     @precondition(lambda self: self.h.scheduler.requests)
     @rule(data=st.data())
     def abort_live(self, data: st.DataObject) -> None:
@@ -627,13 +641,19 @@ test_scheduler_state_machine = SchedulerMachine.TestCase
 def test_fixed_seed_long_run(setup: Setup) -> None:
     """~2000 steps of the same loop with a fixed seed: a regression net that needs no search."""
     rng = random.Random(20261202)
+    groups = random.Random(35)  # sample groups drawn apart: the main sequence stays as it was
+    held = 0  # the most samples held at once
     h = Harness(setup)
     for _ in range(2000):
         roll = rng.random()
         if roll < 0.3:
             suffix = [rng.randint(10, 40) for _ in range(rng.randint(1, 8))]
             prompt = make_prompt(rng.randrange(len(PREFIXES)), suffix)
-            h.add(prompt, rng.randint(1, 12), rng.randint(0, 3))
+            max_tokens, priority = rng.randint(1, 12), rng.randint(0, 3)
+            n = groups.choice([1, 1, 1, 2, 3])
+            key = f"g{len(h.requests)}" if n > 1 else ""
+            for _ in range(n):
+                h.add(prompt, max_tokens, priority, key)
         elif roll < 0.36 and h.scheduler.requests:
             h.abort(rng.choice(sorted(h.scheduler.requests)))
         elif roll < 0.38 and h.finished_ids:
@@ -644,7 +664,9 @@ def test_fixed_seed_long_run(setup: Setup) -> None:
             h.scheduler.resume()
         h.advance(rng.randint(0, 2), rng.randint(0, 2))
         h.check()
+        held = max(held, h.scheduler.num_held)
     assert h.scheduler.stats.num_preemptions > 0, "the pool was meant to force preemption"
+    assert held > 0, "samples were meant to wait for their group's prompt"
     if (enc := h.scheduler.enc) is not None:  # items were shared, and evicted
         assert enc.stats.hits > 0 and enc.stats.evictions > 0, enc.stats
     if setup.storage:  # blocks were written and fetched, and some of each failed

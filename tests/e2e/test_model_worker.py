@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
 from kvsched.core.protocol import Tasks
 from kvsched.core.request import Request
@@ -423,17 +425,34 @@ def test_speculative_decoding_with_ngram_drafts_matches_reference(backend: str) 
     specs += varied_requests(3, seed=7, prefix="plain")  # drafts mostly rejected
     engine = {"speculative.num_speculative_tokens": SPEC_K, "scheduler.max_num_batched_tokens": 64}
 
-    async def go() -> tuple[list[Result], ModelHarness]:
+    async def go() -> tuple[list[Result], ModelHarness, Any, str]:
         async with model_daemon(backend=backend, engine=engine) as h:
             results = await generate_all(h, specs)
             await h.wait_pool_free()
-            return results, h
+            sched = h.daemon.engines["i0"].sched
+            assert sched is not None
+            metrics = generate_latest(h.daemon.telemetry.metrics.registry).decode()
+            return results, h, sched.snapshot(), metrics
 
-    results, h = run(go())
+    results, h, snap, metrics = run(go())
     assert_matches_reference(results)
     per_row = [n for rep in h.reports["i0"] for n in rep.num_new_tokens if n]
     # 1 + accepted drafts per decode step: every count from none to all SPEC_K drafts occurs
     assert set(range(1, SPEC_K + 2)) <= set(per_row), sorted(per_row)
+    # Each drafted row's drafts and accepted drafts reach the daemon (over the wire), which
+    # counts them per instance and per request (the acceptance-rate histogram, one per request).
+    reps = h.reports["i0"]
+    drafts = sum(d for rep in reps for d in rep.num_draft_tokens)
+    accepted = sum(a for rep in reps for a in rep.num_accepted_drafts)
+    assert 0 < accepted < drafts
+    assert (snap.num_draft_tokens, snap.num_accepted_drafts) == (drafts, accepted)
+    total = re.search(
+        r'kvsched_spec_decode_num_draft_tokens_total\{instance="i0"[^}]*\} (\S+)', metrics
+    )
+    assert total is not None and float(total.group(1)) == drafts
+    count = re.search(r"kvsched_request_spec_decode_acceptance_rate_count\{[^}]*\} (\S+)", metrics)
+    drafted = {rid for rep in reps for rid in rep.draft_handles}
+    assert count is not None and float(count.group(1)) == len(drafted) > 0
 
 
 # ---- (8) the check can fail ------------------------------------------------------------------

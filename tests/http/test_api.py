@@ -213,7 +213,7 @@ def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
     [
         ({"prompt": "x", "n": 0}, "n", "n must be in [1, 128]"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
+        ({"prompt": "x", "logprobs": 2}, "logprobs", "do not report log-probabilities"),
         ({"prompt": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
         ({"prompt": [1, 2, VOCAB]}, "prompt", "outside the vocabulary"),
         ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),

@@ -403,3 +403,26 @@ def test_n_samples_seeds_follow_vllms_children() -> None:
     opts = sample_options({"seed": 0, "request_id": "r", "temperature": 1.0}, 3)
     assert [(o["seed"], o["request_id"]) for o in opts] == [(0, "r-0"), (1, "r-1"), (2, "r-2")]
     assert all("seed" not in o for o in sample_options({"temperature": 1.0}, 2))
+    groups = {o["sample_group"] for o in opts}  # one group per HTTP request, a new one each
+    assert len(groups) == 1 and groups.isdisjoint(o["sample_group"] for o in sample_options({}, 2))
+
+
+def test_samples_of_one_request_start_at_one_daemon() -> None:
+    """With several --server addresses the samples of one request are submitted to one daemon
+    first (it computes their prompt once); requests of no group rotate."""
+    import asyncio
+
+    from kvsched.http.backend import Backend
+    from kvsched.http.samples import sample_options
+
+    async def go() -> None:
+        b = Backend(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"])
+        try:
+            for opts in (sample_options({}, 4) for _ in range(6)):
+                firsts = {id(b._rotation(o["sample_group"])[0]) for o in opts}
+                assert len(firsts) == 1
+            assert len({id(b._rotation()[0]) for _ in range(3)}) == 3
+        finally:
+            await b.close()
+
+    asyncio.run(go())

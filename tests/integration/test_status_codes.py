@@ -93,6 +93,9 @@ def test_generate_codes(daemon: Daemon) -> None:
     # a structured-output constraint the sim worker cannot apply (its Hello does not announce it)
     so = common_pb2.StructuredOutput(regex="[0-9]+")
     assert code_of(lambda: d.generate(req(structured_output=so))) == C.INVALID_ARGUMENT
+    long_group = req()
+    long_group.sample_group = "g" * 129  # over 128 bytes
+    assert code_of(lambda: d.generate(long_group)) == C.INVALID_ARGUMENT
     # NOT_FOUND: a model no instance serves
     assert code_of(lambda: d.generate(req(model="nope"))) == C.NOT_FOUND
     # UNAUTHENTICATED / PERMISSION_DENIED

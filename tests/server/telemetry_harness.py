@@ -88,6 +88,7 @@ class Harness:
 
     def __init__(self, daemon: daemon_mod.Daemon, port: int, workers: dict[str, Worker]) -> None:
         self.daemon = daemon
+        self.port = port
         self.workers = workers
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         self.stub = request_service_pb2_grpc.RequestServiceStub(self.channel)
@@ -140,6 +141,7 @@ async def running_daemon(
     zero_cost: bool = True,
     instances: tuple[str, ...] = ("i0",),
     num_host_blocks: int = 0,
+    speed: float = 1.0,
 ) -> AsyncIterator[Harness]:
     """Yield a Harness; on exit stop the workers and the server, then shut telemetry down
     (which flushes the span exporters)."""
@@ -152,7 +154,7 @@ async def running_daemon(
         iid: Worker(
             f"127.0.0.1:{port}",
             iid,
-            sim_engine_factory(num_slots, zero_cost=zero_cost),
+            sim_engine_factory(num_slots, zero_cost=zero_cost, speed=speed),
             num_gpu_blocks=num_gpu_blocks,
             num_host_blocks=num_host_blocks,
             block_size=block_size,

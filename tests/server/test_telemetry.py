@@ -511,6 +511,7 @@ def test_spans_are_built_off_the_loop_and_keep_rare_events_in_order() -> None:
         tracing.lifecycle(mixed, Events(scheduled=[req]))
         req.finish_reason, req.finished_time = FinishReason.LENGTH, time.monotonic()
         set_output(req, [5, 6, 7, 8])
+        req.num_draft_tokens, req.num_accepted_drafts = 10, 4  # speculative decoding's counts
         tracing.request_finished(tr)
 
         prefill = SimpleNamespace(instance_id="p0", role=Role.PREFILL)
@@ -552,6 +553,12 @@ def test_spans_are_built_off_the_loop_and_keep_rare_events_in_order() -> None:
     }
     assert attributes(span.attributes)["kvsched.num_preemptions"] == 1
     assert attributes(span.attributes)["gen_ai.usage.output_tokens"] == 4
+    spec = {k: v for k, v in attributes(span.attributes).items() if "spec_decode" in k}
+    assert spec == {
+        "kvsched.spec_decode.draft_tokens": 10,
+        "kvsched.spec_decode.accepted_tokens": 4,
+        "kvsched.spec_decode.acceptance_rate": 0.4,
+    }
 
     _, span = spans["pd"]
     assert span.parent_span_id == b"" and len(span.trace_id) == 16
@@ -567,6 +574,7 @@ def test_spans_are_built_off_the_loop_and_keep_rare_events_in_order() -> None:
         ("resumed", "d0"),
     ]
     assert attributes(span.attributes)["kvsched.instance"] == "d0"
+    assert not [k for k in attributes(span.attributes) if "spec_decode" in k]  # no drafts
 
 
 def test_spans_of_finished_and_open_requests_are_exported_at_shutdown(

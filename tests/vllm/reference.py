@@ -50,6 +50,19 @@ def main(path_in: str, path_out: str) -> None:
         prompts = [{"prompt_token_ids": r["prompt"]} for r in job["requests"]]
         results = llm.generate(prompts, params, use_tqdm=False)
         out["outputs"] = [list(r.outputs[0].token_ids) for r in results]
+        # Log-probabilities of the requests that asked: per position the token's value and rank
+        # and the top k ({id: logprob}); the prompt's first position None.
+        out["logprobs"] = [
+            {
+                "prompt": _rows(
+                    res.prompt_logprobs, r["prompt"], r["params"].get("prompt_logprobs")
+                ),
+                "output": _rows(
+                    res.outputs[0].logprobs, res.outputs[0].token_ids, r["params"].get("logprobs")
+                ),
+            }
+            for r, res in zip(job["requests"], results, strict=True)
+        ]
     if job.get("gaps"):
         one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=vocab, detokenize=False)
         results = llm.generate(
@@ -71,6 +84,19 @@ def main(path_in: str, path_out: str) -> None:
         out["gaps"] = gaps
     with open(path_out, "w") as f:
         json.dump(out, f)
+
+
+def _rows(entries: object, ids: list[int], k: int | None) -> list[object] | None:
+    if k is None or entries is None:
+        return None
+    out: list[object] = []
+    for e, t in zip(entries, ids, strict=False):  # type: ignore[call-overload]
+        if e is None:
+            out.append(None)
+            continue
+        top = {str(i): lp.logprob for i, lp in e.items() if 1 <= lp.rank <= k}
+        out.append({"logprob": e[t].logprob, "rank": e[t].rank, "top": top})
+    return out
 
 
 if __name__ == "__main__":

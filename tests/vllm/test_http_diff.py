@@ -28,7 +28,7 @@ import httpx
 from kvsched.tinymodel.model import make_model
 from kvsched.tinymodel.tokenizer import make_tokenizer
 from tests.http.harness import start_http
-from tests.integration.harness import Proc, child_env, start_daemon, wait_ready
+from tests.integration.harness import Proc, child_env, start_daemon, status, wait_ready
 from tests.vllm.structured_cases import (
     CONSTRAINED,
     TOOL_NAMES,
@@ -55,11 +55,11 @@ KNOWN = {
     ("completions", "repetition_0"): _NAMED,
     ("chat", "no_messages"): _NAMED,
     ("completions", "n_greedy"): _NAMED,
-    ("completions", "logprobs"): "log-probabilities are not reported by kvsched's workers yet",
-    ("chat", "logprobs"): "log-probabilities are not reported by kvsched's workers yet",
-    ("completions", "echo"): "echo needs prompt log-probabilities: not served yet",
     ("completions", "bad_regex"): "kvsched names the parameter (the daemon's syntax check)",
 }
+
+
+_DAEMON: list[str] = []  # the daemon's address, while `servers` runs
 
 
 def _free_port() -> int:
@@ -143,6 +143,7 @@ def servers(model: Path) -> Iterator[tuple[str, str]]:
         wait_ready(address, ["v0"], timeout=600)
         vllm.wait()
         http, url = start_http(model, address, *TOOL_FLAGS)
+        _DAEMON[:] = [address]
         yield vllm.url, url
     finally:
         for p in (http, worker, daemon):
@@ -227,6 +228,31 @@ def test_n_samples_equal(servers: tuple[str, str], sampling: dict[str, Any]) -> 
     assert k["usage"]["completion_tokens"] == v["usage"]["completion_tokens"]
 
 
+def test_n_samples_of_a_long_prompt_fork_one_prefill_and_equal_vllms(
+    servers: tuple[str, str],
+) -> None:
+    """n = 4 on a prompt of several KV blocks: the daemon computes it once (the three other
+    samples take its full blocks from the prefix cache: the instance's hit counter grows by
+    exactly 3 x those), and each sample still equals vLLM's of the same index."""
+    prompt = "Four long takes on one theme, each its own: " + " ".join(
+        f"item {i} of a list that makes the prompt span several blocks;" for i in range(24)
+    )
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "n": 4, "temperature": 1}
+    before = status(_DAEMON[0], "v0").instances[0]
+    v, k = both(servers, "/v1/completions", {**body, "seed": 11})
+    after = status(_DAEMON[0], "v0").instances[0]
+    vc = sorted(v["choices"], key=lambda c: c["index"])
+    kc = sorted(k["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in kc] == [c["text"] for c in vc]
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert k["usage"][key] == v["usage"][key], key
+    n_prompt = v["usage"]["prompt_tokens"]
+    full = (n_prompt - 1) // before.block_size * before.block_size
+    assert full >= 2 * before.block_size
+    hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+    assert hits == 3 * full, (hits, full)
+
+
 def test_chat_equal_with_text_parts(servers: tuple[str, str]) -> None:
     chats = [
         [{"role": "user", "content": "What is the capital of France?"}],
@@ -308,12 +334,34 @@ BAD: list[tuple[str, str, dict[str, Any]]] = [
     ("completions", "unknown_model", {"prompt": "x", "model": "gpt-9"}),
     ("completions", "too_long", {"prompt": [5 + i % 400 for i in range(MAX_MODEL_LEN + 3)]}),
     ("completions", "stop_5", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}),
-    ("completions", "logprobs", {"prompt": "x", "logprobs": 2}),
+    ("completions", "logprobs_over_max", {"prompt": "x", "logprobs": 30}),
+    ("completions", "logprobs_negative", {"prompt": "x", "logprobs": -2}),
+    ("completions", "logprobs_all", {"prompt": "x", "logprobs": -1}),
+    ("completions", "prompt_logprobs_over_max", {"prompt": "x", "prompt_logprobs": 21}),
+    (
+        "completions",
+        "prompt_logprobs_streamed",
+        {"prompt": "x", "prompt_logprobs": 1, "stream": True},
+    ),
     ("completions", "n_greedy", {"prompt": "x", "n": 4, "temperature": 0}),
     ("completions", "n_2", {"prompt": "x", "n": 2}),
-    ("completions", "echo", {"prompt": "x", "echo": True, "max_tokens": 2}),
+    ("completions", "echo_logprobs_over_max", {"prompt": "x", "echo": True, "logprobs": 25}),
     ("chat", "no_messages", {"messages": []}),
-    ("chat", "logprobs", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}),
+    (
+        "chat",
+        "top_logprobs_alone",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+    ),
+    (
+        "chat",
+        "top_logprobs_over_max",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+    ),
+    (
+        "chat",
+        "top_logprobs_negative",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -3},
+    ),
     ("chat", "custom_role", {"messages": [{"role": "robot", "content": "x"}], "max_tokens": 2}),
     ("chat", "no_content", {"messages": [{"role": "user"}], "max_tokens": 2}),
     ("completions", "stop_token_out_of_vocab", {"prompt": "x", "stop_token_ids": [600]}),
@@ -425,3 +473,160 @@ def test_auto_tool_choice_equals_vllms(servers: tuple[str, str]) -> None:
     assert "tool_calls" not in k["choices"][0]["message"]
     assert "tool_calls" not in v["choices"][0]["message"]
     assert k["choices"][0]["finish_reason"] == v["choices"][0]["finish_reason"]
+
+
+# --- log-probabilities, echo, prompt_logprobs, token ids while streaming -----------------------
+
+TOL = 1e-4  # vLLM's float32 values through two servers: equal up to this
+
+
+def _close(a: float | None, b: float | None) -> None:
+    assert (a is None) == (b is None), (a, b)
+    if a is not None and b is not None:
+        assert abs(a - b) <= TOL, (a, b)
+
+
+def _close_dict(a: dict[str, float] | None, b: dict[str, float] | None) -> None:
+    assert (a is None) == (b is None), (a, b)
+    if a is not None and b is not None:
+        assert set(a) == set(b), (a, b)
+        for key in a:
+            _close(a[key], b[key])
+
+
+def same_completion_logprobs(v: dict[str, Any], k: dict[str, Any]) -> None:
+    assert k["tokens"] == v["tokens"]
+    assert k["text_offset"] == v["text_offset"]
+    assert len(k["token_logprobs"]) == len(v["token_logprobs"])
+    for a, b in zip(v["token_logprobs"], k["token_logprobs"], strict=True):
+        _close(a, b)
+    for a, b in zip(v["top_logprobs"], k["top_logprobs"], strict=True):
+        _close_dict(a, b)
+
+
+def same_chat_logprobs(v: dict[str, Any], k: dict[str, Any]) -> None:
+    assert len(k["content"]) == len(v["content"])
+    for a, b in zip(v["content"], k["content"], strict=True):
+        assert (b["token"], b["bytes"]) == (a["token"], a["bytes"])
+        _close(a["logprob"], b["logprob"])
+        assert [t["token"] for t in b["top_logprobs"]] == [t["token"] for t in a["top_logprobs"]]
+        assert [t["bytes"] for t in b["top_logprobs"]] == [t["bytes"] for t in a["top_logprobs"]]
+        for x, y in zip(a["top_logprobs"], b["top_logprobs"], strict=True):
+            _close(x["logprob"], y["logprob"])
+
+
+def same_prompt_logprobs(v: list[Any], k: list[Any]) -> None:
+    assert len(k) == len(v) and v[0] is None and k[0] is None
+    for a, b in zip(v[1:], k[1:], strict=True):
+        assert set(a) == set(b)
+        for tid in a:
+            assert (b[tid]["rank"], b[tid]["decoded_token"]) == (
+                a[tid]["rank"],
+                a[tid]["decoded_token"],
+            )
+            _close(a[tid]["logprob"], b[tid]["logprob"])
+
+
+def _streamed(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def _joined_completion(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed completion's chunks joined: text, logprobs' columns, token ids."""
+    out: dict[str, Any] = {"text": "", "token_ids": [], "prompt_token_ids": None}
+    cols: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    cols["text_offset"] = []
+    for c in chunks:
+        for ch in c["choices"]:
+            out["text"] += ch.get("text") or ""
+            out["token_ids"] += ch.get("token_ids") or []
+            if ch.get("prompt_token_ids") is not None:
+                assert out["prompt_token_ids"] is None, "prompt_token_ids sent twice"
+                out["prompt_token_ids"] = ch["prompt_token_ids"]
+            for key, col in cols.items():
+                col += (ch.get("logprobs") or {}).get(key) or []
+    out["logprobs"] = cols
+    return out
+
+
+def _joined_chat(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"text": "", "token_ids": [], "content": []}
+    out["prompt_token_ids"] = next(
+        (c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids") is not None), None
+    )
+    for c in chunks:
+        for ch in c["choices"]:
+            out["text"] += ch["delta"].get("content") or ""
+            out["token_ids"] += ch.get("token_ids") or []
+            out["content"] += (ch.get("logprobs") or {}).get("content") or []
+    return out
+
+
+LOGPROB_SAMPLING = [{"temperature": 0}, {"temperature": 1.0, "seed": 11}]
+
+
+@pytest.mark.parametrize("sampling", LOGPROB_SAMPLING)
+def test_completion_logprobs_top5_equal(servers: tuple[str, str], sampling: dict[str, Any]) -> None:
+    for prompt in PROMPTS[:3]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "logprobs": 5, **sampling}
+        v, k = both(servers, "/v1/completions", body)
+        same_choice(v, k, chat=False)
+        same_completion_logprobs(v["choices"][0]["logprobs"], k["choices"][0]["logprobs"])
+        vs, ks = (_joined_completion(_streamed(u, "/v1/completions", body)) for u in servers)
+        assert ks["text"] == vs["text"] == v["choices"][0]["text"]
+        same_completion_logprobs(vs["logprobs"], ks["logprobs"])
+
+
+@pytest.mark.parametrize("sampling", LOGPROB_SAMPLING)
+def test_chat_logprobs_top5_equal(servers: tuple[str, str], sampling: dict[str, Any]) -> None:
+    messages = [{"role": "user", "content": "Name three colours, café 東京."}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 24, **sampling}
+    body |= {"logprobs": True, "top_logprobs": 5}
+    v, k = both(servers, "/v1/chat/completions", body)
+    same_choice(v, k, chat=True)
+    same_chat_logprobs(v["choices"][0]["logprobs"], k["choices"][0]["logprobs"])
+    vs, ks = (_joined_chat(_streamed(u, "/v1/chat/completions", body)) for u in servers)
+    assert ks["text"] == vs["text"]
+    same_chat_logprobs({"content": vs["content"]}, {"content": ks["content"]})
+    # logprobs without top_logprobs: the sampled token alone
+    body.pop("top_logprobs")
+    v, k = both(servers, "/v1/chat/completions", body)
+    same_chat_logprobs(v["choices"][0]["logprobs"], k["choices"][0]["logprobs"])
+
+
+def test_echo_and_prompt_logprobs_equal(servers: tuple[str, str]) -> None:
+    base = {"model": MODEL, "prompt": "café 東京 🙂 The scheduler", "max_tokens": 12}
+    base["temperature"] = 0
+    v, k = both(servers, "/v1/completions", {**base, "echo": True})  # echo alone: the text
+    assert k["choices"][0]["text"] == v["choices"][0]["text"]
+    assert k["choices"][0]["text"].startswith(base["prompt"])
+    body = {**base, "echo": True, "logprobs": 3}
+    v, k = both(servers, "/v1/completions", body)
+    same_choice(v, k, chat=False)
+    same_completion_logprobs(v["choices"][0]["logprobs"], k["choices"][0]["logprobs"])
+    same_prompt_logprobs(v["choices"][0]["prompt_logprobs"], k["choices"][0]["prompt_logprobs"])
+    vs, ks = (_joined_completion(_streamed(u, "/v1/completions", body)) for u in servers)
+    assert ks["text"] == vs["text"] == v["choices"][0]["text"]
+    same_completion_logprobs(vs["logprobs"], ks["logprobs"])
+    # vLLM's prompt_logprobs extension, completions and chat (top-level there)
+    v, k = both(servers, "/v1/completions", {**base, "prompt_logprobs": 5})
+    same_prompt_logprobs(v["choices"][0]["prompt_logprobs"], k["choices"][0]["prompt_logprobs"])
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 4}
+    v, k = both(servers, "/v1/chat/completions", {**chat, "prompt_logprobs": 2, "temperature": 0})
+    same_prompt_logprobs(v["prompt_logprobs"], k["prompt_logprobs"])
+
+
+def test_return_token_ids_streamed_equal(servers: tuple[str, str]) -> None:
+    body = {"model": MODEL, "prompt": "Token ids:", "max_tokens": 20, "temperature": 0}
+    body["return_token_ids"] = True
+    v, _ = both(servers, "/v1/completions", body)
+    vs, ks = (_joined_completion(_streamed(u, "/v1/completions", body)) for u in servers)
+    assert ks["token_ids"] == vs["token_ids"] == v["choices"][0]["token_ids"]
+    assert ks["prompt_token_ids"] == vs["prompt_token_ids"] == v["choices"][0]["prompt_token_ids"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Ids?"}], "max_tokens": 12}
+    chat |= {"temperature": 0, "return_token_ids": True}
+    vs, ks = (_joined_chat(_streamed(u, "/v1/chat/completions", chat)) for u in servers)
+    assert ks["token_ids"] == vs["token_ids"] and ks["token_ids"]
+    assert ks["prompt_token_ids"] == vs["prompt_token_ids"] and ks["prompt_token_ids"]

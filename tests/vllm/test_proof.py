@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this")
 
-from kvsched.client import AsyncClient
+from kvsched.client import AsyncClient, InvalidArgument
 from kvsched.tinymodel.model import make_model
 from tests.integration.harness import (
     REPO,
@@ -234,6 +234,40 @@ def test_kvsched_with_vllm_worker_gives_vllm_tokens(
     assert all(d[1] is not None for d in diffs), "a difference in length, not at a token"
     assert all(g["gap"] < NEAR_TIE for g in gaps), f"a difference that is no near-tie: {gaps}"
     wait_pool_free(kvsched_vllm, timeout=30)  # every block returned
+
+
+def test_prompt_logprobs_equal_vllms(model: Path, kvsched_vllm: str, tmp_path: Path) -> None:
+    """Prompt and output log-probabilities of a prompt that fills most of a step: each
+    position's value, rank and top k equal vLLM's own (`LLM.generate`) within 1e-4. A prompt
+    longer than a step is refused naming prompt_logprobs (its log-probabilities need it whole
+    in one step: core/kv_cache_manager.py's `prefills_at_once`)."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(5, 512) for _ in range(STEP_TOKENS - 8)]
+    params = {"max_tokens": 8, "temperature": 0.0, "prompt_logprobs": 3, "logprobs": 2}
+
+    async def run() -> tuple[list[int], Any, Any]:
+        async with AsyncClient(kvsched_vllm, timeout=600) as client:
+            with pytest.raises(InvalidArgument, match="prompt_logprobs: a prompt of"):
+                await client.generate(prompt * 3, request_id="plp-long", **params)
+            stream = await client.generate(prompt, request_id="plp", **params)
+            tokens, rows = [], []
+            async for batch in stream:
+                tokens += batch
+                rows += stream.last_logprobs
+            return tokens, stream.prompt_logprobs, rows
+
+    tokens, prompt_rows, rows = asyncio.run(run())
+    ref = _reference(model, {"requests": [{"prompt": prompt, "params": params}]}, tmp_path)
+    assert tokens == ref["outputs"][0]
+    want = ref["logprobs"][0]
+    assert want["prompt"][0] is None and prompt_rows is not None
+    for got, exp in ((prompt_rows, want["prompt"][1:]), (rows, want["output"])):
+        assert len(got) == len(exp)
+        for g, e in zip(got, exp, strict=True):
+            assert g.rank == e["rank"] and abs(g.logprob - e["logprob"]) <= 1e-4, (g, e)
+            top = dict(zip(map(str, g.top_token_ids), g.top_logprobs, strict=True))
+            assert set(top) == set(e["top"]), (g, e)
+            assert all(abs(top[t] - e["top"][t]) <= 1e-4 for t in top), (g, e)
 
 
 def test_hello_announces_the_engines_facts(kvsched_vllm: str) -> None:

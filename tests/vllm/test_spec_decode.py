@@ -81,4 +81,7 @@ def test_ngram_drafts_through_vllms_rejection_sampler_equal_plain_greedy(
     assert not bad, "\n".join(bad)
     assert drafts > 0, "no draft was verified"
     assert accepted > 0, "no draft was accepted"
+    # The daemon counted the same drafts from the worker's reports (per request too: spans
+    # and the acceptance-rate histogram read the same per-request counts).
+    assert (st.num_draft_tokens, st.num_accepted_drafts) == (drafts, accepted)
     assert re.search(r"vllm", worker.output())  # (the worker ran vLLM's runner)

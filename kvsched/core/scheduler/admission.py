@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import kvsched.core.lifecycle as lifecycle
 from kvsched.core.config import EngineConfig, Role
 from kvsched.core.encoder_cache import EncoderCache
-from kvsched.core.kv_cache_manager import KVCacheManager
+from kvsched.core.kv_cache_manager import KVCacheManager, prefills_at_once
 from kvsched.core.protocol import Chunk, Extension, FinishReason, KvSend, Placement, Tasks
 from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.backlog import Backlog
@@ -342,6 +342,8 @@ class Admitter:
         # A chunk no larger than req's own outstanding ones adds nothing to any worker step.
         _, own_tokens, own_attn = plan.outstanding_of(req)
         n = min(remaining, budget.tokens + own_tokens)
+        if req.logprobs is not None and prefills_at_once(req):  # (no time cut: whole or none)
+            return n if n == remaining else 0
         if sc.long_prefill_token_threshold:
             n = min(n, sc.long_prefill_token_threshold)
         if sc.disable_chunked_prefill and n < remaining:

@@ -64,24 +64,33 @@ class Backlog:
         self.num_demoted = 0
 
     # ==== the queue ===========================================================================
-    def add(self, req: Request) -> None:
-        """A new request, validated, stamped, checked against its deadline, tracked and queued.
-        Raises InvalidRequest (bad fields, duplicate id) or CapacityExceeded (the queue is at
-        max_waiting, or it is shed); state is unchanged when it raises."""
+    def add(self, req: Request, queued: bool = True, num_held: int = 0) -> None:
+        """A new request, validated, stamped, checked against its deadline, tracked and queued
+        (not `queued`: held by its sample group, `groups.py`, until `release_held`; `num_held`
+        such samples wait already and count against max_waiting). Raises InvalidRequest (bad
+        fields, duplicate id) or CapacityExceeded (the queue is at max_waiting, or it is
+        shed); state is unchanged when it raises."""
         table, sc = self._table, self._config.scheduler
         validate(req, self._config, table.requests, self._kv.pool.num_blocks)
-        if len(self.waiting) >= sc.max_waiting:
+        if len(self.waiting) + num_held >= sc.max_waiting:
             raise CapacityExceeded(
                 f"waiting queue is full ({sc.max_waiting} requests); "
                 "retry later or raise scheduler.max_waiting"
             )
         lifecycle.queue(req, self._clock())
-        self.check_deadline(req)  # may shed it (CapacityExceeded) or demote it
+        self.check_deadline(req, shared=not queued)  # may shed it (CapacityExceeded) or demote it
         table.track(req)
-        self.push(req)
+        if queued:
+            self.push(req)
 
     def push(self, req: Request) -> None:
         self.waiting.push(req)
+
+    def release_held(self, req: Request) -> None:
+        """A sample its group held (`groups.py`) joins the queue's front: its prompt's full
+        blocks are cached now, so its queued work is the tail."""
+        req.queued_ms = self.predicted_prefill_ms(req, self._kv.hit_tokens(req))
+        self.waiting.push_front(req)
 
     def push_front(self, req: Request) -> None:
         """A preempted request the worker acknowledged: waiting again, at the queue's front."""
@@ -134,13 +143,16 @@ class Backlog:
         return (ahead + own) / self._prefill_share()
 
     # ==== admission's side ====================================================================
-    def check_deadline(self, req: Request) -> None:
+    def check_deadline(self, req: Request, shared: bool = False) -> None:
         """A new request (validated, arrival set): its deadline, its queued work, and the shed
-        policy. Raises CapacityExceeded (state unchanged) when it is shed."""
+        policy (`shared`: a sample held for its group's prompt, groups.py: its work is the
+        tail after the prompt's full blocks). Raises CapacityExceeded (state unchanged) when
+        it is shed."""
         fc = self._config.fairness
         own = req.ttft_deadline_ms
         req.deadline = req.arrival_time + (own or fc.default_ttft_deadline_ms) / 1e3
-        hit = self._kv.hit_tokens(req)
+        bs = self._table.block_size
+        hit = (req.num_tokens - 1) // bs * bs if shared else self._kv.hit_tokens(req)
         req.queued_ms = self.predicted_prefill_ms(req, hit)
         if not own or fc.shed == ShedPolicy.OFF:
             return

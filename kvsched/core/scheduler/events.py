@@ -100,6 +100,8 @@ class SchedulerStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_finished: dict[FinishReason, int] = field(default_factory=dict)
+    num_draft_tokens: int = 0  # speculative drafts verified, and of them accepted
+    num_accepted_drafts: int = 0
 
     # Counted here only (each part calls the verb; nothing else writes a counter).
     def count_step(self) -> None:
@@ -110,6 +112,10 @@ class SchedulerStats:
 
     def count_generated(self, n: int) -> None:
         self.num_generation_tokens += n
+
+    def count_drafts(self, drafts: int, accepted: int) -> None:
+        self.num_draft_tokens += drafts
+        self.num_accepted_drafts += accepted
 
     def count_preemption(self) -> None:
         self.num_preemptions += 1
@@ -141,6 +147,8 @@ SNAPSHOT_COUNTERS = (
     "num_storage_fetches_declined",
     "encoder_cache_hits",
     "encoder_cache_misses",
+    "num_draft_tokens",
+    "num_accepted_drafts",
 )
 
 
@@ -202,3 +210,6 @@ class SchedulerSnapshot:
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
     encoder_cache_evictions: int = 0
+    # Speculative decoding: drafts the worker verified, and of them accepted.
+    num_draft_tokens: int = 0
+    num_accepted_drafts: int = 0

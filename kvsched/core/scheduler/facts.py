@@ -14,6 +14,7 @@ from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.backlog import Backlog
 from kvsched.core.scheduler.events import SchedulerSnapshot, SchedulerStats
 from kvsched.core.scheduler.exits import Exits
+from kvsched.core.scheduler.groups import SampleGroups
 from kvsched.core.scheduler.outbox import Outbox
 from kvsched.core.scheduler.report import ReportApplier
 from kvsched.core.scheduler.step_plan import StepPlan
@@ -36,10 +37,11 @@ class Facts:
         outbox: Outbox,
         reports: ReportApplier,
         stats: SchedulerStats,
+        groups: SampleGroups,
     ) -> None:
         self.config, self.table, self.kv, self.enc = config, table, kv, enc
         self.plan, self.backlog, self.exits, self.outbox = plan, backlog, exits, outbox
-        self.reports, self.stats = reports, stats
+        self.reports, self.stats, self.groups = reports, stats, groups
 
     def snapshot(self) -> SchedulerSnapshot:
         """The numbers the daemon's status, admin and metrics show, read at once."""
@@ -50,7 +52,8 @@ class Facts:
         # tokens it reports before that are still streamed (O(live): status reads only).
         preempting = sum(1 for r in table.live.values() if r.status == RequestStatus.PREEMPTED)
         return SchedulerSnapshot(
-            num_waiting=len(self.backlog.waiting),
+            # Samples held for their group's prompt (groups.py) wait too, outside the queue.
+            num_waiting=len(self.backlog.waiting) + self.groups.num_held,
             num_running=len(table.running) + preempting,
             num_slots=num_slots,
             num_slots_used=num_slots - len(table.free_slots),
@@ -62,6 +65,8 @@ class Facts:
             num_preemption_skips=st.num_preemption_skips,
             num_prompt_tokens=st.num_prompt_tokens,
             num_generation_tokens=st.num_generation_tokens,
+            num_draft_tokens=st.num_draft_tokens,
+            num_accepted_drafts=st.num_accepted_drafts,
             prefix_cache_query_tokens=kv.num_queries,
             prefix_cache_hit_tokens=kv.num_hits,
             paused=self.exits.paused,

@@ -11,16 +11,25 @@ from __future__ import annotations
 
 from kvsched.core.encoder_cache import EncoderCache
 from kvsched.core.kv_cache_manager import KVCacheManager
-from kvsched.core.request import RequestStatus
+from kvsched.core.request import Request, RequestStatus
 from kvsched.core.scheduler.backlog import Backlog
 from kvsched.core.scheduler.table import PlacementTable
 from kvsched.core.slots import RING
 
 
 def check_integrity(
-    sched: PlacementTable, backlog: Backlog, kv: KVCacheManager, enc: EncoderCache | None
+    sched: PlacementTable,
+    backlog: Backlog,
+    kv: KVCacheManager,
+    enc: EncoderCache | None,
+    held: list[Request] | None = None,
 ) -> None:
-    """Assert every invariant of the scheduler's state (see the module docstring)."""
+    """Assert every invariant of the scheduler's state (see the module docstring). `held`:
+    the samples held by their groups (WAITING, not queued, holding nothing)."""
+    held = held or []
+    for r in held:
+        assert r.status == RequestStatus.WAITING, f"{r.req_id}: held but {r.status!r}"
+        assert not r.block_ids and r.slot < 0, f"{r.req_id}: held but holds resources"
     owners: dict[int, int] = {}
     placed = list(sched.running.values()) + [
         r for r in sched.reserved.values() if r.req_id not in sched.running
@@ -71,10 +80,11 @@ def check_integrity(
         set(r.req_id for r in waiting),
         set(sched.running),
         set(r.req_id for r in awaiting),
+        set(r.req_id for r in held),
     ]
     assert sum(map(len, groups)) == len(set().union(*groups)), "a request in two states"
     live_ids = set().union(*groups) | set(sched.reserved)
-    assert live_ids == set(sched.requests), "live set != waiting + running + awaiting-ack"
+    assert live_ids == set(sched.requests), "live set != waiting + running + awaiting-ack + held"
     assert sched.num_decoding == sum(1 for r in sched.running.values() if r.is_prefill_done)
     debt = sum(sched.full_blocks(r) - len(r.block_ids) for r in sched.prefilling.values())
     assert sched.prefill_debt == debt, f"prefill debt {sched.prefill_debt} != {debt}"

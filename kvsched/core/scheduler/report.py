@@ -117,6 +117,8 @@ class ReportApplier:
             outbox.observe_lag(report)
         self._last_step, self._last_applied_seq = report.step, report.applied_seq
         get = live.get
+        if report.draft_handles:  # speculative decoding: per-request draft and accepted counts
+            _count_drafts(report, get, self._stats)
         # Failures first: a prefill worker reports the prompt's first token in the same report
         # as its failed KV push, and that row hands the request off as failed (the decode
         # instance recomputes it); a failure without a first-token row ends it (below).
@@ -136,6 +138,8 @@ class ReportApplier:
         # when its output count reaches its precomputed check (a first token, blocks to extend,
         # max_tokens). Every other row (a prefill chunk, several tokens, a late row about a
         # request no longer on its slot) is taken one by one.
+        if report.num_logprobs or report.prompt_logprob_handles:  # only requests that asked
+            put_logprobs(report, get)
         n_gen = len(cols.toks)
         slow: list[Request] = []
         if len(cols.h):
@@ -319,3 +323,43 @@ class ReportApplier:
                 if new:
                     self._outbox.extend(Extension(req.handle, new))
             table.set_check_at(req, threshold)
+
+
+def _count_drafts(
+    report: StepReport, get: Callable[[int], Request | None], stats: SchedulerStats
+) -> None:
+    """Add each drafted row's verified and accepted drafts to its request and the instance's
+    counters (rows about a request gone are dropped, as its tokens are)."""
+    for h, d, a in zip(
+        report.draft_handles, report.num_draft_tokens, report.num_accepted_drafts, strict=True
+    ):
+        req = get(int(h))
+        if req is not None:
+            drafts, accepted = int(d), min(int(a), int(d))
+            req.num_draft_tokens += drafts
+            req.num_accepted_drafts += accepted
+            stats.count_drafts(drafts, accepted)
+
+
+def put_logprobs(report: StepReport, get: Callable[[int], Request | None]) -> None:
+    """A report's log-probability rows into its live requests' `logprobs`, by output position
+    (before its tokens are applied: row j of a handle's row i is output token
+    len(output) + j; a merged report's later rows of the same handle follow on)."""
+    pos: dict[int, int] = {}
+    if report.num_logprobs and report.logprobs is not None:
+        runs = report.logprobs.split(list(report.num_logprobs))
+        handles = report.handles
+        for i, rows in enumerate(runs):
+            if not rows or (req := get(int(handles[i]))) is None or req.logprobs is None:
+                continue
+            start = pos.get(req.handle)
+            if start is None:
+                start = len(req.output_token_ids)
+            req.logprobs.put(start, rows)
+            pos[req.handle] = start + len(rows)
+    if report.prompt_logprob_handles and report.prompt_logprobs is not None:
+        runs = report.prompt_logprobs.split(list(report.num_prompt_logprobs))
+        for h, rows in zip(report.prompt_logprob_handles, runs, strict=True):
+            lp = req.logprobs if (req := get(int(h))) is not None else None
+            if lp is not None and lp.prompt is None:  # (once: a re-placement recomputes it)
+                lp.prompt = rows

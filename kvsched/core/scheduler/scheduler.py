@@ -15,6 +15,7 @@ construction (none inherits another; each field has one writer):
                 reset), message numbering, the round trip and the decode headroom
     step_plan   StepPlan: the step-cost model and the chunks in flight
     backlog     Backlog: the waiting queue, deadlines, shedding, tenants' counters
+    groups      SampleGroups: samples of one prompt held until their leader computed it
     exits       Exits: finish, preempt, requeue, hand-off, pause; the admission reserve
     preemption  choose_victim and the reserve's arithmetic (plain functions)
     admission   Admitter: built for each schedule() with the owners passed in; owns the
@@ -47,6 +48,7 @@ from kvsched.core.scheduler.backlog import Backlog
 from kvsched.core.scheduler.events import Events, SchedulerSnapshot, SchedulerStats
 from kvsched.core.scheduler.exits import Exits
 from kvsched.core.scheduler.facts import Facts
+from kvsched.core.scheduler.groups import SampleGroups
 from kvsched.core.scheduler.integrity import check_integrity
 from kvsched.core.scheduler.outbox import Outbox
 from kvsched.core.scheduler.report import ReportApplier
@@ -108,13 +110,14 @@ class Scheduler:
         self.plan = plan = StepPlan(config, table, outbox, kv)
         self.backlog = backlog = Backlog(config, table, plan, kv, clock, instance_id)
         self.exits = exits = Exits(config, table, backlog, outbox, events, stats, clock)
+        self.groups = SampleGroups(config, backlog)
         spec_k = config.speculative.num_speculative_tokens
         self.roles = Roles(table, kv, outbox, clock, instance_id, spec_k)
         self.reports = reports = ReportApplier(
             config, table, kv, plan, backlog, exits, outbox, events, stats, clock
         )
         self.facts = Facts(
-            config, table, kv, self.enc, plan, backlog, exits, outbox, reports, stats
+            config, table, kv, self.enc, plan, backlog, exits, outbox, reports, stats, self.groups
         )
 
     # ==== the two verbs =======================================================================
@@ -160,6 +163,7 @@ class Scheduler:
                     tasks.extensions = self.outbox.take_extended(table.live)
             if not preempted and table.running:
                 exits.decay_reserve()
+            self.groups.settle(self.events)  # a leader that ran out of KV hands its lead on
         budget = self.plan.storage_write_budget() if self.kv.storage is not None else None
         self.outbox.seal(tasks, self.kv, self.enc, self.reports.last_report_step, budget)
         return tasks
@@ -170,6 +174,7 @@ class Scheduler:
         ProtocolError (state unchanged) for reports that break the protocol. Returns the events
         since the last call (including those of schedule() and abort())."""
         self.reports.apply(report)
+        self.groups.settle(self.events)  # leaders' first tokens release their samples
         return self.take_events()
 
     def take_events(self) -> Events:
@@ -182,9 +187,12 @@ class Scheduler:
         validate(req, self.config, (), self.kv.pool.num_blocks)
 
     def add_request(self, req: Request) -> None:
-        """Queue a new request. Raises InvalidRequest (bad fields, duplicate id) or
+        """Queue a new request (a sample of a group whose leader is computing the prompt is
+        held until it has: `groups.py`). Raises InvalidRequest (bad fields, duplicate id) or
         CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises."""
-        self.backlog.add(req)
+        held = self.groups.waits(req)
+        self.backlog.add(req, queued=not held, num_held=self.groups.num_held)
+        self.groups.added(req, held)
 
     def abort(
         self, req_id: str, reason: FinishReason = FinishReason.ABORT, message: str = ""
@@ -195,11 +203,14 @@ class Scheduler:
         req = self.table.requests.get(req_id)
         if req is None:
             raise RequestNotFound(f"no live request with id {req_id!r} (finished or never seen)")
-        if req.status == RequestStatus.WAITING:
+        if self.groups.discard(req):
+            pass  # a held sample: never queued
+        elif req.status == RequestStatus.WAITING:
             self.backlog.discard(req)
         elif req.handle >= 0:
             self.outbox.abort(req.handle)
         self.exits.finish(req, reason, message or "aborted")
+        self.groups.settle(self.events)  # an aborted leader hands its lead on
         return req
 
     def reset_prefix_cache(self) -> int:
@@ -265,6 +276,15 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.backlog.waiting)
+
+    @property
+    def num_held(self) -> int:
+        """Samples waiting for their group's leader to compute the prompt (`groups.py`)."""
+        return self.groups.num_held
+
+    def leads_group(self, group: str) -> bool:
+        """Whether a request of sample group `group` computes its prompt here now."""
+        return self.groups.leads(group)
 
     @property
     def num_running(self) -> int:
@@ -400,4 +420,5 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Assert every invariant of the scheduler's state (O(everything): tests only)."""
-        check_integrity(self.table, self.backlog, self.kv, self.enc)
+        check_integrity(self.table, self.backlog, self.kv, self.enc, list(self.groups.held()))
+        self.groups.check_integrity(self.table.requests)

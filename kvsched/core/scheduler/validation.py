@@ -37,6 +37,12 @@ def validate(req: Request, config: EngineConfig, live: Container[str], num_block
         raise InvalidRequest(
             f"request {rid!r}: min_tokens = {sp.min_tokens} must be in [0, max_tokens]"
         )
+    if sp.prompt_logprobs is not None and n > sc.max_num_batched_tokens:
+        raise InvalidRequest(
+            f"request {rid!r}: prompt_logprobs: a prompt of {n} tokens is computed in one step "
+            f"for its log-probabilities, and a step holds max_num_batched_tokens "
+            f"{sc.max_num_batched_tokens}"
+        )
     if n + sp.max_tokens > sc.max_model_len:
         raise InvalidRequest(
             f"request {rid!r}: prompt ({n} tokens) + max_tokens ({sp.max_tokens}) = "
@@ -53,6 +59,8 @@ def validate(req: Request, config: EngineConfig, live: Container[str], num_block
         )
     if len(req.tenant.encode()) > 128:
         raise InvalidRequest(f"request {rid!r}: tenant is longer than 128 bytes")
+    if len(req.sample_group.encode()) > 128:
+        raise InvalidRequest(f"request {rid!r}: sample_group is longer than 128 bytes")
     block_size = config.cache.block_size
     need_blocks = -(-(n + 1) // block_size)
     if need_blocks > num_blocks:
@@ -106,6 +114,10 @@ def _validate_adjustments(req: Request) -> None:
         )
     if not (math.isfinite(sp.min_p) and 0.0 <= sp.min_p <= 1.0):
         raise InvalidRequest(f"request {rid!r}: min_p = {sp.min_p:g} must be in [0, 1]")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(sp, name)
+        if k is not None and k < 0:
+            raise InvalidRequest(f"request {rid!r}: {name} = {k} must be >= 0")
     for token, bias in sp.logit_bias.items():
         if token < 0 or not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
             raise InvalidRequest(

@@ -42,7 +42,7 @@ from kvsched.core.router import LOAD_SECONDS, instance_load
 from kvsched.server.instances.events import EngineListener, EventDispatch
 from kvsched.server.instances.inbox import ReportInbox
 from kvsched.server.instances.ranks import RankConn, check_joining_rank
-from kvsched.server.instances.start import start_scheduler
+from kvsched.server.instances.start import learned_cost, start_scheduler
 from kvsched.server.instances.totals import RetiredTotals
 from kvsched.server.telemetry.values import InstanceFacts, InstanceInfo, StepStats
 
@@ -91,6 +91,9 @@ class InstanceEngine:
         self.load_seconds = load_seconds
         self._load: float | None = None
         self._next_handle = 0  # handles continue across schedulers of this instance
+        # Step-cost coefficients the next scheduler starts from (None: the config's seed): its
+        # previous scheduler's fit, or one the registry hands on from a sibling instance.
+        self.cost_seed: tuple[float, ...] | None = None
         # Final counters of the schedulers taken out (SNAPSHOT_COUNTERS; tenants' served / shed).
         self._retired = RetiredTotals()
         self._inbox = ReportInbox()
@@ -131,7 +134,13 @@ class InstanceEngine:
     def _start(self, conns: list[RankConn]) -> None:
         storage = (self.storage_index, self.storage_kind)
         self.sched = start_scheduler(
-            self.instance_id, self.engine_config, conns, self.limits, storage, self._next_handle
+            self.instance_id,
+            self.engine_config,
+            conns,
+            self.limits,
+            storage,
+            self._next_handle,
+            self.cost_seed,
         )
         self._load = None
         self.info = InstanceInfo(
@@ -152,6 +161,7 @@ class InstanceEngine:
         if sched is not None:
             sched.close()  # its storage writes' claims in the daemon's shared index
             self._next_handle = sched.next_handle
+            self.cost_seed = learned_cost(sched) or self.cost_seed
             self._retired.retire(sched.snapshot(), sched.tenants.served, sched.tenants.shed)
         for conn in self.ranks.values():
             if not conn.closed:
@@ -239,6 +249,10 @@ class InstanceEngine:
         self._load = None
         self.sched.add_request(req)
 
+    def leads_group(self, group: str) -> bool:
+        """Whether a request of sample group `group` computes its prompt here now."""
+        return self.sched is not None and self.sched.leads_group(group)
+
     def holds(self, req: Request) -> bool:
         """Whether this instance's scheduler holds this very Request object."""
         sched = self.sched
@@ -312,6 +326,10 @@ class InstanceEngine:
     def load_facts(self) -> dict[str, float]:
         """What this instance's load is computed from (`kvsched.core.router.instance_load`)."""
         return {} if self.sched is None else self.sched.load_facts()
+
+    def learned_cost(self) -> tuple[float, ...] | None:
+        """The step-cost fit its scheduler has learned (None: not up, or too few steps yet)."""
+        return None if self.sched is None else learned_cost(self.sched)
 
     @property
     def load(self) -> float:

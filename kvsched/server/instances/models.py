@@ -26,6 +26,7 @@ class Limits:
     max_model_len: int
     vocab_size: int = 0
     structured_outputs: bool = False  # Hello.structured_outputs: applies grammar constraints
+    max_logprobs: int = 0  # log-probability alternatives per token its workers report
 
 
 class HasLimits(Protocol):
@@ -40,12 +41,19 @@ def limits_of(
     configured_model: str,
     daemon_max_model_len: int,
     hello_structured_outputs: bool = False,
+    hello_max_logprobs: int = 0,
 ) -> Limits:
     """An instance's limits from its first rank's Hello and the daemon's configuration."""
     mml = daemon_max_model_len
     if hello_max_model_len > 0:
         mml = min(mml, hello_max_model_len)
-    return Limits(hello_model or configured_model, mml, hello_vocab_size, hello_structured_outputs)
+    return Limits(
+        hello_model or configured_model,
+        mml,
+        hello_vocab_size,
+        structured_outputs=hello_structured_outputs,
+        max_logprobs=hello_max_logprobs,
+    )
 
 
 def misfit(req: Request, lim: Limits) -> str | None:
@@ -84,6 +92,23 @@ def misfit(req: Request, lim: Limits) -> str | None:
                 f"sampling.logit_bias token ids {bad_bias[:4]} outside the vocabulary of model "
                 f"{lim.model!r} (vocab_size {vocab}: ids 0..{vocab - 1})"
             )
+    if sp.logprobs is not None or sp.prompt_logprobs is not None:
+        return _logprobs_misfit(sp.logprobs, sp.prompt_logprobs, lim)
+    return None
+
+
+def _logprobs_misfit(logprobs: int | None, prompt_logprobs: int | None, lim: Limits) -> str | None:
+    """Log-probabilities the instance's workers do not report (Hello.max_logprobs)."""
+    for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if k is None:
+            continue
+        if lim.max_logprobs <= 0:
+            return (
+                f"{name}: the workers of model {lim.model!r} do not report log-probabilities "
+                "(the sim and model executors; the vLLM worker does)"
+            )
+        if k > lim.max_logprobs:
+            return f"{name} = {k} exceeds max_logprobs {lim.max_logprobs} of model {lim.model!r}"
     return None
 
 
@@ -129,7 +154,12 @@ def fitting(req: Request, model: str, candidates: Sequence[tuple[_C, Limits]]) -
         # The most permissive instance's reason: the limit no instance of the model passes.
         best = max(
             (lim for _, lim in of_model),
-            key=lambda lim: (lim.structured_outputs, lim.max_model_len, lim.vocab_size),
+            key=lambda lim: (
+                lim.structured_outputs,
+                lim.max_model_len,
+                lim.vocab_size,
+                lim.max_logprobs,
+            ),
         )
         raise InvalidRequest(f"request {req.req_id!r}: {misfit(req, best)}")
     return fits

@@ -147,8 +147,11 @@ class InstanceRegistry:
                 hello.vocab_size,
                 self.config.model,
                 eng.engine_config.scheduler.max_model_len,
-                hello.structured_outputs,
+                hello_structured_outputs=hello.structured_outputs,
+                hello_max_logprobs=hello.max_logprobs,
             )
+            if eng.cost_seed is None:  # never ran here: priced like its model's instances
+                eng.cost_seed = self._sibling_cost(eng)
         if not eng.ranks and self.fencing_epoch is not None:  # its ranks share the epoch
             eng.fencing_epoch = self.fencing_epoch(hello.instance_id)
         try:
@@ -160,6 +163,20 @@ class InstanceRegistry:
         if eng.ready and not was_ready:
             self.announce_peers()  # prefill workers push KV to the receivers listed
         return eng, conn
+
+    def _sibling_cost(self, eng: InstanceEngine) -> tuple[float, ...] | None:
+        """The step-cost fit of a ready instance here with `eng`'s model and role (the first
+        in id order that has learned one), for an instance that never ran here: its workers
+        just moved here (a takeover, a redirect) and its first steps would otherwise be priced
+        at the config's default GPU while the router spreads work over it."""
+        model = eng.limits.model if eng.limits is not None else ""
+        for iid in sorted(self.engines):
+            other = self.engines[iid]
+            if other is eng or other.role != eng.role or other.limits is None:
+                continue
+            if other.limits.model == model and (fit := other.learned_cost()) is not None:
+                return fit
+        return None
 
     def welcome(self, eng: InstanceEngine, conn: RankConn) -> bytes:
         cfg = eng.engine_config
@@ -327,11 +344,27 @@ class InstanceRegistry:
 
     def route(self, req: Request, model: str = "") -> InstanceEngine:
         """The instance a new request goes to; Unavailable when none takes new requests. A
-        paused instance queues it (the router prefers one that is not paused)."""
+        paused instance queues it (the router prefers one that is not paused). A sample of a
+        group whose prompt an instance computes now goes there (`group_engine`)."""
         ready = [e for e in self.engines.values() if e.queueing and not e.is_decode]
         if not ready:
             raise Unavailable(self.no_instance_reason())
-        return _route(self.router, self.candidates(req, model or self.model_for(""), ready), req)
+        model = model or self.model_for("")
+        if (grouped := self.group_engine(req, model)) is not None:
+            return grouped  # a sample waits where its group's prompt is computed (groups.py)
+        return _route(self.router, self.candidates(req, model, ready), req)
+
+    def group_engine(self, req: Request, model: str = "") -> InstanceEngine | None:
+        """The instance where a request of req's sample group computes the prompt now (its
+        members belong there: they take the prompt's blocks from its cache), or None."""
+        group = req.sample_group
+        if not group:
+            return None
+        for e in self.engines.values():
+            same_model = not model or _limits(e, self.config.model).model == model
+            if e.queueing and e.leads_group(group) and same_model:
+                return e
+        return None
 
     def no_instance_reason(self) -> str:
         """Why no instance here takes a request (what the caller can do about it)."""

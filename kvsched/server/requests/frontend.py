@@ -26,6 +26,8 @@ from kvsched.server.requests.sinks import (
     SessionSink,
     StreamSink,
     _token_columns,
+    fill_delta_logprobs,
+    fill_logprobs,
     raise_limit,
     sink_close_reason,
 )
@@ -119,6 +121,17 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             if node is None:
                 raise
             mine = exc.daemon_id == node.daemon_id
+            if not mine and node.adopting(exc.daemon_id):
+                # Read before this daemon's takeover pass of its (dead) owner stored it here:
+                # once the pass ends it is served from the table if adopted here, not refused
+                # as the dead daemon's (the client would try the other daemons first).
+                await node.takeovers_settled()
+                if request.request_id in self.requests.tracked:
+                    got = await self.resumer.resume(request, owner, sink)
+                    if isinstance(got, Tracked):
+                        async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse):
+                            yield msg
+                        return
             if mine or (giver and giver == exc.daemon_id):
                 # Its owner hands it over: adopted here (the journal's CAS), then resumed. Or
                 # its record names this daemon, which does not run it (an accept whose write
@@ -177,9 +190,13 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     return
                 # The tokens past what the client has, pulled off the request (`StreamSink.take`
                 # says how they got there and what the read moves), and whether it finished.
+                start = sink.sent
                 delta, finished = sink.take(tr)
                 if delta:
-                    yield kind(tokens=pb.GenerateResponse.Tokens(token_ids=delta))
+                    toks = pb.GenerateResponse.Tokens(token_ids=delta)
+                    if tr.req.logprobs is not None:  # only a request that asked
+                        fill_logprobs(toks, tr.req, start, len(delta))
+                    yield kind(tokens=toks)
                 if finished:
                     done = True
                     yield kind(finished=codec.finished_to_proto(tr.req))
@@ -211,13 +228,17 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
+        cluster = self.requests.cluster
         owner = principal(context) or None
+        if cluster is not None and owner is not None:  # a peer's relayed abort: its client's
+            owner = cluster.caller_of(metadata(context), owner) or None
         reason, message = _abort_reason(request.reason)
         try:
             self.requests.abort(request.request_id, message, owner=owner, reason=reason)
         except RequestNotFound:
-            cluster = self.requests.cluster
-            if cluster is None or not await cluster.abort_elsewhere(request.request_id, owner):
+            if cluster is None or not await cluster.abort_elsewhere(
+                request.request_id, owner, reason
+            ):
                 raise
         return pb.AbortResponse()
 
@@ -396,14 +417,18 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             out.request_ids.extend(ids)
             out.num_tokens.extend(counts)
             out.token_ids.extend(tokens)
+            if sink.logprob_pos:  # only sessions with requests that asked
+                fill_delta_logprobs(out, sink, sink.open)
         for rid, tr in dirty.items():
             if rid not in sink.open:
                 continue  # never announced (refused by the journal), or already closed
             if tr.sink is not sink:
                 sink.open.pop(rid, None)  # resumed on its own stream: it left this session
+                sink.logprob_pos.pop(rid, None)
             elif tr.finished:
                 msg.finished.append(codec.finished_to_proto(tr.req))
                 sink.open.pop(rid, None)
+                sink.logprob_pos.pop(rid, None)
         if errors:
             msg.errors.extend(errors)
         return msg

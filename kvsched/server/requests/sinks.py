@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from kvsched.codec.common import logprobs_to_proto
+from kvsched.core.logprobs import TokenLogprobs
+from kvsched.core.request import Request
 from kvsched.server.requests.record import Tracked
 from kvsched.v1 import request_service_pb2 as pb
 
@@ -103,6 +106,9 @@ class SessionSink:
         self.held: dict[str, Tracked] = {}
         self.held_set: set[Tracked] = set()  # the same requests (a C-speed overlap test)
         self.inflight: set[asyncio.Future[None]] = set()
+        # Requests that asked for log-probabilities: the output position of the next row this
+        # stream sends (only they pay: `_batch` looks at this dict, usually empty).
+        self.logprob_pos: dict[str, int] = {}
 
     async def wait(self) -> None:
         """Until there is news; its client is then no longer owed any."""
@@ -156,6 +162,8 @@ class SessionSink:
         """`tr` is accepted (stored): tell it, with the tokens it made while held."""
         self.open[tr.req.req_id] = tr
         self.accepted.append(tr)
+        if tr.req.logprobs is not None:
+            self.logprob_pos[tr.req.req_id] = 0
         out = tr.req.output_token_ids
         if tr in self.held_set:
             self.release(tr)
@@ -221,6 +229,51 @@ def _token_columns(
         [len(v) for v in acc.values()],
         [t for v in acc.values() for t in v],
     )
+
+
+def fill_logprobs(out: pb.GenerateResponse.Tokens, req: Request, start: int, n: int) -> None:
+    """A Tokens message's log-probability rows: output tokens [start, start + n), and the
+    prompt's rows with the message that starts at output position 0 (a request that asked)."""
+    lp, sp = req.logprobs, req.sampling
+    if lp is None:
+        return
+    if sp.logprobs is not None:
+        logprobs_to_proto(TokenLogprobs.of(lp.rows(start, start + n)), out.logprobs)
+    if start == 0 and sp.prompt_logprobs is not None and lp.prompt is not None:
+        logprobs_to_proto(TokenLogprobs.of(lp.prompt), out.prompt_logprobs)
+
+
+def fill_delta_logprobs(
+    out: pb.SessionResponse.TokenDeltas, sink: SessionSink, open_reqs: dict[str, Tracked]
+) -> None:
+    """A Session message's log-probability columns, for the requests in it that asked
+    (`sink.logprob_pos`): each one's rows of the tokens in this message, its prompt's rows with
+    its first tokens; 0 rows for the others."""
+    pos = sink.logprob_pos
+    if pos.keys().isdisjoint(out.request_ids):
+        return
+    rows, prompt = TokenLogprobs(), TokenLogprobs()
+    num_rows, num_prompt = [], []
+    for rid, n in zip(out.request_ids, out.num_tokens, strict=True):
+        start = pos.get(rid)
+        tr = open_reqs.get(rid)
+        lp = tr.req.logprobs if tr is not None and start is not None else None
+        if lp is None or start is None or tr is None:
+            num_rows.append(0)
+            num_prompt.append(0)
+            continue
+        sp = tr.req.sampling
+        got = lp.rows(start, start + n) if sp.logprobs is not None else []
+        rows.extend(got)
+        num_rows.append(len(got))
+        first = lp.prompt if start == 0 and sp.prompt_logprobs is not None else None
+        prompt.extend(first or [])
+        num_prompt.append(len(first or []))
+        pos[rid] = start + n
+    out.num_logprobs.extend(num_rows)
+    logprobs_to_proto(rows, out.logprobs)
+    out.num_prompt_logprobs.extend(num_prompt)
+    logprobs_to_proto(prompt, out.prompt_logprobs)
 
 
 def sink_close_reason(sink: StreamSink | SessionSink) -> str:

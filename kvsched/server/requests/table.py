@@ -360,7 +360,10 @@ class RequestTable:
             loc = tr.location
             if self.tracked.get(tr.req.req_id) is not tr or type(loc) is not Parked:
                 continue  # aborted meanwhile
-            eng = self.registry.route_moved(tr.req, tr.model)
+            # A sample goes where its group's prompt is computed now (groups.py), if anywhere.
+            eng = self.registry.group_engine(tr.req, tr.model) or self.registry.route_moved(
+                tr.req, tr.model
+            )
             if eng is not None and not self.poison.may_place(tr, self._live):
                 eng = None  # a suspect waits for the one on trial (server/requests/poison.py)
             if eng is not None:

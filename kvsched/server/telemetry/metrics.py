@@ -55,6 +55,7 @@ from kvsched.server.telemetry.histograms import (
     BATCH_BUCKETS,
     ITL_BUCKETS,
     LATENCY_BUCKETS,
+    RATIO_BUCKETS,
     STEP_BUCKETS,
     TTFT_BUCKETS,
     Hist,
@@ -86,6 +87,8 @@ _COUNTERS = (
     ("kv_storage_fetches_declined", "Storage hits recomputed instead (cheaper by the cost model)."),
     ("encoder_cache_hits", "Multimodal items whose encoder output the worker already held."),
     ("encoder_cache_misses", "Multimodal items the worker had to encode."),
+    ("spec_decode_num_draft_tokens", "Speculative draft tokens the worker verified."),
+    ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."),
 )
 
 
@@ -104,6 +107,10 @@ _HISTS = {
     "queue": ("request_queue_time_seconds", "Arrival to first placement on a worker."),
     "step": ("scheduler_step_seconds", "Duration of one schedule() call."),
     "batch": ("batch_size", "Requests run in one worker step (per report)."),
+    "spec": (
+        "request_spec_decode_acceptance_rate",
+        "Per finished request that verified speculative drafts: accepted / verified drafts.",
+    ),
 }
 
 
@@ -120,6 +127,7 @@ class InstanceMetrics:
         "last_report",
         "pending_first",
         "queue",
+        "spec",
         "step",
         "tpot",
         "ttft",
@@ -133,6 +141,7 @@ class InstanceMetrics:
         self.queue = Hist(LATENCY_BUCKETS)
         self.step = Hist(STEP_BUCKETS)
         self.batch = Hist(BATCH_BUCKETS)
+        self.spec = Hist(RATIO_BUCKETS)
         self.finished: dict[str, int] = {}  # finish reason -> requests
         self.epoch = 0  # the engine's epoch (its scheduler) the fields below follow
         self.last_gen = 0  # the engine's generation_tokens at the last report
@@ -220,6 +229,8 @@ class Metrics:
         n = len(req.output_token_ids)
         if n > 1 and req.first_token_time >= 0:
             m.tpot.observe(max(0.0, end - req.first_token_time) / (n - 1))
+        if req.num_draft_tokens:
+            m.spec.observe(req.num_accepted_drafts / req.num_draft_tokens)
 
     def scheduler_step(self, step: StepStats) -> None:
         m = self.instance(step.instance_id)

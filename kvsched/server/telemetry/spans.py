@@ -168,6 +168,7 @@ def _build(pending: tuple[Any, ...]) -> dict[str, Any]:
     (
         tracing, trace, end_name, end_t, req_id, max_tokens, num_prompt, num_output, cached,
         num_preemptions, instance, reason, message, arrival, scheduled, first_token,
+        num_drafts, num_accepted,
     ) = pending  # fmt: skip
     ids = tracing.provider.id_generator
     wall = tracing.wall_ns
@@ -216,6 +217,10 @@ def _build(pending: tuple[Any, ...]) -> dict[str, Any]:
         attrs["kvsched.queue_time_s"] = max(0.0, scheduled - arrival)
     if first_token >= 0:
         attrs["kvsched.ttft_s"] = max(0.0, first_token - arrival)
+    if num_drafts:  # speculative decoding: the request's drafts verified / accepted
+        attrs["kvsched.spec_decode.draft_tokens"] = num_drafts
+        attrs["kvsched.spec_decode.accepted_tokens"] = num_accepted
+        attrs["kvsched.spec_decode.acceptance_rate"] = num_accepted / num_drafts
     return {
         "_name": tracing.span_name,
         "_context": context,

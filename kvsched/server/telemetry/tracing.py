@@ -267,7 +267,7 @@ class Tracing:
                 len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens,
                 req.num_preemptions, tr.instance_id, req.finish_reason,
                 req.finish_message, req.arrival_time, req.first_scheduled_time,
-                req.first_token_time,
+                req.first_token_time, req.num_draft_tokens, req.num_accepted_drafts,
             )
         )  # fmt: skip
         for sink in self._sinks:

@@ -1,0 +1,269 @@
+"""Benchmark rows of the engine features under vLLM's model runner (issue 36): what speculative
+decoding gives, and what a prefill/decode hand-off costs. Real processes on loopback, the tiny
+model made offline (float32), kvsched's gRPC client as the load.
+
+    python -m bench.vllm_features [--parts spec,pd] [--rounds 2] [--requests 24]
+
+spec  One daemon + one `kvsched worker --executor vllm`, with ngram drafts (K = 3) and
+      without, in alternating rounds; greedy prompts made of a few repeated phrases (prompt
+      lookup finds drafts in them; the same shape as tests/vllm/test_spec_decode.py), 8 in
+      flight, 64 tokens each (ignore_eos). Output tok/s (client side), output tokens per
+      engine step (the worker's counters), drafts verified / accepted (the daemon's counters,
+      from the worker's report rows).
+pd    One daemon with a prefill and a decode instance, a vLLM worker each (`--listen-kv`);
+      prompts of ~1,000 tokens, 2 in flight, 8 tokens each. The prefill worker's counters: KV
+      blocks pushed, seconds reading them out of vLLM's cache (export) and wall seconds of the
+      pushes (the decode worker's write into its cache included), per 1,000 prompt tokens;
+      beside them the prefill worker's busy seconds per 1,000 prompt tokens (the compute the
+      hand-off adds to).
+
+Prints a table per part and saves bench/results/vllm_features.json. Figures on 2 shared cores
+are noisy: report the load averages printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.serve_procs import REPO, Procs, free_port, running
+from bench.serve_stacks import wait_ready
+
+_KVSCHED = [sys.executable, "-m", "kvsched.cli"]
+K = 3
+_STATS = re.compile(
+    r"worker stats: (\d+) steps, (\d+) tokens, .*busy ([0-9.]+) s.*"
+    r"KV pushed (\d+) blocks in ([0-9.]+) s \(export ([0-9.]+) s\)"
+)
+PD_TOML = """
+[engine.scheduler]
+max_num_batched_tokens = 512
+max_model_len = 1024
+
+[instances.p]
+role = "prefill"
+
+[instances.d]
+role = "decode"
+"""
+
+
+def spec_prompts(n: int, seed: int = 4) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrases = [[rng.randrange(5, 512) for _ in range(rng.randrange(3, 7))] for _ in range(3)]
+        out.append([t for _ in range(rng.randrange(3, 8)) for t in rng.choice(phrases)])
+    return out
+
+
+def long_prompts(n: int, length: int = 1000, seed: int = 5) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 512) for _ in range(length)] for _ in range(n)]
+
+
+def worker(daemon: str, instance: str, model: Path, *extra: str) -> list[str]:
+    argv = [*_KVSCHED, "worker", "--server", daemon, "--instance", instance]
+    argv += ["--executor", "vllm", "--model", str(model), "--dtype", "float32"]
+    argv += ["--max-model-len", "1024", "--num-slots", "16", "--max-num-batched-tokens", "512"]
+    return [*argv, *extra]
+
+
+def worker_stats(procs: Procs, name: str, timeout: float = 30.0) -> dict[str, float]:
+    """SIGUSR1: the worker logs its counters; the numbers of the line it logs."""
+    log = procs.log_dir / f"{name}.log"
+    before = len(_STATS.findall(log.read_text(errors="replace")))
+    os.kill(dict(procs.procs)[name].pid, signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = _STATS.findall(log.read_text(errors="replace"))
+        if len(found) > before:
+            steps, tokens, busy, blocks, push_s, export_s = found[-1]
+            return {
+                "steps": float(steps), "tokens": float(tokens), "busy_s": float(busy),
+                "push_blocks": float(blocks), "push_s": float(push_s),
+                "export_s": float(export_s),
+            }  # fmt: skip
+        time.sleep(0.05)
+    raise TimeoutError(f"{name} logged no stats in {timeout:.0f} s")
+
+
+async def drive(
+    daemon: str, prompts: list[list[int]], max_tokens: int, concurrency: int
+) -> tuple[int, float]:
+    """Greedy requests over kvsched's client; (output tokens, wall seconds)."""
+    from kvsched.client import AsyncClient
+
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(client: AsyncClient, prompt: list[int]) -> int:
+        async with gate:
+            stream = await client.generate(
+                prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+            )
+            return sum([len(b) async for b in stream])
+
+    async with AsyncClient(daemon, timeout=600) as client:
+        await one(client, prompts[0])  # warm-up (not counted)
+        t0 = time.perf_counter()
+        n = sum(await asyncio.gather(*(one(client, p) for p in prompts[1:])))
+        return n, time.perf_counter() - t0
+
+
+def status_counts(daemon: str) -> dict[str, dict[str, float]]:
+    from kvsched.client import Client
+
+    with Client(daemon, timeout=10) as c:
+        return {
+            i.instance_id: {
+                "drafts": i.num_draft_tokens,
+                "accepted": i.num_accepted_drafts,
+            }
+            for i in c.status().instances
+        }
+
+
+def spec_round(model: Path, logs: Path, k: int, n: int) -> dict[str, float]:
+    daemon = f"127.0.0.1:{free_port()}"
+    env = {
+        "KVSCHED_ENGINE__SPECULATIVE__NUM_SPECULATIVE_TOKENS": str(k),
+        "KVSCHED_ENGINE__SCHEDULER__MAX_MODEL_LEN": "1024",
+    }
+    with running(logs) as procs:
+        procs.start(
+            "daemon", [*_KVSCHED, "serve", "--listen", daemon, "--metrics-listen", "off"], env
+        )
+        extra = ("--num-speculative-tokens", str(k)) if k else ()
+        procs.start("worker", worker(daemon, "v0", model, *extra))
+        wait_ready(procs, daemon)
+        before, wb = status_counts(daemon)["v0"], worker_stats(procs, "worker")
+        load = os.getloadavg()[0]
+        tokens, wall = asyncio.run(drive(daemon, spec_prompts(n + 1), 64, 8))
+        after, wa = status_counts(daemon)["v0"], worker_stats(procs, "worker")
+    steps = wa["steps"] - wb["steps"]
+    drafts = after["drafts"] - before["drafts"]
+    return {
+        "k": k,
+        "output_tok_s": tokens / wall,
+        "worker_steps": steps,
+        "tokens_per_step": (wa["tokens"] - wb["tokens"]) / max(1.0, steps),
+        "drafts": drafts,
+        "acceptance": (after["accepted"] - before["accepted"]) / drafts if drafts else 0.0,
+        "load_1m": load,
+    }
+
+
+def pd_round(model: Path, logs: Path, n: int) -> dict[str, float]:
+    daemon = f"127.0.0.1:{free_port()}"
+    toml = logs / "pd.toml"
+    toml.write_text(PD_TOML)
+    with running(logs) as procs:
+        cmd = [*_KVSCHED, "serve", "--listen", daemon, "--metrics-listen", "off"]
+        procs.start("daemon", [*cmd, "--config", str(toml)])
+        kv = ("--listen-kv", "127.0.0.1:0")
+        procs.start("worker_p", worker(daemon, "p", model, "--num-blocks", "128", *kv))
+        procs.start("worker_d", worker(daemon, "d", model, "--num-blocks", "512", *kv))
+        wait_ready(procs, daemon)
+        _wait_both(procs, daemon)
+        prompts = long_prompts(n + 1)
+        asyncio.run(drive(daemon, prompts[:2], 8, 1))  # warm-up: both workers' first steps
+        before = worker_stats(procs, "worker_p")
+        load = os.getloadavg()[0]
+        asyncio.run(drive(daemon, prompts[1:], 8, 2))
+        after = worker_stats(procs, "worker_p")
+    d = {k: after[k] - before[k] for k in after}
+    prompt_tokens = float(sum(len(p) for p in prompts[2:]))
+    per_k = 1000.0 / prompt_tokens
+    return {
+        "requests": n - 1,
+        "prompt_tokens": prompt_tokens,
+        "push_blocks": d["push_blocks"],
+        "push_s_per_1k": d["push_s"] * per_k,
+        "export_s_per_1k": d["export_s"] * per_k,
+        "prefill_busy_s_per_1k": d["busy_s"] * per_k,
+        "load_1m": load,
+    }
+
+
+def _wait_both(procs: Procs, daemon: str, timeout: float = 300.0) -> None:
+    from kvsched.client import Client
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs.check()
+        with Client(daemon, timeout=5) as c:
+            if sum(1 for i in c.status().instances if i.ready) == 2:
+                return
+        time.sleep(0.5)
+    raise TimeoutError("prefill and decode instances not both ready")
+
+
+def _median(rows: list[dict[str, float]], key: str) -> tuple[float, float, float]:
+    vals = [r[key] for r in rows]
+    return statistics.median(vals), min(vals), max(vals)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default="spec,pd")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "vllm_features.json"))
+    args = ap.parse_args(argv)
+    from kvsched.tinymodel.model import make_model
+
+    parts = args.parts.split(",")
+    result: dict[str, Any] = {"rounds": args.rounds, "requests": args.requests}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_model(Path(tmp) / "tiny-llama")
+        if "spec" in parts:
+            rows: dict[int, list[dict[str, float]]] = {0: [], K: []}
+            for r in range(args.rounds):
+                for k in (0, K) if r % 2 == 0 else (K, 0):
+                    logs = Path(tmp) / f"spec{k}-{r}"
+                    logs.mkdir()
+                    rows[k].append(spec_round(model, logs, k, args.requests))
+            print("\nspeculative decoding (ngram drafts, K = 3) vs none; median [min, max]")
+            print(f"{'drafts':>8} {'out tok/s':>22} {'tokens/step':>20} {'accept':>8} {'load':>6}")
+            for k, rs in rows.items():
+                tps, tlo, thi = _median(rs, "output_tok_s")
+                tk, klo, khi = _median(rs, "tokens_per_step")
+                acc = _median(rs, "acceptance")[0]
+                load = _median(rs, "load_1m")[0]
+                print(
+                    f"{k:>8} {tps:>8.0f} [{tlo:.0f}, {thi:.0f}] {tk:>8.2f} [{klo:.2f}, {khi:.2f}]"
+                    f" {acc:>8.3f} {load:>6.1f}"
+                )
+            result["spec"] = {str(k): rs for k, rs in rows.items()}
+        if "pd" in parts:
+            pd_rows = []
+            for r in range(args.rounds):
+                logs = Path(tmp) / f"pd-{r}"
+                logs.mkdir()
+                pd_rows.append(pd_round(model, logs, max(4, args.requests // 3)))
+            print(
+                "\nP/D hand-off (vLLM workers, ~1,000-token prompts), seconds per 1,000 prompt tokens"
+            )
+            for key in ("push_s_per_1k", "export_s_per_1k", "prefill_busy_s_per_1k"):
+                med, lo, hi = _median(pd_rows, key)
+                print(f"{key:>24} {med:.4f} [{lo:.4f}, {hi:.4f}]")
+            print(f"{'load_1m':>24} {_median(pd_rows, 'load_1m')[0]:.1f}")
+            result["pd"] = pd_rows
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nsaved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
