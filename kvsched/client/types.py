@@ -3,6 +3,7 @@ place that turns a call's keyword arguments into a GenerateRequest."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypedDict
@@ -37,6 +38,10 @@ class RequestOptions(TypedDict, total=False):
     repetition_penalty: float
     logit_bias: Mapping[int, float]  # token id -> added to its logit
     min_p: float
+    # A grammar the output follows, one kind as vLLM's StructuredOutputsParams: {"json": schema
+    # (a dict or its JSON text)}, {"json_object": True}, {"regex": str}, {"choice": [str]},
+    # {"grammar": str}
+    structured_output: Mapping[str, object]
     logprobs: int  # each output token's log-probability and this many top alternatives
     prompt_logprobs: int  # the same for the prompt's tokens (after the first)
     priority: int
@@ -81,7 +86,8 @@ def build_request(prompt: Sequence[int], options: RequestOptions) -> rpb.Generat
     """A GenerateRequest from a prompt and RequestOptions. A value the message cannot carry (of
     the wrong type, or outside its field's range: max_tokens=10**12) raises InvalidArgument
     naming the field; the daemon checks the rest and answers InvalidArgument naming the field."""
-    unknown = set(options) - set(_SAMPLING) - set(_REQUEST) - {"stop_token_ids", "logit_bias"}
+    extra = {"stop_token_ids", "logit_bias", "structured_output"}
+    unknown = set(options) - set(_SAMPLING) - set(_REQUEST) - extra
     if unknown:
         raise TypeError(f"unknown request option(s): {', '.join(sorted(unknown))}")
     msg = rpb.GenerateRequest()
@@ -97,11 +103,40 @@ def build_request(prompt: Sequence[int], options: RequestOptions) -> rpb.Generat
             raise InvalidArgument(
                 f"logit_bias[{token!r}]={bias!r} cannot be sent: {_why(exc)}"
             ) from None
+    if options.get("structured_output"):
+        _put_structured(sampling.structured_output, options["structured_output"])
     for key in _REQUEST:
         if key in options:
             _put(msg, key, options[key])  # type: ignore[literal-required]
     _put_list(msg.prompt_token_ids, "prompt", prompt)
     return msg
+
+
+_STRUCTURED_FIELDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar"}
+
+
+def _put_structured(pb: common_pb2.StructuredOutput, so: Mapping[str, object]) -> None:
+    """SamplingParams.structured_output from a {kind: value} mapping (one kind)."""
+    kinds = [k for k, v in so.items() if v is not None]
+    if len(kinds) != 1:
+        raise InvalidArgument(
+            f"structured_output: give exactly one of json, json_object, regex, choice, grammar "
+            f"(got {sorted(kinds)})"
+        )
+    kind, value = kinds[0], so[kinds[0]]
+    if kind == "json_object":
+        pb.json_object = True
+    elif kind == "choice":
+        if isinstance(value, str | bytes) or not all(isinstance(c, str) for c in value):  # type: ignore[attr-defined]
+            raise InvalidArgument("structured_output.choice must be a list of strings")
+        pb.choice.choices.extend(value)  # type: ignore[arg-type]
+    elif kind in _STRUCTURED_FIELDS:
+        text = value if isinstance(value, str) or kind != "json" else json.dumps(value)
+        if not isinstance(text, str):
+            raise InvalidArgument(f"structured_output.{kind} must be a string")
+        setattr(pb, _STRUCTURED_FIELDS[kind], text)
+    else:
+        raise InvalidArgument(f"structured_output: unknown kind {kind!r}")
 
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)

@@ -63,9 +63,37 @@ def sampling_to_proto(params: core.SamplingParams) -> common_pb2.SamplingParams:
         repetition_penalty=None if params.repetition_penalty == 1.0 else params.repetition_penalty,
         logit_bias=params.logit_bias,
         min_p=params.min_p,
+        structured_output=structured_to_proto(params.structured),
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
     )
+
+
+def structured_to_proto(so: core.StructuredOutput | None) -> common_pb2.StructuredOutput | None:
+    if so is None:
+        return None
+    if so.kind == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    if so.kind == "choice":
+        return common_pb2.StructuredOutput(choice=common_pb2.Choices(choices=so.choices))
+    if so.kind == "json":
+        return common_pb2.StructuredOutput(json_schema=so.spec)
+    if so.kind == "regex":
+        return common_pb2.StructuredOutput(regex=so.spec)
+    return common_pb2.StructuredOutput(grammar=so.spec)
+
+
+def structured_from_proto(pb: common_pb2.StructuredOutput) -> core.StructuredOutput | None:
+    """The core constraint; None when no kind is set (a message from a client that set the
+    field empty is unconstrained, as absent)."""
+    kind = pb.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return core.StructuredOutput("json_object")
+    if kind == "choice":
+        return core.StructuredOutput("choice", choices=tuple(pb.choice.choices))
+    return core.StructuredOutput("json" if kind == "json_schema" else kind, getattr(pb, kind))
 
 
 def sampling_from_proto(
@@ -93,6 +121,8 @@ def sampling_from_proto(
         params.max_tokens = default_max_tokens
     if pb.HasField("top_p"):
         params.top_p = pb.top_p
+    if pb.HasField("structured_output"):
+        params.structured = structured_from_proto(pb.structured_output)
     if pb.HasField("logprobs"):
         params.logprobs = pb.logprobs
     if pb.HasField("prompt_logprobs"):

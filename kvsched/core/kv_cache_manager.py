@@ -39,11 +39,17 @@ def reads_prompt(req: Request) -> bool:
     """Whether req's sampling reads its prompt's token ids (a repetition penalty does, as in
     vLLM): the worker learns a prompt's tokens only from the chunks it computes, so such a
     request takes no prefix hit and sends its whole prompt (correct, at the cost of the
-    recompute). Its blocks are still cached for others. A request asking for prompt
-    log-probabilities computes its whole prompt too (vLLM's scheduler skips the prefix cache
-    for it: the log-probabilities come from the prompt's forward pass)."""
+    recompute). Its blocks are still cached for others. So does a structured-output request
+    placed again after outputs: a worker that must rebuild its grammar replays those outputs
+    (the prompt's end) into it. A request asking for prompt log-probabilities computes its
+    whole prompt too (vLLM's scheduler skips the prefix cache for it: the log-probabilities
+    come from the prompt's forward pass)."""
     sp = req.sampling
-    return sp.repetition_penalty != 1.0 or sp.prompt_logprobs is not None
+    return (
+        sp.repetition_penalty != 1.0
+        or sp.prompt_logprobs is not None
+        or (sp.structured is not None and bool(req.output_token_ids))
+    )
 
 
 def prefills_at_once(req: Request) -> bool:

@@ -61,6 +61,20 @@ class FinishReason(IntEnum):
     ERROR = 4  # worker or transfer failure
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar the output must follow (vLLM's StructuredOutputsParams, one kind set): `kind`
+    is one of STRUCTURED_KINDS; `spec` the JSON schema's text, the regex or the grammar;
+    `choices` the strings of a choice."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Sampling and stop conditions, carried to the worker; the core only checks max_tokens."""
@@ -79,6 +93,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_p: float = 0.0
+    structured: StructuredOutput | None = None  # None: unconstrained
     # Log-probabilities (core/logprobs.py): None none; k >= 0 the token's own and k alternatives
     logprobs: int | None = None
     prompt_logprobs: int | None = None

@@ -88,6 +88,18 @@ def add_http_parser(sub: Any) -> None:
         choices=("debug", "info", "warning", "error"),
         help="uvicorn's log level (default info)",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (vLLM\'s flag; needs --tool-call-parser; default off: 400)',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="",
+        metavar="NAME",
+        help='vLLM\'s tool parser for "auto" tool calls, e.g. hermes (needs vLLM installed; '
+        "default none)",
+    )
     p.set_defaults(func=run_http)
 
 
@@ -111,11 +123,18 @@ def run_http(args: argparse.Namespace) -> int:
     if not host or not port.isdigit():
         print(f"kvsched http: --listen must be HOST:PORT, got {args.listen!r}", file=sys.stderr)
         return 2
+    if args.enable_auto_tool_choice != bool(args.tool_call_parser):
+        print(
+            "kvsched http: --enable-auto-tool-choice and --tool-call-parser go together",
+            file=sys.stderr,
+        )
+        return 2
     addresses = [a.strip() for a in args.server.split(",") if a.strip()]
     settings = Settings(
         model_dir=args.model,
         served_names=args.served_model_name or [args.model],
         daemon_model=args.daemon_model,
+        tool_call_parser=args.tool_call_parser,
         backend=lambda: Backend(
             addresses,
             token=args.token,

@@ -90,6 +90,7 @@ _PARAMS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"^frequency_penalty", "frequency_penalty"),
         (r"^repetition_penalty", "repetition_penalty"),
         (r"^min_p", "min_p"),
+        (r"^structured_output", "structured_output"),  # the front end names its source field
         (r"temperature", "temperature"),
         (r"^request_id", "request_id"),
         (r"model", "model"),

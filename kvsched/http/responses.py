@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from kvsched.http.generation import Generation
+from kvsched.http.structured import ToolReply
 
 DONE = b"data: [DONE]\n\n"
 
@@ -47,8 +48,10 @@ class Shape:
         model: str,
         include_usage: bool,
         prompt_token_ids: list[int] | None = None,
+        tools: ToolReply | None = None,
     ) -> None:
         self.chat = chat
+        self.tools = tools  # a chat request with tools: its text parsed into tool_calls
         self.model = model
         self.include_usage = include_usage
         # vLLM's `return_token_ids`: the prompt's and the output's ids in the (non-streamed) answer
@@ -77,8 +80,20 @@ class Shape:
         return body
 
     def _choice(self, index: int, gen: Generation, text: str) -> dict[str, Any]:
-        if self.chat:
+        if self.chat and self.tools is not None:
+            content, calls = self.tools.parse(text)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:  # (vLLM leaves an empty list out)
+                message["tool_calls"] = calls
             choice: dict[str, Any] = {
+                "index": index,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": self.tools.finish_reason(calls, gen.finish_reason),
+                "stop_reason": gen.stop_reason,
+            }
+        elif self.chat:
+            choice = {
                 "index": index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": None,
@@ -178,6 +193,27 @@ class Shape:
         if self.include_usage:
             body["usage"] = None
         return sse(body)
+
+    def tool_chunks(self, text: str, gen: Generation, index: int = 0) -> list[bytes]:
+        """A tool request's streamed answer, once its text is whole: the content (if any) and
+        every tool call in one delta each, then the finish_reason chunk."""
+        assert self.tools is not None
+        content, calls = self.tools.parse(text)
+        out = []
+        if content:
+            out.append(self.chunk(content, None, index=index))
+        if calls:
+            delta = {"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            body = self._head("chat.completion.chunk")
+            body["choices"] = [choice]
+            if self.include_usage:
+                body["usage"] = None
+            out.append(sse(body))
+        out.append(
+            self.chunk(None, self.tools.finish_reason(calls, gen.finish_reason), index=index)
+        )
+        return out
 
     def usage_chunk(self, *gens: Generation) -> bytes:
         """stream_options.include_usage: the last chunk, no choices, the usage."""

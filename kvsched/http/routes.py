@@ -24,7 +24,9 @@ from kvsched.http.metrics import HttpMetrics
 from kvsched.http.responses import DONE, Shape, sse
 from kvsched.http.samples import sample_options, serve_samples
 from kvsched.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvsched.http.structured import ToolReply, parse_forced
 from kvsched.http.text import TextModel
+from kvsched.http.tool_parser import AutoToolParser
 from kvsched.http.utility import utility_router
 
 
@@ -37,6 +39,8 @@ class Settings:
     served_names: list[str]
     daemon_model: str = ""
     backend: Callable[[], Backend] = field(default=lambda: Backend(["127.0.0.1:50051"]))
+    # tool_choice "auto": vLLM's tool parser of this name (vLLM's --tool-call-parser); "": off
+    tool_call_parser: str = ""
 
 
 class State:
@@ -45,6 +49,11 @@ class State:
         self.text = text
         self.metrics = HttpMetrics()
         self.backend: Backend | None = None
+        self.auto_tools = (
+            AutoToolParser(settings.tool_call_parser, text.hf)
+            if settings.tool_call_parser
+            else None
+        )
         self.token_texts = TokenTexts(text.hf)
 
 
@@ -99,12 +108,29 @@ def create_app(settings: Settings, text: TextModel | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        body.check()
+        mode = body.check(state.auto_tools is not None)
         msgs = [m.rendered() for m in body.messages]
-        prompt = state.text.encode_chat(msgs, body.add_generation_prompt)
-        return await _serve(state, request, body, prompt, chat=True)
+        tools = [t.model_dump() for t in body.tools] if body.tools else None
+        prompt = state.text.encode_chat(msgs, body.add_generation_prompt, tools)
+        reply = await _tool_reply(state, body, request, mode)
+        return await _serve(state, request, body, prompt, chat=True, tools=reply)
 
     return app
+
+
+async def _tool_reply(
+    state: State, body: ChatCompletionRequest, request: Request, mode: str | None
+) -> ToolReply | None:
+    """How the answer of a chat with tools is parsed (None: plain text)."""
+    if mode is None or mode == "none":
+        return None
+    if mode != "auto":
+        return ToolReply(mode, lambda text: parse_forced(text, mode))
+    parser = state.auto_tools
+    assert parser is not None  # (check() refuses "auto" without it)
+    raw = await request.json()
+    body.skip_special_tokens = parser.skip_special_tokens(raw)
+    return ToolReply(mode, lambda text: parser.parse(text, raw))
 
 
 async def _model_cards(state: State, token: str | None) -> list[dict[str, Any]]:
@@ -183,7 +209,12 @@ async def _resolve(state: State, model: str, token: str | None) -> tuple[str, Mo
 
 
 async def _serve(
-    state: State, request: Request, body: SamplingFields, prompt: list[int], chat: bool
+    state: State,
+    request: Request,
+    body: SamplingFields,
+    prompt: list[int],
+    chat: bool,
+    tools: ToolReply | None = None,
 ) -> Response:
     assert state.backend is not None
     endpoint = "chat" if chat else "completions"
@@ -197,7 +228,8 @@ async def _serve(
     options.update(body.logprob_options(state.text.vocab_size))
     if daemon_model:
         options["model"] = daemon_model
-    shape = Shape(chat, body.model, body.include_usage(), prompt if body.return_token_ids else None)
+    token_ids = prompt if body.return_token_ids else None
+    shape = Shape(chat, body.model, body.include_usage(), token_ids, tools)
     extras = _extras(state, body, prompt)
     if (body.n or 1) > 1:
         gens = [
@@ -233,6 +265,8 @@ async def _serve(
     except BaseException as exc:
         watch.cancel()
         m.in_flight.dec()
+        if isinstance(exc, ApiError) and exc.param == "structured_output":
+            exc.param = body.constraint_param()
         if not isinstance(exc, ApiError):  # a refusal was never accepted: nothing to abort
             await gen.abort()
         raise
@@ -319,12 +353,21 @@ async def _stream(gen: Generation, shape: Shape, done: Callable[[], None]) -> As
         if shape.chat:
             yield shape.role_chunk(gen)
             first = False
+        held: list[str] = []  # a tool call's text: parsed when whole
         async for piece in gen.deltas():
+            if shape.tools is not None:
+                held.append(piece)
+                continue
             yield shape.piece_chunk(gen, piece, first=first)
             first = False
         if gen.finish_reason == "error":
             err = ApiError(500, f"kvsched: {gen.message}", "internal_error")
             yield sse(err.body())
+        elif shape.tools is not None:
+            for chunk in shape.tool_chunks("".join(held), gen):
+                yield chunk
+            if shape.include_usage:
+                yield shape.usage_chunk(gen)
         else:
             yield shape.closing_chunk(gen)
             if shape.include_usage:

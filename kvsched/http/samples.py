@@ -106,6 +106,7 @@ async def _stream(
                 yield shape.role_chunk(gens[i], index=i)
             first.clear()
         running = len(gens)
+        held: dict[int, list[str]] = {i: [] for i in range(len(gens))}  # tool calls: whole
         while running:
             i, piece = await queue.get()
             if piece is None:
@@ -113,8 +114,14 @@ async def _stream(
                 g = gens[i]
                 if g.finish_reason == "error":
                     yield sse(ApiError(500, f"kvsched: {g.message}", "internal_error").body())
+                elif shape.tools is not None:
+                    for chunk in shape.tool_chunks("".join(held[i]), g, index=i):
+                        yield chunk
                 else:
                     yield shape.closing_chunk(g, index=i)
+                continue
+            if shape.tools is not None:
+                held[i].append(piece)
                 continue
             yield shape.piece_chunk(gens[i], piece, first=i in first, index=i)
             first.discard(i)

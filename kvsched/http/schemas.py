@@ -10,7 +10,8 @@ request id: the same id and sampling give the same tokens on the sim).
 Log-probabilities (http/logprobs.py): completions' logprobs (int) and echo, chat's logprobs
 (bool) and top_logprobs, vLLM's prompt_logprobs; -1 means the whole vocabulary (as vLLM: over
 its max_logprobs, the daemon refuses it naming the field).
-Refused with 400: best_of > 1, suffix, tools/functions, response_format other than text,
+Structured output (response_format, vLLM's structured_outputs) and chat tools / tool_choice:
+http/structured.py. Refused with 400: best_of > 1, suffix, functions (the pre-tools API),
 several prompts.
 """
 
@@ -18,9 +19,18 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from kvsched.http.errors import invalid
+from kvsched.http.structured import (
+    ResponseFormat,
+    StructuredOutputs,
+    Tool,
+    ToolChoice,
+    response_constraint,
+    tool_constraint,
+    tool_mode,
+)
 
 MAX_N = 128  # samples per request
 MAX_STOP_STRINGS = 4  # OpenAI's limit (vLLM has none; docs/HTTP.md)
@@ -59,6 +69,18 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False  # vLLM's: prompt and output token ids in the answer
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' log-probabilities
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
+
+    def constraint(self) -> dict[str, Any] | None:
+        """The structured-output constraint asked for (http/structured.py), or None."""
+        return response_constraint(self.response_format, self.structured_outputs)
+
+    def constraint_param(self) -> str:
+        """The request field the structured-output constraint came from."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return "structured_outputs"
 
     def check_common(self) -> None:
         if self.n is not None and not 1 <= self.n <= MAX_N:
@@ -127,6 +149,9 @@ class SamplingFields(BaseModel):
                 out[name] = getattr(self, name)
         if self.logit_bias:
             out["logit_bias"] = self.token_biases()
+        constraint = self.constraint()
+        if constraint is not None:
+            out["structured_output"] = constraint
         return out
 
     def logprob_options(self, vocab_size: int) -> dict[str, int]:
@@ -211,33 +236,52 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": self.text()}
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = 0
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
-    response_format: ResponseFormat | None = None
     # vLLM's extensions
     add_generation_prompt: bool = True
+    _mode: str | None = PrivateAttr(default=None)  # the tool mode check() found
 
-    def check(self) -> None:
+    def check(self, auto_tools: bool = False) -> str | None:
+        """The checks; returns the tool mode (http/structured.py: None without tools)."""
         self.check_common()
         _check_k("top_logprobs", self.top_logprobs)
         if self.top_logprobs and not self.logprobs:
             raise invalid(
                 "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
             )
-        if self.tools or self.functions:
-            raise invalid("tools are not supported", "tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise invalid("only response_format type 'text' is supported", "response_format")
+        if self.functions:
+            raise invalid("functions is not supported: use tools", "functions")
+        mode = tool_mode(self.tools, self.tool_choice, auto_tools)
+        so = self.structured_outputs
+        if mode not in (None, "none", "auto") and so is not None and so.constraint() is not None:
+            raise invalid(
+                "You can only either use constraints for structured outputs or tools, not both.",
+                "structured_outputs",
+            )
+        self._mode = mode
+        return mode
+
+    def constraint(self) -> dict[str, Any] | None:
+        """A required or named tool call's schema overrides response_format (as vLLM's)."""
+        mode = self._mode
+        if self.tools and mode is not None:
+            forced = tool_constraint(self.tools, mode, self.parallel_tool_calls)
+            if forced is not None:
+                return forced
+        return super().constraint()
+
+    def constraint_param(self) -> str:
+        if self.tools and self._mode not in (None, "none", "auto"):
+            return "tool_choice"
+        return super().constraint_param()
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

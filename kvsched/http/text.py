@@ -40,14 +40,20 @@ class TextModel:
             )
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """The chat template of the model's tokenizer config, tokenized (no special tokens
-        added beyond what the template writes, as vLLM does)."""
+        added beyond what the template writes, as vLLM does); `tools` are passed to the
+        template as vLLM passes them (a template that ignores them renders none)."""
         if getattr(self.hf, "chat_template", None) is None:
             raise invalid("this model's tokenizer has no chat template; use /v1/completions")
         try:
             text = self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
             )
         except Exception as exc:  # jinja2's errors: the template refused these messages
             raise invalid(f"chat template: {exc}", "messages") from None

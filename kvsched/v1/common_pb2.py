@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsched/v1/common.proto\x12\nkvsched.v1\"\x99\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x03\x88\x01\x01\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).kvsched.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\r \x01(\x01\x12\x15\n\x08logprobs\x18\x1e \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x1f \x01(\x05H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"n\n\rTokenLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\r\n\x05ranks\x18\x02 \x03(\x05\x12\x0f\n\x07num_top\x18\x03 \x03(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"G\n\x0fMultimodalRange\x12\x0e\n\x06offset\x18\x01 \x01(\x05\x12\x0e\n\x06length\x18\x02 \x01(\x05\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\"L\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"9\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*{\n\x0cInstanceRole\x12\x1d\n\x19INSTANCE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13INSTANCE_ROLE_MIXED\x10\x01\x12\x19\n\x15INSTANCE_ROLE_PREFILL\x10\x02\x12\x18\n\x14INSTANCE_ROLE_DECODE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsched/v1/common.proto\x12\nkvsched.v1\"\xd2\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x03\x88\x01\x01\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).kvsched.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\r \x01(\x01\x12\x15\n\x08logprobs\x18\x1e \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x1f \x01(\x05H\x05\x88\x01\x01\x12\x37\n\x11structured_output\x18( \x01(\x0b\x32\x1c.kvsched.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"n\n\rTokenLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\r\n\x05ranks\x18\x02 \x03(\x05\x12\x0f\n\x07num_top\x18\x03 \x03(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.kvsched.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"G\n\x0fMultimodalRange\x12\x0e\n\x06offset\x18\x01 \x01(\x05\x12\x0e\n\x06length\x18\x02 \x01(\x05\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\"L\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"9\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*{\n\x0cInstanceRole\x12\x1d\n\x19INSTANCE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13INSTANCE_ROLE_MIXED\x10\x01\x12\x19\n\x15INSTANCE_ROLE_PREFILL\x10\x02\x12\x18\n\x14INSTANCE_ROLE_DECODE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=902
-  _globals['_FINISHREASON']._serialized_end=1047
-  _globals['_INSTANCEROLE']._serialized_start=1049
-  _globals['_INSTANCEROLE']._serialized_end=1172
+  _globals['_FINISHREASON']._serialized_start=1137
+  _globals['_FINISHREASON']._serialized_end=1282
+  _globals['_INSTANCEROLE']._serialized_start=1284
+  _globals['_INSTANCEROLE']._serialized_end=1407
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=577
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=439
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=487
-  _globals['_TOKENLOGPROBS']._serialized_start=579
-  _globals['_TOKENLOGPROBS']._serialized_end=689
-  _globals['_MULTIMODALRANGE']._serialized_start=691
-  _globals['_MULTIMODALRANGE']._serialized_end=762
-  _globals['_USAGE']._serialized_start=764
-  _globals['_USAGE']._serialized_end=840
-  _globals['_TIMINGS']._serialized_start=842
-  _globals['_TIMINGS']._serialized_end=899
+  _globals['_SAMPLINGPARAMS']._serialized_end=634
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=496
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=544
+  _globals['_TOKENLOGPROBS']._serialized_start=636
+  _globals['_TOKENLOGPROBS']._serialized_end=746
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=749
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=896
+  _globals['_CHOICES']._serialized_start=898
+  _globals['_CHOICES']._serialized_end=924
+  _globals['_MULTIMODALRANGE']._serialized_start=926
+  _globals['_MULTIMODALRANGE']._serialized_end=997
+  _globals['_USAGE']._serialized_start=999
+  _globals['_USAGE']._serialized_end=1075
+  _globals['_TIMINGS']._serialized_start=1077
+  _globals['_TIMINGS']._serialized_end=1134
 # @@protoc_insertion_point(module_scope)

@@ -134,6 +134,7 @@ class SamplingParams(_message.Message):
     MIN_P_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Output tokens at most, >= 1. Absent: the daemon's default_max_tokens setting (16 unless
     configured, vLLM's default).
@@ -191,6 +192,14 @@ class SamplingParams(_message.Message):
     def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
         """Added to the logits of these token ids before sampling, each in [-100, 100]."""
 
+    @_builtins.property
+    def structured_output(self) -> Global___StructuredOutput:
+        """Constrain the output to a grammar (structured output, as vLLM's StructuredOutputsParams);
+        absent: unconstrained. Only workers announcing Hello.structured_outputs run such a
+        request; the daemon refuses it (INVALID_ARGUMENT naming structured_output) when no
+        instance of the model does.
+        """
+
     def __init__(
         self,
         *,
@@ -209,10 +218,11 @@ class SamplingParams(_message.Message):
         min_p: _builtins.float = ...,
         logprobs: _builtins.int | None = ...,
         prompt_logprobs: _builtins.int | None = ...,
+        structured_output: Global___StructuredOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "structured_output", b"structured_output", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
@@ -283,6 +293,78 @@ class TokenLogprobs(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenLogprobs: _TypeAlias = TokenLogprobs  # noqa: Y015
+
+@_typing.final
+class StructuredOutput(_message.Message):
+    """A grammar the output must follow. Exactly one kind is set; the daemon checks its syntax
+    (INVALID_ARGUMENT naming the field: a schema that is not a JSON object, a regex that does not
+    compile, an empty choice list or grammar), the worker compiles it with its engine's
+    structured-output backend (vLLM's: xgrammar) and masks every sampled token with it. A
+    grammar the worker's backend still cannot compile ends the request with FINISH_REASON_ERROR.
+    Once the grammar is complete only EOS / stop token ids are allowed, so the request stops as
+    vLLM's does. The grammar follows the request across preemptions and re-placements (the
+    worker replays the earlier outputs into it).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """A JSON schema (its JSON text): the output is a JSON value it accepts."""
+    json_object: _builtins.bool
+    """Any JSON object (OpenAI's response_format json_object)."""
+    regex: _builtins.str
+    """A regular expression the whole output matches."""
+    grammar: _builtins.str
+    """An EBNF (xgrammar / GBNF) or Lark grammar, as vLLM's `grammar`."""
+    @_builtins.property
+    def choice(self) -> Global___Choices:
+        """The output is exactly one of these strings."""
+
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+        regex: _builtins.str = ...,
+        choice: Global___Choices | None = ...,
+        grammar: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "choice", "grammar"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___StructuredOutput: _TypeAlias = StructuredOutput  # noqa: Y015
+
+@_typing.final
+class Choices(_message.Message):
+    """The strings of StructuredOutput.choice (at least one)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        choices: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choices: _TypeAlias = Choices  # noqa: Y015
 
 @_typing.final
 class MultimodalRange(_message.Message):

@@ -105,7 +105,9 @@ class RequestServiceStub:
     (Hello.max_logprobs; the sim's: none); a
     request_id a live request holds; `model` empty while
     several models are served and the configured one is not;
-    sample_group over 128 bytes
+    sample_group over 128 bytes; a structured_output whose
+    syntax is wrong, or that no instance of the model can
+    apply (Hello.structured_outputs)
     NOT_FOUND *         `model` names a model no instance serves
     RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
     ttft_deadline_ms cannot be met (fairness.shed = "shed")
@@ -245,7 +247,9 @@ class RequestServiceServicer:
     (Hello.max_logprobs; the sim's: none); a
     request_id a live request holds; `model` empty while
     several models are served and the configured one is not;
-    sample_group over 128 bytes
+    sample_group over 128 bytes; a structured_output whose
+    syntax is wrong, or that no instance of the model can
+    apply (Hello.structured_outputs)
     NOT_FOUND *         `model` names a model no instance serves
     RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
     ttft_deadline_ms cannot be met (fairness.shed = "shed")
@@ -424,7 +428,9 @@ class RequestService:
     (Hello.max_logprobs; the sim's: none); a
     request_id a live request holds; `model` empty while
     several models are served and the configured one is not;
-    sample_group over 128 bytes
+    sample_group over 128 bytes; a structured_output whose
+    syntax is wrong, or that no instance of the model can
+    apply (Hello.structured_outputs)
     NOT_FOUND *         `model` names a model no instance serves
     RESOURCE_EXHAUSTED * the queue holds max_waiting requests; or shed: its
     ttft_deadline_ms cannot be met (fairness.shed = "shed")

@@ -116,6 +116,7 @@ class Hello(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     STORAGE_BACKENDS_FIELD_NUMBER: _builtins.int
     MAX_LOGPROBS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
     LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     MAX_CPU_LORAS_FIELD_NUMBER: _builtins.int
@@ -161,6 +162,10 @@ class Hello(_message.Message):
     naming `logprobs` / `prompt_logprobs`, a request asking for more than any instance of
     its model reports.
     """
+    structured_outputs: _builtins.bool
+    """The worker applies SamplingParams.structured_output (the vLLM worker, through vLLM's
+    structured-output backend); false: the daemon places no such request on this instance.
+    """
     max_loras: _builtins.int
     """Distinct adapters one step may run (vLLM's max_loras: its GPU adapter slots); the daemon
     never has requests of more adapters than this placed at once. 0 = no limit announced;
@@ -200,13 +205,14 @@ class Hello(_message.Message):
         vocab_size: _builtins.int = ...,
         storage_backends: _abc.Iterable[_builtins.str] | None = ...,
         max_logprobs: _builtins.int = ...,
+        structured_outputs: _builtins.bool = ...,
         lora_adapters: _abc.Iterable[Global___LoraAdapter] | None = ...,
         max_loras: _builtins.int = ...,
         max_cpu_loras: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "lora_adapters", b"lora_adapters", "max_cpu_loras", b"max_cpu_loras", "max_logprobs", b"max_logprobs", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "storage_backends", b"storage_backends", "vocab_size", b"vocab_size", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "lora_adapters", b"lora_adapters", "max_cpu_loras", b"max_cpu_loras", "max_logprobs", b"max_logprobs", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "storage_backends", b"storage_backends", "structured_outputs", b"structured_outputs", "vocab_size", b"vocab_size", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

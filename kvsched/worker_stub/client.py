@@ -64,6 +64,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
     lora = lora_slots_from_args(args)
     if lora.adapters and args.executor == "model":
         raise ValueError("--lora-modules: the model executor applies no LoRA adapters")
+    structured_outputs = False  # Hello.structured_outputs: only vLLM's backend applies grammars
     if args.executor == "sim":
         vocab_size = getattr(args, "vocab_size", SIM_VOCAB_SIZE)  # announced in Hello too
         if not args.num_blocks:  # the --gpu profile's KV memory, as `replay --embedded` gives
@@ -96,6 +97,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         factory, facts = vllm_factory_from_args(args, lora)
         vocab_size = facts.vocab_size
         max_model_len = facts.max_model_len
+        structured_outputs = facts.structured_outputs
         max_logprobs = facts.max_logprobs
         args.num_blocks, args.block_size = facts.num_blocks, facts.block_size
         args.served_model_name = getattr(args, "served_model_name", "") or facts.model_name
@@ -132,6 +134,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         model=getattr(args, "served_model_name", ""),
         max_model_len=max_model_len,
         vocab_size=vocab_size,
+        structured_outputs=structured_outputs,
         max_logprobs=max_logprobs,
         channel_credentials=credentials,
         metadata=(("authorization", f"Bearer {args.token}"),) if args.token else (),

@@ -20,6 +20,7 @@ class AnnouncedFacts:
     max_model_len: int
     vocab_size: int
     model_name: str
+    structured_outputs: bool  # a tokenizer to compile grammars against
     max_logprobs: int = 0
 
 
@@ -67,6 +68,12 @@ def vllm_factory_from_args(
     f = engine.facts
     name = os.path.basename(os.path.normpath(model))
     facts = AnnouncedFacts(
-        f.num_blocks, f.block_size, f.max_model_len, f.vocab_size, name, f.max_logprobs
+        f.num_blocks,
+        f.block_size,
+        f.max_model_len,
+        f.vocab_size,
+        name,
+        f.eos_token_id is not None,
+        f.max_logprobs,
     )
     return vllm_engine_factory(engine, args.num_slots), facts

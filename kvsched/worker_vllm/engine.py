@@ -11,10 +11,11 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from kvsched.core.protocol import Placement, SamplingParams, Tasks
+from kvsched.core.protocol import Placement, SamplingParams, StepReport, Tasks
 from kvsched.worker_stub.engine import KvSender, WorkerEngine
 from kvsched.worker_stub.factories import EngineFactory, EngineSettings
 from kvsched.worker_vllm.runner import EngineFacts, VllmExecutor, VllmModel
+from kvsched.worker_vllm.structured import vllm_params
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ def vllm_sampling(
         # (a re-placement after outputs recomputes prompt + outputs: its prompt's rows are known)
         prompt_logprobs=sampling.prompt_logprobs if num_output == 0 else None,
         detokenize=False,
+        structured_outputs=vllm_params(sampling.structured) if sampling.structured else None,
     )
     params.update_from_generation_config(facts.generation_config, facts.eos_token_id)
     stop_ids = list(params.stop_token_ids or [])
@@ -72,9 +74,32 @@ class VllmEngine(WorkerEngine):
             self._preempting = set()
 
     def _place(self, p: Placement) -> None:
-        params, sampling = vllm_sampling(p.sampling, p.num_output_tokens, self.executor.model.facts)
+        try:
+            params, sampling = vllm_sampling(
+                p.sampling, p.num_output_tokens, self.executor.model.facts
+            )
+        except Exception:  # a constraint xgrammar cannot take (vLLM's VLLMValidationError)
+            log.warning("request %s refused by the worker", p.req_id, exc_info=True)
+            params, sampling = None, p.sampling
         super()._place(replace(p, sampling=sampling))
-        self.executor.place(p.req_id, p.num_prefill_tokens, params, p.lora_name)
+        if params is None:
+            self._failed[p.handle] = None
+            self._free(p.handle)
+            return
+        self.executor.place(
+            p.req_id, p.num_prefill_tokens, params, p.num_output_tokens, p.lora_name
+        )
+
+    def step(self) -> StepReport | None:
+        """A step, after failing the requests whose grammar cannot be used (vLLM's scheduler
+        waits for each compile before it schedules the request, and fails it on an error)."""
+        if self.executor.grammars:
+            failed = set(self.executor.grammar_failures())
+            for handle, s in list(self._held.items()):
+                if s.req_id in failed:
+                    self._failed[handle] = None
+                    self._free(handle)
+        return super().step()
 
     def _free(self, handle: int) -> None:
         req_id = self._held[handle].req_id

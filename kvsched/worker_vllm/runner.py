@@ -47,6 +47,7 @@ from kvsched.worker_stub.lora import LoraSlots
 from kvsched.worker_vllm import logprobs, spec_decode
 from kvsched.worker_vllm import lora as vllm_lora
 from kvsched.worker_vllm.spin import nap_seconds, quiet_executor
+from kvsched.worker_vllm.structured import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -261,14 +262,18 @@ class VllmExecutor:
         self._reqs: dict[str, _Req] = {}  # placed here now
         self._parked: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._finished: set[str] = set()  # to tell the runner in the next step
+        self.grammars = Grammars(model.config)  # structured output (structured.py)
         self.num_steps = 0
 
     # ---- what the engine tells it between steps ---------------------------------------------
 
-    def place(self, req_id: str, num_prefill: int, params: Any, lora_name: str = "") -> None:
+    def place(
+        self, req_id: str, num_prefill: int, params: Any, num_output: int = 0, lora_name: str = ""
+    ) -> None:
         """A placement: the request runs here from its next SeqWork (with its LoRA adapter's
         LoRARequest; ValueError for one this worker did not announce). A request parked by a
-        preemption is re-sent (its runner state, and generator, are kept)."""
+        preemption is re-sent (its runner state, and generator, are kept); so is its grammar
+        when it has one (`num_output`: its outputs so far)."""
         lora = None
         if lora_name:
             lora = self.model.lora_requests.get(lora_name)
@@ -276,6 +281,16 @@ class VllmExecutor:
                 raise ValueError(f"placement of {req_id!r} names unknown adapter {lora_name!r}")
         self._parked.pop(req_id, None)
         self._reqs[req_id] = _Req([0] * num_prefill, num_prefill, params, lora)
+        if params.structured_outputs is not None:
+            self.grammars.place(req_id, params, num_output)
+        else:
+            self.grammars.drop(req_id)
+
+    def grammar_failures(self) -> list[str]:
+        """Placed requests whose grammar could not be compiled or rejected a sampled token:
+        the engine fails them (after any compile still running has finished)."""
+        failed = self.grammars.take_failed([r for r in self._reqs if r in self.grammars])
+        return failed + self.grammars.failed_now()
 
     def release(self, req_id: str, *, preempted: bool) -> None:
         """The engine dropped the request: finished, aborted or failed (the runner forgets
@@ -288,9 +303,12 @@ class VllmExecutor:
         if preempted:
             self._parked[req_id] = None
             while len(self._parked) > _MAX_PARKED:
-                self._finished.add(self._parked.popitem(last=False)[0])
+                oldest = self._parked.popitem(last=False)[0]
+                self._finished.add(oldest)
+                self.grammars.drop(oldest)
         else:
             self._finished.add(req_id)
+            self.grammars.drop(req_id)
 
     # ---- Executor ---------------------------------------------------------------------------
 
@@ -311,6 +329,7 @@ class VllmExecutor:
         cached = CachedRequestData.make_empty()
         num_scheduled: dict[str, int] = {}
         drafts: dict[str, list[int]] = {}  # scheduled_spec_decode_tokens (spec_decode.py)
+        sampling: list[tuple[str, list[int]]] = []  # (req_id, prompt) of the requests sampling
         for w in work:
             r = self._reqs[w.req_id]
             n = len(w.token_ids)
@@ -342,6 +361,7 @@ class VllmExecutor:
                 cached.new_token_ids.append([])
             r.num_blocks_known = len(w.block_ids)
             num_scheduled[w.req_id] = n
+            sampling.append((w.req_id, r.prompt))
         total = sum(num_scheduled.values())
         output = SchedulerOutput(
             scheduled_new_reqs=new,
@@ -356,7 +376,8 @@ class VllmExecutor:
         self._finished = set()
         executor = self.model.executor
         executor.execute_model(output)
-        result = executor.sample_tokens(None) if total else None
+        grammar = self.grammars.bitmask(sampling, drafts) if total else None
+        result = executor.sample_tokens(grammar) if total else None
         tokens: list[list[int]] = []
         for w in work:
             if not w.sample or result is None:
@@ -365,6 +386,8 @@ class VllmExecutor:
             sampled = result.sampled_token_ids[result.req_id_to_index[w.req_id]]
             kept = [int(t) for t in sampled]  # with drafts: the accepted ones and a bonus token
             self._reqs[w.req_id].num_out += len(kept)
+            if grammar is not None:
+                self.grammars.accept(w.req_id, kept)
             tokens.append(kept)
         self.num_steps += 1
         out = StepResult(tokens, time.perf_counter() - started)
@@ -450,5 +473,6 @@ class VllmExecutor:
         self._finished.update(self._parked)
         self._reqs.clear()
         self._parked.clear()
+        self.grammars.clear()
         if self.model.num_host_blocks:
             self.drop_host()

@@ -247,7 +247,7 @@ def test_invalid_chat_and_malformed_json_are_400(live: Stack) -> None:
         ),
         400,
     )
-    assert err["param"] == "tools"
+    assert err["param"] == "tools.0.function"  # a tool without its function
     _error(httpx.post(url, content=b"{not json", timeout=30), 400)
     with pytest.raises(BadRequestError):
         client(live).chat.completions.create(

@@ -90,6 +90,9 @@ def test_generate_codes(daemon: Daemon) -> None:
     assert code_of(lambda: d.generate(req(top_p=2.0))) == C.INVALID_ARGUMENT
     assert code_of(lambda: d.generate(req(max_tokens=10**9))) == C.INVALID_ARGUMENT
     assert code_of(lambda: d.generate(req(prompt=(5, 600)))) == C.INVALID_ARGUMENT
+    # a structured-output constraint the sim worker cannot apply (its Hello does not announce it)
+    so = common_pb2.StructuredOutput(regex="[0-9]+")
+    assert code_of(lambda: d.generate(req(structured_output=so))) == C.INVALID_ARGUMENT
     long_group = req()
     long_group.sample_group = "g" * 129  # over 128 bytes
     assert code_of(lambda: d.generate(long_group)) == C.INVALID_ARGUMENT

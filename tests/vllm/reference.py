@@ -2,6 +2,7 @@
 reference): `python -m tests.vllm.reference IN.json OUT.json`.
 
 IN: {"model": DIR, "requests": [{"prompt": [...], "params": {...}, "lora": NAME}], "gaps": [...],
+"tokenizer": bool (load the model's tokenizer: structured output needs it),
 "lora": {"modules": {NAME: DIR}, "max_loras": N, "max_lora_rank": R}} ("lora" optional: with
 it vLLM runs with LoRA enabled and each request's adapter as its LoRARequest; the base requests
 go in a generate call of their own: vLLM 0.32's CPU LoRA kernels give a base request batched
@@ -15,6 +16,17 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
+
+
+def _params(cls: Any, params: dict[str, Any]) -> Any:
+    """vLLM's SamplingParams; a "structured_outputs" dict becomes StructuredOutputsParams."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = dict(params)
+    if "structured_outputs" in params:
+        params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
+    return cls(detokenize=False, **params)
 
 
 def main(path_in: str, path_out: str) -> None:
@@ -38,7 +50,7 @@ def main(path_in: str, path_out: str) -> None:
         max_model_len=1024,
         block_size=32,
         enforce_eager=True,
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not job.get("tokenizer"),  # structured output needs it
         max_logprobs=vocab,
         # Whole prompts in one step: vLLM CPU's own chunked prefill fails on a seeded request
         # ("CPU Generator does not use offset" when it rewinds the generator of a partial one).
@@ -48,7 +60,7 @@ def main(path_in: str, path_out: str) -> None:
     )
     out: dict[str, object] = {}
     if job.get("requests"):
-        params = [SamplingParams(detokenize=False, **r["params"]) for r in job["requests"]]
+        params = [_params(SamplingParams, r["params"]) for r in job["requests"]]
         prompts = [{"prompt_token_ids": r["prompt"]} for r in job["requests"]]
         loras = _lora_requests(lora, job["requests"]) if lora else [None] * len(prompts)
         outputs: list[list[int]] = [[] for _ in prompts]

@@ -29,6 +29,14 @@ from kvsched.tinymodel.model import make_model
 from kvsched.tinymodel.tokenizer import make_tokenizer
 from tests.http.harness import start_http
 from tests.integration.harness import Proc, child_env, start_daemon, status, wait_ready
+from tests.vllm.structured_cases import (
+    CONSTRAINED,
+    TOOL_NAMES,
+    TOOLS,
+    chat_body,
+    check_constrained,
+    structured_bad_requests,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -36,6 +44,8 @@ MODEL = "tiny"
 MAX_MODEL_LEN = 1024
 # Same engine settings on both sides (kvsched's worker passes the same to vLLM's config).
 ENGINE = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)]
+# tool_choice "auto" on both servers: vLLM's hermes parser (ChatML tool-call tags)
+TOOL_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 # Malformed requests whose answers differ on purpose: (endpoint, case) -> why (docs/HTTP.md).
 _NAMED = "kvsched names the parameter; vLLM's SamplingParams / messages check names none"
@@ -45,6 +55,7 @@ KNOWN = {
     ("completions", "repetition_0"): _NAMED,
     ("chat", "no_messages"): _NAMED,
     ("completions", "n_greedy"): _NAMED,
+    ("completions", "bad_regex"): "kvsched names the parameter (the daemon's syntax check)",
 }
 
 
@@ -64,6 +75,16 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def no_whitespace(model: Path) -> dict[str, int]:
+    """logit_bias -100 for every token that decodes to whitespace only."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    texts = {i: tok.decode([i]) for i in range(len(tok))}
+    return {str(i): -100 for i, t in texts.items() if t and not t.strip()}
+
+
 class VllmServer:
     """vLLM's own OpenAI server on loopback, started as a user would."""
 
@@ -74,10 +95,11 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
         args += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(self.port)]
-        args += [*ENGINE, "--enforce-eager", "--seed", "0", "--disable-log-stats"]
+        args += [*ENGINE, "--enforce-eager", "--seed", "0", "--disable-log-stats", *TOOL_FLAGS]
         self.proc = subprocess.Popen(
             args,
-            env=child_env({"VLLM_CPU_KVCACHE_SPACE": "1"}),
+            # forced tool calls on vLLM's standard JSON path, as kvsched http serves them
+            env=child_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -120,7 +142,7 @@ def servers(model: Path) -> Iterator[tuple[str, str]]:
     try:
         wait_ready(address, ["v0"], timeout=600)
         vllm.wait()
-        http, url = start_http(model, address)
+        http, url = start_http(model, address, *TOOL_FLAGS)
         _DAEMON[:] = [address]
         yield vllm.url, url
     finally:
@@ -344,6 +366,7 @@ BAD: list[tuple[str, str, dict[str, Any]]] = [
     ("chat", "no_content", {"messages": [{"role": "user"}], "max_tokens": 2}),
     ("completions", "stop_token_out_of_vocab", {"prompt": "x", "stop_token_ids": [600]}),
     ("completions", "bias_key", {"prompt": "x", "logit_bias": {"abc": 1}}),
+    *structured_bad_requests(),
 ]
 
 
@@ -377,6 +400,79 @@ def test_truncated_json_is_400_on_both(servers: tuple[str, str]) -> None:
             timeout=60,
         )
         assert r.status_code == 400
+
+
+@pytest.mark.parametrize("what,endpoint,extra", CONSTRAINED, ids=[c[0] for c in CONSTRAINED])
+def test_structured_output_follows_its_grammar_and_equals_vllms(
+    servers: tuple[str, str],
+    no_whitespace: dict[str, int],
+    what: str,
+    endpoint: str,
+    extra: dict[str, Any],
+) -> None:
+    """Greedy on a random-weight model: without the grammar the text is noise; with it both
+    servers answer the same text, which parses, and stop when the grammar completes. (The
+    random model favours whitespace, which JSON allows between tokens without end: a logit bias
+    keeps it out, the same on both.)"""
+    if what.startswith("json"):
+        extra = {**extra, "logit_bias": no_whitespace}
+    if endpoint == "chat":
+        v, k = both(servers, "/v1/chat/completions", chat_body(**extra))
+        texts = [r["choices"][0]["message"]["content"] for r in (v, k)]
+    else:
+        body = {"model": MODEL, "prompt": "Answer:", "temperature": 0, "max_tokens": 160, **extra}
+        v, k = both(servers, "/v1/completions", body)
+        texts = [r["choices"][0]["text"] for r in (v, k)]
+    assert texts[1] == texts[0]
+    assert k["choices"][0]["finish_reason"] == v["choices"][0]["finish_reason"] == "stop"
+    check_constrained(what, texts[1])
+
+
+def _calls(resp: dict[str, Any]) -> list[tuple[str, Any]]:
+    calls = resp["choices"][0]["message"]["tool_calls"]
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize("choice", ["required", "get_time"])
+def test_forced_tool_call_parses_names_the_tool_and_equals_vllms(
+    servers: tuple[str, str], no_whitespace: dict[str, int], choice: str
+) -> None:
+    """vLLM's server with VLLM_ENFORCE_STRICT_TOOL_CALLING=0: its standard JSON path for forced
+    calls (docs/HTTP.md). One call (parallel_tool_calls false), whitespace biased out."""
+    named = {"type": "function", "function": {"name": choice}}
+    body = chat_body(
+        tools=TOOLS,
+        tool_choice=choice if choice == "required" else named,
+        parallel_tool_calls=False,
+        logit_bias=no_whitespace,
+    )
+    v, k = both(servers, "/v1/chat/completions", body)
+    assert _calls(k) == _calls(v) and _calls(k)
+    assert {name for name, _ in _calls(k)} <= (TOOL_NAMES if choice == "required" else {choice})
+    assert k["choices"][0]["finish_reason"] == v["choices"][0]["finish_reason"]
+    assert k["choices"][0]["finish_reason"] == ("tool_calls" if choice == "required" else "stop")
+    # streamed: the same calls, in tool_calls deltas
+    calls: dict[int, dict[str, str]] = {}
+    with httpx.stream(
+        "POST", servers[1] + "/v1/chat/completions", json={**body, "stream": True}, timeout=300
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for tc in json.loads(line[6:])["choices"][0]["delta"].get("tool_calls") or []:
+                    c = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+                    c["name"] += tc.get("function", {}).get("name") or ""
+                    c["arguments"] += tc.get("function", {}).get("arguments") or ""
+    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == _calls(k)
+
+
+def test_auto_tool_choice_equals_vllms(servers: tuple[str, str]) -> None:
+    """ "auto" (both with --tool-call-parser hermes): the random model writes no tool-call tags,
+    so both answer its text as content, no calls, finish_reason stop."""
+    v, k = both(servers, "/v1/chat/completions", chat_body(tools=TOOLS, max_tokens=32))
+    assert k["choices"][0]["message"]["content"] == v["choices"][0]["message"]["content"]
+    assert "tool_calls" not in k["choices"][0]["message"]
+    assert "tool_calls" not in v["choices"][0]["message"]
+    assert k["choices"][0]["finish_reason"] == v["choices"][0]["finish_reason"]
 
 
 # --- log-probabilities, echo, prompt_logprobs, token ids while streaming -----------------------

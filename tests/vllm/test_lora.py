@@ -121,7 +121,7 @@ def test_three_adapters_with_max_loras_2_give_vllms_tokens(
     # adapter slot's weights: worker_vllm/lora.py, mask_base_rows; reference.py).
     lora = {"modules": adapters, "max_loras": MAX_LORAS, "max_lora_rank": RANK}
     # (One process: the same requests without their adapters too, to show adapters matter.)
-    both = reference_outputs(model, reqs + [dict(r, lora="") for r in reqs], tmp_path, lora)
+    both = reference_outputs(model, reqs + [dict(r, lora="") for r in reqs], tmp_path, lora=lora)
     ref, base = both[: len(reqs)], both[len(reqs) :]
     bad = compare(reqs, got, ref)
     m = worker.wait_for(r"LoRA steps by adapters (\{[^}]*\}) \((\d+) over max_loras (\d+)\)")

@@ -16,16 +16,22 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def reference_outputs(
-    model: Path, reqs: list[dict[str, Any]], tmp: Path, lora: dict[str, Any] | None = None
+    model: Path,
+    reqs: list[dict[str, Any]],
+    tmp: Path,
+    tokenizer: bool = False,
+    lora: dict[str, Any] | None = None,
 ) -> list[list[int]]:
-    """vLLM's own output token ids for each {"prompt", "params"[, "lora"]}; `lora`: {"modules":
-    {name: dir}, "max_loras", "max_lora_rank"} runs it with those adapters (reference.py)."""
+    """vLLM's own output token ids for each {"prompt", "params"[, "lora"]} (`tokenizer`: load
+    the model's tokenizer, which structured outputs need; `lora`: {"modules": {name: dir},
+    "max_loras", "max_lora_rank"} runs it with those adapters, reference.py)."""
     path_in, path_out = tmp / "ref_in.json", tmp / "ref_out.json"
     job: dict[str, Any] = {
         "model": str(model),
         "requests": [
             {"prompt": r["prompt"], "params": r["params"], "lora": r.get("lora", "")} for r in reqs
         ],
+        "tokenizer": tokenizer,
     }
     if lora:
         job["lora"] = lora

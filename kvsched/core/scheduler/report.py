@@ -36,6 +36,12 @@ from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.scheduler.table import PlacementTable
 from kvsched.core.slots import RING, RING_SHIFT, current, extend_output, set_reported
 
+# A handle a worker names in StepReport.failed, outside a prefill's KV push.
+_WORKER_FAILED = (
+    "worker failed the request (a KV transfer, or a structured-output grammar its backend "
+    "could not compile or that rejected a sampled token)"
+)
+
 
 class ReportApplier:
     """apply_report and its parts (owns the last report's step and applied seq)."""
@@ -125,7 +131,7 @@ class ReportApplier:
                 if self._prefill_role and not req.output_token_ids:
                     push_failed.add(req.handle)
                 else:
-                    exits.finish(req, FinishReason.ERROR, "worker failed the request (KV transfer)")
+                    exits.finish(req, FinishReason.ERROR, _WORKER_FAILED)
             cols.match, cols.all_match = None, False  # slots were freed: compare again
         # The hot path: plain decode rows (one token, handle still on its slot) are a handful
         # of vectorized operations over the slot table; each row's request is looked at only

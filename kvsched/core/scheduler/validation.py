@@ -6,11 +6,14 @@ Pure functions of the request and the configuration; imported by admission only.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Container
 
 from kvsched.core.config import EngineConfig, QueuePolicy
 from kvsched.core.errors import InvalidRequest
+from kvsched.core.protocol import STRUCTURED_KINDS
 from kvsched.core.request import Request
 
 _MAX_TOKEN_ID = (1 << 31) - 1
@@ -71,6 +74,7 @@ def validate(req: Request, config: EngineConfig, live: Container[str], num_block
     if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0:
         raise InvalidRequest(f"request {rid!r}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
     _validate_adjustments(req)
+    _validate_structured(req)
     prev_end = 0
     for r in req.mm_ranges:
         if r.offset < prev_end:
@@ -120,6 +124,42 @@ def _validate_adjustments(req: Request) -> None:
                 f"request {rid!r}: logit_bias[{token}] = {bias:g}: token ids must be >= 0 "
                 "and biases in [-100, 100]"
             )
+
+
+def _validate_structured(req: Request) -> None:
+    """The constraint's syntax, as far as it can be checked without the worker's backend: a
+    JSON schema that parses to an object (or a boolean schema), a regex Python compiles, a
+    non-empty choice list or grammar. The worker's backend compiles it for good."""
+    so, rid = req.sampling.structured, req.req_id
+    if so is None:
+        return
+    name = f"structured_output.{so.kind}"
+    if so.kind not in STRUCTURED_KINDS:
+        raise InvalidRequest(f"request {rid!r}: {name}: unknown kind (one of {STRUCTURED_KINDS})")
+    if so.kind == "json":
+        try:
+            schema = json.loads(so.spec)
+        except ValueError as exc:
+            raise InvalidRequest(
+                f"request {rid!r}: {name}: the schema is not JSON ({exc})"
+            ) from None
+        if not isinstance(schema, dict | bool):
+            raise InvalidRequest(
+                f"request {rid!r}: {name}: a JSON schema must be an object, not "
+                f"{type(schema).__name__}"
+            )
+    elif so.kind == "regex":
+        if not so.spec or "\x00" in so.spec:
+            raise InvalidRequest(f"request {rid!r}: {name} is empty or contains a NUL character")
+        try:
+            re.compile(so.spec)
+        except re.error as exc:
+            raise InvalidRequest(f"request {rid!r}: {name} does not compile: {exc}") from None
+    elif so.kind == "choice":
+        if not so.choices:
+            raise InvalidRequest(f"request {rid!r}: {name} needs at least one string")
+    elif so.kind == "grammar" and not so.spec.strip():
+        raise InvalidRequest(f"request {rid!r}: {name} is empty")
 
 
 def _mm_never_fits(config: EngineConfig, length: int) -> bool:

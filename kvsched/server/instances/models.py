@@ -25,6 +25,7 @@ class Limits:
     model: str
     max_model_len: int
     vocab_size: int = 0
+    structured_outputs: bool = False  # Hello.structured_outputs: applies grammar constraints
     max_logprobs: int = 0  # log-probability alternatives per token its workers report
     # The LoRA adapters its workers can load, (name, path) pairs (Hello.lora_adapters).
     loras: tuple[tuple[str, str], ...] = ()
@@ -44,6 +45,7 @@ def limits_of(
     hello_vocab_size: int,
     configured_model: str,
     daemon_max_model_len: int,
+    hello_structured_outputs: bool = False,
     hello_max_logprobs: int = 0,
     loras: tuple[tuple[str, str], ...] = (),
 ) -> Limits:
@@ -51,7 +53,14 @@ def limits_of(
     mml = daemon_max_model_len
     if hello_max_model_len > 0:
         mml = min(mml, hello_max_model_len)
-    return Limits(hello_model or configured_model, mml, hello_vocab_size, hello_max_logprobs, loras)
+    return Limits(
+        hello_model or configured_model,
+        mml,
+        hello_vocab_size,
+        structured_outputs=hello_structured_outputs,
+        max_logprobs=hello_max_logprobs,
+        loras=loras,
+    )
 
 
 def check_loras(adapters: Any, max_loras: int, model: str) -> tuple[tuple[str, str], ...]:
@@ -110,6 +119,12 @@ def misfit(req: Request, lim: Limits) -> str | None:
     limit and the value that broke it."""
     n = len(req.prompt_token_ids)
     sp = req.sampling
+    if sp.structured is not None and not lim.structured_outputs:
+        return (
+            f"structured_output ({sp.structured.kind}): the workers of model {lim.model!r} "
+            "cannot apply a structured-output constraint (it needs a vLLM worker, which "
+            "announces structured_outputs in its Hello)"
+        )
     if n + sp.max_tokens > lim.max_model_len:
         return (
             f"prompt ({n} tokens) + max_tokens ({sp.max_tokens}) = {n + sp.max_tokens} exceeds "
@@ -203,7 +218,12 @@ def fitting(req: Request, model: str, candidates: Sequence[tuple[_C, Limits]]) -
         # The most permissive instance's reason: the limit no instance of the model passes.
         best = max(
             (lim for _, lim in of_model),
-            key=lambda lim: (lim.max_model_len, lim.vocab_size, lim.max_logprobs),
+            key=lambda lim: (
+                lim.structured_outputs,
+                lim.max_model_len,
+                lim.vocab_size,
+                lim.max_logprobs,
+            ),
         )
         raise InvalidRequest(f"request {req.req_id!r}: {misfit(req, best)}")
     return fits

@@ -158,8 +158,9 @@ class InstanceRegistry:
                 hello.vocab_size,
                 self.config.model,
                 eng.engine_config.scheduler.max_model_len,
-                hello.max_logprobs,
-                conn.lora_adapters,
+                hello_structured_outputs=hello.structured_outputs,
+                hello_max_logprobs=hello.max_logprobs,
+                loras=conn.lora_adapters,
             )
             if eng.cost_seed is None:  # never ran here: priced like its model's instances
                 eng.cost_seed = self._sibling_cost(eng)
