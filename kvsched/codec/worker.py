@@ -146,6 +146,9 @@ def _fill_tasks(pb: worker_service_pb2.Tasks, tasks: core.Tasks) -> None:
         pb.storage_fetches.handles.extend(tasks.storage_fetch_handles)
         pb.storage_fetches.keys.extend(tasks.storage_fetch_keys)
         pb.storage_fetches.gpu_block_ids.extend(tasks.storage_fetch_gpu)
+    if tasks.storage_prefetch_keys:
+        pb.storage_prefetches.keys.extend(tasks.storage_prefetch_keys)
+        pb.storage_prefetches.host_block_ids.extend(tasks.storage_prefetch_host)
     if tasks.kv_sends:
         sends = tasks.kv_sends
         pb.kv_sends.handles.extend([s.handle for s in sends])
@@ -199,6 +202,15 @@ def tasks_from_proto(msg: worker_service_pb2.Tasks) -> core.Tasks:
             handles=tasks.storage_fetch_handles,
             keys=tasks.storage_fetch_keys,
             gpu_block_ids=tasks.storage_fetch_gpu,
+        )
+    sp = msg.storage_prefetches
+    if sp.keys or sp.host_block_ids:
+        tasks.storage_prefetch_keys = sp.keys[:]
+        tasks.storage_prefetch_host = sp.host_block_ids[:]
+        _check_parallel(
+            "storage_prefetches",
+            keys=tasks.storage_prefetch_keys,
+            host_block_ids=tasks.storage_prefetch_host,
         )
     if ext.handles or ext.num_block_ids or ext.block_ids:
         handles = ext.handles[:]
@@ -291,6 +303,8 @@ def _fill_report(r: worker_service_pb2.StepReport, report: core.StepReport) -> N
         r.failed_storage_writes.extend(report.failed_storage_writes)
     if report.failed_storage_fetches:
         r.failed_storage_fetches.extend(report.failed_storage_fetches)
+    if report.failed_storage_prefetches:
+        r.failed_storage_prefetches.extend(report.failed_storage_prefetches)
 
 
 def _fill(
@@ -376,4 +390,5 @@ def report_from_proto(pb: worker_service_pb2.StepReport) -> core.StepReport:
         failed_swap_ins=pb.failed_swap_ins[:],
         failed_storage_writes=pb.failed_storage_writes[:],
         failed_storage_fetches=pb.failed_storage_fetches[:],
+        failed_storage_prefetches=pb.failed_storage_prefetches[:],
     )

@@ -165,6 +165,11 @@ class Tasks:
     storage_fetch_handles: list[int] = field(default_factory=list)
     storage_fetch_keys: list[str] = field(default_factory=list)
     storage_fetch_gpu: list[int] = field(default_factory=list)
+    # Storage -> host prefetches (core/prefetch.py): key storage_prefetch_keys[i] got into host
+    # block storage_prefetch_host[i] (no handle: the request waits in the daemon's queue); run
+    # beside the step, acknowledged by applied_seq like every task.
+    storage_prefetch_keys: list[str] = field(default_factory=list)
+    storage_prefetch_host: list[int] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (
@@ -173,6 +178,7 @@ class Tasks:
             or self.swap_in_gpu
             or self.storage_write_keys
             or self.storage_fetch_keys
+            or self.storage_prefetch_keys
             or self.preempts
             or self.aborts
             or self.placements
@@ -216,3 +222,5 @@ class StepReport:
     # key (never counted as stored), fetches by handle (that handle did not run: it recomputes).
     failed_storage_writes: list[str] = field(default_factory=list)
     failed_storage_fetches: list[int] = field(default_factory=list)
+    # Host blocks whose storage prefetch failed (their keys are no longer believed stored).
+    failed_storage_prefetches: list[int] = field(default_factory=list)

@@ -187,9 +187,17 @@ class Admitter:
         most this many tokens left to prefill)."""
         budget, table, kv, backlog = self.budget, self.table, self.kv, self.backlog
         waiting, free_slots = backlog.waiting, table.free_slots
+        pf = kv.prefetch
+        held: list[Request] = []  # waiting for their prefetch to land (core/prefetch.py)
+        hold_s = self.config.cache.storage_prefetch_hold_ms / 1000.0
         while budget.tokens > 0 and free_slots and (req := waiting.peek()) is not None:
             if self.config.role == Role.DECODE and not req.output_token_ids:
                 break  # a decode instance takes new prompts only through add_prefilled
+            if hold_s and pf is not None and (since := pf.pending_since(req)) is not None:
+                if self.clock() - since < hold_s:
+                    backlog.pop_head()  # back at the front below, after the others' turn
+                    held.append(req)
+                    continue
             # The host tier continues the GPU hits (swap-ins into fresh blocks, if cheaper than
             # recomputing those tokens: `_host_hits`), the storage tier the host hits (fetches
             # into fresh blocks after the swap-ins, likewise priced: `_storage_hits`).
@@ -229,11 +237,18 @@ class Admitter:
             backlog.on_admitted(req, num_hit)
             if host_hits:  # pinned before this allocation evicts
                 kv.pin_host(host_hits)
+            npf = 0  # host hits a prefetch brought (storage hits, off the step's path)
+            if pf is not None and pf.has(req):
+                if host_hits:
+                    got = pf.landed_blocks(req)
+                    npf = sum(1 for b in host_hits if b in got)
+                kv.release_prefetch(req, npf)
             new = kv.allocate_slots(req, target, hits)
             assert new is not None
             table.admitted_debt(req)
             nh, ns = len(host_hits), len(stored)
-            self._place(req, num_hit, nh * self.block_size, ns * self.block_size)
+            bs = self.block_size
+            self._place(req, num_hit, (nh - npf) * bs, (ns + npf) * bs, npf * bs)
             if host_hits:  # into the fresh blocks after the GPU hits
                 kv.swap_in(req.handle, host_hits, new[:nh])
             elif declined:
@@ -243,15 +258,29 @@ class Admitter:
             elif declined_fetches:
                 kv.decline_fetches(declined_fetches)
             self._emit_chunk(req, n)
+        if pf is not None and (head := waiting.peek()) is not None:
+            kv.prefetch_for(head, self.clock())  # it waits: its storage hits come to host
+        for req in reversed(held):
+            backlog.push_front(req)
 
-    def _place(self, req: Request, num_hit: int, num_swapped: int, num_fetched: int = 0) -> None:
+    def _place(
+        self,
+        req: Request,
+        num_hit: int,
+        num_swapped: int,
+        num_fetched: int = 0,
+        num_prefetched: int = 0,
+    ) -> None:
         """Give req a slot and a fresh handle (the table's); the worker learns it from a
         Placement. num_swapped: tokens of num_hit that swap-ins bring from the host tier;
-        num_fetched: those that fetches bring from the storage tier (after them)."""
+        num_fetched: those that came from the storage tier (after them), num_prefetched of
+        them prefetched into host blocks before this placement (swapped in)."""
         now = self.clock()
         lifecycle.place(req, now)  # (a request moved off a lost instance keeps its first time)
         if self.table.first_placement(req, num_hit, num_swapped, num_fetched):
-            self.kv.record_lookup(req.num_tokens, num_hit, num_swapped, num_fetched)
+            self.kv.record_lookup(
+                req.num_tokens, num_hit, num_swapped, num_fetched, num_prefetched
+            )
             self.stats.count_prompt(len(req.prompt_token_ids))
             if num_swapped or num_fetched:
                 self.events.host_hits.append(req)

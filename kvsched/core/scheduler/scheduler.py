@@ -98,6 +98,7 @@ class Scheduler:
             storage,
             storage_namespace,
             cc.storage_write_policy,
+            cc.storage_prefetch,
         )
         # The worker's multimodal encoder outputs (None: cache off).
         self.enc = EncoderCache(cc.encoder_cache_size) if cc.encoder_cache_size else None
@@ -183,8 +184,12 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         """Queue a new request. Raises InvalidRequest (bad fields, duplicate id) or
-        CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises."""
+        CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises.
+        With storage_prefetch_hold_ms, its storage hits start coming into host blocks now
+        (`KVCacheManager.prefetch_for`; else once it waits at the queue's head)."""
         self.backlog.add(req)
+        if self.kv.prefetch is not None and self.config.cache.storage_prefetch_hold_ms:
+            self.kv.prefetch_for(req, self.clock())
 
     def abort(
         self, req_id: str, reason: FinishReason = FinishReason.ABORT, message: str = ""
