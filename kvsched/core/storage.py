@@ -188,7 +188,6 @@ class StorageTier:
         index, plen = self.index, len(self.prefix)
         removed = [bytes.fromhex(k[plen:]) for k in keys if k in index]
         index.discard([k for k in keys if k in index])
-        self.stats.fetch_failures += len(keys)
         events = self._sink.events if self._sink is not None else None
         if events is not None and removed:
             events.append(BlockRemoved(removed, STORAGE))

@@ -73,7 +73,6 @@ class ShadowBlocks:
                     self.sim.kv[(g, j)] = value
                 self.sim.writer[(g, j)] = self.fetch_owner[g]
 
-
     def storage_write_host(self, host_ids: list[int], blobs: list[bytes | None]) -> None:
         """A storage -> host prefetch: the stored chain values into host blocks."""
         for hb, blob in zip(host_ids, blobs, strict=True):

@@ -193,11 +193,11 @@ class Admitter:
         while budget.tokens > 0 and free_slots and (req := waiting.peek()) is not None:
             if self.config.role == Role.DECODE and not req.output_token_ids:
                 break  # a decode instance takes new prompts only through add_prefilled
-            if hold_s and pf is not None and (since := pf.pending_since(req)) is not None:
-                if self.clock() - since < hold_s:
-                    backlog.pop_head()  # back at the front below, after the others' turn
-                    held.append(req)
-                    continue
+            since = pf.pending_since(req) if hold_s and pf is not None else None
+            if since is not None and self.clock() - since < hold_s:
+                backlog.pop_head()  # back at the front below, after the others' turn
+                held.append(req)
+                continue
             # The host tier continues the GPU hits (swap-ins into fresh blocks, if cheaper than
             # recomputing those tokens: `_host_hits`), the storage tier the host hits (fetches
             # into fresh blocks after the swap-ins, likewise priced: `_storage_hits`).
@@ -258,8 +258,6 @@ class Admitter:
             elif declined_fetches:
                 kv.decline_fetches(declined_fetches)
             self._emit_chunk(req, n)
-        if pf is not None and (head := waiting.peek()) is not None:
-            kv.prefetch_for(head, self.clock())  # it waits: its storage hits come to host
         for req in reversed(held):
             backlog.push_front(req)
 
@@ -278,9 +276,7 @@ class Admitter:
         now = self.clock()
         lifecycle.place(req, now)  # (a request moved off a lost instance keeps its first time)
         if self.table.first_placement(req, num_hit, num_swapped, num_fetched):
-            self.kv.record_lookup(
-                req.num_tokens, num_hit, num_swapped, num_fetched, num_prefetched
-            )
+            self.kv.record_lookup(req.num_tokens, num_hit, num_swapped, num_fetched, num_prefetched)
             self.stats.count_prompt(len(req.prompt_token_ids))
             if num_swapped or num_fetched:
                 self.events.host_hits.append(req)

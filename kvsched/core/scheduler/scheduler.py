@@ -161,6 +161,8 @@ class Scheduler:
                     tasks.extensions = self.outbox.take_extended(table.live)
             if not preempted and table.running:
                 exits.decay_reserve()
+            if self.kv.prefetch is not None and (head := self.backlog.waiting.peek()):
+                self.kv.prefetch_for(head, self.clock())  # it waits: its storage hits to host
         budget = self.plan.storage_write_budget() if self.kv.storage is not None else None
         self.outbox.seal(tasks, self.kv, self.enc, self.reports.last_report_step, budget)
         return tasks
