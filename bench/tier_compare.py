@@ -14,7 +14,7 @@ real time, requests over gRPC; per request the daemon's OTLP span, collected her
 Configurations: gpu-only (no host tier), host-4x (4x the GPU blocks of host memory,
 write_back), storage (host-4x + the storage tier, `--storage mooncake`, the daemon's default
 write policy and storage -> host prefetch; the sim workers simulate the store at 12.5 GB/s),
-storage-nopf (prefetch off), storage-hold (a request waits up to 50 ms for its prefetch).
+storage-nopf (prefetch off), -nohold (never wait for a prefetch), -arrival (prefetch at arrival).
 
 Per request: hit tokens, their tier (GPU / host / storage), queue time (arrival to first
 placement) and TTFT; per configuration the two runs side by side, the per-request differences
@@ -58,7 +58,8 @@ CONFIGS: dict[str, tuple[int, bool, dict[str, Any]]] = {
     "host-4x": (HOST, False, {}),
     "storage": (HOST, True, {}),
     "storage-nopf": (HOST, True, {"storage_prefetch": False}),
-    "storage-hold": (HOST, True, {"storage_prefetch_hold_ms": 50.0}),
+    "storage-nohold": (HOST, True, {"storage_prefetch_hold_ms": 0.0}),
+    "storage-arrival": (HOST, True, {"storage_prefetch_at_arrival": True}),
 }
 WORKER_STATS = re.compile(
     r"worker stats: (\d+) steps, .* busy ([0-9.]+) s, idle [0-9.]+ s \(([0-9.]+) s waiting"

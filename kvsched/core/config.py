@@ -74,12 +74,14 @@ class CacheConfig:
     # evict it (host, else GPU), write_through as soon as it reaches that tier.
     storage_write_policy: WritePolicy = WritePolicy.WRITE_BACK
     # Storage -> host prefetch (kvsched/core/prefetch.py; with a host tier and a storage tier):
-    # a queued request's storage hits are got into host blocks while it waits, and swapped in
-    # at its placement instead of fetched on the step. A request whose prefetch has not landed
-    # is held in the queue (others behind it go ahead) for at most storage_prefetch_hold_ms
-    # from its arrival (0: never held: what has not landed by its placement is fetched then).
+    # a queued request's storage hits are got into host blocks while it waits at the queue's
+    # head (every request from its arrival with storage_prefetch_at_arrival), and swapped in at
+    # its placement instead of fetched on the step. A request whose prefetch has not landed is
+    # held in the queue (others behind it go ahead) for at most storage_prefetch_hold_ms from
+    # the prefetch (0: never held: what has not landed by its placement is fetched again).
     storage_prefetch: bool = True
-    storage_prefetch_hold_ms: float = 0.0
+    storage_prefetch_at_arrival: bool = False
+    storage_prefetch_hold_ms: float = 100.0
     # The worker's multimodal encoder cache (kvsched/core/encoder_cache.py), in embeddings
     # (one per placeholder token); 0: off, every chunk touching an item pays its encoder budget.
     encoder_cache_size: int = 0

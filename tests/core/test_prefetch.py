@@ -20,6 +20,7 @@ B = list(range(9000, 9010))  # the blocker: holds the only slot
 
 
 def sched(index: StorageIndex, clock: Any = None, **kw: Any) -> Scheduler:
+    kw.setdefault("storage_prefetch_hold_ms", 0.0)  # (tests of the hold set it)
     kw.setdefault("block_size", BS)
     kw.setdefault("num_gpu_blocks", 16)
     kw.setdefault("num_host_blocks", 16)
@@ -185,10 +186,15 @@ def test_abort_while_in_flight_keeps_the_pins_until_the_ack() -> None:
 def test_abort_before_the_message_releases_at_once_and_sends_nothing() -> None:
     now = [0.0]
     index = StorageIndex()
-    s = sched(index, clock=lambda: now[0], storage_prefetch_hold_ms=100.0)
+    s = sched(
+        index,
+        clock=lambda: now[0],
+        storage_prefetch_hold_ms=100.0,
+        storage_prefetch_at_arrival=True,
+    )
     store(s, index, A, 3)
     req = make_request(A + [1], max_tokens=1)
-    s.add_request(req)  # with a hold: prefetched from its arrival
+    s.add_request(req)  # prefetched from its arrival
     pf = s.kv.prefetch
     assert pf is not None and pf.num_pinned == 3 and pf.has_queued()
     s.check_integrity()
@@ -203,7 +209,12 @@ def test_abort_before_the_message_releases_at_once_and_sends_nothing() -> None:
 def test_hold_places_the_request_once_its_prefetch_landed() -> None:
     now = [0.0]
     index = StorageIndex()
-    s = sched(index, clock=lambda: now[0], storage_prefetch_hold_ms=100.0)
+    s = sched(
+        index,
+        clock=lambda: now[0],
+        storage_prefetch_hold_ms=100.0,
+        storage_prefetch_at_arrival=True,
+    )
     store(s, index, A, 3)
     req = make_request(A + [1], max_tokens=1)
     s.add_request(req)
@@ -224,7 +235,12 @@ def test_hold_places_the_request_once_its_prefetch_landed() -> None:
 def test_hold_is_bounded_a_prefetch_never_acknowledged_does_not_stall_the_request() -> None:
     now = [0.0]
     index = StorageIndex()
-    s = sched(index, clock=lambda: now[0], storage_prefetch_hold_ms=100.0)
+    s = sched(
+        index,
+        clock=lambda: now[0],
+        storage_prefetch_hold_ms=100.0,
+        storage_prefetch_at_arrival=True,
+    )
     keys = store(s, index, A, 3)
     req = make_request(A + [1], max_tokens=1)
     s.add_request(req)
@@ -308,3 +324,29 @@ def test_an_instance_lost_mid_prefetch_leaves_the_shared_index_whole() -> None:
     assert any(x.storage_fetch_keys == keys for x in sent)  # fetched there, not waited for
     assert moved.num_storage_cached_tokens == 48
     nothing_leaked(s2)
+
+
+def test_a_prefetch_under_way_is_waited_for_never_fetched_twice() -> None:
+    """The default: the queue's head was prefetched while it waited; its slot frees before the
+    prefetch landed: it stays queued until the ack (bounded), then takes swap-ins."""
+    now = [0.0]
+    index = StorageIndex()
+    s = sched(index, clock=lambda: now[0], storage_prefetch_hold_ms=100.0)
+    req, _, t = blocked(s, index)
+    blocker = next(r for r in s.requests.values() if r is not req)
+    s.abort(blocker.req_id)  # the slot is free; the prefetch is still in flight
+    t2 = s.schedule()
+    s.check_integrity()
+    assert not t2.placements and not t2.storage_fetch_keys
+    work(s, t2, applied=t.seq - 1)  # the prefetch's message not applied yet
+    now[0] = 0.05
+    t3 = s.schedule()
+    assert not t3.placements
+    work(s, t3)  # applies everything: the prefetch landed
+    t4 = s.schedule()
+    assert [p.req_id for p in t4.placements] == [req.req_id]
+    assert len(t4.swap_in_host) == 3 and not t4.storage_fetch_keys
+    work(s, t4)
+    drain(s, req)
+    assert req.num_storage_cached_tokens == 48
+    nothing_leaked(s)

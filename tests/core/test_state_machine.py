@@ -245,6 +245,7 @@ class Setup:
     storage_write_policy: str = "write_back"
     storage_fail_every: int | None = None
     storage_prefetch_hold_ms: float = 0.0
+    storage_prefetch_at_arrival: bool = False
 
 
 class Harness:
@@ -271,6 +272,7 @@ class Harness:
             max_num_encoder_tokens=setup.max_num_encoder_tokens,
             storage_write_policy=setup.storage_write_policy,
             storage_prefetch_hold_ms=setup.storage_prefetch_hold_ms,
+            storage_prefetch_at_arrival=setup.storage_prefetch_at_arrival,
         )
         self.encoder_cache_size = setup.encoder_cache_size
         ticks = itertools.count(1)
@@ -518,6 +520,7 @@ setups = st.builds(
     storage_write_policy=st.sampled_from(["write_back", "write_through"]),
     storage_fail_every=st.sampled_from([None, 3, 5]),
     storage_prefetch_hold_ms=st.sampled_from([0.0, 3000.0]),
+    storage_prefetch_at_arrival=st.booleans(),
 )
 delays = st.integers(0, 2)
 
@@ -638,6 +641,7 @@ test_scheduler_state_machine = SchedulerMachine.TestCase
             storage_write_policy="write_through",
             storage_fail_every=4,
             storage_prefetch_hold_ms=3000.0,
+            storage_prefetch_at_arrival=True,
         ),
     ],
     ids=["fcfs", "priority-spec", "slo", "encoder-cache", "storage", "host-storage", "prefetch"],

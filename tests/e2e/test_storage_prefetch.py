@@ -4,8 +4,8 @@ instance computes a prefix and writes its blocks (write_through) and leaves; a r
 that prefix then waits on another instance while its storage hits come into that worker's host
 tier, and is placed with them as host hits (swap-ins): no storage fetch on a step.
 
-- the model executor, with the daemon holding a request until its prefetch lands
-  (`storage_prefetch_hold_ms`): the real bytes go store -> host block -> GPU block, and the
+- the model executor, the daemon prefetching at arrival and holding a request until its
+  prefetch lands (`storage_prefetch_at_arrival`, `storage_prefetch_hold_ms`): the real bytes go store -> host block -> GPU block, and the
   tokens equal `generate_reference` (the model, unpaged);
 - sim workers with the default configuration (no hold): the request waits behind another that
   holds the instance's only slot, and is prefetched meanwhile."""
@@ -52,7 +52,10 @@ def test_model_worker_takes_a_prefetched_prefix_as_host_hits(mooncake: MooncakeS
         mooncake.url,
         "--storage-write-policy",
         "write_through",
-        env={"KVSCHED_ENGINE__CACHE__STORAGE_PREFETCH_HOLD_MS": "20000"},
+        env={
+            "KVSCHED_ENGINE__CACHE__STORAGE_PREFETCH_AT_ARRIVAL": "true",
+            "KVSCHED_ENGINE__CACHE__STORAGE_PREFETCH_HOLD_MS": "20000",
+        },
     )
     w1 = None
     try:

@@ -187,10 +187,10 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Queue a new request. Raises InvalidRequest (bad fields, duplicate id) or
         CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises.
-        With storage_prefetch_hold_ms, its storage hits start coming into host blocks now
+        With storage_prefetch_at_arrival, its storage hits start coming into host blocks now
         (`KVCacheManager.prefetch_for`; else once it waits at the queue's head)."""
         self.backlog.add(req)
-        if self.kv.prefetch is not None and self.config.cache.storage_prefetch_hold_ms:
+        if self.kv.prefetch is not None and self.config.cache.storage_prefetch_at_arrival:
             self.kv.prefetch_for(req, self.clock())
 
     def abort(
