@@ -221,6 +221,7 @@ def test_hold_places_the_request_once_its_prefetch_landed() -> None:
     t = s.schedule()  # held: the slot is free but its prefetch is not in
     s.check_integrity()
     assert not t.placements and len(t.storage_prefetch_keys) == 3
+    assert s.hold_until == 0.1  # the engine steps again by then, report or not
     now[0] = 0.01
     work(s, t)
     t2 = s.schedule()
@@ -250,7 +251,7 @@ def test_hold_is_bounded_a_prefetch_never_acknowledged_does_not_stall_the_reques
     now[0] = 0.2  # past the hold: placed, its storage hits fetched on the step
     t2 = s.schedule()
     s.check_integrity()
-    assert [p.req_id for p in t2.placements] == [req.req_id]
+    assert [p.req_id for p in t2.placements] == [req.req_id] and s.hold_until is None
     assert t2.storage_fetch_keys == keys and not t2.swap_in_host
     pf = s.kv.prefetch
     assert pf is not None and pf.num_pinned == 3  # in flight: released at its ack

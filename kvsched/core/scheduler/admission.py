@@ -73,6 +73,7 @@ class Admitter:
         "enc",
         "events",
         "exits",
+        "hold_until",
         "kv",
         "outbox",
         "plan",
@@ -100,6 +101,7 @@ class Admitter:
         self.config, self.tasks, self.table, self.kv, self.enc = config, tasks, table, kv, enc
         self.plan, self.backlog, self.exits, self.outbox = plan, backlog, exits, outbox
         self.events, self.stats = events, stats
+        self.hold_until: float | None = None  # the earliest end of a prefetch hold this step
         self.block_size = table.block_size
         sc = config.scheduler
         spec_k = config.speculative.num_speculative_tokens
@@ -197,6 +199,8 @@ class Admitter:
             if since is not None and self.clock() - since < hold_s:
                 backlog.pop_head()  # back at the front below, after the others' turn
                 held.append(req)
+                until = since + hold_s
+                self.hold_until = until if self.hold_until is None else min(self.hold_until, until)
                 continue
             # The host tier continues the GPU hits (swap-ins into fresh blocks, if cheaper than
             # recomputing those tokens: `_host_hits`), the storage tier the host hits (fetches

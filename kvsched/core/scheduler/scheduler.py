@@ -117,6 +117,9 @@ class Scheduler:
         self.facts = Facts(
             config, table, kv, self.enc, plan, backlog, exits, outbox, reports, stats
         )
+        # The clock time at which a request held for its storage prefetch may be placed anyway
+        # (the earliest, set by each schedule(); None: none held): schedule again by then.
+        self.hold_until: float | None = None
 
     # ==== the two verbs =======================================================================
     def schedule(self) -> Tasks:
@@ -126,6 +129,7 @@ class Scheduler:
         numbered 1, 2, 3, ... (the worker's applied_seq names them)."""
         tasks = Tasks(seq=0)  # numbered by the outbox if it is to be sent
         exits = self.exits
+        self.hold_until = None
         if not exits.paused:
             table = self.table
             # No decoder out of room, no prompt in, no chunk in flight and nothing admissible
@@ -155,6 +159,7 @@ class Scheduler:
                 preempted = adm.budget.preempted
                 if not preempted:
                     adm.admit()
+                self.hold_until = adm.hold_until
             else:
                 preempted = False
                 if self.outbox.extended:
