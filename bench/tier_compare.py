@@ -13,8 +13,8 @@ real time, requests over gRPC; per request the daemon's OTLP span, collected her
 
 Configurations: gpu-only (no host tier), host-4x (4x the GPU blocks of host memory,
 write_back), storage (host-4x + the storage tier, `--storage mooncake`, the daemon's default
-write policy and storage -> host prefetch; the sim workers simulate the store at 12.5 GB/s),
-storage-nopf (prefetch off), -nohold (never wait for a prefetch), -arrival (prefetch at arrival).
+write policy, no prefetch; the sim workers simulate the store at 12.5 GB/s), storage-pf
+(storage -> host prefetch), -nohold (never wait for a prefetch), -arrival (prefetch at arrival).
 
 Per request: hit tokens, their tier (GPU / host / storage), queue time (arrival to first
 placement) and TTFT; per configuration the two runs side by side, the per-request differences
@@ -51,15 +51,14 @@ from kvsched.replay.summary import DEFAULT_SLO_TPOT_S, DEFAULT_SLO_TTFT_S, summa
 from kvsched.traces import TraceRequest, ideal_lru_hit_rate, load_trace
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "tier_compare.json"
-# name -> (host blocks per instance, with the storage tier, engine.cache settings)
-HOST = HOST_FACTOR * NUM_GPU_BLOCKS
-CONFIGS: dict[str, tuple[int, bool, dict[str, Any]]] = {
+HOST, PF = HOST_FACTOR * NUM_GPU_BLOCKS, {"storage_prefetch": True}
+CONFIGS: dict[str, tuple[int, bool, dict[str, Any]]] = {  # host blocks, storage, engine.cache
     "gpu-only": (0, False, {}),
     "host-4x": (HOST, False, {}),
     "storage": (HOST, True, {}),
-    "storage-nopf": (HOST, True, {"storage_prefetch": False}),
-    "storage-nohold": (HOST, True, {"storage_prefetch_hold_ms": 0.0}),
-    "storage-arrival": (HOST, True, {"storage_prefetch_at_arrival": True}),
+    "storage-pf": (HOST, True, PF),
+    "storage-nohold": (HOST, True, {**PF, "storage_prefetch_hold_ms": 0}),
+    "storage-arrival": (HOST, True, {**PF, "storage_prefetch_at_arrival": True}),
 }
 WORKER_STATS = re.compile(
     r"worker stats: (\d+) steps, .* busy ([0-9.]+) s, idle [0-9.]+ s \(([0-9.]+) s waiting"

@@ -79,7 +79,8 @@ class CacheConfig:
     # its placement instead of fetched on the step. A request whose prefetch has not landed is
     # held in the queue (others behind it go ahead) for at most storage_prefetch_hold_ms from
     # the prefetch (0: never held: what has not landed by its placement is fetched again).
-    storage_prefetch: bool = True
+    # Off by default: it measured no TTFT gain on the shipped trace (docs/BENCHMARKS.md 17).
+    storage_prefetch: bool = False
     storage_prefetch_at_arrival: bool = False
     storage_prefetch_hold_ms: float = 100.0
     # The worker's multimodal encoder cache (kvsched/core/encoder_cache.py), in embeddings

@@ -20,6 +20,7 @@ B = list(range(9000, 9010))  # the blocker: holds the only slot
 
 
 def sched(index: StorageIndex, clock: Any = None, **kw: Any) -> Scheduler:
+    kw.setdefault("storage_prefetch", True)
     kw.setdefault("storage_prefetch_hold_ms", 0.0)  # (tests of the hold set it)
     kw.setdefault("block_size", BS)
     kw.setdefault("num_gpu_blocks", 16)

@@ -244,6 +244,7 @@ class Setup:
     storage: bool = False
     storage_write_policy: str = "write_back"
     storage_fail_every: int | None = None
+    storage_prefetch: bool = False
     storage_prefetch_hold_ms: float = 0.0
     storage_prefetch_at_arrival: bool = False
 
@@ -271,6 +272,7 @@ class Harness:
             encoder_cache_size=setup.encoder_cache_size,
             max_num_encoder_tokens=setup.max_num_encoder_tokens,
             storage_write_policy=setup.storage_write_policy,
+            storage_prefetch=setup.storage_prefetch,
             storage_prefetch_hold_ms=setup.storage_prefetch_hold_ms,
             storage_prefetch_at_arrival=setup.storage_prefetch_at_arrival,
         )
@@ -519,6 +521,7 @@ setups = st.builds(
     storage=st.sampled_from([False, False, True]),
     storage_write_policy=st.sampled_from(["write_back", "write_through"]),
     storage_fail_every=st.sampled_from([None, 3, 5]),
+    storage_prefetch=st.booleans(),
     storage_prefetch_hold_ms=st.sampled_from([0.0, 3000.0]),
     storage_prefetch_at_arrival=st.booleans(),
 )
@@ -640,6 +643,7 @@ test_scheduler_state_machine = SchedulerMachine.TestCase
             storage=True,
             storage_write_policy="write_through",
             storage_fail_every=4,
+            storage_prefetch=True,
             storage_prefetch_hold_ms=3000.0,
             storage_prefetch_at_arrival=True,
         ),

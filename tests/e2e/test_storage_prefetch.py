@@ -7,8 +7,8 @@ tier, and is placed with them as host hits (swap-ins): no storage fetch on a ste
 - the model executor, the daemon prefetching at arrival and holding a request until its
   prefetch lands (`storage_prefetch_at_arrival`, `storage_prefetch_hold_ms`): the real bytes go store -> host block -> GPU block, and the
   tokens equal `generate_reference` (the model, unpaged);
-- sim workers with the default configuration (no hold): the request waits behind another that
-  holds the instance's only slot, and is prefetched meanwhile."""
+- sim workers with prefetch on and otherwise default (the queue's head prefetched): the request
+  waits behind another that holds the instance's only slot, and is prefetched meanwhile."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def test_model_worker_takes_a_prefetched_prefix_as_host_hits(mooncake: MooncakeS
         "--storage-write-policy",
         "write_through",
         env={
+            "KVSCHED_ENGINE__CACHE__STORAGE_PREFETCH": "true",
             "KVSCHED_ENGINE__CACHE__STORAGE_PREFETCH_AT_ARRIVAL": "true",
             "KVSCHED_ENGINE__CACHE__STORAGE_PREFETCH_HOLD_MS": "20000",
         },
@@ -83,7 +84,11 @@ def test_sim_worker_prefetches_for_a_request_waiting_for_a_slot() -> None:
     blocker = rng.integers(2, 30000, size=20).tolist()
     sim = ("--num-blocks", "256", "--block-size", str(BS), "--num-slots", "1")
     daemon, address = start_daemon(
-        "--storage", "mooncake", "--storage-write-policy", "write_through"
+        "--storage",
+        "mooncake",
+        "--storage-write-policy",
+        "write_through",
+        env={"KVSCHED_ENGINE__CACHE__STORAGE_PREFETCH": "true"},
     )
     w1 = None
     try:
