@@ -37,6 +37,9 @@ def _share(
             lambda: status(address, "i0").instances[0].num_storage_writes >= 4,
             "i0's prefix blocks written",
         )
+        # The writes count once a report acknowledges them: a request served after them
+        # finishes only after the reports that follow them.
+        _generate(address, "flush", [3, 4, 5], 2)
     finally:
         w0.stop()
 
