@@ -3,25 +3,23 @@
     python -m bench.tier_compare [--trace PATH] [--window 0-120] [--configs gpu-only,host-4x]
                                  [--instances 4] [--sim-only] [--json OUT]
 
-One window of the Mooncake conversation trace (arrivals shifted to start at 0) is served twice
-per configuration, with the same sizes, cost model and arrival times:
-
-    sim      `bench.simulate` (virtual time, the core's Router and Schedulers, real WorkerEngines
-             over the SimExecutor), configured as the daemon configures an instance: its
-             defaults (`EngineConfig()`) with the sizes the workers announce (64-token blocks,
-             5,120 GPU blocks, the host blocks), one StorageIndex for the instances
-    replay   `kvsched replay --embedded`: a real daemon (`kvsched serve`) and N sim worker
-             processes in real time (`--time-scale 1`), the requests over gRPC; per request the
-             daemon's OTLP span (queue time, tier hits) is collected here over OTLP/gRPC
+One window of the Mooncake conversation trace (arrivals shifted to start at 0), served twice
+per configuration with the same sizes, cost model and arrival times: **sim** is
+`bench.simulate` (virtual time, the core's Router and Schedulers, real WorkerEngines over the
+SimExecutor) configured as the daemon configures an instance (`EngineConfig()` with the sizes
+the workers announce: 64-token blocks, 5,120 GPU blocks, the host blocks; one StorageIndex);
+**replay** is `kvsched replay --embedded` (a real `kvsched serve`, N sim worker processes,
+real time, requests over gRPC; per request the daemon's OTLP span, collected here).
 
 Configurations: gpu-only (no host tier), host-4x (4x the GPU blocks of host memory,
 write_back), storage (host-4x + the storage tier, `--storage mooncake`, the daemon's default
-write policy; the sim workers simulate the store at 12.5 GB/s).
+write policy, no prefetch; the sim workers simulate the store at 12.5 GB/s), storage-pf
+(storage -> host prefetch), -nohold (never wait for a prefetch), -arrival (prefetch at arrival).
 
-Per request it compares hit tokens, where the hit came from (GPU / host / storage), queue time
-(arrival to first placement) and TTFT, and prints per configuration the two runs side by side
-and the per-request differences. The replay runs in real time on whatever machine this is:
-the load average before and after each replay is recorded with it.
+Per request: hit tokens, their tier (GPU / host / storage), queue time (arrival to first
+placement) and TTFT; per configuration the two runs side by side, the per-request differences
+and the share of storage hits prefetched before placement. The load average before and after
+each replay is recorded with it.
 """
 
 from __future__ import annotations
@@ -53,23 +51,25 @@ from kvsched.replay.summary import DEFAULT_SLO_TPOT_S, DEFAULT_SLO_TTFT_S, summa
 from kvsched.traces import TraceRequest, ideal_lru_hit_rate, load_trace
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "tier_compare.json"
-# name -> (host blocks per instance, with the storage tier)
-CONFIGS: dict[str, tuple[int, bool]] = {
-    "gpu-only": (0, False),
-    "host-4x": (HOST_FACTOR * NUM_GPU_BLOCKS, False),
-    "storage": (HOST_FACTOR * NUM_GPU_BLOCKS, True),
+HOST, PF = HOST_FACTOR * NUM_GPU_BLOCKS, {"storage_prefetch": True}
+CONFIGS: dict[str, tuple[int, bool, dict[str, Any]]] = {  # host blocks, storage, engine.cache
+    "gpu-only": (0, False, {}),
+    "host-4x": (HOST, False, {}),
+    "storage": (HOST, True, {}),
+    "storage-pf": (HOST, True, PF),
+    "storage-nohold": (HOST, True, {**PF, "storage_prefetch_hold_ms": 0}),
+    "storage-arrival": (HOST, True, {**PF, "storage_prefetch_at_arrival": True}),
 }
 WORKER_STATS = re.compile(
     r"worker stats: (\d+) steps, .* busy ([0-9.]+) s, idle [0-9.]+ s \(([0-9.]+) s waiting"
 )
-# Per request: hit tokens, of them from host, from storage, queue s, TTFT s (None: no token).
-Row = dict[str, Any]
+Row = dict[str, Any]  # per request: hit, host, storage tokens, queue s, TTFT s (None: none)
 
 
-def daemon_config(host_blocks: int) -> EngineConfig:
-    """What the daemon gives an instance whose workers announce these sizes
-    (`server.instance_start.instance_config` over the daemon's defaults)."""
+def daemon_config(host_blocks: int, cache: dict[str, Any]) -> EngineConfig:
+    """What the daemon gives an instance whose workers announce these sizes."""
     cfg = EngineConfig()
+    cfg.cache = dataclasses.replace(cfg.cache, **cache)
     cfg.cache.block_size = BLOCK_SIZE
     cfg.cache.num_gpu_blocks = NUM_GPU_BLOCKS
     cfg.cache.num_host_blocks = host_blocks
@@ -83,13 +83,14 @@ def run_sim(
     """speed < 1: every step (and copy) takes 1/speed as long, as on a slower GPU (the sim
     worker's --speed); extra_ms: every step takes that much longer (a fixed cost per step, as
     a loaded machine's CPU adds to a real-time replay's steps)."""
-    host_blocks, storage = CONFIGS[name]
+    host_blocks, storage, cache = CONFIGS[name]
     seen: dict[str, Any] = {}
+    made: list[KvschedCluster] = []
 
     def make(loop: Any) -> KvschedCluster:
-        cluster = KvschedCluster(
-            loop, daemon_config(host_blocks), num_instances=instances, name=name, storage=storage
-        )
+        cfg = daemon_config(host_blocks, cache)
+        cluster = KvschedCluster(loop, cfg, num_instances=instances, name=name, storage=storage)
+        made.append(cluster)
         for inst in cluster.instances:  # keep each finished Request (its tier split, times)
             sim = inst.worker.executor
             sim.speed = speed  # type: ignore[attr-defined]
@@ -133,7 +134,10 @@ def run_sim(
             }
         )
     summary = res.summary(slo_ttft_s=DEFAULT_SLO_TTFT_S, slo_tpot_s=DEFAULT_SLO_TPOT_S)
-    return rows, {**summary, "worker_steps": steps}
+    snaps = [i.sched.snapshot() for c in made for i in c.instances]
+    stored = sum(x.prefix_cache_storage_hit_tokens for x in snaps)
+    pf = sum(x.prefix_cache_prefetched_hit_tokens for x in snaps) / stored if stored else 0.0
+    return rows, {**summary, "worker_steps": steps, "storage_prefetched_frac": pf}
 
 
 # ---- the product: an OTLP receiver for the daemon's request spans ----------------------------
@@ -170,7 +174,7 @@ class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
 def run_replay(
     reqs: list[TraceRequest], name: str, instances: int
 ) -> tuple[list[Row], dict[str, Any], dict[str, Any]]:
-    host_blocks, storage = CONFIGS[name]
+    host_blocks, storage, cache = CONFIGS[name]
     sink = SpanSink()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
@@ -180,6 +184,7 @@ def run_replay(
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
         "OTEL_BSP_SCHEDULE_DELAY": "500",
+        **{f"KVSCHED_ENGINE__CACHE__{k.upper()}": str(v) for k, v in cache.items()},
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the daemon (a child process) inherits them
@@ -238,6 +243,7 @@ def run_replay(
         slo_tpot_s=DEFAULT_SLO_TPOT_S,
         host_hit_rate=result.host_hit_tokens / num_prompt if num_prompt else 0.0,
         storage_hit_rate=result.storage_hit_tokens / num_prompt if num_prompt else 0.0,
+        storage_prefetched_frac=result.prefetched_hit_tokens / max(1, result.storage_hit_tokens),
         worker_steps=steps,
     )
     return rows, summary, load
@@ -246,9 +252,8 @@ def run_replay(
 def jitter_spread(
     reqs: list[TraceRequest], name: str, instances: int, seeds: int
 ) -> dict[str, Any]:
-    """The sim's own sensitivity: TTFT p50 and goodput when every arrival moves by up to
-    +-1 ms (uniform, seeded). A difference between two runs smaller than this spread is not
-    one the trace can tell apart."""
+    """The sim's own spread: TTFT p50 and goodput when every arrival moves by up to +-1 ms
+    (uniform, seeded): a difference smaller than this the trace cannot tell apart."""
     p50s, goodputs = [], []
     for seed in range(seeds):
         rng = random.Random(seed)
@@ -315,7 +320,7 @@ def _f(v: float | None, fmt: str) -> str:
 
 def table(out: dict[str, Any]) -> str:
     head = (
-        f"{'config':9} {'run':6} {'hit %':>6} {'host %':>6} {'stor %':>6} {'queue p50':>9} "
+        f"{'config':12} {'run':6} {'hit %':>6} {'host %':>6} {'stor %':>6} {'queue p50':>9} "
         f"{'mean':>6} {'svc p50':>7} {'TTFT p50':>8} {'p90':>6} {'vs gpu':>7} {'goodput':>7}"
     )
     lines = [head, "-" * len(head)]
@@ -329,26 +334,30 @@ def table(out: dict[str, Any]) -> str:
             if b and a["ttft_p50"] and b["agg"]["ttft_p50"]:
                 vs = f"{100 * (a['ttft_p50'] / b['agg']['ttft_p50'] - 1):+.0f} %"
             lines.append(
-                f"{name:9} {run:6} {100 * a['hit']:>6.1f} {100 * a['host']:>6.1f} "
+                f"{name:12} {run:6} {100 * a['hit']:>6.1f} {100 * a['host']:>6.1f} "
                 f"{100 * a['storage']:>6.1f} {_f(a['queue_p50'], '.3f'):>9} "
                 f"{_f(a['queue_mean'], '.2f'):>6} {_f(a['service_p50'], '.3f'):>7} "
                 f"{_f(a['ttft_p50'], '.3f'):>8} {_f(a['ttft_p90'], '.2f'):>6} {vs:>7} "
                 f"{c[run]['summary']['goodput_rps']:>7.2f}"
             )
-        steps = {
-            run: c[run]["summary"].get("worker_steps") for run in ("sim", "replay") if run in c
-        }
+        runs = [run for run in ("sim", "replay") if run in c]
+        if c["sim"]["agg"]["storage"]:
+            pf = [
+                f"{r} {100 * c[r]['summary'].get('storage_prefetched_frac', 0):.0f} %" for r in runs
+            ]
+            lines.append(f"{'':12} {'prefetched before placement':6} {' / '.join(pf)}")
+        steps = {run: c[run]["summary"].get("worker_steps") for run in runs}
         if len(steps) == 2:
             a, b = steps["sim"], steps["replay"]
             lines.append(
-                f"{'':9} {'steps':6} sim {a['steps']:,} steps, {a['busy_s']:.1f} s busy; replay "
+                f"{'':12} {'steps':6} sim {a['steps']:,} steps, {a['busy_s']:.1f} s busy; replay "
                 f"{b['steps']:,} steps, {b['busy_s']:.1f} s busy (wall), "
                 f"{b['waiting_on_daemon_s']:.1f} s waiting on the daemon"
             )
         if "diff" in c:
             d = c["diff"]
             lines.append(
-                f"{'':9} {'diff':6} same hit tokens {100 * d['same_hit_tokens']:.0f} % of "
+                f"{'':12} {'diff':6} same hit tokens {100 * d['same_hit_tokens']:.0f} % of "
                 f"requests (replay {d['hit_tokens_replay_minus_sim']:+,} tokens); TTFT "
                 f"replay - sim p10/p50/p90 {_f(d['ttft_diff_p10'], '+.3f')} / "
                 f"{_f(d['ttft_diff_p50'], '+.3f')} / {_f(d['ttft_diff_p90'], '+.3f')} s; "
@@ -388,8 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     names = args.configs.split(",")
     if unknown := [n for n in names if n not in CONFIGS]:
         ap.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
-    a, _, b = args.window.partition("-")
-    start, end = float(a), float(b)
+    start, end = map(float, args.window.split("-", 1))
     reqs = window(load_trace(args.trace, duration_s=end), start, end)
     prompt = [len(r.prompt_token_ids) for r in reqs]
     out: dict[str, Any] = {
@@ -422,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {name}: sim TTFT p50 with arrivals +-1 ms: {sorted(j['ttft_p50'])}")
         out["configs"][name] = c
     print(table(out))
-    for c in out["configs"].values():  # per-request rows as columns, 5 digits: a small file
+    for c in out["configs"].values():  # per-request rows as columns: a small file
         for run in ("sim", "replay"):
             if run in c:
                 rows = c[run]["rows"]
@@ -434,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {args.json}")
 
 
-def _round(v: Any) -> Any:
+def _round(v: Any) -> Any:  # 5 digits
     return round(v, 5) if isinstance(v, float) else v
 
 

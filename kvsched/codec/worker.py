@@ -148,6 +148,9 @@ def _fill_tasks(pb: worker_service_pb2.Tasks, tasks: core.Tasks) -> None:
         pb.storage_fetches.handles.extend(tasks.storage_fetch_handles)
         pb.storage_fetches.keys.extend(tasks.storage_fetch_keys)
         pb.storage_fetches.gpu_block_ids.extend(tasks.storage_fetch_gpu)
+    if tasks.storage_prefetch_keys:
+        pb.storage_prefetches.keys.extend(tasks.storage_prefetch_keys)
+        pb.storage_prefetches.host_block_ids.extend(tasks.storage_prefetch_host)
     if tasks.kv_sends:
         sends = tasks.kv_sends
         pb.kv_sends.handles.extend([s.handle for s in sends])
@@ -201,6 +204,15 @@ def tasks_from_proto(msg: worker_service_pb2.Tasks) -> core.Tasks:
             handles=tasks.storage_fetch_handles,
             keys=tasks.storage_fetch_keys,
             gpu_block_ids=tasks.storage_fetch_gpu,
+        )
+    sp = msg.storage_prefetches
+    if sp.keys or sp.host_block_ids:
+        tasks.storage_prefetch_keys = sp.keys[:]
+        tasks.storage_prefetch_host = sp.host_block_ids[:]
+        _check_parallel(
+            "storage_prefetches",
+            keys=tasks.storage_prefetch_keys,
+            host_block_ids=tasks.storage_prefetch_host,
         )
     if ext.handles or ext.num_block_ids or ext.block_ids:
         handles = ext.handles[:]
@@ -304,6 +316,8 @@ def _fill_report(r: worker_service_pb2.StepReport, report: core.StepReport) -> N
         r.prompt_logprob_handles.extend(report.prompt_logprob_handles)
         r.num_prompt_logprobs.extend(report.num_prompt_logprobs)
         logprobs_to_proto(report.prompt_logprobs, r.prompt_logprobs)
+    if report.failed_storage_prefetches:
+        r.failed_storage_prefetches.extend(report.failed_storage_prefetches)
 
 
 def _fill(
@@ -414,6 +428,7 @@ def report_from_proto(pb: worker_service_pb2.StepReport) -> core.StepReport:
         draft_handles=draft_handles,
         num_draft_tokens=pb.num_draft_tokens[:] if draft_handles else [],
         num_accepted_drafts=pb.num_accepted_drafts[:] if draft_handles else [],
+        failed_storage_prefetches=pb.failed_storage_prefetches[:],
     )
     if len(pb.num_logprobs) or len(pb.prompt_logprob_handles):
         _logprobs_from_proto(pb, report, num_new_tokens)

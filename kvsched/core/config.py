@@ -73,6 +73,16 @@ class CacheConfig:
     # and the worker reaches it): write_back writes a block when its last tier above would
     # evict it (host, else GPU), write_through as soon as it reaches that tier.
     storage_write_policy: WritePolicy = WritePolicy.WRITE_BACK
+    # Storage -> host prefetch (kvsched/core/prefetch.py; with a host tier and a storage tier):
+    # a queued request's storage hits are got into host blocks while it waits at the queue's
+    # head (every request from its arrival with storage_prefetch_at_arrival), and swapped in at
+    # its placement instead of fetched on the step. A request whose prefetch has not landed is
+    # held in the queue (others behind it go ahead) for at most storage_prefetch_hold_ms from
+    # the prefetch (0: never held: what has not landed by its placement is fetched again).
+    # Off by default: it measured no TTFT gain on the shipped trace (docs/BENCHMARKS.md 17).
+    storage_prefetch: bool = False
+    storage_prefetch_at_arrival: bool = False
+    storage_prefetch_hold_ms: float = 100.0
     # The worker's multimodal encoder cache (kvsched/core/encoder_cache.py), in embeddings
     # (one per placeholder token); 0: off, every chunk touching an item pays its encoder budget.
     encoder_cache_size: int = 0
@@ -97,6 +107,7 @@ class CacheConfig:
             )
         self.storage_write_policy = WritePolicy(self.storage_write_policy)
         _check_range(s, "block_size", self.block_size, 1, 4096)
+        _check_range(s, "storage_prefetch_hold_ms", self.storage_prefetch_hold_ms, 0.0, 60000.0)
         _check_range(s, "num_gpu_blocks", self.num_gpu_blocks, 1, 1 << 31)
         _check_range(s, "prealloc_blocks", self.prealloc_blocks, 1, 1024)
         _check_range(s, "prealloc_threshold", self.prealloc_threshold, 0, 1 << 20)

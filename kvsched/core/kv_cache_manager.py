@@ -16,6 +16,7 @@ from kvsched.core.block_hash import BlockHasher
 from kvsched.core.block_pool import BlockPool
 from kvsched.core.config import WritePolicy
 from kvsched.core.kv_events import BlockStored
+from kvsched.core.prefetch import Prefetcher
 from kvsched.core.request import Request
 from kvsched.core.storage import StorageIndex, StorageTier
 from kvsched.core.tiers import HostTier
@@ -74,7 +75,10 @@ class KVCacheManager:
         storage: StorageIndex | None = None,
         storage_namespace: str = "",
         storage_write_policy: WritePolicy = WritePolicy.WRITE_BACK,
+        storage_prefetch: bool = False,
     ) -> None:
+        """storage_prefetch: get a queued request's storage hits into host blocks while it
+        waits (core/prefetch.py; needs both tiers)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -102,6 +106,12 @@ class KVCacheManager:
                 self.pool.on_evict = st.on_gpu_evicted
             self.storage = st
         self.num_storage_hits = 0  # prefix-cache hit tokens fetched from the storage tier
+        self.prefetch: Prefetcher | None = None
+        if storage_prefetch and self.host is not None and self.storage is not None:
+            self.prefetch = Prefetcher(self.host, self.storage)
+            self.host.relieve = self.prefetch.relieve
+            self.host.prefetch_pins = self.prefetch.host_pins
+        self.num_prefetched_hits = 0  # of num_storage_hits: prefetched before placement
         self.hasher = BlockHasher(block_size)  # only full blocks are hashed
         # Prefix-cache statistics, in tokens (as vLLM's prefix_cache_queries / _hits).
         self.num_queries = 0
@@ -195,9 +205,12 @@ class KVCacheManager:
         num_hit_tokens: int,
         num_host_hit_tokens: int = 0,
         num_storage_hit_tokens: int = 0,
+        num_prefetched_tokens: int = 0,
     ) -> None:
         """num_hit_tokens counts hits in any tier; num_host_hit_tokens those from host,
-        num_storage_hit_tokens those fetched from the storage tier."""
+        num_storage_hit_tokens those from the storage tier (fetched on the step, or
+        num_prefetched_tokens of them prefetched into host blocks before placement)."""
+        self.num_prefetched_hits += num_prefetched_tokens
         self.num_queries += num_query_tokens
         self.num_hits += num_hit_tokens
         self.num_host_hits += num_host_hit_tokens
@@ -368,6 +381,38 @@ class KVCacheManager:
         """Queue fetches of stored keys into a placed handle's fresh GPU blocks."""
         assert self.storage is not None
         self.storage.fetch(handle, keys, gpu_blocks)
+
+    # ---- storage -> host prefetch (core/prefetch.py) --------------------------------------
+    def prefetch_for(self, req: Request, now: float = 0.0) -> int:
+        """Start getting req's storage hits into host blocks (it waits in the queue). Returns
+        the blocks queued (0: no prefetcher, none stored, or already prefetching)."""
+        pf = self.prefetch
+        if pf is None or pf.has(req):
+            return 0
+        gpu, host, stored = self.lookup(req)
+        if not stored:
+            return 0
+        start = len(gpu) + len(host)
+        return pf.issue(req, host, req.block_hashes[start : start + len(stored)], now)
+
+    def release_prefetch(self, req: Request, taken: int = 0) -> None:
+        """req was placed (taking `taken` prefetched blocks as host hits) or is gone."""
+        if self.prefetch is not None:
+            self.prefetch.release(req, taken)
+
+    def take_prefetches(self) -> tuple[list[str], list[int]] | None:
+        pf = self.prefetch
+        if pf is None or not pf.has_queued():
+            return None
+        return pf.take()
+
+    def prefetches_sent(self, seq: int) -> None:
+        if self.prefetch is not None:
+            self.prefetch.sent(seq)
+
+    def acknowledge_prefetches(self, applied_seq: int, failed_host_blocks: list[int]) -> None:
+        if self.prefetch is not None:
+            self.prefetch.acknowledge(applied_seq, failed_host_blocks)
 
     def decline_fetches(self, n: int) -> None:
         """n storage hits were recomputed instead (cheaper than fetching, by the cost model)."""

@@ -185,6 +185,11 @@ class Tasks:
     storage_fetch_handles: list[int] = field(default_factory=list)
     storage_fetch_keys: list[str] = field(default_factory=list)
     storage_fetch_gpu: list[int] = field(default_factory=list)
+    # Storage -> host prefetches (core/prefetch.py): key storage_prefetch_keys[i] got into host
+    # block storage_prefetch_host[i] (no handle: the request waits in the daemon's queue); run
+    # beside the step, acknowledged by applied_seq like every task.
+    storage_prefetch_keys: list[str] = field(default_factory=list)
+    storage_prefetch_host: list[int] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (
@@ -193,6 +198,7 @@ class Tasks:
             or self.swap_in_gpu
             or self.storage_write_keys
             or self.storage_fetch_keys
+            or self.storage_prefetch_keys
             or self.preempts
             or self.aborts
             or self.placements
@@ -248,3 +254,5 @@ class StepReport:
     prompt_logprob_handles: list[int] = field(default_factory=list)
     num_prompt_logprobs: list[int] = field(default_factory=list)
     prompt_logprobs: TokenLogprobs | None = None
+    # Host blocks whose storage prefetch failed (their keys are no longer believed stored).
+    failed_storage_prefetches: list[int] = field(default_factory=list)

@@ -182,6 +182,16 @@ class StorageTier:
         for k, g in zip(keys, gpu_blocks, strict=True):
             self._fetches.append((handle, k, g))
 
+    def forget(self, keys: list[str]) -> None:
+        """These keys failed to come back (a prefetch): out of the index, a storage
+        BlockRemoved each (they may be gone from the store)."""
+        index, plen = self.index, len(self.prefix)
+        removed = [bytes.fromhex(k[plen:]) for k in keys if k in index]
+        index.discard([k for k in keys if k in index])
+        events = self._sink.events if self._sink is not None else None
+        if events is not None and removed:
+            events.append(BlockRemoved(removed, STORAGE))
+
     def decline(self, n: int) -> None:
         self.stats.fetches_declined += n
 

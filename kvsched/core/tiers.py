@@ -29,6 +29,7 @@ Imports `block_pool` only; `KVCacheManager` owns one when the instance has host 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvsched.core.block_pool import BlockPool
@@ -88,6 +89,18 @@ class HostTier:
         # The storage tier below (core/storage.py), when the daemon has one: it writes host
         # blocks before they are evicted (write_back) or once they arrive (write_through).
         self.storage: StorageTier | None = None
+        # Storage -> host prefetches (core/prefetch.py), when on: `relieve(want)` releases
+        # landed prefetches' pins until `want` blocks are free; `prefetch_pins()` their pins.
+        self.relieve: Callable[[int], None] | None = None
+        self.prefetch_pins: Callable[[], dict[int, int]] | None = None
+
+    @property
+    def epoch(self) -> int:
+        """reset() count: a copy into host memory sent before a reset registers nothing."""
+        return self._epoch
+
+    def sync_events(self) -> list[KvEvent] | None:
+        return self._sync_events()
 
     def use_storage(self, storage: StorageTier) -> None:
         """Write to this storage tier what the host tier would lose (or what reaches it)."""
@@ -184,6 +197,8 @@ class HostTier:
         want = self._outs
         pool = self.pool
         self._sync_events()  # allocate may evict host blocks: cpu BlockRemoved
+        if self.relieve is not None and len(want) > pool.num_free:
+            self.relieve(len(want))  # landed prefetches give their pins back first
         if self.storage is not None and want:  # write what would be lost, pinned till stored
             self.storage.save_host_victims(len(want))
         n = min(len(want), pool.num_free)
@@ -301,6 +316,9 @@ class HostTier:
         storage tier's writes included); a block being written holds no hash; the copy set is
         exactly the swap-outs under way."""
         pins: dict[int, int] = dict(self.storage.host_pins()) if self.storage is not None else {}
+        if self.prefetch_pins is not None:
+            for hb, n in self.prefetch_pins().items():
+                pins[hb] = pins.get(hb, 0) + n
         writing: list[tuple[int, bytes]] = []
         reading = [hb for _, hb, _ in self._ins]
         for rec in self._sent:

@@ -164,6 +164,11 @@ def make_summary(
         num_host_blocks=result.num_host_blocks,
         host_hit_rate=result.host_hit_tokens / num_prompt if num_prompt else 0.0,
         storage_hit_rate=result.storage_hit_tokens / num_prompt if num_prompt else 0.0,
+        storage_prefetched_frac=(
+            result.prefetched_hit_tokens / result.storage_hit_tokens
+            if result.storage_hit_tokens
+            else 0.0
+        ),
         not_completed=not_completed(result),
         config={
             "embedded": bool(args.embedded),
@@ -210,7 +215,12 @@ def format_table(s: dict[str, Any]) -> str:
             "  of it from host memory",
             f"{100 * s.get('host_hit_rate', 0.0):.1f} % ({s.get('num_host_blocks', 0)} host blocks)",
         ),
-        ("  of it from storage", f"{100 * s.get('storage_hit_rate', 0.0):.1f} %"),
+        (
+            "  of it from storage",
+            f"{100 * s.get('storage_hit_rate', 0.0):.1f} % "
+            f"({100 * s.get('storage_prefetched_frac', 0.0):.0f} % of it prefetched before "
+            "placement)",
+        ),
         ("preemptions", f"{s['preemptions']}"),
         (
             "goodput",

@@ -58,6 +58,7 @@ class ReplayResult:
     num_host_blocks: int = 0  # each instance's host tier (the first ready one's)
     host_hit_tokens: int = 0  # prompt tokens swapped in from host tiers during the run
     storage_hit_tokens: int = 0  # prompt tokens fetched from the storage tier during the run
+    prefetched_hit_tokens: int = 0  # of those, prefetched to host before placement (swapped in)
     block_size: int = 0
     instances: list[dict[str, Any]] = field(default_factory=list)
     # Requests no ready instance could hold when the replay started: (request id, KV blocks
@@ -251,6 +252,11 @@ async def replay(
     prev_st = {i.instance_id: i.prefix_cache_storage_hit_tokens for i in before.instances}
     result.storage_hit_tokens = sum(
         i.prefix_cache_storage_hit_tokens - prev_st.get(i.instance_id, 0) for i in after.instances
+    )
+    prev_pf = {i.instance_id: i.prefix_cache_prefetched_hit_tokens for i in before.instances}
+    result.prefetched_hit_tokens = sum(
+        i.prefix_cache_prefetched_hit_tokens - prev_pf.get(i.instance_id, 0)
+        for i in after.instances
     )
     return result
 

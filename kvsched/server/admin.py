@@ -44,6 +44,8 @@ _FROM_SNAPSHOT = (
     "prefix_cache_storage_hit_tokens",
     "num_storage_writes",
     "num_storage_fetches",
+    "prefix_cache_prefetched_hit_tokens",
+    "num_storage_prefetches",
     "encoder_cache_size",
     "encoder_cache_used",
     "encoder_cache_hits",

@@ -274,6 +274,8 @@ class InstanceStatus(_message.Message):
     NUM_STORAGE_FAILURES_FIELD_NUMBER: _builtins.int
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_ACCEPTED_DRAFTS_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_PREFETCHED_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_STORAGE_PREFETCHES_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     role: _common_pb2.InstanceRole.ValueType
     ready: _builtins.bool
@@ -348,6 +350,11 @@ class InstanceStatus(_message.Message):
     kvsched_request_spec_decode_acceptance_rate histogram).
     """
     num_accepted_drafts: _builtins.int
+    prefix_cache_prefetched_hit_tokens: _builtins.int
+    """Of prefix_cache_storage_hit_tokens: those prefetched into the host tier while the request
+    waited (swapped in at placement, off the step's critical path); blocks prefetched.
+    """
+    num_storage_prefetches: _builtins.int
     def __init__(
         self,
         *,
@@ -395,10 +402,12 @@ class InstanceStatus(_message.Message):
         num_storage_failures: _builtins.int = ...,
         num_draft_tokens: _builtins.int = ...,
         num_accepted_drafts: _builtins.int = ...,
+        prefix_cache_prefetched_hit_tokens: _builtins.int = ...,
+        num_storage_prefetches: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "draining", b"draining", "encoder_cache_evictions", b"encoder_cache_evictions", "encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_misses", b"encoder_cache_misses", "encoder_cache_size", b"encoder_cache_size", "encoder_cache_used", b"encoder_cache_used", "host_cache_usage", b"host_cache_usage", "instance_id", b"instance_id", "itl_target_ms", b"itl_target_ms", "kv_cache_usage", b"kv_cache_usage", "model", b"model", "num_accepted_drafts", b"num_accepted_drafts", "num_draft_tokens", b"num_draft_tokens", "num_free_blocks", b"num_free_blocks", "num_free_host_blocks", b"num_free_host_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_preemptions", b"num_preemptions", "num_ranks_connected", b"num_ranks_connected", "num_running", b"num_running", "num_slots", b"num_slots", "num_slots_used", b"num_slots_used", "num_steps", b"num_steps", "num_storage_failures", b"num_storage_failures", "num_storage_fetches", b"num_storage_fetches", "num_storage_writes", b"num_storage_writes", "num_swap_failures", b"num_swap_failures", "num_swap_ins", b"num_swap_ins", "num_swap_outs", b"num_swap_outs", "num_waiting", b"num_waiting", "paused", b"paused", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_host_hit_tokens", b"prefix_cache_host_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "prefix_cache_storage_hit_tokens", b"prefix_cache_storage_hit_tokens", "ready", b"ready", "role", b"role", "step_measured_ewma_ms", b"step_measured_ewma_ms", "step_measured_ms", b"step_measured_ms", "step_predicted_ewma_ms", b"step_predicted_ewma_ms", "step_predicted_ms", b"step_predicted_ms", "steps_per_s", b"steps_per_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "draining", b"draining", "encoder_cache_evictions", b"encoder_cache_evictions", "encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_misses", b"encoder_cache_misses", "encoder_cache_size", b"encoder_cache_size", "encoder_cache_used", b"encoder_cache_used", "host_cache_usage", b"host_cache_usage", "instance_id", b"instance_id", "itl_target_ms", b"itl_target_ms", "kv_cache_usage", b"kv_cache_usage", "model", b"model", "num_accepted_drafts", b"num_accepted_drafts", "num_draft_tokens", b"num_draft_tokens", "num_free_blocks", b"num_free_blocks", "num_free_host_blocks", b"num_free_host_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_preemptions", b"num_preemptions", "num_ranks_connected", b"num_ranks_connected", "num_running", b"num_running", "num_slots", b"num_slots", "num_slots_used", b"num_slots_used", "num_steps", b"num_steps", "num_storage_failures", b"num_storage_failures", "num_storage_fetches", b"num_storage_fetches", "num_storage_prefetches", b"num_storage_prefetches", "num_storage_writes", b"num_storage_writes", "num_swap_failures", b"num_swap_failures", "num_swap_ins", b"num_swap_ins", "num_swap_outs", b"num_swap_outs", "num_waiting", b"num_waiting", "paused", b"paused", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_host_hit_tokens", b"prefix_cache_host_hit_tokens", "prefix_cache_prefetched_hit_tokens", b"prefix_cache_prefetched_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "prefix_cache_storage_hit_tokens", b"prefix_cache_storage_hit_tokens", "ready", b"ready", "role", b"role", "step_measured_ewma_ms", b"step_measured_ewma_ms", "step_measured_ms", b"step_measured_ms", "step_predicted_ewma_ms", b"step_predicted_ewma_ms", "step_predicted_ms", b"step_predicted_ms", "steps_per_s", b"steps_per_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -657,6 +657,34 @@ class Tasks(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class StoragePrefetches(_message.Message):
+        """Storage -> host prefetch (see step 13): key keys[i] got into host block host_block_ids[i]
+        for a request still waiting in the daemon's queue (no handle). The daemon keeps that host
+        block unused until applied_seq acknowledges it; only workers with a host tier receive
+        them. Run after storage_writes; may overlap the step (it is off the step's critical path).
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEYS_FIELD_NUMBER: _builtins.int
+        HOST_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+        @_builtins.property
+        def host_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+        def __init__(
+            self,
+            *,
+            keys: _abc.Iterable[_builtins.str] | None = ...,
+            host_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["host_block_ids", b"host_block_ids", "keys", b"keys"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SEQ_FIELD_NUMBER: _builtins.int
     PREEMPTS_FIELD_NUMBER: _builtins.int
     ABORTS_FIELD_NUMBER: _builtins.int
@@ -672,6 +700,7 @@ class Tasks(_message.Message):
     FENCING_EPOCH_FIELD_NUMBER: _builtins.int
     STORAGE_WRITES_FIELD_NUMBER: _builtins.int
     STORAGE_FETCHES_FIELD_NUMBER: _builtins.int
+    STORAGE_PREFETCHES_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """1, 2, 3, ... on each stream (see step 3); the worker echoes the last one applied as
     StepReport.applied_seq.
@@ -727,6 +756,8 @@ class Tasks(_message.Message):
     def storage_writes(self) -> Global___Tasks.StorageWrites: ...
     @_builtins.property
     def storage_fetches(self) -> Global___Tasks.StorageFetches: ...
+    @_builtins.property
+    def storage_prefetches(self) -> Global___Tasks.StoragePrefetches: ...
     def __init__(
         self,
         *,
@@ -745,10 +776,11 @@ class Tasks(_message.Message):
         fencing_epoch: _builtins.int = ...,
         storage_writes: Global___Tasks.StorageWrites | None = ...,
         storage_fetches: Global___Tasks.StorageFetches | None = ...,
+        storage_prefetches: Global___Tasks.StoragePrefetches | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends", "storage_fetches", b"storage_fetches", "storage_writes", b"storage_writes", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "extensions", b"extensions", "kv_sends", b"kv_sends", "storage_fetches", b"storage_fetches", "storage_prefetches", b"storage_prefetches", "storage_writes", b"storage_writes", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborts", b"aborts", "chunks", b"chunks", "encoder_drops", b"encoder_drops", "extensions", b"extensions", "fencing_epoch", b"fencing_epoch", "kv_sends", b"kv_sends", "placements", b"placements", "preempts", b"preempts", "report_step", b"report_step", "reset_prefix_cache", b"reset_prefix_cache", "seq", b"seq", "storage_fetches", b"storage_fetches", "storage_writes", b"storage_writes", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborts", b"aborts", "chunks", b"chunks", "encoder_drops", b"encoder_drops", "extensions", b"extensions", "fencing_epoch", b"fencing_epoch", "kv_sends", b"kv_sends", "placements", b"placements", "preempts", b"preempts", "report_step", b"report_step", "reset_prefix_cache", b"reset_prefix_cache", "seq", b"seq", "storage_fetches", b"storage_fetches", "storage_prefetches", b"storage_prefetches", "storage_writes", b"storage_writes", "swap_ins", b"swap_ins", "swap_outs", b"swap_outs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -863,6 +895,7 @@ class StepReport(_message.Message):
     PROMPT_LOGPROB_HANDLES_FIELD_NUMBER: _builtins.int
     NUM_PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    FAILED_STORAGE_PREFETCHES_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Strictly increasing on a stream, from 1; a merged report carries its last step's number."""
     applied_seq: _builtins.int
@@ -957,6 +990,12 @@ class StepReport(_message.Message):
     def num_prompt_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def prompt_logprobs(self) -> _common_pb2.TokenLogprobs: ...
+    @_builtins.property
+    def failed_storage_prefetches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Host blocks whose storage_prefetches (of the messages up to applied_seq) failed: the
+        daemon registers nothing there and no longer believes their keys stored; see step 13.
+        """
+
     def __init__(
         self,
         *,
@@ -983,10 +1022,11 @@ class StepReport(_message.Message):
         prompt_logprob_handles: _abc.Iterable[_builtins.int] | None = ...,
         num_prompt_logprobs: _abc.Iterable[_builtins.int] | None = ...,
         prompt_logprobs: _common_pb2.TokenLogprobs | None = ...,
+        failed_storage_prefetches: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "applied_seq", b"applied_seq", "draft_handles", b"draft_handles", "failed", b"failed", "failed_storage_fetches", b"failed_storage_fetches", "failed_storage_writes", b"failed_storage_writes", "failed_swap_ins", b"failed_swap_ins", "failed_swap_outs", b"failed_swap_outs", "finish_reasons", b"finish_reasons", "handles", b"handles", "logprobs", b"logprobs", "num_accepted_drafts", b"num_accepted_drafts", "num_computed", b"num_computed", "num_draft_tokens", b"num_draft_tokens", "num_logprobs", b"num_logprobs", "num_new_tokens", b"num_new_tokens", "num_prompt_logprobs", b"num_prompt_logprobs", "paused", b"paused", "prompt_logprob_handles", b"prompt_logprob_handles", "prompt_logprobs", b"prompt_logprobs", "step", b"step", "step_time_ns", b"step_time_ns", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "applied_seq", b"applied_seq", "draft_handles", b"draft_handles", "failed", b"failed", "failed_storage_fetches", b"failed_storage_fetches", "failed_storage_prefetches", b"failed_storage_prefetches", "failed_storage_writes", b"failed_storage_writes", "failed_swap_ins", b"failed_swap_ins", "failed_swap_outs", b"failed_swap_outs", "finish_reasons", b"finish_reasons", "handles", b"handles", "logprobs", b"logprobs", "num_accepted_drafts", b"num_accepted_drafts", "num_computed", b"num_computed", "num_draft_tokens", b"num_draft_tokens", "num_logprobs", b"num_logprobs", "num_new_tokens", b"num_new_tokens", "num_prompt_logprobs", b"num_prompt_logprobs", "paused", b"paused", "prompt_logprob_handles", b"prompt_logprob_handles", "prompt_logprobs", b"prompt_logprobs", "step", b"step", "step_time_ns", b"step_time_ns", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

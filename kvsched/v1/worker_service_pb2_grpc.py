@@ -49,7 +49,8 @@ class WorkerServiceStub:
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
     each in this order: swap_outs (copy GPU blocks to host blocks now, before anything in
     this or a later message may overwrite those GPU blocks), storage_writes (put blocks into
-    the shared storage tier under their keys, step 13), preempts and aborts (drop those
+    the shared storage tier under their keys, step 13), storage_prefetches (get keys into
+    host blocks for requests still queued at the daemon, step 13), preempts and aborts (drop those
     handles; their blocks may be reused below), encoder_drops (forget those multimodal
     items' encoder outputs: no queued chunk of a handle still held reads them), placements,
     extensions (resume a paused handle), swap_ins (copy host blocks into a handle's fresh
@@ -138,8 +139,12 @@ class WorkerServiceStub:
     by key in failed_storage_writes (the daemon never counts that key as stored); a fetch that
     failed (key evicted by the store, store down) is named by handle in
     failed_storage_fetches and that handle runs nothing more: the daemon preempts it and the
-    request recomputes, as after a failed swap-in. The store owns capacity and eviction: a
-    key the daemon believes stored may be gone, which is just a failed fetch.
+    request recomputes, as after a failed swap-in. storage_prefetches get keys into host
+    blocks (a worker with a host tier) for a request still waiting in the daemon's queue; the
+    daemon registers them in its host tier once applied_seq acknowledges them and swaps them
+    in at the request's placement; a failed one is named by host block in
+    failed_storage_prefetches. The store owns capacity and eviction: a key the daemon
+    believes stored may be gone, which is just a failed fetch or prefetch.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
@@ -183,7 +188,8 @@ class WorkerServiceServicer:
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
     each in this order: swap_outs (copy GPU blocks to host blocks now, before anything in
     this or a later message may overwrite those GPU blocks), storage_writes (put blocks into
-    the shared storage tier under their keys, step 13), preempts and aborts (drop those
+    the shared storage tier under their keys, step 13), storage_prefetches (get keys into
+    host blocks for requests still queued at the daemon, step 13), preempts and aborts (drop those
     handles; their blocks may be reused below), encoder_drops (forget those multimodal
     items' encoder outputs: no queued chunk of a handle still held reads them), placements,
     extensions (resume a paused handle), swap_ins (copy host blocks into a handle's fresh
@@ -272,8 +278,12 @@ class WorkerServiceServicer:
     by key in failed_storage_writes (the daemon never counts that key as stored); a fetch that
     failed (key evicted by the store, store down) is named by handle in
     failed_storage_fetches and that handle runs nothing more: the daemon preempts it and the
-    request recomputes, as after a failed swap-in. The store owns capacity and eviction: a
-    key the daemon believes stored may be gone, which is just a failed fetch.
+    request recomputes, as after a failed swap-in. storage_prefetches get keys into host
+    blocks (a worker with a host tier) for a request still waiting in the daemon's queue; the
+    daemon registers them in its host tier once applied_seq acknowledges them and swaps them
+    in at the request's placement; a failed one is named by host block in
+    failed_storage_prefetches. The store owns capacity and eviction: a key the daemon
+    believes stored may be gone, which is just a failed fetch or prefetch.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode
@@ -327,7 +337,8 @@ class WorkerService:
     4. At each step boundary the worker applies every Tasks message it has received, oldest first,
     each in this order: swap_outs (copy GPU blocks to host blocks now, before anything in
     this or a later message may overwrite those GPU blocks), storage_writes (put blocks into
-    the shared storage tier under their keys, step 13), preempts and aborts (drop those
+    the shared storage tier under their keys, step 13), storage_prefetches (get keys into
+    host blocks for requests still queued at the daemon, step 13), preempts and aborts (drop those
     handles; their blocks may be reused below), encoder_drops (forget those multimodal
     items' encoder outputs: no queued chunk of a handle still held reads them), placements,
     extensions (resume a paused handle), swap_ins (copy host blocks into a handle's fresh
@@ -416,8 +427,12 @@ class WorkerService:
     by key in failed_storage_writes (the daemon never counts that key as stored); a fetch that
     failed (key evicted by the store, store down) is named by handle in
     failed_storage_fetches and that handle runs nothing more: the daemon preempts it and the
-    request recomputes, as after a failed swap-in. The store owns capacity and eviction: a
-    key the daemon believes stored may be gone, which is just a failed fetch.
+    request recomputes, as after a failed swap-in. storage_prefetches get keys into host
+    blocks (a worker with a host tier) for a request still waiting in the daemon's queue; the
+    daemon registers them in its host tier once applied_seq acknowledges them and swaps them
+    in at the request's placement; a failed one is named by host block in
+    failed_storage_prefetches. The store owns capacity and eviction: a key the daemon
+    believes stored may be gone, which is just a failed fetch or prefetch.
     Limits a worker may rely on: the daemon always sets Welcome.max_model_len (> 0) and
     SamplingParams.max_tokens in every placement; a worker without a drafter may ignore
     num_speculative_tokens and decode one token per step; a worker that does no prefill/decode

@@ -151,6 +151,7 @@ class WorkerEngine:
         if tasks.swap_out_gpu:  # before anything in this message may overwrite those blocks
             self._copies.swap_out(tasks.swap_out_gpu, tasks.swap_out_host)
         self.storage.write_all(tasks)  # storage_writes: right after swap_outs (step 13)
+        self.storage.prefetch_all(tasks)  # storage -> host, for requests still queued
         for handle in (*tasks.preempts, *tasks.aborts):
             if handle in self._held:
                 self._free(handle)

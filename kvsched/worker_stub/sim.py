@@ -102,6 +102,7 @@ class SimExecutor:
         self._write_s = 0.0  # storage writes since the last step (they overlap it), seconds
         self.num_stored_blocks = 0  # storage tier: blocks written, blocks fetched
         self.num_fetched_blocks = 0
+        self.num_prefetched_blocks = 0  # storage -> host, beside the steps
 
     # ---- the storage tier: simulated (no store), only priced -----------------------------------
     def storage_copied(self, num_blocks: int, *, write: bool) -> None:
@@ -112,6 +113,12 @@ class SimExecutor:
         else:
             self.num_fetched_blocks += num_blocks
             self._copy_s += num_blocks * self._storage_s_per_block
+
+    def storage_prefetched(self, num_blocks: int) -> None:
+        """A storage -> host prefetch of num_blocks ran at this step boundary: beside the
+        step, as writes (the NIC writes host memory while the GPU computes)."""
+        self.num_prefetched_blocks += num_blocks
+        self._write_s += num_blocks * self._storage_s_per_block
 
     # ---- the host tier: the sim holds no KV, it only prices the copies -----------------------
     def swap_out(self, gpu_ids: list[int], host_ids: list[int]) -> None:

@@ -10,6 +10,9 @@ Who moves the bytes:
   (`StoreLink`, a Mooncake Store client);
 - any other executor fails every storage task (reported, never fatal).
 
+Prefetches (storage -> host, for a request the daemon holds in its queue) run right after the
+writes: keys into host blocks, failures by host block in failed_storage_prefetches.
+
 A write that failed is reported by key in failed_storage_writes; a fetch that failed (key
 evicted, store down, bytes of the wrong size) by handle in failed_storage_fetches, and that
 handle runs nothing more until the daemon's preempt arrives (the request recomputes), like a
@@ -203,9 +206,11 @@ class StorageTasks:
         self.key_suffix = ""  # ranks of a multi-rank instance store their own shards
         self.failed_writes: list[str] = []
         self.failed_fetches: dict[int, None] = {}
+        self.failed_prefetches: list[int] = []  # host blocks
         self.ran = False  # storage tasks ran since the last report
         self.num_written = 0  # blocks written, fetched (into blocks of a handle that runs)
         self.num_fetched = 0
+        self.num_prefetched = 0  # blocks got into host blocks (storage -> host prefetch)
 
     @property
     def simulated(self) -> bool:
@@ -214,7 +219,9 @@ class StorageTasks:
     def blocking(self, tasks: Tasks) -> bool:
         """Whether applying these tasks does store I/O (run it off the event loop)."""
         real = not self.simulated and self.link is not None and bool(self.link.url)
-        return real and bool(tasks.storage_write_keys or tasks.storage_fetch_keys)
+        return real and bool(
+            tasks.storage_write_keys or tasks.storage_fetch_keys or tasks.storage_prefetch_keys
+        )
 
     def write_all(self, tasks: Tasks) -> None:
         if tasks.storage_write_keys:
@@ -225,6 +232,45 @@ class StorageTasks:
             return []
         t = tasks
         return self.fetch(t.storage_fetch_handles, t.storage_fetch_keys, t.storage_fetch_gpu)
+
+    def prefetch_all(self, tasks: Tasks) -> None:
+        if tasks.storage_prefetch_keys:
+            self.prefetch(tasks.storage_prefetch_keys, tasks.storage_prefetch_host)
+
+    def prefetch(self, keys: list[str], host_ids: list[int]) -> None:
+        """Get each key into its host block (a request waiting in the daemon's queue; core/
+        prefetch.py); failures are reported by host block. The sim prices it beside the step
+        (the NIC writes host memory while the GPU computes), as a write."""
+        self.ran = True
+        if self.simulated:
+            ex = self.executor
+            if hasattr(ex, "storage_prefetched"):
+                ex.storage_prefetched(len(keys))
+            else:
+                ex.storage_copied(len(keys), write=True)
+            self.num_prefetched += len(keys)
+            return
+        store = self._store()
+        put = getattr(self.executor, "storage_write_host", None)
+        if store is None or put is None:
+            self.failed_prefetches.extend(host_ids)
+            return
+        try:
+            blobs = store.get_many([k + self.key_suffix for k in keys])
+        except Exception as e:
+            self._failed("prefetch", len(keys), e)
+            self.failed_prefetches.extend(host_ids)
+            return
+        good = [i for i, b in enumerate(blobs) if b is not None]
+        bad = [host_ids[i] for i, b in enumerate(blobs) if b is None]
+        if good:
+            try:
+                put([host_ids[i] for i in good], [blobs[i] for i in good])
+                self.num_prefetched += len(good)
+            except Exception as e:
+                log.warning("storage prefetch of %d blocks failed: %s", len(good), e)
+                bad.extend(host_ids[i] for i in good)
+        self.failed_prefetches.extend(bad)
 
     def write(self, keys: list[str], block_ids: list[int]) -> None:
         """Put each block (a host block when the executor has a host tier, else a GPU block)
@@ -306,6 +352,7 @@ class StorageTasks:
             report.failed_storage_writes, self.failed_writes = self.failed_writes, []
             report.failed_storage_fetches = list(self.failed_fetches)
             self.failed_fetches.clear()
+            report.failed_storage_prefetches, self.failed_prefetches = self.failed_prefetches, []
             self.ran = False
 
 

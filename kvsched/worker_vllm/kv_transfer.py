@@ -77,6 +77,25 @@ def export_host(worker: Any, host_ids: list[int]) -> list[bytes]:
     return [_to_bytes(host._HOST[h]) for h in host_ids]
 
 
+def import_host(worker: Any, host_ids: list[int], blobs: list[bytes]) -> None:
+    """Put blobs of `export_host`'s layout into host-tier blocks (a storage -> host
+    prefetch); ValueError (nothing written) when a size does not match."""
+    import torch
+
+    size = block_nbytes(worker)
+    if len(blobs) != len(host_ids) or any(len(b) != size for b in blobs):
+        raise ValueError(f"KV of {len(host_ids)} host blocks is {size} bytes each here")
+    like = _slices(worker, 0)
+    for h, blob in zip(host_ids, blobs, strict=True):
+        raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        out, offset = [], 0
+        for s in like:
+            n = s.numel() * s.element_size()
+            out.append(raw[offset : offset + n].view(s.dtype).view(s.shape).clone().to(s.device))
+            offset += n
+        host._HOST[h] = out
+
+
 class KvTransfer:
     """The vllm executor's block bytes, through its collective RPC (world size 1: the one
     worker's answer). Block ids are kvsched's."""
@@ -108,3 +127,10 @@ class KvTransfer:
             raise ValueError(f"{sum(b is None for b in blobs)} of {len(gpu_ids)} blocks missing")
         if gpu_ids:
             self._rpc(import_blocks, [g + 1 for g in gpu_ids], [b or b"" for b in blobs])
+
+    def storage_write_host(self, host_ids: list[int], blobs: list[bytes | None]) -> None:
+        """One blob of storage_read per host-tier block (a storage -> host prefetch)."""
+        if len(blobs) != len(host_ids) or any(b is None for b in blobs):
+            raise ValueError(f"{sum(b is None for b in blobs)} of {len(host_ids)} blocks missing")
+        if host_ids:
+            self._rpc(import_host, host_ids, [b or b"" for b in blobs])

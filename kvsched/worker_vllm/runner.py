@@ -460,6 +460,9 @@ class VllmExecutor:
     def storage_write(self, gpu_ids: list[int], blobs: list[bytes | None]) -> None:
         self._transfer().storage_write(gpu_ids, blobs)
 
+    def storage_write_host(self, host_ids: list[int], blobs: list[bytes | None]) -> None:
+        self._transfer().storage_write_host(host_ids, blobs)
+
     def _transfer(self) -> Any:
         from kvsched.worker_vllm.kv_transfer import KvTransfer
 

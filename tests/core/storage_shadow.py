@@ -2,7 +2,7 @@
 tasks (`StorageTasks`, kvsched/worker_stub/storage_kv.py) run against an in-memory store over
 the CheckedSim's shadow KV, so a write stores the chain values the block holds (host block
 when the instance has a host tier, else GPU block) and a fetch puts them back into the fresh
-GPU block, written by the fetching handle. Some batches fail (writes all, fetches part-way: the
+GPU block, written by the fetching handle; a prefetch puts them into a host block. Some batches fail (writes all, fetches part-way: the
 store lost a key), to exercise failed writes and failed fetches."""
 
 from __future__ import annotations
@@ -72,6 +72,13 @@ class ShadowBlocks:
                 else:
                     self.sim.kv[(g, j)] = value
                 self.sim.writer[(g, j)] = self.fetch_owner[g]
+
+    def storage_write_host(self, host_ids: list[int], blobs: list[bytes | None]) -> None:
+        """A storage -> host prefetch: the stored chain values into host blocks."""
+        for hb, blob in zip(host_ids, blobs, strict=True):
+            assert blob is not None
+            for j, value in enumerate(json.loads(blob)):
+                self.sim.host[(hb, j)] = value
 
 
 def attach(

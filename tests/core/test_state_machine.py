@@ -209,6 +209,7 @@ def merge_reports(a: StepReport, b: StepReport) -> StepReport:
         failed_swap_ins=[*a.failed_swap_ins, *b.failed_swap_ins],
         failed_storage_writes=[*a.failed_storage_writes, *b.failed_storage_writes],
         failed_storage_fetches=[*a.failed_storage_fetches, *b.failed_storage_fetches],
+        failed_storage_prefetches=[*a.failed_storage_prefetches, *b.failed_storage_prefetches],
     )
 
 
@@ -243,6 +244,9 @@ class Setup:
     storage: bool = False
     storage_write_policy: str = "write_back"
     storage_fail_every: int | None = None
+    storage_prefetch: bool = False
+    storage_prefetch_hold_ms: float = 0.0
+    storage_prefetch_at_arrival: bool = False
 
 
 class Harness:
@@ -268,6 +272,9 @@ class Harness:
             encoder_cache_size=setup.encoder_cache_size,
             max_num_encoder_tokens=setup.max_num_encoder_tokens,
             storage_write_policy=setup.storage_write_policy,
+            storage_prefetch=setup.storage_prefetch,
+            storage_prefetch_hold_ms=setup.storage_prefetch_hold_ms,
+            storage_prefetch_at_arrival=setup.storage_prefetch_at_arrival,
         )
         self.encoder_cache_size = setup.encoder_cache_size
         ticks = itertools.count(1)
@@ -474,6 +481,8 @@ class Harness:
         if host is not None:  # every pin released: nothing queued or in flight
             assert not host.has_queued() and host.num_in_flight == 0
             assert host.num_free == host.num_blocks, "host blocks leaked"
+        if s.kv.prefetch is not None:  # every prefetch released, none in flight
+            assert s.kv.prefetch.num_pinned == 0 and s.kv.prefetch.num_in_flight == 0
         st = s.kv.storage
         if st is not None:  # every write and fetch acknowledged
             assert not st.has_queued() and st.num_in_flight == 0
@@ -514,6 +523,9 @@ setups = st.builds(
     storage=st.sampled_from([False, False, True]),
     storage_write_policy=st.sampled_from(["write_back", "write_through"]),
     storage_fail_every=st.sampled_from([None, 3, 5]),
+    storage_prefetch=st.booleans(),
+    storage_prefetch_hold_ms=st.sampled_from([0.0, 3000.0]),
+    storage_prefetch_at_arrival=st.booleans(),
 )
 delays = st.integers(0, 2)
 
@@ -635,8 +647,22 @@ test_scheduler_state_machine = SchedulerMachine.TestCase
             storage_write_policy="write_through",
             storage_fail_every=4,
         ),
+        Setup(  # storage -> host prefetches, requests held for them (3 clock ticks)
+            num_blocks=16,
+            max_num_seqs=4,
+            eos_every=6,
+            num_host_blocks=12,
+            write_policy="write_back",
+            copy_fail_every=7,
+            storage=True,
+            storage_write_policy="write_through",
+            storage_fail_every=4,
+            storage_prefetch=True,
+            storage_prefetch_hold_ms=3000.0,
+            storage_prefetch_at_arrival=True,
+        ),
     ],
-    ids=["fcfs", "priority-spec", "slo", "encoder-cache", "storage", "host-storage"],
+    ids=["fcfs", "priority-spec", "slo", "encoder-cache", "storage", "host-storage", "prefetch"],
 )
 def test_fixed_seed_long_run(setup: Setup) -> None:
     """~2000 steps of the same loop with a fixed seed: a regression net that needs no search."""
@@ -673,5 +699,10 @@ def test_fixed_seed_long_run(setup: Setup) -> None:
         snap = h.scheduler.snapshot()
         assert snap.num_storage_fetches > 0 and snap.num_storage_fetch_failures > 0, snap
         assert snap.num_storage_write_failures > 0, snap
+    if setup.storage_prefetch_hold_ms:  # prefetched, taken as hits, some failed, some wasted
+        pf = h.scheduler.kv.prefetch
+        assert pf is not None
+        st = pf.stats
+        assert st.prefetches > 0 and st.hits > 0 and st.failures > 0 and st.unused > 0, st
     h.drain(rng)
     h.verify()

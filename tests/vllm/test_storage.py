@@ -71,13 +71,25 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
-@pytest.mark.parametrize("host_blocks", [0, 8], ids=["from-gpu", "from-host-tier"])
+@pytest.mark.parametrize(
+    ("host_blocks", "prefetch"),
+    [(0, False), (8, False), (16, True)],
+    ids=["from-gpu", "from-host-tier", "prefetched-to-host"],
+)
 def test_storage_hits_are_fetched_into_vllms_cache(
-    model: Path, tmp_path: Path, host_blocks: int
+    model: Path, tmp_path: Path, host_blocks: int, prefetch: bool
 ) -> None:
     """host_blocks 0: an evicted GPU block is written from vLLM's cache; 8: evicted GPU blocks
-    go to the host tier first and are written from there when it evicts them in turn."""
+    go to the host tier first and are written from there when it evicts them in turn;
+    prefetch: a request's storage hits come into the host tier before its placement
+    (`storage_prefetch_at_arrival`, held until they land: kv_transfer.import_host) and are
+    swapped in from there, none fetched on a step."""
     reqs = storage_requests()
+    pf_env = {
+        "KVSCHED_ENGINE__CACHE__STORAGE_PREFETCH": "true",
+        "KVSCHED_ENGINE__CACHE__STORAGE_PREFETCH_AT_ARRIVAL": "true",
+        "KVSCHED_ENGINE__CACHE__STORAGE_PREFETCH_HOLD_MS": "60000",
+    }
     with MooncakeServer(capacity_bytes=64 << 20) as store:
         daemon, address = start_daemon(
             "--storage",
@@ -90,6 +102,7 @@ def test_storage_hits_are_fetched_into_vllms_cache(
                 # at (0.1 ms each: a 2 MiB block over RDMA): seed it at the tiny block's cost,
                 # so the step-cost model fetches (it learns the real cost from that fetch on).
                 "KVSCHED_ENGINE__STEP_COST__PER_FETCHED_BLOCK_MS": "0.0001",
+                **(pf_env if prefetch else {}),
             },
         )
         # (vLLM refuses a max_model_len its blocks cannot hold)
@@ -122,6 +135,7 @@ def test_storage_hits_are_fetched_into_vllms_cache(
         f"\nstorage tier ({host_blocks} host blocks): {len(reqs) - len(bad)}/{len(reqs)} equal to vLLM; blocks written "
         f"{st.num_storage_writes}, fetched {st.num_storage_fetches}, failures "
         f"{st.num_storage_failures}; storage hit tokens {st.prefix_cache_storage_hit_tokens} "
+        f"({st.prefix_cache_prefetched_hit_tokens} prefetched) "
         f"(prefix hits {st.prefix_cache_hit_tokens} of {st.prefix_cache_query_tokens})"
     )
     assert not bad, "\n".join(bad)
@@ -129,4 +143,8 @@ def test_storage_hits_are_fetched_into_vllms_cache(
     assert st.num_storage_writes >= PREFIX_BLOCKS, "the evicted prefix was not written"
     # Each `again` request found the prefix in the store (none of it left in the pool).
     assert st.prefix_cache_storage_hit_tokens >= PREFIX_BLOCKS * BS, st
-    assert st.num_storage_fetches >= PREFIX_BLOCKS
+    if prefetch:  # brought to the host tier before placement, swapped in: never fetched
+        assert st.prefix_cache_prefetched_hit_tokens == st.prefix_cache_storage_hit_tokens, st
+        assert st.num_storage_fetches == 0 and st.num_storage_prefetches >= PREFIX_BLOCKS, st
+    else:
+        assert st.num_storage_fetches >= PREFIX_BLOCKS

@@ -78,6 +78,7 @@ class Admitter:
         "enc",
         "events",
         "exits",
+        "hold_until",
         "kv",
         "outbox",
         "plan",
@@ -105,6 +106,7 @@ class Admitter:
         self.config, self.tasks, self.table, self.kv, self.enc = config, tasks, table, kv, enc
         self.plan, self.backlog, self.exits, self.outbox = plan, backlog, exits, outbox
         self.events, self.stats = events, stats
+        self.hold_until: float | None = None  # the earliest end of a prefetch hold this step
         self.block_size = table.block_size
         sc = config.scheduler
         spec_k = config.speculative.num_speculative_tokens
@@ -193,15 +195,20 @@ class Admitter:
         max_loras distinct adapters placed is skipped (as vLLM's scheduler skips it) and put
         back at the front afterwards, in its place."""
         skipped: list[Request] = []
+        held: list[Request] = []  # waiting for their prefetch to land (core/prefetch.py)
         try:
-            self._admit(max_prompt, skipped)
+            self._admit(max_prompt, skipped, held)
         finally:
             self.backlog.restore_skipped(skipped)
+            for req in reversed(held):  # (ahead of the skipped: they were ahead of them)
+                self.backlog.push_front(req)
 
-    def _admit(self, max_prompt: int, skipped: list[Request]) -> None:
+    def _admit(self, max_prompt: int, skipped: list[Request], held: list[Request]) -> None:
         budget, table, kv, backlog = self.budget, self.table, self.kv, self.backlog
         waiting, free_slots = backlog.waiting, table.free_slots
         max_loras = self.config.scheduler.max_loras
+        pf = kv.prefetch
+        hold_s = self.config.cache.storage_prefetch_hold_ms / 1000.0
         while budget.tokens > 0 and free_slots and (req := waiting.peek()) is not None:
             if self.config.role == Role.DECODE and not req.output_token_ids:
                 break  # a decode instance takes new prompts only through add_prefilled
@@ -209,6 +216,13 @@ class Admitter:
                 if len(skipped) >= _MAX_SKIPPED:
                     break  # (a bounded pass: the rest waits for the next step)
                 skipped.append(backlog.skip_head())
+                continue
+            since = pf.pending_since(req) if hold_s and pf is not None else None
+            if since is not None and self.clock() - since < hold_s:
+                backlog.pop_head()  # back at the front afterwards, after the others' turn
+                held.append(req)
+                until = since + hold_s
+                self.hold_until = until if self.hold_until is None else min(self.hold_until, until)
                 continue
             # The host tier continues the GPU hits (swap-ins into fresh blocks, if cheaper than
             # recomputing those tokens: `_host_hits`), the storage tier the host hits (fetches
@@ -249,11 +263,18 @@ class Admitter:
             backlog.on_admitted(req, num_hit)
             if host_hits:  # pinned before this allocation evicts
                 kv.pin_host(host_hits)
+            npf = 0  # host hits a prefetch brought (storage hits, off the step's path)
+            if pf is not None and pf.has(req):
+                if host_hits:
+                    got = pf.landed_blocks(req)
+                    npf = sum(1 for b in host_hits if b in got)
+                kv.release_prefetch(req, npf)
             new = kv.allocate_slots(req, target, hits)
             assert new is not None
             table.admitted_debt(req)
             nh, ns = len(host_hits), len(stored)
-            self._place(req, num_hit, nh * self.block_size, ns * self.block_size)
+            bs = self.block_size
+            self._place(req, num_hit, (nh - npf) * bs, (ns + npf) * bs, npf * bs)
             if host_hits:  # into the fresh blocks after the GPU hits
                 kv.swap_in(req.handle, host_hits, new[:nh])
             elif declined:
@@ -264,14 +285,22 @@ class Admitter:
                 kv.decline_fetches(declined_fetches)
             self._emit_chunk(req, n)
 
-    def _place(self, req: Request, num_hit: int, num_swapped: int, num_fetched: int = 0) -> None:
+    def _place(
+        self,
+        req: Request,
+        num_hit: int,
+        num_swapped: int,
+        num_fetched: int = 0,
+        num_prefetched: int = 0,
+    ) -> None:
         """Give req a slot and a fresh handle (the table's); the worker learns it from a
         Placement. num_swapped: tokens of num_hit that swap-ins bring from the host tier;
-        num_fetched: those that fetches bring from the storage tier (after them)."""
+        num_fetched: those that came from the storage tier (after them), num_prefetched of
+        them prefetched into host blocks before this placement (swapped in)."""
         now = self.clock()
         lifecycle.place(req, now)  # (a request moved off a lost instance keeps its first time)
         if self.table.first_placement(req, num_hit, num_swapped, num_fetched):
-            self.kv.record_lookup(req.num_tokens, num_hit, num_swapped, num_fetched)
+            self.kv.record_lookup(req.num_tokens, num_hit, num_swapped, num_fetched, num_prefetched)
             self.stats.count_prompt(len(req.prompt_token_ids))
             if num_swapped or num_fetched:
                 self.events.host_hits.append(req)

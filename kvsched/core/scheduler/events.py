@@ -145,6 +145,9 @@ SNAPSHOT_COUNTERS = (
     "num_storage_write_failures",
     "num_storage_fetch_failures",
     "num_storage_fetches_declined",
+    "num_storage_prefetches",
+    "num_storage_prefetch_failures",
+    "prefix_cache_prefetched_hit_tokens",
     "encoder_cache_hits",
     "encoder_cache_misses",
     "num_draft_tokens",
@@ -215,6 +218,11 @@ class SchedulerSnapshot:
     num_storage_write_failures: int = 0
     num_storage_fetch_failures: int = 0
     num_storage_fetches_declined: int = 0
+    # Storage -> host prefetches (core/prefetch.py): blocks sent, failed, and the storage hit
+    # tokens above that a prefetch brought before placement (the rest were fetched on a step).
+    num_storage_prefetches: int = 0
+    num_storage_prefetch_failures: int = 0
+    prefix_cache_prefetched_hit_tokens: int = 0
     # The multimodal encoder cache (0 when off): capacity and use in embeddings, item counts.
     encoder_cache_size: int = 0
     encoder_cache_used: int = 0

@@ -47,6 +47,8 @@ def check_integrity(
         kv.host.check_integrity()
     if kv.storage is not None:  # storage writes hold their claims; fetches name live handles
         kv.storage.check_integrity(set(sched.live))
+    if kv.prefetch is not None:  # prefetches belong to waiting requests; pins counted
+        kv.prefetch.check_integrity({r.req_id for r in backlog.waiting})
     if enc is not None:  # within capacity; needed items only by requests that hold them
         enc.check_integrity(sched.enc_needed)
     for req in placed:  # a cached block under a request holds that request's tokens

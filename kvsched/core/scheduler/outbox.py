@@ -135,6 +135,9 @@ class Outbox:
                 tasks.storage_fetch_handles = list(f_h)
                 tasks.storage_fetch_keys = list(f_k)
                 tasks.storage_fetch_gpu = list(f_g)
+        prefetches = kv.take_prefetches()
+        if prefetches is not None:
+            tasks.storage_prefetch_keys, tasks.storage_prefetch_host = prefetches
         if enc is not None:
             tasks.encoder_drops = enc.take_drops()
         tasks.preempts, self.preempts = self.preempts, []
@@ -153,6 +156,8 @@ class Outbox:
             kv.copies_sent(self.seq)
         if stored is not None:
             kv.storage_sent(self.seq)
+        if prefetches is not None:
+            kv.prefetches_sent(self.seq)
         self.answered = last_step
         if not empty:  # the report saying it was applied measures the round trip
             self.sent.append((self.seq, last_step))

@@ -103,6 +103,10 @@ class ReportApplier:
             fetches = self._kv.acknowledge_storage(
                 report.applied_seq, report.failed_storage_writes, report.failed_storage_fetches
             )
+            if self._kv.prefetch is not None:  # prefetched host blocks: registered now
+                self._kv.acknowledge_prefetches(
+                    report.applied_seq, report.failed_storage_prefetches
+                )
             for h in report.failed_storage_fetches:  # its fetched KV is not there: recompute
                 req = live.get(int(h))
                 if req is not None and req.status == RequestStatus.RUNNING:

@@ -100,6 +100,7 @@ class Scheduler:
             storage,
             storage_namespace,
             cc.storage_write_policy,
+            cc.storage_prefetch,
         )
         # The worker's multimodal encoder outputs (None: cache off).
         self.enc = EncoderCache(cc.encoder_cache_size) if cc.encoder_cache_size else None
@@ -119,6 +120,9 @@ class Scheduler:
         self.facts = Facts(
             config, table, kv, self.enc, plan, backlog, exits, outbox, reports, stats, self.groups
         )
+        # The clock time at which a request held for its storage prefetch may be placed anyway
+        # (the earliest, set by each schedule(); None: none held): schedule again by then.
+        self.hold_until: float | None = None
 
     # ==== the two verbs =======================================================================
     def schedule(self) -> Tasks:
@@ -128,6 +132,7 @@ class Scheduler:
         numbered 1, 2, 3, ... (the worker's applied_seq names them)."""
         tasks = Tasks(seq=0)  # numbered by the outbox if it is to be sent
         exits = self.exits
+        self.hold_until = None
         if not exits.paused:
             table = self.table
             # No decoder out of room, no prompt in, no chunk in flight and nothing admissible
@@ -157,6 +162,7 @@ class Scheduler:
                 preempted = adm.budget.preempted
                 if not preempted:
                     adm.admit()
+                self.hold_until = adm.hold_until
             else:
                 preempted = False
                 if self.outbox.extended:
@@ -164,6 +170,8 @@ class Scheduler:
             if not preempted and table.running:
                 exits.decay_reserve()
             self.groups.settle(self.events)  # a leader that ran out of KV hands its lead on
+            if self.kv.prefetch is not None and (head := self.backlog.waiting.peek()):
+                self.kv.prefetch_for(head, self.clock())  # it waits: its storage hits to host
         budget = self.plan.storage_write_budget() if self.kv.storage is not None else None
         self.outbox.seal(tasks, self.kv, self.enc, self.reports.last_report_step, budget)
         return tasks
@@ -189,10 +197,18 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Queue a new request (a sample of a group whose leader is computing the prompt is
         held until it has: `groups.py`). Raises InvalidRequest (bad fields, duplicate id) or
-        CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises."""
+        CapacityExceeded (the queue is at max_waiting); state is unchanged when it raises.
+        With storage_prefetch_at_arrival, its storage hits start coming into host blocks now
+        (`KVCacheManager.prefetch_for`; else once it waits at the queue's head)."""
         held = self.groups.waits(req)
         self.backlog.add(req, queued=not held, num_held=self.groups.num_held)
         self.groups.added(req, held)
+        if (
+            not held
+            and self.kv.prefetch is not None
+            and self.config.cache.storage_prefetch_at_arrival
+        ):
+            self.kv.prefetch_for(req, self.clock())
 
     def abort(
         self, req_id: str, reason: FinishReason = FinishReason.ABORT, message: str = ""

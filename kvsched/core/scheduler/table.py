@@ -283,11 +283,13 @@ class PlacementTable:
         freed = self.release(req)
         self.live.pop(req.handle, None)
         self.requests.pop(req.req_id, None)
+        self.kv.release_prefetch(req)  # a waiting request's prefetch pins (core/prefetch.py)
         return freed
 
     def forget(self, req: Request) -> None:
-        """A waiting request ended (it held nothing)."""
+        """A waiting request ended (it held nothing but a prefetch's pins)."""
         self.requests.pop(req.req_id, None)
+        self.kv.release_prefetch(req)
 
     def unplace(self, req: Request) -> None:
         """A preempted request's worker acknowledged: its handle is dead, and nothing of its

@@ -40,6 +40,13 @@ def cache_views(kv: KVCacheManager, enc: EncoderCache | None) -> dict[str, Any]:
             "num_storage_fetch_failures": ss.fetch_failures,
             "num_storage_fetches_declined": ss.fetches_declined,
         }
+    if kv.prefetch is not None:
+        ps = kv.prefetch.stats
+        out |= {
+            "num_storage_prefetches": ps.prefetches,
+            "num_storage_prefetch_failures": ps.failures,
+            "prefix_cache_prefetched_hit_tokens": kv.num_prefetched_hits,
+        }
     if enc is not None:
         es = enc.stats
         out |= {

@@ -97,6 +97,7 @@ class InstanceEngine:
         # Final counters of the schedulers taken out (SNAPSHOT_COUNTERS; tenants' served / shed).
         self._retired = RetiredTotals()
         self._inbox = ReportInbox()
+        self._hold_timer: asyncio.TimerHandle | None = None  # see _wake_when_held
         self._dispatch = EventDispatch(self, listener, telemetry)
         self._task = asyncio.get_running_loop().create_task(
             self._loop(), name=f"engine-{instance_id}"
@@ -232,6 +233,8 @@ class InstanceEngine:
             StepStats(iid, sched.epoch, stats.num_generation_tokens, 0, seconds)
         )
         self._dispatch(sched.take_events())
+        if sched.hold_until is not None:
+            self._wake_when_held(sched.hold_until)
         # Reports applied are always answered (Tasks.report_step), even with nothing to do:
         # the worker paces its reports by these answers. The core numbers exactly the
         # messages worth sending (seq 0: no task and no report to answer).
@@ -239,6 +242,17 @@ class InstanceEngine:
             data = codec.tasks_to_bytes(tasks, self.fencing_epoch)
             for conn in self.ranks.values():
                 conn.queue.put_nowait(data)
+
+    def _wake_when_held(self, until: float) -> None:
+        """A request waits in the queue for its storage prefetch until `until` (the
+        scheduler's clock, time.monotonic): step again then even if no report comes."""
+        t = self._hold_timer
+        if t is not None and not t.cancelled() and t.when() <= until:
+            return
+        if t is not None:
+            t.cancel()
+        loop = asyncio.get_running_loop()
+        self._hold_timer = loop.call_later(max(0.0, until - time.monotonic()), self.wake)
 
     # ---- requests (the scheduler's, for the layers above) ------------------------------------
     # Core calls are synchronous: a caller on the event loop may make them between two steps.

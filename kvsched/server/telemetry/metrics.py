@@ -90,6 +90,12 @@ _COUNTERS = (
         "Storage tier fetches the worker failed (the request recomputed).",
     ),
     ("kv_storage_fetches_declined", "Storage hits recomputed instead (cheaper by the cost model)."),
+    ("kv_storage_prefetch_blocks", "KV blocks prefetched storage -> host for queued requests."),
+    ("kv_storage_prefetch_failures", "Storage -> host prefetches the worker failed."),
+    (
+        "prefix_cache_prefetched_hits",
+        "Storage hits prefetched into the host tier before placement (swapped in), in tokens.",
+    ),
     ("encoder_cache_hits", "Multimodal items whose encoder output the worker already held."),
     ("encoder_cache_misses", "Multimodal items the worker had to encode."),
     ("spec_decode_num_draft_tokens", "Speculative draft tokens the worker verified."),

@@ -134,6 +134,19 @@ class PagedModelExecutor:
         for gpu_id, blob in zip(gpu_ids, blobs, strict=True):
             self.import_kv([gpu_id], blob or b"")
 
+    def storage_write_host(self, host_ids: list[int], blobs: list[bytes | None]) -> None:
+        """Write one blob of storage_read (a host tier's layout) into each host block (a
+        storage -> host prefetch); ValueError (nothing written) when one is missing or of the
+        wrong size."""
+        c = self.config
+        shape = (2 * c.num_layers, self.block_size, c.num_kv_heads, c.head_dim)
+        expected = int(np.prod(shape)) * np.dtype(c.dtype).itemsize
+        if len(blobs) != len(host_ids) or any(b is None or len(b) != expected for b in blobs):
+            raise ValueError(f"{len(host_ids)} blocks: one missing or not {expected} bytes")
+        for hid, blob in zip(host_ids, blobs, strict=True):
+            rows = np.frombuffer(blob or b"", dtype=c.dtype).reshape(shape)
+            self.host.write([hid], list(rows))
+
     def execute(self, work: list[SeqWork]) -> StepResult:
         """Compute the K/V of every SeqWork's tokens into its blocks, then sample where asked.
 
