@@ -84,6 +84,20 @@ def wait_http(procs: Procs, url: str, timeout: float = 300.0, want: str = "") ->
     raise TimeoutError(f"{url} not ready in {timeout:.0f} s")
 
 
+def wait_ready(procs: Procs, daemon: str, timeout: float = 300.0, count: int = 1) -> None:
+    """Until the kvsched daemon at `daemon` has `count` ready instances."""
+    from kvsched.client import Client, KvschedClientError
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs.check()
+        with contextlib.suppress(KvschedClientError), Client(daemon, timeout=2) as c:
+            if sum(1 for i in c.status().instances if i.ready) >= count:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{count} instance(s) not ready on {daemon} in {timeout:.0f} s")
+
+
 @contextlib.contextmanager
 def profiling(procs: Procs, logs: Path) -> Iterator[None]:
     """py-spy record (raw collapsed stacks, all threads, idle excluded) of every process."""

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.serve_procs import Procs, free_port, running, wait_http
+from bench.serve_procs import Procs, free_port, running, wait_http, wait_ready
 
 NAME = "tiny"
 MAX_MODEL_LEN = "1024"
@@ -174,17 +174,3 @@ def _start_kvsched(
     procs.start("kvsched_http", front, env)
     wait_http(procs, f"{url}/v1/models", want='"ready_instances":1')
     return url
-
-
-def wait_ready(procs: Procs, daemon: str, timeout: float = 300.0) -> None:
-    """Until the daemon has a ready instance."""
-    from kvsched.client import Client, KvschedClientError
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        procs.check()
-        with contextlib.suppress(KvschedClientError), Client(daemon, timeout=2) as c:
-            if any(i.ready for i in c.status().instances):
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"no instance ready on {daemon} in {timeout:.0f} s")

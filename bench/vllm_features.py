@@ -37,8 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.serve_procs import REPO, Procs, free_port, running
-from bench.serve_stacks import wait_ready
+from bench.serve_procs import REPO, Procs, free_port, running, wait_ready
 
 _KVSCHED = [sys.executable, "-m", "kvsched.cli"]
 K = 3
@@ -174,8 +173,7 @@ def pd_round(model: Path, logs: Path, n: int) -> dict[str, float]:
         kv = ("--listen-kv", "127.0.0.1:0")
         procs.start("worker_p", worker(daemon, "p", model, "--num-blocks", "128", *kv))
         procs.start("worker_d", worker(daemon, "d", model, "--num-blocks", "512", *kv))
-        wait_ready(procs, daemon)
-        _wait_both(procs, daemon)
+        wait_ready(procs, daemon, count=2)
         prompts = long_prompts(n + 1)
         asyncio.run(drive(daemon, prompts[:2], 8, 1))  # warm-up: both workers' first steps
         before = worker_stats(procs, "worker_p")
@@ -194,19 +192,6 @@ def pd_round(model: Path, logs: Path, n: int) -> dict[str, float]:
         "prefill_busy_s_per_1k": d["busy_s"] * per_k,
         "load_1m": load,
     }
-
-
-def _wait_both(procs: Procs, daemon: str, timeout: float = 300.0) -> None:
-    from kvsched.client import Client
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        procs.check()
-        with Client(daemon, timeout=5) as c:
-            if sum(1 for i in c.status().instances if i.ready) == 2:
-                return
-        time.sleep(0.5)
-    raise TimeoutError("prefill and decode instances not both ready")
 
 
 def _median(rows: list[dict[str, float]], key: str) -> tuple[float, float, float]:

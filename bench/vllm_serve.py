@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -38,7 +37,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.serve_procs import Procs, free_port, profiling, running, summarize, wait_http
+from bench.serve_procs import (
+    free_port,
+    profiling,
+    running,
+    summarize,
+    wait_http,
+    wait_ready,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 NAME = "tiny"
@@ -230,19 +236,6 @@ def run_kvsched_grpc(
         )
         wait_ready(procs, daemon)
         return {c: asyncio.run(grpc_bench(daemon, c, a)) for c in a.concurrency}
-
-
-def wait_ready(procs: Procs, daemon: str, timeout: float = 300.0) -> None:
-    from kvsched.client import Client, KvschedClientError
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        procs.check()
-        with contextlib.suppress(KvschedClientError), Client(daemon, timeout=2) as c:
-            if any(i.ready for i in c.status().instances):
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"no instance ready on {daemon} in {timeout:.0f} s")
 
 
 async def grpc_bench(daemon: str, concurrency: int, a: argparse.Namespace) -> dict[str, Any]:
