@@ -70,6 +70,9 @@ def test_model_workers_share_a_prefix_through_the_store(mooncake: MooncakeServer
             lambda: status(address, "i0").instances[0].num_storage_writes >= 4,
             "i0's prefix blocks written",
         )
+        # The count grows when the writes are sent; the worker applies tasks in order and
+        # writes inside its step, so a later request finishing on i0 means they are stored.
+        _generate(address, "flush", [2, 3, 4], 1)
         w0.stop()
         w1 = start_worker(address, "i1", *MODEL)
         wait_ready(address, ["i1"])
