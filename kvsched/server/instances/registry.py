@@ -161,6 +161,7 @@ class InstanceRegistry:
                 hello_structured_outputs=hello.structured_outputs,
                 hello_max_logprobs=hello.max_logprobs,
                 loras=conn.lora_adapters,
+                hello_multimodal=hello.multimodal,
             )
             if eng.cost_seed is None:  # never ran here: priced like its model's instances
                 eng.cost_seed = self._sibling_cost(eng)
