@@ -12,12 +12,12 @@ Log-probabilities (http/logprobs.py): completions' logprobs (int) and echo, chat
 its max_logprobs, the daemon refuses it naming the field).
 Structured output (response_format, vLLM's structured_outputs) and chat tools / tool_choice:
 http/structured.py. Refused with 400: best_of > 1, suffix, functions (the pre-tools API),
-several prompts.
+several prompts, a chat content part other than text (image_url, input_audio, ...: naming it).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -210,9 +210,13 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    """A content part: text is served; any other type (image_url, input_audio, ...) is read
+    only to be refused by name (`ChatCompletionRequest.check`), as kvsched's workers run no
+    encoder for the HTTP front end's requests."""
+
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str = ""
 
 
 class ChatMessage(BaseModel):
@@ -252,6 +256,14 @@ class ChatCompletionRequest(SamplingFields):
     def check(self, auto_tools: bool = False) -> str | None:
         """The checks; returns the tool mode (http/structured.py: None without tools)."""
         self.check_common()
+        for i, m in enumerate(self.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                if part.type != "text":
+                    raise invalid(
+                        f"content part type {part.type!r} is not supported: kvsched serves "
+                        "text content only (no multimodal inputs)",
+                        f"messages.{i}.content.{j}.type",
+                    )
         _check_k("top_logprobs", self.top_logprobs)
         if self.top_logprobs and not self.logprobs:
             raise invalid(
