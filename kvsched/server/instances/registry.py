@@ -419,11 +419,15 @@ class InstanceRegistry:
             return "no instance is ready: its workers are still starting, or all are draining"
         return "no instance is ready: no worker connected (start one with `kvsched worker`)"
 
-    def route_decode(self) -> InstanceEngine:
-        """The decode instance a prefill instance's request will be handed off to."""
+    def route_decode(self, lora_name: str = "") -> InstanceEngine:
+        """The decode instance a prefill instance's request will be handed off to (for a
+        request naming LoRA adapter `lora_name`, one whose workers announced it)."""
         decodes = [e for e in self.engines.values() if e.is_decode and e.accepting]
+        if lora_name:
+            decodes = [e for e in decodes if _limits(e, self.config.model).has_lora(lora_name)]
         if not decodes:
-            raise Unavailable("prefill instance has no ready decode instance to hand off to")
+            has = f" with LoRA adapter {lora_name!r}" if lora_name else ""
+            raise Unavailable(f"prefill instance has no ready decode instance{has} to hand off to")
         return _route_decode(self.router, decodes)
 
     def route_moved(self, req: Request, model: str = "") -> InstanceEngine | None:
