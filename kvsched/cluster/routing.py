@@ -12,6 +12,10 @@ predicted wait meets the request's deadline (all of them when none does). A peer
 wait are what it last published (predicted backlog) plus the requests this daemon forwarded
 to it since. Peers are read as numpy columns (`LoadTable`) and the prompt's runs on every
 peer at once (`HitIndex.runs`): a decision's cost follows the prompt, not the fleet's size.
+A LoRA request goes only to instances whose workers announced its adapter (a peer's as its
+info publishes them), and only to those of the best adapter-affinity tier (llm-d's order:
+the adapter running or queued there > a free adapter slot > neither); a request with
+multimodal items only to instances that announced them.
 """
 
 from __future__ import annotations
