@@ -197,7 +197,7 @@ class ClusterRouter:
             if (v.model or cfg.model) == model and v.max_model_len
         ]
         if lims:
-            best = max(lims, key=lambda lim: (lim.max_model_len, lim.vocab_size))
+            best = max(lims, key=lambda lim: (lim.multimodal, lim.max_model_len, lim.vocab_size))
             why = misfit(req, best)
             if why is not None:
                 raise InvalidRequest(f"request {req.req_id!r}: {why}")

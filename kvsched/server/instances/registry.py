@@ -443,6 +443,8 @@ class InstanceRegistry:
         ready = [e for e in ready if _limits(e, self.config.model).model == want]
         if req.lora_name:
             ready = [e for e in ready if _limits(e, self.config.model).has_lora(req.lora_name)]
+        if req.mm_ranges:  # never onto a worker that runs no multimodal items
+            ready = [e for e in ready if _limits(e, self.config.model).multimodal]
         return _route(self.router, ready, req) if ready else None
 
     # ---- admin ------------------------------------------------------------------------------
