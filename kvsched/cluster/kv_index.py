@@ -96,8 +96,10 @@ class InstanceView:
 
     def set_info(self, got: PeerInfo | None) -> None:
         if got is not None:
-            self.role, self.model, self.max_model_len, self.vocab_size = got[:4]
-            self.multimodal, self.loras, self.max_loras, self.active_loras = got[4:]
+            self.role, self.model = got.role, got.model
+            self.max_model_len, self.vocab_size = got.max_model_len, got.vocab_size
+            self.multimodal, self.loras = got.multimodal, got.loras
+            self.max_loras, self.active_loras = got.max_loras, got.active_loras
 
     def lora_affinity(self, name: str) -> int:
         """`core.scheduler.facts.Facts.lora_affinity`'s rule over what the instance published
@@ -133,17 +135,26 @@ class InstanceView:
         return self.gpu_keys if name == GPU else self.host_keys if name == CPU else None
 
 
-# A published info as read: (role, model, max_model_len, vocab_size, multimodal, LoRA
-# adapters, max_loras, adapters running or queued).
-PeerInfo = tuple[str, str, int, int, bool, tuple[tuple[str, str], ...], int, frozenset[str]]
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """An instance's published info as read (kv_wire's "info")."""
+
+    role: str
+    model: str
+    max_model_len: int
+    vocab_size: int
+    multimodal: bool
+    loras: tuple[tuple[str, str], ...]  # its LoRA adapters, (name, path)
+    max_loras: int
+    active_loras: frozenset[str]  # the adapters of its running or queued requests
 
 
 def read_info(info: dict[str, Any] | None) -> PeerInfo | None:
-    """A published info's fields (`PeerInfo`; kv_wire's "info"); None when there is none.
-    A field a daemon does not send reads as unchecked: multimodal True, no adapters."""
+    """A published info's fields; None when there is none. A field a daemon does not send
+    reads as unchecked: multimodal True, no adapters."""
     if not info:
         return None
-    return (
+    return PeerInfo(
         str(info.get("role", "mixed")),
         str(info.get("model", "")),
         int(info.get("max_model_len", 0)),
