@@ -80,6 +80,11 @@ def test_a_peers_adapter_is_listed_and_its_requests_forwarded(
         data = httpx.get(url + "/v1/models", timeout=10).json()["data"]
         assert [(m["id"], m.get("parent")) for m in data] == [("tiny", None), ("sql", "tiny")]
         assert data[1]["root"] == "/adapters/sql" and data[1]["ready_instances"] == 1
+        body = {"model": "sql", "prompt": "Hi", "max_tokens": 3}
+        resp = httpx.post(url + "/v1/completions", json=body, timeout=30)  # forwarded to cl-a
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["model"] == "sql" and resp.json()["usage"]["completion_tokens"] == 3
+        assert status(a1).cluster.num_forwarded == before + 5
     finally:
         for p in procs:
             p.stop()
