@@ -266,6 +266,12 @@ def test_multimodal_content_parts_are_400_naming_the_part(live: Stack) -> None:
     err = _error(httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30), 400)
     assert err["param"] == "messages.0.content.1.type"
     assert "'image_url'" in err["message"] and "text content only" in err["message"]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    err = _error(httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30), 400)
+    assert err["param"] == "messages.0.content.0.text"
+    body = {"messages": [{"role": "user", "content": parts}]}  # /tokenize refuses it too
+    err = _error(httpx.post(live.url + "/tokenize", json=body, timeout=30), 400)
+    assert err["param"] == "messages.0.content.1.type"
     text_only = {
         "model": MODEL,
         "max_tokens": 2,
