@@ -129,6 +129,8 @@ def test_a_decode_instance_holds_hand_offs_of_at_most_max_loras_adapters() -> No
     for r in (a, b):
         assert d.preallocate(r) is not None
     assert d.preallocate(c) is None, "a third adapter held while two are"
+    # Held adapters count for routing hand-offs too: a held one is in use, the slots are full.
+    assert (d.lora_affinity(make_request(8, lora_name="a")), d.lora_affinity(c)) == (2, 0)
     for r in (a2, base):
         assert d.preallocate(r) is not None
     for r in (a, b, a2, base):

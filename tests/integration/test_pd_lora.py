@@ -67,3 +67,53 @@ def test_lora_hand_offs_go_to_a_decode_instance_with_the_adapter(tmp_path: Path)
     finally:
         for p in procs:
             p.stop()
+
+
+CONFIG_TWO = """
+[instances.p2]
+role = "prefill"
+
+[instances.da]
+role = "decode"
+
+[instances.db]
+role = "decode"
+"""
+
+
+def test_lora_hand_offs_follow_adapter_affinity_among_decode_instances(tmp_path: Path) -> None:
+    """Two decode instances with one adapter slot each (max_loras 1): a hand-off goes where its
+    adapter is held or running, though that instance is the busier (by load alone it would go
+    to the other, which runs another adapter and has no room for it: refused), else to the one
+    with a free slot."""
+    path = tmp_path / "kvsched.toml"
+    path.write_text(CONFIG_TWO)
+    daemon, address = start_daemon("--config", str(path))
+    kv = ("--listen-kv", "127.0.0.1:0", "--zero-cost")
+    lora = ("--lora-modules", "x=/adapters/x", "y=/adapters/y", "--max-loras", "1")
+    procs = [
+        start_worker(address, "p2", *kv, *lora),
+        start_worker(address, "da", *kv, *lora),
+        start_worker(address, "db", *kv, *lora),
+        daemon,
+    ]
+    try:
+        wait_ready(address, ["p2", "da", "db"])
+        c = Client(address, timeout=60)
+        with (
+            c,
+            c.generate([1] * 8, max_tokens=10_000, lora_name="x") as x1,
+            c.generate([2] * 8, max_tokens=10_000, lora_name="x") as x2,
+            c.generate([3] * 8, max_tokens=10_000, lora_name="y") as y1,
+        ):
+            for s in (x1, x2, y1):
+                next(iter(s))
+            held = {i.instance_id: i.num_running for i in status(address).instances}
+            assert sorted([held["da"], held["db"]]) == [1, 2], held  # x twice on one
+            for i in range(3):  # x where x is, the busier; y where y is
+                for name in ("x", "y"):
+                    s = c.generate([9, i, 9], max_tokens=3, lora_name=name)
+                    assert len(s.tokens()) == 3
+    finally:
+        for p in procs:
+            p.stop()

@@ -161,8 +161,12 @@ class PlacementTable:
         name = req.lora_name
         if not (max_loras and name) or name in self.loras:
             return False
-        held = {r.lora_name for r in self.reserved.values() if r.lora_name}
+        held = self.held_loras()
         return name not in held and len(held | self.loras.keys()) >= max_loras
+
+    def held_loras(self) -> set[str]:
+        """Decode role: the adapters of the requests held for a hand-off (O(held))."""
+        return {r.lora_name for r in self.reserved.values() if r.lora_name}
 
     def _issue_handle(self, req: Request) -> None:
         """A fresh handle for req's slot (handle & mask == slot), and the slot table row."""

@@ -112,7 +112,7 @@ class Acceptor:
         return tr
 
     def _reserve_decode(self, req: Request) -> InstanceEngine:
-        d = self.registry.route_decode(req.lora_name)
+        d = self.registry.route_decode(req)
         got = d.preallocate(req)
         if got is None:
             slot = (
