@@ -72,6 +72,14 @@ class InstanceView:
     max_model_len: int = 0
     vocab_size: int = 0
     role: str = "mixed"  # core.config.Role's value: a decode instance takes no new request
+    multimodal: bool = True  # runs requests' multimodal items (unchecked when not published)
+    # Its LoRA adapters (name, path) as its workers announced them, its max_loras (0: no
+    # limit), the adapters running or queued there at its last publication, and the adapters
+    # of the requests this daemon forwarded to it since (`ClusterRouter.commit`).
+    loras: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 0
+    active_loras: frozenset[str] = frozenset()
+    loras_sent: set[str] = field(default_factory=set)
 
     @property
     def hashes(self) -> KeysView[int]:
@@ -86,9 +94,21 @@ class InstanceView:
     def take_info(self, info: dict[str, Any] | None) -> None:
         self.set_info(read_info(info))
 
-    def set_info(self, got: tuple[str, str, int, int] | None) -> None:
+    def set_info(self, got: PeerInfo | None) -> None:
         if got is not None:
-            self.role, self.model, self.max_model_len, self.vocab_size = got
+            self.role, self.model = got.role, got.model
+            self.max_model_len, self.vocab_size = got.max_model_len, got.vocab_size
+            self.multimodal, self.loras = got.multimodal, got.loras
+            self.max_loras, self.active_loras = got.max_loras, got.active_loras
+
+    def lora_affinity(self, name: str) -> int:
+        """`core.scheduler.facts.Facts.lora_affinity`'s rule over what the instance published
+        (and the requests of adapters forwarded to it since): 2 the adapter runs or waits
+        there, 1 a free adapter slot, 0 neither."""
+        active = self.active_loras | self.loras_sent
+        if name in active:
+            return 2
+        return 1 if not self.max_loras or len(active) < self.max_loras else 0
 
     def prefix_blocks(self, block_hashes: list[bytes]) -> int:
         """How many leading blocks of a request (its chained hashes) this instance holds."""
@@ -115,15 +135,34 @@ class InstanceView:
         return self.gpu_keys if name == GPU else self.host_keys if name == CPU else None
 
 
-def read_info(info: dict[str, Any] | None) -> tuple[str, str, int, int] | None:
-    """A published info's (role, model, max_model_len, vocab_size); None when there is none."""
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """An instance's published info as read (kv_wire's "info")."""
+
+    role: str
+    model: str
+    max_model_len: int
+    vocab_size: int
+    multimodal: bool
+    loras: tuple[tuple[str, str], ...]  # its LoRA adapters, (name, path)
+    max_loras: int
+    active_loras: frozenset[str]  # the adapters of its running or queued requests
+
+
+def read_info(info: dict[str, Any] | None) -> PeerInfo | None:
+    """A published info's fields; None when there is none. A field a daemon does not send
+    reads as unchecked: multimodal True, no adapters."""
     if not info:
         return None
-    return (
+    return PeerInfo(
         str(info.get("role", "mixed")),
         str(info.get("model", "")),
         int(info.get("max_model_len", 0)),
         int(info.get("vocab_size", 0)),
+        bool(info.get("multimodal", True)),
+        tuple((str(n), str(p)) for n, p in info.get("loras") or ()),
+        int(info.get("max_loras", 0)),
+        frozenset(str(n) for n in info.get("active_loras") or ()),
     )
 
 
@@ -266,6 +305,7 @@ class ClusterIndex:
         if load:
             v.load = dict(load)
             v.sent_since_load = 0
+            v.loras_sent.clear()  # (the info beside it names the adapters it holds now)
             self.table.set(v)
         slot, hits = v.slot, self.hits
         for ev in batch.get("events", ()):
@@ -333,6 +373,7 @@ class ClusterIndex:
                 self.hits.add(STORAGE, v.slot, snap.stored, v.model)
             if snap.load:
                 v.load = snap.load
+                v.loras_sent.clear()
             self.table.set(v)
             v.synced = True
             self.version += 1
@@ -367,7 +408,7 @@ class _Snapshot:
     epoch: str
     seq: int
     block_size: int
-    info: tuple[str, str, int, int] | None
+    info: PeerInfo | None
     gpu: list[int]
     host: list[int]
     stored: list[int]

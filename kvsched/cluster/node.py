@@ -244,15 +244,11 @@ class ClusterNode:
             else:
                 self.registry.candidates(req, model or self.registry.model_for(""), [eng])
             return eng, owner if relayed is None else relayed
-        # Degraded, or a LoRA request (peers publish no adapters: only this daemon's instances
-        # are known to hold it): local instances only.
-        if not self.connected or req.lora_name:
+        if not self.connected:  # degraded: local instances only
             try:
                 return self.registry.route(req, model), owner
             except Unavailable as exc:
-                if not self.connected:
-                    raise Unavailable(self.unreachable_reason(str(exc))) from None
-                raise
+                raise Unavailable(self.unreachable_reason(str(exc))) from None
         if (grouped := self.registry.group_engine(req, model)) is not None:
             return grouped, owner  # a sample waits where its group's prompt is computed here
         return self.router.route(req, model), owner
@@ -317,12 +313,18 @@ class ClusterNode:
         lim = None if eng is None else eng.limits
         if eng is None or lim is None:
             return None
-        return {
+        info: dict[str, Any] = {
             "role": str(eng.role),  # a peer never routes a new request to a decode instance
             "model": lim.model,
             "max_model_len": lim.max_model_len,
             "vocab_size": lim.vocab_size,
+            "multimodal": lim.multimodal,
         }
+        if lim.loras:  # its adapters, and which of them run or wait there now (affinity)
+            max_loras, active = eng.lora_slots()
+            info.update(loras=[list(a) for a in lim.loras], max_loras=max_loras)
+            info["active_loras"] = active
+        return info
 
     def forward(
         self,

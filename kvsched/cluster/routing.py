@@ -12,6 +12,10 @@ predicted wait meets the request's deadline (all of them when none does). A peer
 wait are what it last published (predicted backlog) plus the requests this daemon forwarded
 to it since. Peers are read as numpy columns (`LoadTable`) and the prompt's runs on every
 peer at once (`HitIndex.runs`): a decision's cost follows the prompt, not the fleet's size.
+A LoRA request goes only to instances whose workers announced its adapter (a peer's as its
+info publishes them), and only to those of the best adapter-affinity tier (llm-d's order:
+the adapter running or queued there > a free adapter slot > neither); a request with
+multimodal items only to instances that announced them.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Route:
     target: InstanceEngine | RemoteInstance
     slot: int
     prefix: bool
+    lora: str = ""  # the request's LoRA adapter (a peer's instance counts it as held there)
 
 
 class ClusterRouter:
@@ -87,6 +92,8 @@ class ClusterRouter:
         self._max_model_len: npt.NDArray[np.int64] = np.zeros(0, np.int64)
         self._vocab: npt.NDArray[np.int64] = np.zeros(0, np.int64)
         self._any_vocab = False
+        self._multimodal: npt.NDArray[np.bool_] = np.zeros(0, bool)
+        self._lora_masks: dict[str, npt.NDArray[np.bool_]] = {}  # adapter -> slots that have it
         self._mask_version, self._mask_at = -1, float("-inf")
 
     def _hashes(
@@ -140,6 +147,8 @@ class ClusterRouter:
             [v.vocab_size if v is not None else 0 for v in index.slots], np.int64
         )
         self._any_vocab = bool((self._vocab > 0).any())
+        self._multimodal = np.array([v is None or v.multimodal for v in index.slots], bool)
+        self._lora_masks = {}
         sizes = index.table.block_size[: len(ok)][self._base]
         self._sizes = sorted({int(b) for b in sizes.tolist()})
         self._mask_version, self._mask_at = index.version, time.monotonic()
@@ -165,13 +174,16 @@ class ClusterRouter:
         return {v.model or default for v in self.remote_candidates(time.monotonic())}
 
     def peer_limits(self) -> list[Limits]:
-        """The limits of the peers' live instances (ListModels counts them as ready)."""
+        """The limits of the peers' live instances, with their LoRA adapters (ListModels counts
+        them as ready; a request naming an adapter only a peer's workers announced is known)."""
         cfg = self.registry.config
         return [
             Limits(
                 v.model or cfg.model,
                 v.max_model_len or cfg.engine.scheduler.max_model_len,
                 v.vocab_size,
+                loras=v.loras,
+                multimodal=v.multimodal,
             )
             for v in self.remote_candidates(time.monotonic())
         ]
@@ -180,12 +192,12 @@ class ClusterRouter:
         """InvalidRequest naming the limit when peers serve `model` but `req` fits none."""
         cfg = self.registry.config
         lims = [
-            Limits(model, v.max_model_len, v.vocab_size)
+            Limits(model, v.max_model_len, v.vocab_size, multimodal=v.multimodal)
             for v in known
             if (v.model or cfg.model) == model and v.max_model_len
         ]
         if lims:
-            best = max(lims, key=lambda lim: (lim.max_model_len, lim.vocab_size))
+            best = max(lims, key=lambda lim: (lim.multimodal, lim.max_model_len, lim.vocab_size))
             why = misfit(req, best)
             if why is not None:
                 raise InvalidRequest(f"request {req.req_id!r}: {why}")
@@ -202,10 +214,24 @@ class ClusterRouter:
             return np.zeros(mask.shape, bool)
         mml, vocab = self._max_model_len, self._vocab
         fits: npt.NDArray[np.bool_] = mask & ((mml == 0) | (n + sp.max_tokens <= mml))
+        if req.lora_name:  # only instances whose workers announced its adapter
+            fits &= self._lora_mask(req.lora_name)
+        if req.mm_ranges:  # only instances whose workers run multimodal items
+            fits &= self._multimodal
         if not self._any_vocab:  # no peer announced a vocabulary: skip the scan of the prompt
             return fits
         top = max(max(req.prompt_token_ids, default=-1), max(sp.stop_token_ids, default=-1))
         return fits & ((vocab <= 0) | (top < vocab))
+
+    def _lora_mask(self, name: str) -> npt.NDArray[np.bool_]:
+        """Per slot: the instance's workers announced LoRA adapter `name` (kept until the
+        next `refresh`: adapters are announced once, in the workers' Hello)."""
+        mask = self._lora_masks.get(name)
+        if mask is None:
+            views = self.index.slots[: len(self._models)]  # (the slots `refresh` read)
+            has = [v is not None and any(n == name for n, _ in v.loras) for v in views]
+            mask = self._lora_masks[name] = np.array(has, bool)
+        return mask
 
     def route(
         self,
@@ -282,6 +308,8 @@ class ClusterRouter:
             waits = np.concatenate([np.asarray(local_waits), waits])
             loads = np.concatenate([np.asarray(local_loads), loads])
             elig = np.concatenate([np.ones(len(engines), bool), elig])
+        if req.lora_name:  # only the best adapter-affinity tier (loaded > free slot > neither)
+            elig = elig & self._best_affinity(req.lora_name, engines, elig, req)
         choice = choose(
             all_hits,
             waits,
@@ -304,8 +332,29 @@ class ClusterRouter:
         v = self.index.slots[slot]
         assert v is not None
         return Route(
-            RemoteInstance(v.instance_id, v.daemon, self.address_of[v.daemon]), slot, prefix
+            RemoteInstance(v.instance_id, v.daemon, self.address_of[v.daemon]),
+            slot,
+            prefix,
+            req.lora_name,
         )
+
+    def _best_affinity(
+        self, name: str, engines: list[InstanceEngine], elig: npt.NDArray[np.bool_], req: Request
+    ) -> npt.NDArray[np.bool_]:
+        """Per candidate (this daemon's `engines`, then the peers' slots): whether it is of
+        the best LoRA affinity tier among the eligible ones (`core.router.lora_eligible`'s
+        rule: the adapter running or queued there, else a free adapter slot, else any; a
+        peer's from what it published plus the requests of the adapter forwarded to it since)."""
+        aff = np.full(elig.size, -1, np.int64)
+        for k, e in enumerate(engines):
+            aff[k] = e.lora_affinity(req)
+        views = self.index.slots
+        for k in np.flatnonzero(elig[len(engines) :]).tolist():
+            v = views[k]
+            if v is not None:
+                aff[len(engines) + k] = v.lora_affinity(name)
+        best = aff[elig].max() if elig.any() else -1
+        return np.asarray(aff == best, bool)
 
     def commit(self, got: Route) -> InstanceEngine | RemoteInstance:
         """Record a decision as sent: the routing counters, and for a peer's instance one more
@@ -319,6 +368,8 @@ class ClusterRouter:
         v = self.index.slots[got.slot]
         if v is not None:
             v.sent_since_load += 1
+            if got.lora:
+                v.loras_sent.add(got.lora)
         self.num_forwarded += 1
         return got.target
 

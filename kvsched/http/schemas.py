@@ -12,12 +12,12 @@ Log-probabilities (http/logprobs.py): completions' logprobs (int) and echo, chat
 its max_logprobs, the daemon refuses it naming the field).
 Structured output (response_format, vLLM's structured_outputs) and chat tools / tool_choice:
 http/structured.py. Refused with 400: best_of > 1, suffix, functions (the pre-tools API),
-several prompts.
+several prompts, a chat content part other than text (image_url, input_audio, ...: naming it).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -209,10 +209,14 @@ class CompletionRequest(SamplingFields):
         return self.prompt_logprobs
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
+    """A content part: text is served; any other type (image_url, input_audio, ...) is read
+    only to be refused by name (`ChatCompletionRequest.check`), as kvsched's workers run no
+    encoder for the HTTP front end's requests."""
+
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -220,7 +224,7 @@ class ChatMessage(BaseModel):
     # Any role the chat template renders (vLLM passes custom roles through; the usual ones
     # are system, developer, user, assistant, tool).
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -230,10 +234,25 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(p.text for p in self.content)
+        return "\n".join(p.text or "" for p in self.content)
 
     def rendered(self) -> dict[str, str]:
         return {"role": self.role, "content": self.text()}
+
+
+def check_content(messages: list[ChatMessage]) -> None:
+    """400 naming the part for a content part other than text (image_url, input_audio, ...:
+    kvsched serves text only) or a text part without its text."""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            if part.type != "text":
+                raise invalid(
+                    f"content part type {part.type!r} is not supported: kvsched serves "
+                    "text content only (no multimodal inputs)",
+                    f"messages.{i}.content.{j}.type",
+                )
+            if part.text is None:
+                raise invalid("a text part needs its text", f"messages.{i}.content.{j}.text")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -252,6 +271,7 @@ class ChatCompletionRequest(SamplingFields):
     def check(self, auto_tools: bool = False) -> str | None:
         """The checks; returns the tool mode (http/structured.py: None without tools)."""
         self.check_common()
+        check_content(self.messages)
         _check_k("top_logprobs", self.top_logprobs)
         if self.top_logprobs and not self.logprobs:
             raise invalid(

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvsched import __version__
 from kvsched.http.errors import invalid
-from kvsched.http.schemas import ChatMessage
+from kvsched.http.schemas import ChatMessage, check_content
 from kvsched.http.text import TextModel
 
 # (model or None, the caller's bearer header) -> the model's max_model_len (0: not announced)
@@ -53,6 +53,7 @@ def utility_router(text: TextModel, max_model_len: MaxModelLen) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
+            check_content(body.messages)
             msgs = [m.rendered() for m in body.messages]
             ids = text.encode_chat(msgs, body.add_generation_prompt)
             if body.add_special_tokens:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvsched.v1 import common_pb2 as kvsched_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvsched/v1/worker_service.proto\x12\nkvsched.v1\x1a\x17kvsched/v1/common.proto\"\x92\x01\n\x0e\x43onnectRequest\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.kvsched.v1.HelloH\x00\x12(\n\x06report\x18\x02 \x01(\x0b\x32\x16.kvsched.v1.StepReportH\x00\x12*\n\theartbeat\x18\x03 \x01(\x0b\x32\x15.kvsched.v1.HeartbeatH\x00\x42\x06\n\x04kind\"\xdf\x01\n\x0f\x43onnectResponse\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.kvsched.v1.WelcomeH\x00\x12\"\n\x05tasks\x18\x02 \x01(\x0b\x32\x11.kvsched.v1.TasksH\x00\x12*\n\theartbeat\x18\x03 \x01(\x0b\x32\x15.kvsched.v1.HeartbeatH\x00\x12\"\n\x05peers\x18\x04 \x01(\x0b\x32\x11.kvsched.v1.PeersH\x00\x12(\n\x08redirect\x18\x05 \x01(\x0b\x32\x14.kvsched.v1.RedirectH\x00\x42\x06\n\x04kind\"\xba\x03\n\x05Hello\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\tnum_slots\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x18\n\x10protocol_version\x18\x08 \x01(\r\x12\x16\n\x0eworker_address\x18\t \x01(\t\x12\x10\n\x08\x65xecutor\x18\n \x01(\t\x12\x17\n\x0fnum_host_blocks\x18\x0b \x01(\r\x12\x15\n\rmax_model_len\x18\x0c \x01(\r\x12\x12\n\nvocab_size\x18\r \x01(\r\x12\x18\n\x10storage_backends\x18\x0e \x03(\t\x12\x14\n\x0cmax_logprobs\x18\x1e \x01(\r\x12\x1a\n\x12structured_outputs\x18( \x01(\x08\x12.\n\rlora_adapters\x18< \x03(\x0b\x32\x17.kvsched.v1.LoraAdapter\x12\x11\n\tmax_loras\x18= \x01(\r\x12\x15\n\rmax_cpu_loras\x18> \x01(\r\")\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"\xab\x02\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12&\n\x04role\x18\x06 \x01(\x0e\x32\x18.kvsched.v1.InstanceRole\x12\x1d\n\x15heartbeat_interval_ns\x18\x07 \x01(\x04\x12\x17\n\x0f\x61nswers_reports\x18\x08 \x01(\x08\x12\x15\n\rfencing_epoch\x18\t \x01(\x04\x12\x1a\n\x12silence_timeout_ns\x18\n \x01(\x04\x12\x13\n\x0bstorage_url\x18\x0b \x01(\t\"D\n\x08Redirect\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x17\n\x0fowner_daemon_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1c\n\tHeartbeat\x12\x0f\n\x07time_ns\x18\x01 \x01(\x04\"j\n\x05Peers\x12%\n\x05peers\x18\x01 \x03(\x0b\x32\x16.kvsched.v1.Peers.Peer\x1a:\n\x04Peer\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"\xaa\t\n\x05Tasks\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x10\n\x08preempts\x18\x02 \x03(\x04\x12\x0e\n\x06\x61\x62orts\x18\x03 \x03(\x04\x12)\n\nplacements\x18\x04 \x03(\x0b\x32\x15.kvsched.v1.Placement\x12\x30\n\nextensions\x18\x05 \x01(\x0b\x32\x1c.kvsched.v1.Tasks.Extensions\x12(\n\x06\x63hunks\x18\x06 \x01(\x0b\x32\x18.kvsched.v1.Tasks.Chunks\x12+\n\x08kv_sends\x18\x07 \x01(\x0b\x32\x19.kvsched.v1.Tasks.KvSends\x12\x1a\n\x12reset_prefix_cache\x18\x08 \x01(\x08\x12\x13\n\x0breport_step\x18\t \x01(\x04\x12-\n\tswap_outs\x18\n \x01(\x0b\x32\x1a.kvsched.v1.Tasks.SwapOuts\x12+\n\x08swap_ins\x18\x0b \x01(\x0b\x32\x19.kvsched.v1.Tasks.SwapIns\x12\x15\n\rencoder_drops\x18\x0c \x03(\t\x12\x15\n\rfencing_epoch\x18\r \x01(\x04\x12\x37\n\x0estorage_writes\x18\x0e \x01(\x0b\x32\x1f.kvsched.v1.Tasks.StorageWrites\x12\x39\n\x0fstorage_fetches\x18\x0f \x01(\x0b\x32 .kvsched.v1.Tasks.StorageFetches\x12?\n\x12storage_prefetches\x18\x46 \x01(\x0b\x32#.kvsched.v1.Tasks.StoragePrefetches\x1aP\n\x06\x43hunks\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x0e\n\x06starts\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x1aG\n\nExtensions\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x15\n\rnum_block_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x1ax\n\x07KvSends\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x15\n\rdst_instances\x18\x02 \x03(\t\x12\x13\n\x0b\x64st_handles\x18\x03 \x03(\x04\x12\x19\n\x11num_dst_block_ids\x18\x04 \x03(\r\x12\x15\n\rdst_block_ids\x18\x05 \x03(\r\x1a\x39\n\x08SwapOuts\x12\x15\n\rgpu_block_ids\x18\x01 \x03(\r\x12\x16\n\x0ehost_block_ids\x18\x02 \x03(\r\x1aI\n\x07SwapIns\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x16\n\x0ehost_block_ids\x18\x02 \x03(\r\x12\x15\n\rgpu_block_ids\x18\x03 \x03(\r\x1a\x30\n\rStorageWrites\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x1a\x46\n\x0eStorageFetches\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x15\n\rgpu_block_ids\x18\x03 \x03(\r\x1a\x39\n\x11StoragePrefetches\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x16\n\x0ehost_block_ids\x18\x02 \x03(\r\"\xaa\x02\n\tPlacement\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1a\n\x12num_prefill_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x15\n\rlast_token_id\x18\x08 \x01(\x05\x12,\n\x08sampling\x18\t \x01(\x0b\x32\x1a.kvsched.v1.SamplingParams\x12\x11\n\tlora_name\x18\n \x01(\t\x12.\n\tmm_ranges\x18\x0b \x03(\x0b\x32\x1b.kvsched.v1.MultimodalRange\"\x8f\x05\n\nStepReport\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x61pplied_seq\x18\x02 \x01(\x04\x12\x0f\n\x07handles\x18\x03 \x03(\x04\x12\x14\n\x0cnum_computed\x18\x04 \x03(\r\x12\x16\n\x0enum_new_tokens\x18\x05 \x03(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\x05\x12\x30\n\x0e\x66inish_reasons\x18\x07 \x03(\x0e\x32\x18.kvsched.v1.FinishReason\x12\r\n\x05\x61\x63ked\x18\x08 \x03(\x04\x12\x0e\n\x06paused\x18\t \x03(\x04\x12\x0e\n\x06\x66\x61iled\x18\n \x03(\x04\x12\x14\n\x0cstep_time_ns\x18\x0b \x01(\x04\x12\x18\n\x10\x66\x61iled_swap_outs\x18\x0c \x03(\r\x12\x17\n\x0f\x66\x61iled_swap_ins\x18\r \x03(\x04\x12\x1d\n\x15\x66\x61iled_storage_writes\x18\x0e \x03(\t\x12\x1e\n\x16\x66\x61iled_storage_fetches\x18\x0f \x03(\x04\x12\x15\n\rdraft_handles\x18\x10 \x03(\x04\x12\x18\n\x10num_draft_tokens\x18\x11 \x03(\r\x12\x1b\n\x13num_accepted_drafts\x18\x12 \x03(\r\x12\x14\n\x0cnum_logprobs\x18\x1e \x03(\r\x12+\n\x08logprobs\x18\x1f \x01(\x0b\x32\x19.kvsched.v1.TokenLogprobs\x12\x1e\n\x16prompt_logprob_handles\x18  \x03(\x04\x12\x1b\n\x13num_prompt_logprobs\x18! \x03(\r\x12\x32\n\x0fprompt_logprobs\x18\" \x01(\x0b\x32\x19.kvsched.v1.TokenLogprobs\x12!\n\x19\x66\x61iled_storage_prefetches\x18\x46 \x03(\r2W\n\rWorkerService\x12\x46\n\x07\x43onnect\x12\x1a.kvsched.v1.ConnectRequest\x1a\x1b.kvsched.v1.ConnectResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvsched/v1/worker_service.proto\x12\nkvsched.v1\x1a\x17kvsched/v1/common.proto\"\x92\x01\n\x0e\x43onnectRequest\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.kvsched.v1.HelloH\x00\x12(\n\x06report\x18\x02 \x01(\x0b\x32\x16.kvsched.v1.StepReportH\x00\x12*\n\theartbeat\x18\x03 \x01(\x0b\x32\x15.kvsched.v1.HeartbeatH\x00\x42\x06\n\x04kind\"\xdf\x01\n\x0f\x43onnectResponse\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.kvsched.v1.WelcomeH\x00\x12\"\n\x05tasks\x18\x02 \x01(\x0b\x32\x11.kvsched.v1.TasksH\x00\x12*\n\theartbeat\x18\x03 \x01(\x0b\x32\x15.kvsched.v1.HeartbeatH\x00\x12\"\n\x05peers\x18\x04 \x01(\x0b\x32\x11.kvsched.v1.PeersH\x00\x12(\n\x08redirect\x18\x05 \x01(\x0b\x32\x14.kvsched.v1.RedirectH\x00\x42\x06\n\x04kind\"\xce\x03\n\x05Hello\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\tnum_slots\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x18\n\x10protocol_version\x18\x08 \x01(\r\x12\x16\n\x0eworker_address\x18\t \x01(\t\x12\x10\n\x08\x65xecutor\x18\n \x01(\t\x12\x17\n\x0fnum_host_blocks\x18\x0b \x01(\r\x12\x15\n\rmax_model_len\x18\x0c \x01(\r\x12\x12\n\nvocab_size\x18\r \x01(\r\x12\x18\n\x10storage_backends\x18\x0e \x03(\t\x12\x14\n\x0cmax_logprobs\x18\x1e \x01(\r\x12\x1a\n\x12structured_outputs\x18( \x01(\x08\x12.\n\rlora_adapters\x18< \x03(\x0b\x32\x17.kvsched.v1.LoraAdapter\x12\x11\n\tmax_loras\x18= \x01(\r\x12\x15\n\rmax_cpu_loras\x18> \x01(\r\x12\x12\n\nmultimodal\x18\x64 \x01(\x08\")\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"\xab\x02\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12&\n\x04role\x18\x06 \x01(\x0e\x32\x18.kvsched.v1.InstanceRole\x12\x1d\n\x15heartbeat_interval_ns\x18\x07 \x01(\x04\x12\x17\n\x0f\x61nswers_reports\x18\x08 \x01(\x08\x12\x15\n\rfencing_epoch\x18\t \x01(\x04\x12\x1a\n\x12silence_timeout_ns\x18\n \x01(\x04\x12\x13\n\x0bstorage_url\x18\x0b \x01(\t\"D\n\x08Redirect\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x17\n\x0fowner_daemon_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1c\n\tHeartbeat\x12\x0f\n\x07time_ns\x18\x01 \x01(\x04\"j\n\x05Peers\x12%\n\x05peers\x18\x01 \x03(\x0b\x32\x16.kvsched.v1.Peers.Peer\x1a:\n\x04Peer\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"\xaa\t\n\x05Tasks\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x10\n\x08preempts\x18\x02 \x03(\x04\x12\x0e\n\x06\x61\x62orts\x18\x03 \x03(\x04\x12)\n\nplacements\x18\x04 \x03(\x0b\x32\x15.kvsched.v1.Placement\x12\x30\n\nextensions\x18\x05 \x01(\x0b\x32\x1c.kvsched.v1.Tasks.Extensions\x12(\n\x06\x63hunks\x18\x06 \x01(\x0b\x32\x18.kvsched.v1.Tasks.Chunks\x12+\n\x08kv_sends\x18\x07 \x01(\x0b\x32\x19.kvsched.v1.Tasks.KvSends\x12\x1a\n\x12reset_prefix_cache\x18\x08 \x01(\x08\x12\x13\n\x0breport_step\x18\t \x01(\x04\x12-\n\tswap_outs\x18\n \x01(\x0b\x32\x1a.kvsched.v1.Tasks.SwapOuts\x12+\n\x08swap_ins\x18\x0b \x01(\x0b\x32\x19.kvsched.v1.Tasks.SwapIns\x12\x15\n\rencoder_drops\x18\x0c \x03(\t\x12\x15\n\rfencing_epoch\x18\r \x01(\x04\x12\x37\n\x0estorage_writes\x18\x0e \x01(\x0b\x32\x1f.kvsched.v1.Tasks.StorageWrites\x12\x39\n\x0fstorage_fetches\x18\x0f \x01(\x0b\x32 .kvsched.v1.Tasks.StorageFetches\x12?\n\x12storage_prefetches\x18\x46 \x01(\x0b\x32#.kvsched.v1.Tasks.StoragePrefetches\x1aP\n\x06\x43hunks\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x0e\n\x06starts\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x1aG\n\nExtensions\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x15\n\rnum_block_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x1ax\n\x07KvSends\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x15\n\rdst_instances\x18\x02 \x03(\t\x12\x13\n\x0b\x64st_handles\x18\x03 \x03(\x04\x12\x19\n\x11num_dst_block_ids\x18\x04 \x03(\r\x12\x15\n\rdst_block_ids\x18\x05 \x03(\r\x1a\x39\n\x08SwapOuts\x12\x15\n\rgpu_block_ids\x18\x01 \x03(\r\x12\x16\n\x0ehost_block_ids\x18\x02 \x03(\r\x1aI\n\x07SwapIns\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x16\n\x0ehost_block_ids\x18\x02 \x03(\r\x12\x15\n\rgpu_block_ids\x18\x03 \x03(\r\x1a\x30\n\rStorageWrites\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x1a\x46\n\x0eStorageFetches\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x15\n\rgpu_block_ids\x18\x03 \x03(\r\x1a\x39\n\x11StoragePrefetches\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x16\n\x0ehost_block_ids\x18\x02 \x03(\r\"\xaa\x02\n\tPlacement\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1a\n\x12num_prefill_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x15\n\rlast_token_id\x18\x08 \x01(\x05\x12,\n\x08sampling\x18\t \x01(\x0b\x32\x1a.kvsched.v1.SamplingParams\x12\x11\n\tlora_name\x18\n \x01(\t\x12.\n\tmm_ranges\x18\x0b \x03(\x0b\x32\x1b.kvsched.v1.MultimodalRange\"\x8f\x05\n\nStepReport\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x61pplied_seq\x18\x02 \x01(\x04\x12\x0f\n\x07handles\x18\x03 \x03(\x04\x12\x14\n\x0cnum_computed\x18\x04 \x03(\r\x12\x16\n\x0enum_new_tokens\x18\x05 \x03(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\x05\x12\x30\n\x0e\x66inish_reasons\x18\x07 \x03(\x0e\x32\x18.kvsched.v1.FinishReason\x12\r\n\x05\x61\x63ked\x18\x08 \x03(\x04\x12\x0e\n\x06paused\x18\t \x03(\x04\x12\x0e\n\x06\x66\x61iled\x18\n \x03(\x04\x12\x14\n\x0cstep_time_ns\x18\x0b \x01(\x04\x12\x18\n\x10\x66\x61iled_swap_outs\x18\x0c \x03(\r\x12\x17\n\x0f\x66\x61iled_swap_ins\x18\r \x03(\x04\x12\x1d\n\x15\x66\x61iled_storage_writes\x18\x0e \x03(\t\x12\x1e\n\x16\x66\x61iled_storage_fetches\x18\x0f \x03(\x04\x12\x15\n\rdraft_handles\x18\x10 \x03(\x04\x12\x18\n\x10num_draft_tokens\x18\x11 \x03(\r\x12\x1b\n\x13num_accepted_drafts\x18\x12 \x03(\r\x12\x14\n\x0cnum_logprobs\x18\x1e \x03(\r\x12+\n\x08logprobs\x18\x1f \x01(\x0b\x32\x19.kvsched.v1.TokenLogprobs\x12\x1e\n\x16prompt_logprob_handles\x18  \x03(\x04\x12\x1b\n\x13num_prompt_logprobs\x18! \x03(\r\x12\x32\n\x0fprompt_logprobs\x18\" \x01(\x0b\x32\x19.kvsched.v1.TokenLogprobs\x12!\n\x19\x66\x61iled_storage_prefetches\x18\x46 \x03(\r2W\n\rWorkerService\x12\x46\n\x07\x43onnect\x12\x1a.kvsched.v1.ConnectRequest\x1a\x1b.kvsched.v1.ConnectResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,41 +37,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONNECTRESPONSE']._serialized_start=222
   _globals['_CONNECTRESPONSE']._serialized_end=445
   _globals['_HELLO']._serialized_start=448
-  _globals['_HELLO']._serialized_end=890
-  _globals['_LORAADAPTER']._serialized_start=892
-  _globals['_LORAADAPTER']._serialized_end=933
-  _globals['_WELCOME']._serialized_start=936
-  _globals['_WELCOME']._serialized_end=1235
-  _globals['_REDIRECT']._serialized_start=1237
-  _globals['_REDIRECT']._serialized_end=1305
-  _globals['_HEARTBEAT']._serialized_start=1307
-  _globals['_HEARTBEAT']._serialized_end=1335
-  _globals['_PEERS']._serialized_start=1337
-  _globals['_PEERS']._serialized_end=1443
-  _globals['_PEERS_PEER']._serialized_start=1385
-  _globals['_PEERS_PEER']._serialized_end=1443
-  _globals['_TASKS']._serialized_start=1446
-  _globals['_TASKS']._serialized_end=2640
-  _globals['_TASKS_CHUNKS']._serialized_start=2050
-  _globals['_TASKS_CHUNKS']._serialized_end=2130
-  _globals['_TASKS_EXTENSIONS']._serialized_start=2132
-  _globals['_TASKS_EXTENSIONS']._serialized_end=2203
-  _globals['_TASKS_KVSENDS']._serialized_start=2205
-  _globals['_TASKS_KVSENDS']._serialized_end=2325
-  _globals['_TASKS_SWAPOUTS']._serialized_start=2327
-  _globals['_TASKS_SWAPOUTS']._serialized_end=2384
-  _globals['_TASKS_SWAPINS']._serialized_start=2386
-  _globals['_TASKS_SWAPINS']._serialized_end=2459
-  _globals['_TASKS_STORAGEWRITES']._serialized_start=2461
-  _globals['_TASKS_STORAGEWRITES']._serialized_end=2509
-  _globals['_TASKS_STORAGEFETCHES']._serialized_start=2511
-  _globals['_TASKS_STORAGEFETCHES']._serialized_end=2581
-  _globals['_TASKS_STORAGEPREFETCHES']._serialized_start=2583
-  _globals['_TASKS_STORAGEPREFETCHES']._serialized_end=2640
-  _globals['_PLACEMENT']._serialized_start=2643
-  _globals['_PLACEMENT']._serialized_end=2941
-  _globals['_STEPREPORT']._serialized_start=2944
-  _globals['_STEPREPORT']._serialized_end=3599
-  _globals['_WORKERSERVICE']._serialized_start=3601
-  _globals['_WORKERSERVICE']._serialized_end=3688
+  _globals['_HELLO']._serialized_end=910
+  _globals['_LORAADAPTER']._serialized_start=912
+  _globals['_LORAADAPTER']._serialized_end=953
+  _globals['_WELCOME']._serialized_start=956
+  _globals['_WELCOME']._serialized_end=1255
+  _globals['_REDIRECT']._serialized_start=1257
+  _globals['_REDIRECT']._serialized_end=1325
+  _globals['_HEARTBEAT']._serialized_start=1327
+  _globals['_HEARTBEAT']._serialized_end=1355
+  _globals['_PEERS']._serialized_start=1357
+  _globals['_PEERS']._serialized_end=1463
+  _globals['_PEERS_PEER']._serialized_start=1405
+  _globals['_PEERS_PEER']._serialized_end=1463
+  _globals['_TASKS']._serialized_start=1466
+  _globals['_TASKS']._serialized_end=2660
+  _globals['_TASKS_CHUNKS']._serialized_start=2070
+  _globals['_TASKS_CHUNKS']._serialized_end=2150
+  _globals['_TASKS_EXTENSIONS']._serialized_start=2152
+  _globals['_TASKS_EXTENSIONS']._serialized_end=2223
+  _globals['_TASKS_KVSENDS']._serialized_start=2225
+  _globals['_TASKS_KVSENDS']._serialized_end=2345
+  _globals['_TASKS_SWAPOUTS']._serialized_start=2347
+  _globals['_TASKS_SWAPOUTS']._serialized_end=2404
+  _globals['_TASKS_SWAPINS']._serialized_start=2406
+  _globals['_TASKS_SWAPINS']._serialized_end=2479
+  _globals['_TASKS_STORAGEWRITES']._serialized_start=2481
+  _globals['_TASKS_STORAGEWRITES']._serialized_end=2529
+  _globals['_TASKS_STORAGEFETCHES']._serialized_start=2531
+  _globals['_TASKS_STORAGEFETCHES']._serialized_end=2601
+  _globals['_TASKS_STORAGEPREFETCHES']._serialized_start=2603
+  _globals['_TASKS_STORAGEPREFETCHES']._serialized_end=2660
+  _globals['_PLACEMENT']._serialized_start=2663
+  _globals['_PLACEMENT']._serialized_end=2961
+  _globals['_STEPREPORT']._serialized_start=2964
+  _globals['_STEPREPORT']._serialized_end=3619
+  _globals['_WORKERSERVICE']._serialized_start=3621
+  _globals['_WORKERSERVICE']._serialized_end=3708
 # @@protoc_insertion_point(module_scope)

@@ -120,6 +120,7 @@ class Hello(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     MAX_CPU_LORAS_FIELD_NUMBER: _builtins.int
+    MULTIMODAL_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """The instance (model replica) this worker is a rank of; the same for all its ranks."""
     rank: _builtins.int
@@ -175,6 +176,12 @@ class Hello(_message.Message):
     """Adapters the worker keeps loaded in host memory (vLLM's max_cpu_loras: an LRU cache the
     worker evicts from itself); for status and routing only. 0 = not announced.
     """
+    multimodal: _builtins.bool
+    """The worker runs a request's multimodal items (Placement.mm_ranges: it encodes each item
+    and its chunks read the encoder output; the model executor's toy encoder, the sim's
+    priced-only items); false: the daemon places no request with mm_ranges on this instance
+    and refuses one that no instance of its model can run (INVALID_ARGUMENT naming mm_ranges).
+    """
     @_builtins.property
     def storage_backends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Shared storage tiers this rank can reach (e.g. "mooncake"); empty: none (see step 13)."""
@@ -209,10 +216,11 @@ class Hello(_message.Message):
         lora_adapters: _abc.Iterable[Global___LoraAdapter] | None = ...,
         max_loras: _builtins.int = ...,
         max_cpu_loras: _builtins.int = ...,
+        multimodal: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "lora_adapters", b"lora_adapters", "max_cpu_loras", b"max_cpu_loras", "max_logprobs", b"max_logprobs", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "storage_backends", b"storage_backends", "structured_outputs", b"structured_outputs", "vocab_size", b"vocab_size", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "executor", b"executor", "instance_id", b"instance_id", "lora_adapters", b"lora_adapters", "max_cpu_loras", b"max_cpu_loras", "max_logprobs", b"max_logprobs", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "model", b"model", "multimodal", b"multimodal", "num_gpu_blocks", b"num_gpu_blocks", "num_host_blocks", b"num_host_blocks", "num_slots", b"num_slots", "protocol_version", b"protocol_version", "rank", b"rank", "storage_backends", b"storage_backends", "structured_outputs", b"structured_outputs", "vocab_size", b"vocab_size", "worker_address", b"worker_address", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

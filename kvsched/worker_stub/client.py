@@ -65,6 +65,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
     if lora.adapters and args.executor == "model":
         raise ValueError("--lora-modules: the model executor applies no LoRA adapters")
     structured_outputs = False  # Hello.structured_outputs: only vLLM's backend applies grammars
+    multimodal = True  # Hello.multimodal: the sim prices items, the model executor encodes them
     if args.executor == "sim":
         vocab_size = getattr(args, "vocab_size", SIM_VOCAB_SIZE)  # announced in Hello too
         if not args.num_blocks:  # the --gpu profile's KV memory, as `replay --embedded` gives
@@ -98,6 +99,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         vocab_size = facts.vocab_size
         max_model_len = facts.max_model_len
         structured_outputs = facts.structured_outputs
+        multimodal = False  # no encoder inputs reach vLLM's runner: refused by the daemon
         max_logprobs = facts.max_logprobs
         args.num_blocks, args.block_size = facts.num_blocks, facts.block_size
         args.served_model_name = getattr(args, "served_model_name", "") or facts.model_name
@@ -135,6 +137,7 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
         max_model_len=max_model_len,
         vocab_size=vocab_size,
         structured_outputs=structured_outputs,
+        multimodal=multimodal,
         max_logprobs=max_logprobs,
         channel_credentials=credentials,
         metadata=(("authorization", f"Bearer {args.token}"),) if args.token else (),

@@ -72,6 +72,7 @@ class Worker(StepLoop):
         max_model_len: int = 0,
         vocab_size: int = 0,
         structured_outputs: bool = False,
+        multimodal: bool = True,
         max_logprobs: int = 0,
         executor_name: str = "sim",
         channel_credentials: grpc.ChannelCredentials | None = None,
@@ -125,6 +126,7 @@ class Worker(StepLoop):
         self.max_model_len = max_model_len  # announced limits (0: not announced)
         self.vocab_size = vocab_size
         self.structured_outputs = structured_outputs  # the executor applies grammars
+        self.multimodal = multimodal  # the executor runs requests' multimodal items
         self.max_logprobs = max_logprobs  # Hello.max_logprobs: 0, none (sim, model)
         self.executor_name = executor_name
         # Hello.storage_backends (step 13); None: what this executor can reach
@@ -284,6 +286,7 @@ class Worker(StepLoop):
             max_loras=self.lora.max_loras,
             max_cpu_loras=self.lora.max_cpu_loras,
             structured_outputs=self.structured_outputs,
+            multimodal=self.multimodal,
         )
 
     async def _serve_steps(self, inbox: asyncio.Queue[InboxItem], outbox: Outbox) -> None:

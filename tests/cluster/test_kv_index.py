@@ -75,3 +75,28 @@ def test_the_load_column_is_the_load_value_the_owner_published() -> None:
     assert idx.table.load[slot] == 0.7  # not the 0.45 its facts would give here
     assert idx.apply_batch(decode(encode_batch("i0", "d", "e1", 1, 0.0, 16, facts, [])))
     assert idx.table.load[slot] == instance_load(facts, LOAD_SECONDS) == 600 / 3000 + 0.25
+
+
+def test_published_adapters_give_a_peers_lora_affinity() -> None:
+    """A peer's info names its adapters, max_loras and the adapters in use: its LoRA affinity
+    is the core's rule over them (2 in use, 1 a free slot, 0 neither), with the adapters this
+    daemon forwarded to it since counted until its next published load; an info without
+    these fields (an older peer) reads as no adapters, multimodal unchecked."""
+    info = {"model": "m", "loras": [["x", "/a/x"], ["y", "/a/y"]], "max_loras": 1}
+    idx = ClusterIndex()
+    idx.apply_snapshot(decode(encode_snapshot("i0", "d", "e1", 0, 16, {"running": 0.0}, [], info)))
+    v = idx.instances["i0"]
+    assert v.loras == (("x", "/a/x"), ("y", "/a/y")) and v.max_loras == 1 and v.multimodal
+    assert (v.lora_affinity("x"), v.lora_affinity("y")) == (1, 1)  # a free slot for either
+    v.loras_sent.add("x")  # forwarded there: held until its next load
+    assert (v.lora_affinity("x"), v.lora_affinity("y")) == (2, 0)
+    busy = {**info, "active_loras": ["y"], "multimodal": False}
+    assert idx.apply_batch(
+        decode(encode_batch("i0", "d", "e1", 1, 0.0, 16, {"running": 1.0}, [], busy))
+    )
+    assert not v.loras_sent and not v.multimodal
+    assert (v.lora_affinity("x"), v.lora_affinity("y")) == (0, 2)
+    assert idx.apply_batch(
+        decode(encode_batch("i0", "d", "e1", 2, 0.0, 16, {}, [], {"model": "m"}))
+    )
+    assert v.loras == () and v.multimodal

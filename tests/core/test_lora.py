@@ -115,3 +115,48 @@ def test_router_prefers_the_instance_with_the_adapter_loaded_then_a_free_slot() 
     assert [c.lora_affinity(make_request(20, lora_name="b")) for c in cands] == [0, 1, 1]
     # A request without an adapter is placed by prefix and load alone: not on the busiest.
     assert router.pick(cands, make_request(20)) != 2
+
+
+def test_a_decode_instance_holds_hand_offs_of_at_most_max_loras_adapters() -> None:
+    """P/D: a decode instance starts a held request decoding the moment its KV arrives, so
+    max_loras binds when it holds room: a hand-off of a third adapter finds no room (the
+    daemon's reservation is refused: retried) while two are held or running, one of an
+    adapter already there or of none does; once an adapter's requests are gone it has room."""
+    d = make_scheduler(role="decode", max_loras=2)
+    a, b = make_request(40, 3, lora_name="a"), make_request(40, 3, lora_name="b")
+    a2, base = make_request(40, 3, lora_name="a"), make_request(40, 3)
+    c = make_request(40, 3, lora_name="c")
+    for r in (a, b):
+        assert d.preallocate(r) is not None
+    assert d.preallocate(c) is None, "a third adapter held while two are"
+    # Held adapters count for routing hand-offs too: a held one is in use, the slots are full.
+    assert (d.lora_affinity(make_request(8, lora_name="a")), d.lora_affinity(c)) == (2, 0)
+    for r in (a2, base):
+        assert d.preallocate(r) is not None
+    for r in (a, b, a2, base):
+        d.add_prefilled(r.req_id, [7], num_cached_tokens=0)
+    assert d.lora_state().running == {"a": 2, "b": 1}
+    assert d.preallocate(c) is None, "a third adapter while two run"
+    for _ in range(10):  # decode them to their end: never more than two adapters a step
+        tasks, _ = step(d)
+        placed = {p.lora_name for p in tasks.placements if p.lora_name}
+        assert len(placed | _placed_loras(d)) <= 2
+        if not d.running:
+            break
+    assert not d.running and d.kv.num_free_blocks == d.kv.pool.num_blocks
+    assert d.preallocate(c) is not None
+    d.check_integrity()
+
+
+def test_a_hand_off_keys_its_prefix_blocks_by_adapter() -> None:
+    """The decode side caches a handed-off request's blocks under its adapter (as vLLM's
+    prefix cache keys blocks by LoRA): the same prompt under another adapter, or none, hits
+    nothing there; under the same adapter it hits the prompt's full blocks."""
+    d = make_scheduler(role="decode", max_loras=2)
+    prompt = list(range(500, 564))  # 4 full blocks of 16
+    r = make_request(prompt, 2, lora_name="x")
+    assert d.preallocate(r) is not None
+    d.add_prefilled(r.req_id, [7], num_cached_tokens=0)
+    assert d.prefix_hit_tokens(make_request(prompt, 2, lora_name="x")) >= 48
+    assert d.prefix_hit_tokens(make_request(prompt, 2, lora_name="y")) == 0
+    assert d.prefix_hit_tokens(make_request(prompt, 2)) == 0

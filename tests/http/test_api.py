@@ -255,6 +255,32 @@ def test_invalid_chat_and_malformed_json_are_400(live: Stack) -> None:
         )
 
 
+def test_multimodal_content_parts_are_400_naming_the_part(live: Stack) -> None:
+    """An image (or any non-text part) is refused by name before anything is queued: kvsched
+    serves text content only (no worker runs an encoder for the front end's requests)."""
+    parts = [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/cat.png"}},
+    ]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": parts}]}
+    err = _error(httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30), 400)
+    assert err["param"] == "messages.0.content.1.type"
+    assert "'image_url'" in err["message"] and "text content only" in err["message"]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    err = _error(httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30), 400)
+    assert err["param"] == "messages.0.content.0.text"
+    body = {"messages": [{"role": "user", "content": parts}]}  # /tokenize refuses it too
+    err = _error(httpx.post(live.url + "/tokenize", json=body, timeout=30), 400)
+    assert err["param"] == "messages.0.content.1.type"
+    text_only = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": parts[:1]}],
+    }
+    resp = httpx.post(live.url + "/v1/chat/completions", json=text_only, timeout=30)
+    assert resp.status_code == 200, resp.text
+
+
 def test_unknown_model_is_404(live: Stack) -> None:
     err = _error(
         httpx.post(

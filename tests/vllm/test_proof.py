@@ -21,12 +21,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this")
 
 from kvsched.client import AsyncClient, InvalidArgument
 from kvsched.tinymodel.model import make_model
+from kvsched.v1 import common_pb2, request_service_pb2, request_service_pb2_grpc
 from tests.integration.harness import (
     REPO,
     Proc,
@@ -275,3 +277,21 @@ def test_hello_announces_the_engines_facts(kvsched_vllm: str) -> None:
     assert st.model == "tiny-llama"  # the model directory's name
     assert st.num_gpu_blocks == NUM_BLOCKS
     assert st.num_host_blocks == HOST_BLOCKS
+
+
+def test_multimodal_items_are_refused_by_name(kvsched_vllm: str) -> None:
+    """The vLLM worker's Hello announces no multimodal support (no encoder inputs reach vLLM's
+    runner): a request with items is refused before queueing, naming mm_ranges."""
+    st = status(kvsched_vllm).instances[0]
+    item = common_pb2.MultimodalRange(offset=2, length=4, content_hash="img")
+    msg = request_service_pb2.GenerateRequest(
+        prompt_token_ids=list(range(1, 17)),
+        sampling=common_pb2.SamplingParams(max_tokens=2),
+        mm_ranges=[item],
+    )
+    with grpc.insecure_channel(kvsched_vllm) as ch:
+        call = request_service_pb2_grpc.RequestServiceStub(ch).Generate(msg, timeout=30)
+        with pytest.raises(grpc.RpcError) as e:
+            next(call)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "mm_ranges" in (e.value.details() or "") and st.model in (e.value.details() or "")

@@ -87,17 +87,18 @@ class Facts:
         )
 
     def lora_affinity(self, req: Request) -> int:
-        """How well req's LoRA adapter fits here (llm-d's order): 2 loaded (requests of it run
-        or wait here), 1 a free adapter slot (fewer than max_loras adapters running or
-        waiting), 0 neither (it would queue behind other adapters); 0 for no adapter."""
+        """How well req's LoRA adapter fits here (llm-d's order): 2 loaded (requests of it run,
+        wait, or are held for a hand-off here), 1 a free adapter slot (fewer than max_loras
+        adapters in use), 0 neither (it would queue behind other adapters); 0 for no adapter."""
         name = req.lora_name
         if not name:
             return 0
         running, waiting = self.table.loras, self.backlog.waiting.loras
-        if name in running or name in waiting:
+        held = self.table.held_loras() if self.table.reserved else set()
+        if name in running or name in waiting or name in held:
             return 2
         max_loras = self.config.scheduler.max_loras
-        if not max_loras or len(running.keys() | waiting.keys()) < max_loras:
+        if not max_loras or len(running.keys() | waiting.keys() | held) < max_loras:
             return 1
         return 0
 

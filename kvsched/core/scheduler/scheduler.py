@@ -255,7 +255,10 @@ class Scheduler:
     # ==== the decode role, pausing ============================================================
     def preallocate(self, src: Request) -> tuple[int, list[int]] | None:
         """Decode role: hold a slot and blocks for a request another instance will prefill
-        (see roles.Roles.preallocate)."""
+        (see roles.Roles.preallocate); None also when its LoRA adapter would be one more than
+        max_loras running here once the held requests decode (the table's rule)."""
+        if self.table.lora_blocked_held(src, self.config.scheduler.max_loras):
+            return None
         return self.roles.preallocate(src)
 
     def add_prefilled(

@@ -154,6 +154,20 @@ class PlacementTable:
         name = req.lora_name
         return bool(max_loras and name and name not in self.loras and len(self.loras) >= max_loras)
 
+    def lora_blocked_held(self, req: Request, max_loras: int) -> bool:
+        """Decode role: whether holding req for a hand-off would run more than max_loras
+        distinct adapters once the held requests decode (a held request starts decoding the
+        moment its KV arrives, unchecked: its adapter counts from the hold on)."""
+        name = req.lora_name
+        if not (max_loras and name) or name in self.loras:
+            return False
+        held = self.held_loras()
+        return name not in held and len(held | self.loras.keys()) >= max_loras
+
+    def held_loras(self) -> set[str]:
+        """Decode role: the adapters of the requests held for a hand-off (O(held))."""
+        return {r.lora_name for r in self.reserved.values() if r.lora_name}
+
     def _issue_handle(self, req: Request) -> None:
         """A fresh handle for req's slot (handle & mask == slot), and the slot table row."""
         req.handle = self.slots.handle_for(req.slot, self.next_handle)

@@ -387,6 +387,14 @@ class InstanceEngine:
         """2 req's LoRA adapter is loaded here, 1 a free adapter slot, 0 neither (routing)."""
         return 0 if self.sched is None else self.sched.lora_affinity(req)
 
+    def lora_slots(self) -> tuple[int, list[str]]:
+        """Its max_loras (0: no limit) and the LoRA adapters of the requests running or
+        queued here now, sorted (what a cluster publishes for adapter-affinity routing)."""
+        if self.sched is None:
+            return 0, []
+        st = self.sched.lora_state()
+        return st.max_loras, sorted(st.running.keys() | st.waiting.keys())
+
     def host_block_hashes(self) -> list[bytes]:
         """Every hash this instance's host-memory tier holds now ([] without one)."""
         return [] if self.sched is None else self.sched.host_block_hashes()

@@ -29,6 +29,7 @@ class Limits:
     max_logprobs: int = 0  # log-probability alternatives per token its workers report
     # The LoRA adapters its workers can load, (name, path) pairs (Hello.lora_adapters).
     loras: tuple[tuple[str, str], ...] = ()
+    multimodal: bool = True  # Hello.multimodal: runs a request's multimodal items (encoder)
 
     def has_lora(self, name: str) -> bool:
         return any(n == name for n, _ in self.loras)
@@ -48,6 +49,7 @@ def limits_of(
     hello_structured_outputs: bool = False,
     hello_max_logprobs: int = 0,
     loras: tuple[tuple[str, str], ...] = (),
+    hello_multimodal: bool = True,
 ) -> Limits:
     """An instance's limits from its first rank's Hello and the daemon's configuration."""
     mml = daemon_max_model_len
@@ -60,6 +62,7 @@ def limits_of(
         structured_outputs=hello_structured_outputs,
         max_logprobs=hello_max_logprobs,
         loras=loras,
+        multimodal=hello_multimodal,
     )
 
 
@@ -124,6 +127,13 @@ def misfit(req: Request, lim: Limits) -> str | None:
             f"structured_output ({sp.structured.kind}): the workers of model {lim.model!r} "
             "cannot apply a structured-output constraint (it needs a vLLM worker, which "
             "announces structured_outputs in its Hello)"
+        )
+    if req.mm_ranges and not lim.multimodal:
+        return (
+            f"mm_ranges ({len(req.mm_ranges)} multimodal item(s)): the workers of model "
+            f"{lim.model!r} run no encoder for them (the vLLM worker passes no multimodal "
+            "inputs to vLLM's runner; the model executor's toy encoder and the sim do); send "
+            "the prompt without items or to a model whose workers announce multimodal"
         )
     if n + sp.max_tokens > lim.max_model_len:
         return (
@@ -219,6 +229,7 @@ def fitting(req: Request, model: str, candidates: Sequence[tuple[_C, Limits]]) -
         best = max(
             (lim for _, lim in of_model),
             key=lambda lim: (
+                lim.multimodal,
                 lim.structured_outputs,
                 lim.max_model_len,
                 lim.vocab_size,

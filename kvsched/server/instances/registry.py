@@ -26,6 +26,7 @@ from kvsched.core import (
     StorageIndex,
     Unavailable,
 )
+from kvsched.core.router import lora_eligible
 from kvsched.server.instances.engine import InstanceEngine, RankConn
 from kvsched.server.instances.events import EngineListener
 from kvsched.server.instances.models import (
@@ -161,6 +162,7 @@ class InstanceRegistry:
                 hello_structured_outputs=hello.structured_outputs,
                 hello_max_logprobs=hello.max_logprobs,
                 loras=conn.lora_adapters,
+                hello_multimodal=hello.multimodal,
             )
             if eng.cost_seed is None:  # never ran here: priced like its model's instances
                 eng.cost_seed = self._sibling_cost(eng)
@@ -418,11 +420,20 @@ class InstanceRegistry:
             return "no instance is ready: its workers are still starting, or all are draining"
         return "no instance is ready: no worker connected (start one with `kvsched worker`)"
 
-    def route_decode(self) -> InstanceEngine:
-        """The decode instance a prefill instance's request will be handed off to."""
+    def route_decode(self, req: Request | None = None) -> InstanceEngine:
+        """The decode instance a prefill instance's request will be handed off to; for a LoRA
+        request, one whose workers announced its adapter, of the best adapter-affinity tier
+        (the adapter in use there > a free adapter slot > neither), then the least loaded."""
         decodes = [e for e in self.engines.values() if e.is_decode and e.accepting]
+        lora = "" if req is None else req.lora_name
+        if lora:
+            decodes = [e for e in decodes if _limits(e, self.config.model).has_lora(lora)]
         if not decodes:
-            raise Unavailable("prefill instance has no ready decode instance to hand off to")
+            has = f" with LoRA adapter {lora!r}" if lora else ""
+            raise Unavailable(f"prefill instance has no ready decode instance{has} to hand off to")
+        if lora and req is not None and len(decodes) > 1:
+            tier = lora_eligible([e.lora_affinity(req) for e in decodes])
+            decodes = [e for e, best in zip(decodes, tier.tolist(), strict=True) if best]
         return _route_decode(self.router, decodes)
 
     def route_moved(self, req: Request, model: str = "") -> InstanceEngine | None:
@@ -438,6 +449,8 @@ class InstanceRegistry:
         ready = [e for e in ready if _limits(e, self.config.model).model == want]
         if req.lora_name:
             ready = [e for e in ready if _limits(e, self.config.model).has_lora(req.lora_name)]
+        if req.mm_ranges:  # never onto a worker that runs no multimodal items
+            ready = [e for e in ready if _limits(e, self.config.model).multimodal]
         return _route(self.router, ready, req) if ready else None
 
     # ---- admin ------------------------------------------------------------------------------

@@ -112,11 +112,16 @@ class Acceptor:
         return tr
 
     def _reserve_decode(self, req: Request) -> InstanceEngine:
-        d = self.registry.route_decode()
+        d = self.registry.route_decode(req)
         got = d.preallocate(req)
         if got is None:
+            slot = (
+                "slot, blocks or LoRA adapter slot (max_loras)"
+                if req.lora_name
+                else "slot or blocks"
+            )
             raise Unavailable(
-                f"decode instance {d.instance_id} has no free slot or blocks for this request now; retry"
+                f"decode instance {d.instance_id} has no free {slot} for this request now; retry"
             )
         handle, blocks = got
         req.kv_target = (d.instance_id, handle, blocks)
