@@ -23,7 +23,8 @@ How kvsched's decisions map onto vLLM's per-step structures:
                                              (alias too); vLLM activates and loads it (lora.py)
     ... with drafts (num_draft > 0)      -> the drafts as scheduled_spec_decode_tokens, never in
                                              the prompt (spec_decode.py); the accepted drafts
-                                             and a bonus token come back
+                                             and a bonus token come back (with a draft model
+                                             the drafts are its proposals of the step before)
     finished / aborted handle            -> finished_req_ids (once; its alias too)
     preempted handle                     -> nothing: vLLM drops an unscheduled request from its
                                              batch and keeps its state for the re-placement
@@ -87,6 +88,7 @@ class EngineFacts:
     generation_config: dict[str, Any]
     num_speculative_tokens: int = 0  # drafts per step the runner verifies (0: none)
     max_logprobs: int = 0  # log-probability alternatives per token (vLLM's max_logprobs)
+    draft_model: str = ""  # the draft model's directory ("": the engine's ngram drafts)
 
 
 @dataclass(slots=True)
@@ -119,6 +121,7 @@ class VllmModel:
         num_speculative_tokens: int = 0,
         extra: dict[str, Any] | None = None,
         lora: LoraSlots | None = None,
+        draft_model: str = "",
     ) -> None:
         from vllm import envs
         from vllm.engine.arg_utils import EngineArgs
@@ -133,7 +136,9 @@ class VllmModel:
             block_size = 32 if current_platform.is_cpu() else 16
         extra = dict(extra or {})
         if num_speculative_tokens:  # the runner's spec-decode path: kvsched proposes the drafts
-            extra["speculative_config"] = spec_decode.vllm_config(num_speculative_tokens)
+            extra["speculative_config"] = spec_decode.vllm_config(
+                num_speculative_tokens, draft_model
+            )
         extra.update(vllm_lora.engine_args(lora or LoraSlots()))
         # Adapter name -> its LoRARequest, for each placement naming it (lora.py).
         self.lora_requests: dict[str, Any] = vllm_lora.lora_requests(lora or LoraSlots())
@@ -172,6 +177,7 @@ class VllmModel:
             generation_config=dict(mc.try_get_generation_config() or {}),
             num_speculative_tokens=num_speculative_tokens,
             max_logprobs=int(mc.get_vocab_size() if mc.max_logprobs < 0 else mc.max_logprobs),
+            draft_model=draft_model if num_speculative_tokens else "",
         )
         log.info("vLLM engine ready in %.1f s: %s", time.monotonic() - started, self.facts)
 
@@ -264,6 +270,8 @@ class VllmExecutor:
         self._finished: set[str] = set()  # to tell the runner in the next step
         self.grammars = Grammars(model.config)  # structured output (structured.py)
         self.num_steps = 0
+        # The draft model's proposals per request (spec_decode.py); None: the engine's drafts.
+        self.model_drafts = spec_decode.ModelDrafts() if model.facts.draft_model else None
 
     # ---- what the engine tells it between steps ---------------------------------------------
 
@@ -280,6 +288,8 @@ class VllmExecutor:
             if lora is None:
                 raise ValueError(f"placement of {req_id!r} names unknown adapter {lora_name!r}")
         self._parked.pop(req_id, None)
+        if self.model_drafts is not None:
+            self.model_drafts.drop(req_id)
         self._reqs[req_id] = _Req([0] * num_prefill, num_prefill, params, lora)
         if params.structured_outputs is not None:
             self.grammars.place(req_id, params, num_output)
@@ -298,6 +308,8 @@ class VllmExecutor:
         r = self._reqs.pop(req_id, None)
         if r is None:
             return
+        if self.model_drafts is not None:
+            self.model_drafts.drop(req_id)
         if r.alias_live:
             self._finished.add(req_id + _ALIAS)
         if preempted:
@@ -333,7 +345,7 @@ class VllmExecutor:
         for w in work:
             r = self._reqs[w.req_id]
             n = len(w.token_ids)
-            end = w.start + spec_decode.split(w, drafts)  # the drafts never enter the prompt
+            end = w.start + spec_decode.split(w, drafts, self.model_drafts)  # (not in the prompt)
             if end > len(r.prompt):  # a decode past the prompt: the runner samples positions
                 r.prompt.extend([0] * (end - len(r.prompt)))  # (only a full-hit placement)
             blocks = ([b + 1 for b in w.block_ids],)
@@ -372,12 +384,18 @@ class VllmExecutor:
             scheduled_encoder_inputs={},
             finished_req_ids=self._finished,
             free_encoder_mm_hashes=[],
+            # drafts the runner's own proposer makes after the step: the draft model's K
+            # (spec_decode.py); ngram drafts are the engine's, so its proposer makes none
+            num_spec_tokens_to_schedule=facts.num_speculative_tokens if facts.draft_model else 0,
         )
         self._finished = set()
         executor = self.model.executor
         executor.execute_model(output)
         grammar = self.grammars.bitmask(sampling, drafts) if total else None
         result = executor.sample_tokens(grammar) if total else None
+        if self.model_drafts is not None and result is not None:  # the next step's drafts
+            sampled_ids = {w.req_id for w in work if w.sample}
+            self.model_drafts.update(executor.take_draft_token_ids(), sampled_ids)
         tokens: list[list[int]] = []
         for w in work:
             if not w.sample or result is None:
@@ -477,5 +495,7 @@ class VllmExecutor:
         self._reqs.clear()
         self._parked.clear()
         self.grammars.clear()
+        if self.model_drafts is not None:
+            self.model_drafts.clear()
         if self.model.num_host_blocks:
             self.drop_host()
