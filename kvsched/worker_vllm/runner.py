@@ -23,8 +23,7 @@ How kvsched's decisions map onto vLLM's per-step structures:
                                              (alias too); vLLM activates and loads it (lora.py)
     ... with drafts (num_draft > 0)      -> the drafts as scheduled_spec_decode_tokens, never in
                                              the prompt (spec_decode.py); the accepted drafts
-                                             and a bonus token come back (with a draft model
-                                             the drafts are its proposals of the step before)
+                                             and a bonus token come back (a draft model's too)
     finished / aborted handle            -> finished_req_ids (once; its alias too)
     preempted handle                     -> nothing: vLLM drops an unscheduled request from its
                                              batch and keeps its state for the re-placement
@@ -270,8 +269,7 @@ class VllmExecutor:
         self._finished: set[str] = set()  # to tell the runner in the next step
         self.grammars = Grammars(model.config)  # structured output (structured.py)
         self.num_steps = 0
-        # The draft model's proposals per request (spec_decode.py); None: the engine's drafts.
-        self.model_drafts = spec_decode.ModelDrafts() if model.facts.draft_model else None
+        self.model_drafts = spec_decode.ModelDrafts()  # a draft model's proposals, if any
 
     # ---- what the engine tells it between steps ---------------------------------------------
 
@@ -288,8 +286,7 @@ class VllmExecutor:
             if lora is None:
                 raise ValueError(f"placement of {req_id!r} names unknown adapter {lora_name!r}")
         self._parked.pop(req_id, None)
-        if self.model_drafts is not None:
-            self.model_drafts.drop(req_id)
+        self.model_drafts.drop(req_id)
         self._reqs[req_id] = _Req([0] * num_prefill, num_prefill, params, lora)
         if params.structured_outputs is not None:
             self.grammars.place(req_id, params, num_output)
@@ -308,8 +305,7 @@ class VllmExecutor:
         r = self._reqs.pop(req_id, None)
         if r is None:
             return
-        if self.model_drafts is not None:
-            self.model_drafts.drop(req_id)
+        self.model_drafts.drop(req_id)
         if r.alias_live:
             self._finished.add(req_id + _ALIAS)
         if preempted:
@@ -345,7 +341,7 @@ class VllmExecutor:
         for w in work:
             r = self._reqs[w.req_id]
             n = len(w.token_ids)
-            end = w.start + spec_decode.split(w, drafts, self.model_drafts)  # (not in the prompt)
+            end = w.start + spec_decode.split(w, drafts, self.model_drafts)  # drafts: not in it
             if end > len(r.prompt):  # a decode past the prompt: the runner samples positions
                 r.prompt.extend([0] * (end - len(r.prompt)))  # (only a full-hit placement)
             blocks = ([b + 1 for b in w.block_ids],)
@@ -384,18 +380,15 @@ class VllmExecutor:
             scheduled_encoder_inputs={},
             finished_req_ids=self._finished,
             free_encoder_mm_hashes=[],
-            # drafts the runner's own proposer makes after the step: the draft model's K
-            # (spec_decode.py); ngram drafts are the engine's, so its proposer makes none
-            num_spec_tokens_to_schedule=facts.num_speculative_tokens if facts.draft_model else 0,
+            num_spec_tokens_to_schedule=spec_decode.num_to_propose(facts),  # its proposer's
         )
         self._finished = set()
         executor = self.model.executor
         executor.execute_model(output)
         grammar = self.grammars.bitmask(sampling, drafts) if total else None
         result = executor.sample_tokens(grammar) if total else None
-        if self.model_drafts is not None and result is not None:  # the next step's drafts
-            sampled_ids = {w.req_id for w in work if w.sample}
-            self.model_drafts.update(executor.take_draft_token_ids(), sampled_ids)
+        if facts.draft_model and result is not None:  # the next step's drafts
+            self.model_drafts.update(executor.take_draft_token_ids(), work)
         tokens: list[list[int]] = []
         for w in work:
             if not w.sample or result is None:
@@ -495,7 +488,6 @@ class VllmExecutor:
         self._reqs.clear()
         self._parked.clear()
         self.grammars.clear()
-        if self.model_drafts is not None:
-            self.model_drafts.clear()
+        self.model_drafts.clear()
         if self.model.num_host_blocks:
             self.drop_host()

@@ -47,6 +47,12 @@ def vllm_config(num_speculative_tokens: int, draft_model: str = "") -> dict[str,
     return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens}
 
 
+def num_to_propose(facts: Any) -> int:
+    """SchedulerOutput.num_spec_tokens_to_schedule: drafts the runner's own proposer makes after
+    the step (the draft model's K; at 0 it proposes nothing: ngram drafts are the engine's)."""
+    return int(facts.num_speculative_tokens) if facts.draft_model else 0
+
+
 def reserve(history: list[int], k: int) -> list[int]:
     """The engine's DraftFn with a draft model: k placeholder drafts that `ModelDrafts` fills."""
     return [PLACEHOLDER] * k
@@ -63,17 +69,19 @@ class ModelDrafts:
         return len(self._proposed)
 
     def fill(self, w: SeqWork) -> list[int]:
-        """w's drafts: the request's proposal (its first num_draft tokens) where there is one."""
+        """w's drafts: the request's proposal (its first num_draft tokens) where there is one,
+        the engine's own after it (all of them without a draft model: nothing is proposed)."""
         n = len(w.token_ids)
         got = self._proposed.get(w.req_id, [])[: w.num_draft]
         self.num_filled += len(got)
         return got + list(w.token_ids[n - w.num_draft + len(got) :])
 
-    def update(self, taken: Any, sampled: set[str]) -> None:
+    def update(self, taken: Any, work: list[SeqWork]) -> None:
         """Keep the proposals the runner made this step (`taken`: its take_draft_token_ids(),
-        None when it made none) for the requests that sampled in it."""
+        None when it made none) for the requests that sampled in it (`work`: the step's)."""
         if taken is None:
             return
+        sampled = {w.req_id for w in work if w.sample}
         for req_id, ids in zip(taken.req_ids, taken.draft_token_ids, strict=True):
             if req_id in sampled:
                 self._proposed[req_id] = [int(t) for t in ids]
@@ -86,13 +94,10 @@ class ModelDrafts:
 
 
 def split(w: SeqWork, drafts: dict[str, list[int]], model: ModelDrafts | None = None) -> int:
-    """The SeqWork's tokens that are not drafts (how many); its drafts (the draft model's
-    proposal with `model`) go into `drafts` under its request id."""
+    """The SeqWork's tokens that are not drafts (how many); its drafts (filled from `model`'s
+    proposals) go into `drafts` under its request id."""
     n = len(w.token_ids)
     if not w.num_draft:
         return n
-    if model is not None:
-        drafts[w.req_id] = model.fill(w)
-    else:
-        drafts[w.req_id] = list(w.token_ids[n - w.num_draft :])
+    drafts[w.req_id] = model.fill(w) if model is not None else list(w.token_ids[n - w.num_draft :])
     return n - w.num_draft
