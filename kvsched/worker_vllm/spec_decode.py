@@ -24,6 +24,11 @@ Two drafters:
   its recompute runs the draft model over the same tokens (its proposals are dropped with it).
 
 Either way the texts equal plain greedy decoding: the target model verifies every draft.
+
+vLLM 0.32's CPU build gives wrong tokens with a draft model when a step mixes greedy and
+random-sampling requests (its own `LLM.generate` too: greedy requests beside seeded
+temperature-1 ones come out as runs of token ids 0-2), so with a draft model a step that runs
+any non-greedy request verifies no drafts (`no_drafts_unless_greedy`): plain sampling that step.
 """
 
 from __future__ import annotations
@@ -91,6 +96,21 @@ class ModelDrafts:
 
     def clear(self) -> None:
         self._proposed.clear()
+
+
+def no_drafts_unless_greedy(work: list[SeqWork], reqs: dict[str, Any]) -> bool:
+    """With a draft model: when any of the step's requests (`reqs`: the executor's by request
+    id, with vLLM's SamplingParams as `.params`) samples at random, take the drafts off every SeqWork (num_draft 0: the engine
+    then counts none) and return True; the step runs without speculation."""
+    from vllm.sampling_params import SamplingType
+
+    if all(reqs[w.req_id].params.sampling_type == SamplingType.GREEDY for w in work):
+        return False
+    for w in work:
+        if w.num_draft:
+            del w.token_ids[len(w.token_ids) - w.num_draft :]
+            w.num_draft = 0
+    return True
 
 
 def split(w: SeqWork, drafts: dict[str, list[int]], model: ModelDrafts | None = None) -> int:
