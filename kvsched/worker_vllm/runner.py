@@ -338,7 +338,7 @@ class VllmExecutor:
         num_scheduled: dict[str, int] = {}
         drafts: dict[str, list[int]] = {}  # scheduled_spec_decode_tokens (spec_decode.py)
         sampling: list[tuple[str, list[int]]] = []  # (req_id, prompt) of the requests sampling
-        if facts.draft_model:  # (a vLLM bug: spec_decode.py)
+        if facts.num_speculative_tokens:  # (a vLLM bug: spec_decode.py)
             spec_decode.no_drafts_unless_greedy(work, self._reqs)
         for w in work:
             r = self._reqs[w.req_id]

@@ -25,9 +25,10 @@ Two drafters:
 
 Either way the texts equal plain greedy decoding: the target model verifies every draft.
 
-vLLM 0.32's CPU build gives wrong tokens with a draft model when a step mixes greedy and
-random-sampling requests (its own `LLM.generate` too: greedy requests beside seeded
-temperature-1 ones come out as runs of token ids 0-2), so with a draft model a step that runs
+vLLM 0.32's CPU build gives wrong tokens when a speculative step mixes greedy and
+random-sampling requests: its own `LLM.generate` with ngram or draft-model speculation, greedy
+requests beside seeded temperature-1 ones, gave 0 of 6 greedy texts equal to plain greedy
+(tokens such as 0, 1, 2 after drafts), and kvsched's worker gave 8 of 12. So a step that runs
 any non-greedy request verifies no drafts (`no_drafts_unless_greedy`): plain sampling that step.
 """
 
@@ -99,7 +100,7 @@ class ModelDrafts:
 
 
 def no_drafts_unless_greedy(work: list[SeqWork], reqs: dict[str, Any]) -> bool:
-    """With a draft model: when any of the step's requests (`reqs`: the executor's by request
+    """When any of the step's requests (`reqs`: the executor's by request
     id, with vLLM's SamplingParams as `.params`) samples at random, take the drafts off every SeqWork (num_draft 0: the engine
     then counts none) and return True; the step runs without speculation."""
     from vllm.sampling_params import SamplingType
