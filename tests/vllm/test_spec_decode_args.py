@@ -89,3 +89,16 @@ def test_proposals_fill_the_reserved_drafts_of_the_requests_that_sampled() -> No
     ngram = SeqWork(1, "n", [0], 10, [7, 11, 12], True, 2, SamplingParams(max_tokens=8))
     spec_decode.split(ngram, drafts, spec_decode.ModelDrafts())
     assert drafts["n"] == [11, 12]
+
+
+@pytest.mark.vllm  # (`make test-vllm` runs it; the main virtualenv skips it)
+def test_a_step_with_a_random_sampling_request_verifies_no_drafts() -> None:
+    sampling_params = pytest.importorskip("vllm.sampling_params", reason="needs vLLM")
+    greedy = SimpleNamespace(params=sampling_params.SamplingParams(temperature=0.0))
+    sampled = SimpleNamespace(params=sampling_params.SamplingParams(temperature=1.0, seed=1))
+    work = [_decode("a", 3), _decode("b", 2)]
+    assert not spec_decode.no_drafts_unless_greedy(work, {"a": greedy, "b": greedy})
+    assert [(w.num_draft, len(w.token_ids)) for w in work] == [(3, 4), (2, 3)]
+    work.append(_chunk("c"))  # a prompt chunk of a sampled request: no drafts for anyone
+    assert spec_decode.no_drafts_unless_greedy(work, {"a": greedy, "b": greedy, "c": sampled})
+    assert [(w.num_draft, w.token_ids) for w in work] == [(0, [7]), (0, [7]), (0, [3, 4])]
