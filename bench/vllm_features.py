@@ -2,7 +2,7 @@
 decoding gives, and what a prefill/decode hand-off costs. Real processes on loopback, the tiny
 model made offline (float32), kvsched's gRPC client as the load.
 
-    python -m bench.vllm_features [--parts spec,pd] [--rounds 2] [--requests 24]
+    python -m bench.vllm_features [--parts spec,pd,draft] [--rounds 2] [--requests 24]
 
 spec  One daemon + one `kvsched worker --executor vllm`, with ngram drafts (K = 3) and
       without, in alternating rounds; greedy prompts made of a few repeated phrases (prompt
@@ -10,6 +10,11 @@ spec  One daemon + one `kvsched worker --executor vllm`, with ngram drafts (K = 
       flight, 64 tokens each (ignore_eos). Output tok/s (client side), output tokens per
       engine step (the worker's counters), drafts verified / accepted (the daemon's counters,
       from the worker's report rows).
+draft Speculative decoding with a draft model (`--draft-model`, K = 3) vs ngram drafts vs none,
+      one round each (noisy), as for spec but on random prompts (prompt lookup finds little
+      in them): drafts from the tiny model's first layer alone (its embeddings, layer 0, norm
+      and head: a 1-layer model of the same vocabulary, `truncated_draft`), and from the tiny
+      model itself (every proposal is the target's greedy token: the ceiling).
 pd    One daemon with a prefill and a decode instance, a vLLM worker each (`--listen-kv`);
       prompts of ~1,000 tokens, 2 in flight, 8 tokens each. The prefill worker's counters: KV
       blocks pushed, seconds reading them out of vLLM's cache (export) and wall seconds of the
@@ -64,6 +69,24 @@ def spec_prompts(n: int, seed: int = 4) -> list[list[int]]:
     for _ in range(n):
         phrases = [[rng.randrange(5, 512) for _ in range(rng.randrange(3, 7))] for _ in range(3)]
         out.append([t for _ in range(rng.randrange(3, 8)) for t in rng.choice(phrases)])
+    return out
+
+
+def random_prompts(n: int, seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 512) for _ in range(rng.randrange(40, 70))] for _ in range(n)]
+
+
+def truncated_draft(target: Path, out: Path, layers: int = 1) -> Path:
+    """A draft model of the target's vocabulary: its first `layers` layers under its own
+    embeddings, final norm and head (layer skipping), written as a model directory."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(target)
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").write_text((target / "generation_config.json").read_text())
     return out
 
 
@@ -133,7 +156,14 @@ def status_counts(daemon: str) -> dict[str, dict[str, float]]:
         }
 
 
-def spec_round(model: Path, logs: Path, k: int, n: int) -> dict[str, float]:
+def spec_round(
+    model: Path,
+    logs: Path,
+    k: int,
+    n: int,
+    draft: Path | None = None,
+    prompts: list[list[int]] | None = None,
+) -> dict[str, float]:
     daemon = f"127.0.0.1:{free_port()}"
     env = {
         "KVSCHED_ENGINE__SPECULATIVE__NUM_SPECULATIVE_TOKENS": str(k),
@@ -143,12 +173,14 @@ def spec_round(model: Path, logs: Path, k: int, n: int) -> dict[str, float]:
         procs.start(
             "daemon", [*_KVSCHED, "serve", "--listen", daemon, "--metrics-listen", "off"], env
         )
-        extra = ("--num-speculative-tokens", str(k)) if k else ()
+        extra: tuple[str, ...] = ("--num-speculative-tokens", str(k)) if k else ()
+        if draft is not None:
+            extra += ("--draft-model", str(draft))
         procs.start("worker", worker(daemon, "v0", model, *extra))
         wait_ready(procs, daemon)
         before, wb = status_counts(daemon)["v0"], worker_stats(procs, "worker")
         load = os.getloadavg()[0]
-        tokens, wall = asyncio.run(drive(daemon, spec_prompts(n + 1), 64, 8))
+        tokens, wall = asyncio.run(drive(daemon, prompts or spec_prompts(n + 1), 64, 8))
         after, wa = status_counts(daemon)["v0"], worker_stats(procs, "worker")
     steps = wa["steps"] - wb["steps"]
     drafts = after["drafts"] - before["drafts"]
@@ -199,6 +231,31 @@ def _median(rows: list[dict[str, float]], key: str) -> tuple[float, float, float
     return statistics.median(vals), min(vals), max(vals)
 
 
+def draft_part(model: Path, tmp: Path, n: int) -> dict[str, dict[str, float]]:
+    """One round each: none, ngram, the 1-layer draft, the model as its own draft."""
+    draft = truncated_draft(model, tmp / "draft-1layer")
+    prompts = random_prompts(n + 1)
+    runs = {
+        "none": (0, None),
+        "ngram": (K, None),
+        "draft_1layer": (K, draft),
+        "draft_self": (K, model),
+    }
+    rows = {}
+    for name, (k, d) in runs.items():
+        logs = tmp / f"draft-{name}"
+        logs.mkdir()
+        rows[name] = spec_round(model, logs, k, n, d, prompts)
+    print("\nspeculative decoding, draft model vs ngram vs none (K = 3, random prompts, 1 round)")
+    print(f"{'drafter':>14} {'out tok/s':>10} {'tokens/step':>12} {'accept':>8} {'load':>6}")
+    for name, row in rows.items():
+        print(
+            f"{name:>14} {row['output_tok_s']:>10.0f} {row['tokens_per_step']:>12.2f}"
+            f" {row['acceptance']:>8.3f} {row['load_1m']:>6.1f}"
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="spec,pd")
@@ -231,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                     f" {acc:>8.3f} {load:>6.1f}"
                 )
             result["spec"] = {str(k): rs for k, rs in rows.items()}
+        if "draft" in parts:
+            result["draft"] = draft_part(model, Path(tmp), args.requests)
         if "pd" in parts:
             pd_rows = []
             for r in range(args.rounds):

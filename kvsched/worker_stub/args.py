@@ -55,6 +55,14 @@ def add_worker_parser(
         "num_speculative_tokens must not exceed it (0: no speculative decoding)",
     )
     p.add_argument(
+        "--draft-model",
+        default="",
+        metavar="DIR",
+        help="vllm: propose the drafts with this smaller model of the same vocabulary, run by "
+        "vLLM's draft-model proposer in the same runner (needs --num-speculative-tokens; "
+        'default "": the engine\'s ngram prompt lookup)',
+    )
+    p.add_argument(
         "--lora-modules",
         nargs="+",
         action="extend",

@@ -62,6 +62,8 @@ def worker_from_args(args: argparse.Namespace) -> Worker:
     if max_model_len < 0:
         raise ValueError(f"--max-model-len must be >= 0, got {max_model_len}")
     lora = lora_slots_from_args(args)
+    if getattr(args, "draft_model", "") and args.executor != "vllm":
+        raise ValueError("--draft-model: only --executor vllm runs a draft model")
     if lora.adapters and args.executor == "model":
         raise ValueError("--lora-modules: the model executor applies no LoRA adapters")
     structured_outputs = False  # Hello.structured_outputs: only vLLM's backend applies grammars

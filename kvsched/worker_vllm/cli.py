@@ -43,6 +43,11 @@ def vllm_factory_from_args(
     ]:
         if value < 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
+    draft_model = getattr(args, "draft_model", "")
+    if draft_model and not spec_k:
+        raise ValueError("--draft-model needs --num-speculative-tokens K > 0 (drafts per step)")
+    if draft_model and not os.path.isdir(draft_model):
+        raise ValueError(f"--draft-model {draft_model!r} is not a directory")
     lora = lora or LoraSlots()
     for name, path in lora.adapters:
         if not os.path.isdir(path):
@@ -64,6 +69,7 @@ def vllm_factory_from_args(
         num_host_blocks=getattr(args, "host_blocks", 0),
         num_speculative_tokens=spec_k,
         lora=lora,
+        draft_model=draft_model,
     )
     f = engine.facts
     name = os.path.basename(os.path.normpath(model))

@@ -14,6 +14,7 @@ from typing import Any
 from kvsched.core.protocol import Placement, SamplingParams, StepReport, Tasks
 from kvsched.worker_stub.engine import KvSender, WorkerEngine
 from kvsched.worker_stub.factories import EngineFactory, EngineSettings
+from kvsched.worker_vllm import spec_decode
 from kvsched.worker_vllm.runner import EngineFacts, VllmExecutor, VllmModel
 from kvsched.worker_vllm.structured import vllm_params
 
@@ -127,7 +128,13 @@ def vllm_engine_factory(model: VllmModel, num_slots: int) -> EngineFactory:
             )
         executor = VllmExecutor(model)
         engine = VllmEngine(
-            executor, facts.block_size, num_slots, kv_sender=kv_sender, num_speculative_tokens=k
+            executor,
+            facts.block_size,
+            num_slots,
+            kv_sender=kv_sender,
+            num_speculative_tokens=k,
+            # with a draft model the engine only reserves the draft positions (spec_decode.py)
+            draft=spec_decode.reserve if facts.draft_model and k else None,
         )
         if settings.max_model_len:
             engine.max_model_len = min(engine.max_model_len, settings.max_model_len)

@@ -23,7 +23,7 @@ How kvsched's decisions map onto vLLM's per-step structures:
                                              (alias too); vLLM activates and loads it (lora.py)
     ... with drafts (num_draft > 0)      -> the drafts as scheduled_spec_decode_tokens, never in
                                              the prompt (spec_decode.py); the accepted drafts
-                                             and a bonus token come back
+                                             and a bonus token come back (a draft model's too)
     finished / aborted handle            -> finished_req_ids (once; its alias too)
     preempted handle                     -> nothing: vLLM drops an unscheduled request from its
                                              batch and keeps its state for the re-placement
@@ -87,6 +87,7 @@ class EngineFacts:
     generation_config: dict[str, Any]
     num_speculative_tokens: int = 0  # drafts per step the runner verifies (0: none)
     max_logprobs: int = 0  # log-probability alternatives per token (vLLM's max_logprobs)
+    draft_model: str = ""  # the draft model's directory ("": the engine's ngram drafts)
 
 
 @dataclass(slots=True)
@@ -119,6 +120,7 @@ class VllmModel:
         num_speculative_tokens: int = 0,
         extra: dict[str, Any] | None = None,
         lora: LoraSlots | None = None,
+        draft_model: str = "",
     ) -> None:
         from vllm import envs
         from vllm.engine.arg_utils import EngineArgs
@@ -133,7 +135,9 @@ class VllmModel:
             block_size = 32 if current_platform.is_cpu() else 16
         extra = dict(extra or {})
         if num_speculative_tokens:  # the runner's spec-decode path: kvsched proposes the drafts
-            extra["speculative_config"] = spec_decode.vllm_config(num_speculative_tokens)
+            extra["speculative_config"] = spec_decode.vllm_config(
+                num_speculative_tokens, draft_model
+            )
         extra.update(vllm_lora.engine_args(lora or LoraSlots()))
         # Adapter name -> its LoRARequest, for each placement naming it (lora.py).
         self.lora_requests: dict[str, Any] = vllm_lora.lora_requests(lora or LoraSlots())
@@ -172,6 +176,7 @@ class VllmModel:
             generation_config=dict(mc.try_get_generation_config() or {}),
             num_speculative_tokens=num_speculative_tokens,
             max_logprobs=int(mc.get_vocab_size() if mc.max_logprobs < 0 else mc.max_logprobs),
+            draft_model=draft_model if num_speculative_tokens else "",
         )
         log.info("vLLM engine ready in %.1f s: %s", time.monotonic() - started, self.facts)
 
@@ -264,6 +269,7 @@ class VllmExecutor:
         self._finished: set[str] = set()  # to tell the runner in the next step
         self.grammars = Grammars(model.config)  # structured output (structured.py)
         self.num_steps = 0
+        self.model_drafts = spec_decode.ModelDrafts()  # a draft model's proposals, if any
 
     # ---- what the engine tells it between steps ---------------------------------------------
 
@@ -280,6 +286,7 @@ class VllmExecutor:
             if lora is None:
                 raise ValueError(f"placement of {req_id!r} names unknown adapter {lora_name!r}")
         self._parked.pop(req_id, None)
+        self.model_drafts.drop(req_id)
         self._reqs[req_id] = _Req([0] * num_prefill, num_prefill, params, lora)
         if params.structured_outputs is not None:
             self.grammars.place(req_id, params, num_output)
@@ -298,6 +305,7 @@ class VllmExecutor:
         r = self._reqs.pop(req_id, None)
         if r is None:
             return
+        self.model_drafts.drop(req_id)
         if r.alias_live:
             self._finished.add(req_id + _ALIAS)
         if preempted:
@@ -330,10 +338,12 @@ class VllmExecutor:
         num_scheduled: dict[str, int] = {}
         drafts: dict[str, list[int]] = {}  # scheduled_spec_decode_tokens (spec_decode.py)
         sampling: list[tuple[str, list[int]]] = []  # (req_id, prompt) of the requests sampling
+        if facts.num_speculative_tokens:  # (a vLLM bug: spec_decode.py)
+            spec_decode.no_drafts_unless_greedy(work, self._reqs)
         for w in work:
             r = self._reqs[w.req_id]
             n = len(w.token_ids)
-            end = w.start + spec_decode.split(w, drafts)  # the drafts never enter the prompt
+            end = w.start + spec_decode.split(w, drafts, self.model_drafts)  # drafts: not in it
             if end > len(r.prompt):  # a decode past the prompt: the runner samples positions
                 r.prompt.extend([0] * (end - len(r.prompt)))  # (only a full-hit placement)
             blocks = ([b + 1 for b in w.block_ids],)
@@ -372,12 +382,15 @@ class VllmExecutor:
             scheduled_encoder_inputs={},
             finished_req_ids=self._finished,
             free_encoder_mm_hashes=[],
+            num_spec_tokens_to_schedule=spec_decode.num_to_propose(facts),  # its proposer's
         )
         self._finished = set()
         executor = self.model.executor
         executor.execute_model(output)
         grammar = self.grammars.bitmask(sampling, drafts) if total else None
         result = executor.sample_tokens(grammar) if total else None
+        if facts.draft_model and result is not None:  # the next step's drafts
+            self.model_drafts.update(executor.take_draft_token_ids(), work)
         tokens: list[list[int]] = []
         for w in work:
             if not w.sample or result is None:
@@ -477,5 +490,6 @@ class VllmExecutor:
         self._reqs.clear()
         self._parked.clear()
         self.grammars.clear()
+        self.model_drafts.clear()
         if self.model.num_host_blocks:
             self.drop_host()
