@@ -273,6 +273,12 @@ class Scheduler:
         self.exits.recompute_reserved(req, output_token_ids)
         return req
 
+    def take_stored_hand_offs(self) -> list[Request]:
+        """Prefill role handing off through the storage tier: the requests whose writes are
+        not acknowledged yet (taken: the instance is lost; the decode side recomputes them)."""
+        ho = self.reports.stored_hand_offs
+        return ho.take_pending() if ho is not None else []
+
     def pause(self) -> list[Request]:
         """Preempt everything running and hold admissions (around weight updates)."""
         return self.exits.pause()

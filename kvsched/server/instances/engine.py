@@ -177,6 +177,8 @@ class InstanceEngine:
         # none of this instance's blocks is used again until its workers register anew.
         self._dispatch(sched.take_events())
         self._dispatch.forget_sinks()  # let go of the lost scheduler's last batch
+        for req in sched.take_stored_hand_offs():  # their writes may not have run
+            self.listener.on_hand_off_failed(self, req)
         for req in list(sched.requests.values()):
             self.listener.requeue_lost(
                 req, f"instance {self.instance_id} lost: {reason}", worker_fault

@@ -260,12 +260,17 @@ class RequestTable:
         """Place parked requests."""
         self.place_parked()
 
-    def on_handed_off(self, p: InstanceEngine, req: Request, kv_sent: bool = True) -> None:
+    def on_handed_off(
+        self, p: InstanceEngine, req: Request, kv_sent: bool = True, stored: bool = False
+    ) -> None:
+        """Move a request its prefill instance handed off to its decode reservation: onto the
+        pushed KV (`kv_sent`), or placed there anew: its prompt fetched from the storage tier
+        (`stored`, as far as it is stored) or recomputed (a failed transfer)."""
         tr = req.tag
-        if not isinstance(tr, Tracked):
-            return
+        if not isinstance(tr, Tracked) or tr.finished or tr.req is not req:
+            return  # (ended while its blocks were being written: aborted, its client gone)
         d, tr.decode_engine = tr.decode_engine, None
-        failed = "" if kv_sent else "KV transfer failed and "
+        failed = "" if kv_sent or stored else "KV transfer failed and "
         if d is None or not d.ready:
             self.finish(tr, FinishReason.ERROR, f"{failed}decode instance lost before hand-off")
             return
@@ -286,6 +291,9 @@ class RequestTable:
 
     def on_hand_off_failed(self, p: InstanceEngine, req: Request) -> None:
         self.on_handed_off(p, req, kv_sent=False)
+
+    def on_handed_off_stored(self, p: InstanceEngine, req: Request) -> None:
+        self.on_handed_off(p, req, kv_sent=False, stored=True)
 
     def on_finished(self, eng: InstanceEngine, req: Request) -> None:
         tr = req.tag
