@@ -183,9 +183,13 @@ class RequestTable:
             eng.sinks_changed()
         return old
 
-    def reserved(self, tr: Tracked, decode: InstanceEngine) -> None:
-        """P/D: `decode` holds `tr`'s reservation until the hand-off."""
+    def reserved(self, tr: Tracked, decode: InstanceEngine | None, msg: object = None) -> None:
+        """P/D: `decode` holds `tr`'s reservation until the hand-off; None: a peer's decode
+        instance takes it at the hand-off (P/D across daemons), forwarded as `msg` (its
+        GenerateRequest) with its prefilled tokens."""
         tr.decode_engine = decode
+        if decode is None:
+            tr.pd_msg = msg
 
     def cancel_reservation(self, tr: Tracked) -> None:
         d, tr.decode_engine = tr.decode_engine, None
@@ -271,6 +275,9 @@ class RequestTable:
             return  # (ended while its blocks were being written: aborted, its client gone)
         d, tr.decode_engine = tr.decode_engine, None
         failed = "" if kv_sent or stored else "KV transfer failed and "
+        if d is None and tr.pd_msg is not None:  # its decode instance is a peer's
+            self._hand_to_peer_decode(p, tr, req, stored)
+            return
         if d is None or not d.ready:
             self.finish(tr, FinishReason.ERROR, f"{failed}decode instance lost before hand-off")
             return
@@ -288,6 +295,26 @@ class RequestTable:
         tr.req, tr.location = dreq, LocalEngine(d)
         self.observers.request_progressed(tr)
         d.wake()
+
+    def _hand_to_peer_decode(
+        self, p: InstanceEngine, tr: Tracked, req: Request, stored: bool
+    ) -> None:
+        """P/D across daemons: forward `tr` (its prompt's blocks in the storage tier when
+        `stored`, else none: recomputed there) to a peer's decode instance with the tokens
+        it has, and relay the rest from there (the cluster's forward: one client stream)."""
+        msg, tr.pd_msg = tr.pd_msg, None
+        cluster = self.cluster
+        remote = cluster.decode_peer(tr.model) if cluster is not None else None
+        if cluster is None or remote is None:
+            self.finish(tr, FinishReason.ERROR, "no decode instance of a peer to hand off to")
+            return
+        fwd = type(msg)()
+        fwd.CopyFrom(msg)
+        fwd.prefilled_token_ids[:] = req.output_token_ids
+        fwd.stored_prompt_blocks = p.stored_prompt_blocks(req) if stored else 0
+        tr.location = RemotePeer(remote, None)
+        self.observers.request_progressed(tr)
+        self.relay_started(tr, cluster.forward(tr, fwd, remote, {}, None))
 
     def on_hand_off_failed(self, p: InstanceEngine, req: Request) -> None:
         self.on_handed_off(p, req, kv_sent=False)
