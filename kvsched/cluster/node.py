@@ -339,12 +339,12 @@ class ClusterNode:
         """Relay `tr` from the peer's instance `remote`: the relay's task."""
         return self.forwarder.start(tr, msg, remote, carrier, deadline_s)
 
-    def decode_peer(self, model: str) -> RemoteInstance | None:
+    def decode_peer(self, model: str, count: bool = True) -> RemoteInstance | None:
         """A peer's decode instance for a prefilled request (P/D across daemons), or None
         (degraded: no peer is reachable)."""
         if not self.connected or self.fence.fenced:
             return None
-        return self.router.decode_peer(model or self.registry.model_for(""))
+        return self.router.decode_peer(model or self.registry.model_for(""), count)
 
     async def forward_confirmed(self, tr: Tracked) -> None:
         """Wait until the peer `tr` was forwarded to accepted it (see Forwarder.confirmed)."""

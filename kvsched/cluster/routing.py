@@ -228,11 +228,11 @@ class ClusterRouter:
         finally:
             self.route_s.append(time.perf_counter() - t0)
 
-    def decode_peer(self, model: str) -> RemoteInstance | None:
+    def decode_peer(self, model: str, count: bool = True) -> RemoteInstance | None:
         """A peer's decode instance of `model` for a request a prefill instance here hands
         off (P/D across daemons): synced, heard from within stale_s, owned by a live member;
         the least loaded (its published load plus the hand-offs sent to it since). None when
-        there is none. Counts the choice as one more request sent to it."""
+        there is none. `count`: the choice is one more request sent to it."""
         index, now, default = self.index, time.monotonic(), self.registry.config.model
         t = index.table
         best: tuple[float, int] | None = None
@@ -255,9 +255,10 @@ class ClusterRouter:
             return None
         v = index.slots[best[1]]
         assert v is not None
-        t.sent[best[1]] += 1
-        v.sent_since_load += 1
-        self.num_forwarded += 1
+        if count:
+            t.sent[best[1]] += 1
+            v.sent_since_load += 1
+            self.num_forwarded += 1
         return RemoteInstance(v.instance_id, v.daemon, self.address_of[v.daemon])
 
     def route_percentiles_us(self) -> tuple[float, float]:

@@ -39,9 +39,10 @@ class ClusterPort(Protocol):
         """Relay `tr` from the peer's instance `remote` (the one `route_new` chose)."""
         ...
 
-    def decode_peer(self, model: str) -> PeerInstance | None:
+    def decode_peer(self, model: str, count: bool = True) -> PeerInstance | None:
         """A peer's decode instance of `model` to hand a prefilled request to (P/D across
-        daemons), or None when no live peer has one."""
+        daemons; `count`: the choice is a request sent to it), or None when no live peer has
+        one."""
         ...
 
     async def forward_confirmed(self, tr: Tracked) -> None:

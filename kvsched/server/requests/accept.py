@@ -124,17 +124,17 @@ class Acceptor:
         return tr
 
     def _reserve_decode(self, req: Request, p: InstanceEngine, model: str) -> InstanceEngine | None:
-        """A decode reservation here for the prefill instance `p`'s request; None when there
-        is no decode instance here but `p` hands off through the storage tier and a peer
-        daemon has one (P/D across daemons: the peer is chosen at the hand-off)."""
-        try:
-            d = self.registry.route_decode()
-        except Unavailable:
-            cluster = self.table.cluster
-            via_store = p.engine_config.cache.pd_transfer == PdTransfer.STORAGE
-            if via_store and cluster is not None and cluster.decode_peer(model) is not None:
+        """A decode reservation here for the prefill instance `p`'s request (the push's target
+        blocks); None when `p` hands off through the storage tier: the decode instance (here,
+        else a peer daemon's) is chosen at the hand-off and fetches into blocks of its own, so
+        nothing is reserved (Unavailable when there is none now, here or at a peer)."""
+        if p.engine_config.cache.pd_transfer == PdTransfer.STORAGE:
+            if any(e.is_decode and e.accepting for e in self.registry.engines.values()):
                 return None
-            raise
+            cluster = self.table.cluster
+            if cluster is not None and cluster.decode_peer(model, count=False) is not None:
+                return None
+        d = self.registry.route_decode()
         got = d.preallocate(req)
         if got is None:
             raise Unavailable(

@@ -275,8 +275,8 @@ class RequestTable:
             return  # (ended while its blocks were being written: aborted, its client gone)
         d, tr.decode_engine = tr.decode_engine, None
         failed = "" if kv_sent or stored else "KV transfer failed and "
-        if d is None and tr.pd_msg is not None:  # its decode instance is a peer's
-            self._hand_to_peer_decode(p, tr, req, stored)
+        if d is None and tr.pd_msg is not None:  # through the store: no reservation
+            self._hand_to_decode(p, tr, req, stored)
             return
         if d is None or not d.ready:
             self.finish(tr, FinishReason.ERROR, f"{failed}decode instance lost before hand-off")
@@ -296,17 +296,30 @@ class RequestTable:
         self.observers.request_progressed(tr)
         d.wake()
 
-    def _hand_to_peer_decode(
-        self, p: InstanceEngine, tr: Tracked, req: Request, stored: bool
-    ) -> None:
-        """P/D across daemons: forward `tr` (its prompt's blocks in the storage tier when
-        `stored`, else none: recomputed there) to a peer's decode instance with the tokens
-        it has, and relay the rest from there (the cluster's forward: one client stream)."""
+    def _hand_to_decode(self, p: InstanceEngine, tr: Tracked, req: Request, stored: bool) -> None:
+        """P/D through the storage tier (`stored`: its prompt's full blocks are there; else
+        none: the decode side recomputes them): queue `tr` with the tokens it has on a decode
+        instance here, placed like a recomputed request (its lookup fetches the stored run);
+        with none here, forward it to a peer's decode instance (P/D across daemons), whose
+        tokens are relayed to its client (the cluster's forward: one client stream)."""
         msg, tr.pd_msg = tr.pd_msg, None
+        try:
+            d: InstanceEngine | None = self.registry.route_decode()
+        except Unavailable:
+            d = None
+        if d is not None:
+            dreq = fresh_copy(req)
+            dreq.tag = tr
+            lifecycle.carry_over(req, dreq)
+            d.add_request(dreq)
+            tr.req, tr.location = dreq, LocalEngine(d)
+            self.observers.request_progressed(tr)
+            d.wake()
+            return
         cluster = self.cluster
         remote = cluster.decode_peer(tr.model) if cluster is not None else None
         if cluster is None or remote is None:
-            self.finish(tr, FinishReason.ERROR, "no decode instance of a peer to hand off to")
+            self.finish(tr, FinishReason.ERROR, "no decode instance (here or at a peer) now")
             return
         fwd = type(msg)()
         fwd.CopyFrom(msg)
