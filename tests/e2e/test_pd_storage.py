@@ -9,13 +9,19 @@ fetches fail recomputes on the decode instance: tokens still equal, every block 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
 from kvsched.storage.server import MooncakeServer
 from tests.e2e.harness import ModelHarness, Node, Result, make_prompt, model_daemon, run
-from tests.e2e.test_model_worker import assert_matches_reference, generate_all, varied_requests
+from tests.e2e.test_model_worker import (
+    assert_aborted_are_prefixes,
+    assert_matches_reference,
+    generate_all,
+    varied_requests,
+)
 from tests.storage.conftest import mooncake  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:No ccache found:UserWarning")
@@ -115,3 +121,25 @@ def test_failed_store_hand_off_recomputes_on_the_decode_instance(
         assert failed_fetches and st_d.num_preemptions >= len(failed_fetches)
     # d prefilled each prompt itself (its lookups count every prompt and first token).
     assert st_d.prefix_cache_query_tokens >= sum(len(p) + 1 for _, p, _ in specs)
+
+
+def test_aborts_while_prefilling_storing_and_decoding_free_both_pools(
+    mooncake: MooncakeServer,  # noqa: F811
+) -> None:
+    """Abort before the first token (on p), right after it (p's writes in flight or the
+    request queued on d) and while d decodes: each ends once, as a prefix of the reference;
+    the others are unaffected; every block of both instances is free."""
+    specs = [(rid, prompt, 30) for rid, prompt, _ in varied_requests(10, seed=12, prefix="pa")]
+    abort_after = {"pa0": 0, "pa1": 1, "pa3": 1, "pa5": 1, "pa6": 2, "pa8": 6}
+
+    async def go() -> list[Result]:
+        async with model_daemon(NODES, engine=ENGINE, settings={"storage": mooncake.url}) as h:
+            results = await asyncio.gather(
+                *(h.generate(rid, p, m, abort_after=abort_after.get(rid)) for rid, p, m in specs)
+            )
+            await h.wait_pool_free()
+            return list(results)
+
+    results = run(go())
+    assert_matches_reference([r for r in results if r.req_id not in abort_after])
+    assert_aborted_are_prefixes([r for r in results if r.req_id in abort_after])
