@@ -12,10 +12,19 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import pytest
 
 from kvsched.storage.server import MooncakeServer
-from tests.e2e.harness import ModelHarness, Node, Result, make_prompt, model_daemon, run
+from tests.e2e.harness import (
+    ModelHarness,
+    Node,
+    Result,
+    generate_request,
+    make_prompt,
+    model_daemon,
+    run,
+)
 from tests.e2e.test_model_worker import (
     assert_aborted_are_prefixes,
     assert_matches_reference,
@@ -143,3 +152,24 @@ def test_aborts_while_prefilling_storing_and_decoding_free_both_pools(
     results = run(go())
     assert_matches_reference([r for r in results if r.req_id not in abort_after])
     assert_aborted_are_prefixes([r for r in results if r.req_id in abort_after])
+
+
+def test_a_client_may_not_claim_a_prefilled_hand_off(mooncake: MooncakeServer) -> None:  # noqa: F811
+    """prefilled_token_ids / stored_prompt_blocks come only from a peer daemon's forward: a
+    client's is INVALID_ARGUMENT naming them, and nothing is queued."""
+
+    async def go() -> tuple[grpc.StatusCode, str, Any]:
+        async with model_daemon(NODES, engine=ENGINE, settings={"storage": mooncake.url}) as h:
+            msg = generate_request("claim", make_prompt(3300, 40), 4)
+            msg.prefilled_token_ids.extend([5])
+            msg.stored_prompt_blocks = 5
+            try:
+                async for _ in h.stub.Generate(msg, timeout=10):
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details() or "", await h.status("d")
+            raise AssertionError("accepted")
+
+    code, details, st = run(go())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "prefilled_token_ids" in details
+    assert st.num_waiting == 0 and st.num_running == 0
