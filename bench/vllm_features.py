@@ -3,6 +3,7 @@ decoding gives, and what a prefill/decode hand-off costs. Real processes on loop
 model made offline (float32), kvsched's gRPC client as the load.
 
     python -m bench.vllm_features [--parts spec,pd] [--rounds 2] [--requests 24]
+        [--pd-modes push,storage,cluster]
 
 spec  One daemon + one `kvsched worker --executor vllm`, with ngram drafts (K = 3) and
       without, in alternating rounds; greedy prompts made of a few repeated phrases (prompt
@@ -20,6 +21,8 @@ pd    One daemon with a prefill and a decode instance, a vLLM worker each, handi
       write into its cache); both: the client's gap between a request's first token (the
       prefill instance's) and its second (the decode instance's: the hand-off, its wait for
       the transfer and the decode worker's first step), and the prefill worker's busy seconds.
+      `cluster` (with --pd-modes): the storage hand-off across two daemons of a cluster
+      (nats-server on loopback; daemon A the prefill instance, daemon B the decode one).
 
 Prints a table per part and saves bench/results/vllm_features.json. Figures on 2 shared cores
 are noisy: report the load averages printed with them.
@@ -198,25 +201,66 @@ def spec_round(model: Path, logs: Path, k: int, n: int) -> dict[str, float]:
     }
 
 
+def _knows(daemon: str, instance: str, timeout: float = 60.0) -> None:
+    """Until the daemon's cluster view holds `instance` with its load (a peer's)."""
+    from kvsched.client import Client
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with Client(daemon, timeout=5) as c:
+            if any(
+                i.instance_id == instance and i.load_known for i in c.status().cluster.instances
+            ):
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{daemon} does not know instance {instance}")
+
+
 def pd_round(model: Path, logs: Path, n: int, transfer: str = "push") -> dict[str, float]:
-    """One round of `n` requests handed off by `transfer` ("push" or "storage")."""
+    """One round of `n` requests handed off by `transfer`: "push", "storage" (one daemon) or
+    "cluster" (through the store, daemon A's prefill instance to daemon B's decode instance,
+    the requests sent to A)."""
+    from kvsched.cluster.natsd import NatsServer
     from kvsched.storage.server import MooncakeServer
 
     daemon = f"127.0.0.1:{free_port()}"
     toml = logs / "pd.toml"
-    toml.write_text(PD_TOML + (PD_STORAGE if transfer == "storage" else ""))
     with contextlib.ExitStack() as stack, running(logs) as procs:
         cmd = [*_KVSCHED, "serve", "--listen", daemon, "--metrics-listen", "off"]
-        cmd += ["--config", str(toml)]
         kv: tuple[str, ...] = ("--listen-kv", "127.0.0.1:0")
-        if transfer == "storage":
+        if transfer == "push":
+            toml.write_text(PD_TOML)
+            procs.start("daemon", [*cmd, "--config", str(toml)])
+            decode_at = daemon
+        else:
+            kv = ()
             store = stack.enter_context(MooncakeServer(capacity_bytes=512 << 20))
             cmd += ["--storage", store.url]
-            kv = ()
-        procs.start("daemon", cmd)
+            if transfer == "storage":
+                toml.write_text(PD_TOML + PD_STORAGE)
+                procs.start("daemon", [*cmd, "--config", str(toml)])
+                decode_at = daemon
+            else:
+                nats = stack.enter_context(NatsServer())
+                cmd += ["--cluster", nats.url]
+                a_toml, b_toml = logs / "a.toml", logs / "b.toml"
+                a_toml.write_text(PD_TOML.split("[instances.d]")[0] + PD_STORAGE)
+                b_toml.write_text(
+                    PD_TOML.split("[instances.p]")[0] + '[instances.d]\nrole = "decode"\n'
+                )
+                procs.start("daemon", [*cmd, "--config", str(a_toml), "--daemon-id", "pd-a"])
+                decode_at = f"127.0.0.1:{free_port()}"
+                cmd_b = [*_KVSCHED, "serve", "--listen", decode_at, "--metrics-listen", "off"]
+                cmd_b += ["--storage", store.url, "--cluster", nats.url]
+                procs.start("daemon_b", [*cmd_b, "--config", str(b_toml), "--daemon-id", "pd-b"])
         procs.start("worker_p", worker(daemon, "p", model, "--num-blocks", "128", *kv))
-        procs.start("worker_d", worker(daemon, "d", model, "--num-blocks", "512", *kv))
-        wait_ready(procs, daemon, count=2)
+        procs.start("worker_d", worker(decode_at, "d", model, "--num-blocks", "512", *kv))
+        if decode_at == daemon:
+            wait_ready(procs, daemon, count=2)
+        else:
+            wait_ready(procs, daemon)
+            wait_ready(procs, decode_at)
+            _knows(daemon, "d")
         prompts = long_prompts(n + 1)
         asyncio.run(drive(daemon, prompts[:1], 8, 1))  # warm-up: both workers' first steps
         before = {w: worker_stats(procs, w) for w in ("worker_p", "worker_d")}
@@ -253,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="spec,pd")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument(
+        "--pd-modes",
+        default="push,storage",
+        help="pd hand-offs to measure: push, storage (one daemon), cluster (two daemons)",
+    )
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "vllm_features.json"))
     args = ap.parse_args(argv)
     from kvsched.tinymodel.model import make_model
@@ -281,9 +330,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
             result["spec"] = {str(k): rs for k, rs in rows.items()}
         if "pd" in parts:
-            by: dict[str, list[dict[str, float]]] = {"push": [], "storage": []}
+            modes = args.pd_modes.split(",")
+            by: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for r in range(args.rounds):
-                for how in ("push", "storage") if r % 2 == 0 else ("storage", "push"):
+                for how in modes if r % 2 == 0 else modes[::-1]:
                     logs = Path(tmp) / f"pd-{how}-{r}"
                     logs.mkdir()
                     by[how].append(pd_round(model, logs, max(4, args.requests // 3), how))
@@ -291,16 +341,16 @@ def main(argv: list[str] | None = None) -> int:
                 "\nP/D hand-off (vLLM workers, ~1,000-token prompts), seconds per 1,000 prompt "
                 "tokens, median [min, max]"
             )
-            print(f"{'':>24} {'push':>26} {'storage':>26}")
+            print(f"{'':>24}" + "".join(f" {m:>26}" for m in modes))
             for key in (
                 "transfer_s_per_1k", "push_s_per_1k", "export_s_per_1k", "write_s_per_1k",
                 "fetch_s_per_1k", "gap_1_2_s_per_1k", "prefill_busy_s_per_1k",
             ):  # fmt: skip
                 cells = []
-                for how in ("push", "storage"):
+                for how in modes:
                     med, lo, hi = _median(by[how], key)
                     cells.append(f"{med:.4f} [{lo:.4f}, {hi:.4f}]")
-                print(f"{key:>24} {cells[0]:>26} {cells[1]:>26}")
+                print(f"{key:>24}" + "".join(f" {c:>26}" for c in cells))
             loads = [r["load_1m"] for rs in by.values() for r in rs]
             print(f"{'load_1m':>24} {statistics.median(loads):.1f}")
             result["pd"] = by
