@@ -164,6 +164,7 @@ TRACKED_OWNERS = {
     "decode_engine": "server/requests/table.py",
     "finished": "server/requests/table.py",
     "out_at_place": "server/requests/table.py",
+    "pd_msg": "server/requests/table.py",
     "journal_state": "durability/journal.py",
     "journaled": "durability/journal.py",
     "span": "server/telemetry/tracing.py",

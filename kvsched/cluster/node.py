@@ -239,7 +239,11 @@ class ClusterNode:
         if FORWARDED_BY in carrier:  # a peer chose this daemon: place it here, never forward
             relayed = relay_owner(carrier, owner, self._cluster_principal)
             eng = self.registry.engines.get(carrier.get(FORWARD_INSTANCE, ""))
-            if eng is None or not eng.queueing or eng.is_decode:
+            if req.output_token_ids:  # a peer's prefill instance hands it off (P/D)
+                if eng is None or not eng.is_decode or not eng.accepting:
+                    eng = self.registry.route_decode(req)
+                self.registry.candidates(req, model or self.registry.model_for(""), [eng])
+            elif eng is None or not eng.queueing or eng.is_decode:
                 eng = self.registry.route(req, model)
             else:
                 self.registry.candidates(req, model or self.registry.model_for(""), [eng])
@@ -336,6 +340,13 @@ class ClusterNode:
     ) -> asyncio.Task[None]:
         """Relay `tr` from the peer's instance `remote`: the relay's task."""
         return self.forwarder.start(tr, msg, remote, carrier, deadline_s)
+
+    def decode_peer(self, model: str, count: bool = True) -> RemoteInstance | None:
+        """A peer's decode instance for a prefilled request (P/D across daemons), or None
+        (degraded: no peer is reachable)."""
+        if not self.connected or self.fence.fenced:
+            return None
+        return self.router.decode_peer(model or self.registry.model_for(""), count)
 
     async def forward_confirmed(self, tr: Tracked) -> None:
         """Wait until the peer `tr` was forwarded to accepted it (see Forwarder.confirmed)."""

@@ -254,6 +254,39 @@ class ClusterRouter:
         finally:
             self.route_s.append(time.perf_counter() - t0)
 
+    def decode_peer(self, model: str, count: bool = True) -> RemoteInstance | None:
+        """A peer's decode instance of `model` for a request a prefill instance here hands
+        off (P/D across daemons): synced, heard from within stale_s, owned by a live member;
+        the least loaded (its published load plus the hand-offs sent to it since). None when
+        there is none. `count`: the choice is one more request sent to it."""
+        index, now, default = self.index, time.monotonic(), self.registry.config.model
+        t = index.table
+        best: tuple[float, int] | None = None
+        for i, v in enumerate(index.slots):
+            if (
+                v is None
+                or v.role != "decode"
+                or not v.synced
+                or v.daemon == self.daemon_id
+                or v.daemon not in self.address_of
+                or self.owner_of.get(v.instance_id, v.daemon) != v.daemon  # (unknown yet:
+                or (v.model or default) != model  # its publisher's, a wrong one refuses)
+                or t.heard[i] < now - self.stale_s
+            ):
+                continue
+            load = float(t.load[i]) + float(t.sent[i]) / max(1.0, float(t.max_num_seqs[i]))
+            if best is None or load < best[0]:
+                best = (load, i)
+        if best is None:
+            return None
+        v = index.slots[best[1]]
+        assert v is not None
+        if count:
+            t.sent[best[1]] += 1
+            v.sent_since_load += 1
+            self.num_forwarded += 1
+        return RemoteInstance(v.instance_id, v.daemon, self.address_of[v.daemon])
+
     def route_percentiles_us(self) -> tuple[float, float]:
         """Median and p99 of the recent routing decisions, microseconds (0 when none)."""
         xs = sorted(self.route_s)

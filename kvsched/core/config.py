@@ -27,6 +27,13 @@ class WritePolicy(StrEnum):
     WRITE_BACK = "write_back"  # when the GPU pool evicts it
 
 
+class PdTransfer(StrEnum):
+    """How a prefill instance hands a prompt's KV to its decode instance."""
+
+    PUSH = "push"  # worker to worker (KvSend into the decode reservation's blocks)
+    STORAGE = "storage"  # through the shared storage tier: written here, fetched there
+
+
 class QueuePolicy(StrEnum):
     FCFS = "fcfs"
     PRIORITY = "priority"  # lower value first, then arrival
@@ -83,6 +90,11 @@ class CacheConfig:
     storage_prefetch: bool = False
     storage_prefetch_at_arrival: bool = False
     storage_prefetch_hold_ms: float = 100.0
+    # Prefill role: how the prompt's KV reaches the decode instance (core/scheduler/
+    # pd_storage.py): push (worker to worker) or storage (the prompt's full blocks written to
+    # the storage tier, the decode instance fetching them; needs `storage` configured and no
+    # host tier on the prefill instance, else the decode instance recomputes the prompt).
+    pd_transfer: PdTransfer = PdTransfer.PUSH
     # The worker's multimodal encoder cache (kvsched/core/encoder_cache.py), in embeddings
     # (one per placeholder token); 0: off, every chunk touching an item pays its encoder budget.
     encoder_cache_size: int = 0
@@ -106,6 +118,13 @@ class CacheConfig:
                 f"{list(storage_policies)}"
             )
         self.storage_write_policy = WritePolicy(self.storage_write_policy)
+        try:
+            self.pd_transfer = PdTransfer(self.pd_transfer)
+        except ValueError:
+            raise ConfigError(
+                f"cache.pd_transfer = {self.pd_transfer!r}; expected one of "
+                f"{[p.value for p in PdTransfer]}"
+            ) from None
         _check_range(s, "block_size", self.block_size, 1, 4096)
         _check_range(s, "storage_prefetch_hold_ms", self.storage_prefetch_hold_ms, 0.0, 60000.0)
         _check_range(s, "num_gpu_blocks", self.num_gpu_blocks, 1, 1 << 31)

@@ -39,6 +39,12 @@ class ClusterPort(Protocol):
         """Relay `tr` from the peer's instance `remote` (the one `route_new` chose)."""
         ...
 
+    def decode_peer(self, model: str, count: bool = True) -> PeerInstance | None:
+        """A peer's decode instance of `model` to hand a prefilled request to (P/D across
+        daemons; `count`: the choice is a request sent to it), or None when no live peer has
+        one."""
+        ...
+
     async def forward_confirmed(self, tr: Tracked) -> None:
         """Wait until the peer `tr` was forwarded to has accepted it (its first answer: it
         journals it before that), or until it is recorded here, or its relay has ended."""

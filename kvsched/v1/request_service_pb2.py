@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvsched.v1 import common_pb2 as kvsched_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvsched/v1/request_service.proto\x12\nkvsched.v1\x1a\x17kvsched/v1/common.proto\"\x13\n\x11ListModelsRequest\"\xc3\x01\n\x12ListModelsResponse\x12\x34\n\x06models\x18\x01 \x03(\x0b\x32$.kvsched.v1.ListModelsResponse.Model\x1aw\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0fready_instances\x18\x04 \x01(\r\x12\x0e\n\x06parent\x18< \x01(\t\x12\x0c\n\x04root\x18= \x01(\t\"\xb9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvsched.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12.\n\tmm_ranges\x18\x07 \x03(\x0b\x32\x1b.kvsched.v1.MultimodalRange\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\ndetachable\x18\t \x01(\x08\x12\x18\n\x10ttft_deadline_ms\x18\x14 \x01(\r\x12\x0e\n\x06tenant\x18\x15 \x01(\t\x12\x14\n\x0csample_group\x18\x32 \x01(\t\"\xe0\x02\n\x10GenerateResponse\x12\x35\n\x06queued\x18\x01 \x01(\x0b\x32#.kvsched.v1.GenerateResponse.QueuedH\x00\x12\x35\n\x06tokens\x18\x02 \x01(\x0b\x32#.kvsched.v1.GenerateResponse.TokensH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.kvsched.v1.FinishedH\x00\x1a.\n\x06Queued\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x1a|\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x1e \x01(\x0b\x32\x19.kvsched.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x1f \x01(\x0b\x32\x19.kvsched.v1.TokenLogprobsB\x06\n\x04kind\"\xa1\x01\n\x08\x46inished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.kvsched.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.kvsched.v1.Usage\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.kvsched.v1.Timings\x12\x0f\n\x07message\x18\x05 \x01(\t\"L\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.kvsched.v1.FinishReason\"\x0f\n\rAbortResponse\"\x93\x02\n\x0eSessionRequest\x12\x33\n\x06submit\x18\x01 \x01(\x0b\x32!.kvsched.v1.SessionRequest.SubmitH\x00\x12\x31\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32 .kvsched.v1.SessionRequest.AbortH\x00\x1aJ\n\x06Submit\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvsched.v1.GenerateRequest\x12\x12\n\nclient_tag\x18\x02 \x01(\t\x1a\x45\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06reason\x18P \x01(\x0e\x32\x18.kvsched.v1.FinishReasonB\x06\n\x04kind\"\xd6\x04\n\x0fSessionResponse\x12\x36\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32$.kvsched.v1.SessionResponse.Accepted\x12\x37\n\x06tokens\x18\x02 \x01(\x0b\x32\'.kvsched.v1.SessionResponse.TokenDeltas\x12&\n\x08\x66inished\x18\x03 \x03(\x0b\x32\x14.kvsched.v1.Finished\x12\x31\n\x06\x65rrors\x18\x04 \x03(\x0b\x32!.kvsched.v1.SessionResponse.Error\x1aG\n\x08\x41\x63\x63\x65pted\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x13\n\x0b\x63lient_tags\x18\x02 \x03(\t\x12\x11\n\tinstances\x18\x03 \x03(\t\x1a\xdd\x01\n\x0bTokenDeltas\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\nnum_tokens\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x14\n\x0cnum_logprobs\x18\x1e \x03(\r\x12+\n\x08logprobs\x18\x1f \x01(\x0b\x32\x19.kvsched.v1.TokenLogprobs\x12\x1b\n\x13num_prompt_logprobs\x18  \x03(\r\x12\x32\n\x0fprompt_logprobs\x18! \x01(\x0b\x32\x19.kvsched.v1.TokenLogprobs\x1aN\n\x05\x45rror\x12\x12\n\nclient_tag\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"a\n\x1bRequestServiceResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13num_tokens_received\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\xbe\x01\n\x1cRequestServiceResumeResponse\x12\x35\n\x06queued\x18\x01 \x01(\x0b\x32#.kvsched.v1.GenerateResponse.QueuedH\x00\x12\x35\n\x06tokens\x18\x02 \x01(\x0b\x32#.kvsched.v1.GenerateResponse.TokensH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.kvsched.v1.FinishedH\x00\x42\x06\n\x04kind2\x8b\x03\n\x0eRequestService\x12G\n\x08Generate\x12\x1b.kvsched.v1.GenerateRequest\x1a\x1c.kvsched.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvsched.v1.AbortRequest\x1a\x19.kvsched.v1.AbortResponse\x12\x46\n\x07Session\x12\x1a.kvsched.v1.SessionRequest\x1a\x1b.kvsched.v1.SessionResponse(\x01\x30\x01\x12]\n\x06Resume\x12\'.kvsched.v1.RequestServiceResumeRequest\x1a(.kvsched.v1.RequestServiceResumeResponse0\x01\x12K\n\nListModels\x12\x1d.kvsched.v1.ListModelsRequest\x1a\x1e.kvsched.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvsched/v1/request_service.proto\x12\nkvsched.v1\x1a\x17kvsched/v1/common.proto\"\x13\n\x11ListModelsRequest\"\xc3\x01\n\x12ListModelsResponse\x12\x34\n\x06models\x18\x01 \x03(\x0b\x32$.kvsched.v1.ListModelsResponse.Model\x1aw\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0fready_instances\x18\x04 \x01(\r\x12\x0e\n\x06parent\x18< \x01(\t\x12\x0c\n\x04root\x18= \x01(\t\"\xf4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvsched.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12.\n\tmm_ranges\x18\x07 \x03(\x0b\x32\x1b.kvsched.v1.MultimodalRange\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\ndetachable\x18\t \x01(\x08\x12\x18\n\x10ttft_deadline_ms\x18\x14 \x01(\r\x12\x0e\n\x06tenant\x18\x15 \x01(\t\x12\x14\n\x0csample_group\x18\x32 \x01(\t\x12\x1b\n\x13prefilled_token_ids\x18Z \x03(\x05\x12\x1c\n\x14stored_prompt_blocks\x18[ \x01(\r\"\xe0\x02\n\x10GenerateResponse\x12\x35\n\x06queued\x18\x01 \x01(\x0b\x32#.kvsched.v1.GenerateResponse.QueuedH\x00\x12\x35\n\x06tokens\x18\x02 \x01(\x0b\x32#.kvsched.v1.GenerateResponse.TokensH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.kvsched.v1.FinishedH\x00\x1a.\n\x06Queued\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x1a|\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x1e \x01(\x0b\x32\x19.kvsched.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x1f \x01(\x0b\x32\x19.kvsched.v1.TokenLogprobsB\x06\n\x04kind\"\xa1\x01\n\x08\x46inished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.kvsched.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.kvsched.v1.Usage\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.kvsched.v1.Timings\x12\x0f\n\x07message\x18\x05 \x01(\t\"L\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.kvsched.v1.FinishReason\"\x0f\n\rAbortResponse\"\x93\x02\n\x0eSessionRequest\x12\x33\n\x06submit\x18\x01 \x01(\x0b\x32!.kvsched.v1.SessionRequest.SubmitH\x00\x12\x31\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32 .kvsched.v1.SessionRequest.AbortH\x00\x1aJ\n\x06Submit\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvsched.v1.GenerateRequest\x12\x12\n\nclient_tag\x18\x02 \x01(\t\x1a\x45\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06reason\x18P \x01(\x0e\x32\x18.kvsched.v1.FinishReasonB\x06\n\x04kind\"\xd6\x04\n\x0fSessionResponse\x12\x36\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32$.kvsched.v1.SessionResponse.Accepted\x12\x37\n\x06tokens\x18\x02 \x01(\x0b\x32\'.kvsched.v1.SessionResponse.TokenDeltas\x12&\n\x08\x66inished\x18\x03 \x03(\x0b\x32\x14.kvsched.v1.Finished\x12\x31\n\x06\x65rrors\x18\x04 \x03(\x0b\x32!.kvsched.v1.SessionResponse.Error\x1aG\n\x08\x41\x63\x63\x65pted\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x13\n\x0b\x63lient_tags\x18\x02 \x03(\t\x12\x11\n\tinstances\x18\x03 \x03(\t\x1a\xdd\x01\n\x0bTokenDeltas\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\nnum_tokens\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x14\n\x0cnum_logprobs\x18\x1e \x03(\r\x12+\n\x08logprobs\x18\x1f \x01(\x0b\x32\x19.kvsched.v1.TokenLogprobs\x12\x1b\n\x13num_prompt_logprobs\x18  \x03(\r\x12\x32\n\x0fprompt_logprobs\x18! \x01(\x0b\x32\x19.kvsched.v1.TokenLogprobs\x1aN\n\x05\x45rror\x12\x12\n\nclient_tag\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"a\n\x1bRequestServiceResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13num_tokens_received\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\xbe\x01\n\x1cRequestServiceResumeResponse\x12\x35\n\x06queued\x18\x01 \x01(\x0b\x32#.kvsched.v1.GenerateResponse.QueuedH\x00\x12\x35\n\x06tokens\x18\x02 \x01(\x0b\x32#.kvsched.v1.GenerateResponse.TokensH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.kvsched.v1.FinishedH\x00\x42\x06\n\x04kind2\x8b\x03\n\x0eRequestService\x12G\n\x08Generate\x12\x1b.kvsched.v1.GenerateRequest\x1a\x1c.kvsched.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvsched.v1.AbortRequest\x1a\x19.kvsched.v1.AbortResponse\x12\x46\n\x07Session\x12\x1a.kvsched.v1.SessionRequest\x1a\x1b.kvsched.v1.SessionResponse(\x01\x30\x01\x12]\n\x06Resume\x12\'.kvsched.v1.RequestServiceResumeRequest\x1a(.kvsched.v1.RequestServiceResumeResponse0\x01\x12K\n\nListModels\x12\x1d.kvsched.v1.ListModelsRequest\x1a\x1e.kvsched.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,37 +39,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSRESPONSE_MODEL']._serialized_start=171
   _globals['_LISTMODELSRESPONSE_MODEL']._serialized_end=290
   _globals['_GENERATEREQUEST']._serialized_start=293
-  _globals['_GENERATEREQUEST']._serialized_end=606
-  _globals['_GENERATERESPONSE']._serialized_start=609
-  _globals['_GENERATERESPONSE']._serialized_end=961
-  _globals['_GENERATERESPONSE_QUEUED']._serialized_start=781
-  _globals['_GENERATERESPONSE_QUEUED']._serialized_end=827
-  _globals['_GENERATERESPONSE_TOKENS']._serialized_start=829
-  _globals['_GENERATERESPONSE_TOKENS']._serialized_end=953
-  _globals['_FINISHED']._serialized_start=964
-  _globals['_FINISHED']._serialized_end=1125
-  _globals['_ABORTREQUEST']._serialized_start=1127
-  _globals['_ABORTREQUEST']._serialized_end=1203
-  _globals['_ABORTRESPONSE']._serialized_start=1205
-  _globals['_ABORTRESPONSE']._serialized_end=1220
-  _globals['_SESSIONREQUEST']._serialized_start=1223
-  _globals['_SESSIONREQUEST']._serialized_end=1498
-  _globals['_SESSIONREQUEST_SUBMIT']._serialized_start=1345
-  _globals['_SESSIONREQUEST_SUBMIT']._serialized_end=1419
-  _globals['_SESSIONREQUEST_ABORT']._serialized_start=1421
-  _globals['_SESSIONREQUEST_ABORT']._serialized_end=1490
-  _globals['_SESSIONRESPONSE']._serialized_start=1501
-  _globals['_SESSIONRESPONSE']._serialized_end=2099
-  _globals['_SESSIONRESPONSE_ACCEPTED']._serialized_start=1724
-  _globals['_SESSIONRESPONSE_ACCEPTED']._serialized_end=1795
-  _globals['_SESSIONRESPONSE_TOKENDELTAS']._serialized_start=1798
-  _globals['_SESSIONRESPONSE_TOKENDELTAS']._serialized_end=2019
-  _globals['_SESSIONRESPONSE_ERROR']._serialized_start=2021
-  _globals['_SESSIONRESPONSE_ERROR']._serialized_end=2099
-  _globals['_REQUESTSERVICERESUMEREQUEST']._serialized_start=2101
-  _globals['_REQUESTSERVICERESUMEREQUEST']._serialized_end=2198
-  _globals['_REQUESTSERVICERESUMERESPONSE']._serialized_start=2201
-  _globals['_REQUESTSERVICERESUMERESPONSE']._serialized_end=2391
-  _globals['_REQUESTSERVICE']._serialized_start=2394
-  _globals['_REQUESTSERVICE']._serialized_end=2789
+  _globals['_GENERATEREQUEST']._serialized_end=665
+  _globals['_GENERATERESPONSE']._serialized_start=668
+  _globals['_GENERATERESPONSE']._serialized_end=1020
+  _globals['_GENERATERESPONSE_QUEUED']._serialized_start=840
+  _globals['_GENERATERESPONSE_QUEUED']._serialized_end=886
+  _globals['_GENERATERESPONSE_TOKENS']._serialized_start=888
+  _globals['_GENERATERESPONSE_TOKENS']._serialized_end=1012
+  _globals['_FINISHED']._serialized_start=1023
+  _globals['_FINISHED']._serialized_end=1184
+  _globals['_ABORTREQUEST']._serialized_start=1186
+  _globals['_ABORTREQUEST']._serialized_end=1262
+  _globals['_ABORTRESPONSE']._serialized_start=1264
+  _globals['_ABORTRESPONSE']._serialized_end=1279
+  _globals['_SESSIONREQUEST']._serialized_start=1282
+  _globals['_SESSIONREQUEST']._serialized_end=1557
+  _globals['_SESSIONREQUEST_SUBMIT']._serialized_start=1404
+  _globals['_SESSIONREQUEST_SUBMIT']._serialized_end=1478
+  _globals['_SESSIONREQUEST_ABORT']._serialized_start=1480
+  _globals['_SESSIONREQUEST_ABORT']._serialized_end=1549
+  _globals['_SESSIONRESPONSE']._serialized_start=1560
+  _globals['_SESSIONRESPONSE']._serialized_end=2158
+  _globals['_SESSIONRESPONSE_ACCEPTED']._serialized_start=1783
+  _globals['_SESSIONRESPONSE_ACCEPTED']._serialized_end=1854
+  _globals['_SESSIONRESPONSE_TOKENDELTAS']._serialized_start=1857
+  _globals['_SESSIONRESPONSE_TOKENDELTAS']._serialized_end=2078
+  _globals['_SESSIONRESPONSE_ERROR']._serialized_start=2080
+  _globals['_SESSIONRESPONSE_ERROR']._serialized_end=2158
+  _globals['_REQUESTSERVICERESUMEREQUEST']._serialized_start=2160
+  _globals['_REQUESTSERVICERESUMEREQUEST']._serialized_end=2257
+  _globals['_REQUESTSERVICERESUMERESPONSE']._serialized_start=2260
+  _globals['_REQUESTSERVICERESUMERESPONSE']._serialized_end=2450
+  _globals['_REQUESTSERVICE']._serialized_start=2453
+  _globals['_REQUESTSERVICE']._serialized_end=2848
 # @@protoc_insertion_point(module_scope)

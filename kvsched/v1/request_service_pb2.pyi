@@ -111,6 +111,8 @@ class GenerateRequest(_message.Message):
     TTFT_DEADLINE_MS_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     SAMPLE_GROUP_FIELD_NUMBER: _builtins.int
+    PREFILLED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    STORED_PROMPT_BLOCKS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among unfinished requests. Empty: the daemon assigns one (returned in `queued`)."""
     priority: _builtins.int
@@ -166,6 +168,7 @@ class GenerateRequest(_message.Message):
     a cluster peer's instance, a prefill/decode pair, prefix caching off) runs as a request
     of its own, its prompt shared only through the prefix cache. Empty: no group.
     """
+    stored_prompt_blocks: _builtins.int
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt, tokenized. Must not be empty."""
@@ -175,6 +178,17 @@ class GenerateRequest(_message.Message):
     @_builtins.property
     def mm_ranges(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MultimodalRange]:
         """Multimodal placeholder ranges in prompt_token_ids, sorted, not overlapping."""
+
+    @_builtins.property
+    def prefilled_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Prefill/decode across daemons (issue 36; docs/ENGINES.md): set only by a peer daemon
+        (a forwarded call; refused with INVALID_ARGUMENT from a client) that ran this request's
+        prompt on its prefill instance and hands it to this daemon's decode instance named by
+        the forward. prefilled_token_ids: the output tokens it produced there (its client has
+        them; this daemon streams only the tokens after them). stored_prompt_blocks: how many of
+        the prompt's full KV blocks, from its start, it stored in the shared storage tier (this
+        daemon fetches them; a fetch that fails recomputes them).
+        """
 
     def __init__(
         self,
@@ -191,10 +205,12 @@ class GenerateRequest(_message.Message):
         ttft_deadline_ms: _builtins.int = ...,
         tenant: _builtins.str = ...,
         sample_group: _builtins.str = ...,
+        prefilled_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        stored_prompt_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "detachable", b"detachable", "lora_name", b"lora_name", "mm_ranges", b"mm_ranges", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sample_group", b"sample_group", "sampling", b"sampling", "tenant", b"tenant", "ttft_deadline_ms", b"ttft_deadline_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "detachable", b"detachable", "lora_name", b"lora_name", "mm_ranges", b"mm_ranges", "model", b"model", "prefilled_token_ids", b"prefilled_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sample_group", b"sample_group", "sampling", b"sampling", "stored_prompt_blocks", b"stored_prompt_blocks", "tenant", b"tenant", "ttft_deadline_ms", b"ttft_deadline_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -203,7 +203,8 @@ def _log_stats(worker: Worker) -> None:
         "busy %.3f s, idle %.3f s (%.3f s waiting on the daemon, idle_frac_control_plane "
         "%.3f), %d connects, %d tasks messages, tasks digest %08x, KV pushes %d (%d failed), "
         "received %d, drafts %d, accepted %d, KV pushed %d blocks in %.3f s (export %.3f s), "
-        "LoRA steps by adapters %s (%d over max_loras %d)",
+        "LoRA steps by adapters %s (%d over max_loras %d), storage writes %.3f s, "
+        "fetches %.3f s",
         s.num_steps,
         s.num_tokens,
         s.num_prefill_tokens,
@@ -226,4 +227,6 @@ def _log_stats(worker: Worker) -> None:
         dict(sorted(s.lora_steps.items())),
         s.num_lora_steps_over,
         worker.max_loras,
+        s.storage_write_s,
+        s.storage_fetch_s,
     )

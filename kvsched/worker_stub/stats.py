@@ -28,6 +28,9 @@ class WorkerStats:
     num_kv_push_blocks: int = 0
     kv_export_s: float = 0.0
     kv_push_s: float = 0.0
+    # Storage tier (worker_stub/storage_kv.py): wall seconds of real writes and fetches.
+    storage_write_s: float = 0.0
+    storage_fetch_s: float = 0.0
     num_draft_tokens: int = 0  # speculative drafts verified, and of them accepted
     num_accepted_drafts: int = 0
     num_prefill_tokens: int = 0  # prompt positions computed (chunks run; prefix hits are not)

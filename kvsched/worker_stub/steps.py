@@ -236,6 +236,11 @@ class StepLoop:
         engine.num_draft_tokens = engine.num_accepted_drafts = 0
         self.stats.kv_export_s += engine.kv_export_s
         engine.kv_export_s = 0.0
+        st = engine.storage
+        if st.write_s or st.fetch_s:
+            self.stats.storage_write_s += st.write_s
+            self.stats.storage_fetch_s += st.fetch_s
+            st.write_s = st.fetch_s = 0.0
         self.stats.num_prefill_tokens += engine.num_prefill_tokens
         engine.num_prefill_tokens = 0
         self.stats.num_paused += len(report.paused)

@@ -210,6 +210,10 @@ class StorageTasks:
         self.ran = False  # storage tasks ran since the last report
         self.num_written = 0  # blocks written, fetched (into blocks of a handle that runs)
         self.num_fetched = 0
+        # Wall seconds of real writes and fetches (store I/O and the executor's cache copies),
+        # taken by the worker's stats after each step (the P/D hand-off's cost, bench/).
+        self.write_s = 0.0
+        self.fetch_s = 0.0
         self.num_prefetched = 0  # blocks got into host blocks (storage -> host prefetch)
 
     @property
@@ -285,6 +289,7 @@ class StorageTasks:
         if store is None or read is None:
             self.failed_writes.extend(keys)
             return
+        started = time.perf_counter()
         try:
             blobs = read(block_ids)
             failed = store.put_many([k + self.key_suffix for k in keys], blobs)
@@ -292,6 +297,8 @@ class StorageTasks:
             self._failed("write", len(keys), e)
             self.failed_writes.extend(keys)
             return
+        finally:
+            self.write_s += time.perf_counter() - started
         if failed:
             n = len(self.key_suffix)
             self.failed_writes.extend(k[: len(k) - n] if n else k for k in failed)
@@ -306,6 +313,15 @@ class StorageTasks:
             self.executor.storage_copied(len(keys), write=False)
             self.num_fetched += len(keys)
             return []
+        started = time.perf_counter()
+        try:
+            return self._fetch(handles, keys, gpu_ids, runs)
+        finally:
+            self.fetch_s += time.perf_counter() - started
+
+    def _fetch(
+        self, handles: list[int], keys: list[str], gpu_ids: list[int], runs: list[tuple[int, int]]
+    ) -> list[int]:
         store = self._store()
         write = getattr(self.executor, "storage_write", None)
         blobs: list[bytes | None] = [None] * len(keys)

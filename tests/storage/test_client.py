@@ -51,6 +51,19 @@ def test_put_get_exists_and_batches(mooncake: MooncakeServer) -> None:
             assert other.get("t/b3") == values[3]
 
 
+def test_a_key_asked_twice_in_one_batch_gets_its_own_bytes_each_time(
+    mooncake: MooncakeServer,
+) -> None:
+    """Two requests sharing a prefix fetched in one step ask the same keys twice in one
+    get_many: Mooncake's get_batch gave the earlier of two equal keys wrong bytes (8 KiB
+    values), and a prefill/decode hand-off through the store decoded from garbage."""
+    with MooncakeStore.connect(mooncake.url) as writer, MooncakeStore.connect(mooncake.url) as r:
+        values = {f"dup-{i}": os.urandom(8 << 10) for i in range(4)}
+        assert writer.put_many(list(values), list(values.values())) == []
+        keys = ["dup-0", "dup-1", "dup-2", "dup-0", "dup-1", "dup-3"]
+        assert r.get_many(keys) == [values[k] for k in keys]
+
+
 def test_missing_key_is_a_typed_error(mooncake: MooncakeServer) -> None:
     with MooncakeStore.connect(mooncake.url) as store:
         with pytest.raises(KeyMissing, match="t/never"):

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import kvsched.core.lifecycle as lifecycle
-from kvsched.core.config import EngineConfig, Role
+from kvsched.core.config import EngineConfig, PdTransfer, Role
 from kvsched.core.encoder_cache import EncoderCache
 from kvsched.core.kv_cache_manager import KVCacheManager, prefills_at_once
 from kvsched.core.protocol import Chunk, Extension, FinishReason, KvSend, Placement, Tasks
@@ -36,6 +36,7 @@ from kvsched.core.scheduler.events import Events, SchedulerStats
 from kvsched.core.scheduler.exits import Exits
 from kvsched.core.scheduler.multimodal import charge_encoder, trim_chunk, trim_hit
 from kvsched.core.scheduler.outbox import Outbox
+from kvsched.core.scheduler.pd_storage import StorageHandOffs
 from kvsched.core.scheduler.step_plan import PIPELINE_DEPTH, StepPlan
 from kvsched.core.scheduler.table import PlacementTable
 
@@ -70,6 +71,7 @@ class Admitter:
     """One schedule() call's admissions: owns the step's `StepBudget` and the Tasks it fills."""
 
     __slots__ = (
+        "_stored_hand_off",
         "backlog",
         "block_size",
         "budget",
@@ -108,6 +110,9 @@ class Admitter:
         self.events, self.stats = events, stats
         self.hold_until: float | None = None  # the earliest end of a prefetch hold this step
         self.block_size = table.block_size
+        self._stored_hand_off = (  # prefill role handing off through the store (pd_storage)
+            config.role == Role.PREFILL and config.cache.pd_transfer == PdTransfer.STORAGE
+        )
         sc = config.scheduler
         spec_k = config.speculative.num_speculative_tokens
         tokens = sc.max_num_batched_tokens - table.num_decoding * (1 + spec_k)
@@ -312,6 +317,9 @@ class Admitter:
         if num_hit >= req.num_prefill_tokens and req.output_token_ids:
             last = req.output_token_ids[-1]
         tasks = self.tasks
+        sampling = req.sampling
+        if self._stored_hand_off:  # the prefill worker samples the first token only
+            sampling = StorageHandOffs.placement_sampling(req)
         tasks.placements.append(
             Placement(
                 handle=req.handle,
@@ -322,12 +330,12 @@ class Admitter:
                 num_prefill_tokens=req.num_prefill_tokens,
                 num_output_tokens=req.num_output_tokens,
                 last_token_id=last,
-                sampling=req.sampling,
+                sampling=sampling,
                 lora_name=req.lora_name,
                 mm_ranges=list(req.mm_ranges),
             )
         )
-        if req.kv_target is not None:
+        if req.kv_target is not None and not self._stored_hand_off:
             dst, dst_handle, dst_blocks = req.kv_target
             tasks.kv_sends.append(KvSend(req.handle, dst, dst_handle, dst_blocks))
 
@@ -357,6 +365,8 @@ class Admitter:
         if host_declined:
             return [], len(stored)
         stored = stored[: max(0, num_hit // bs - num_above)]
+        if self.config.role == Role.DECODE:  # a prompt handed off through the store: a
+            return stored, 0  # decode instance fetches it (its prefill instance computed it)
         n, prefix = len(stored) * bs, num_above * bs
         cost = self.plan.cost
         a_tok, a_attn = cost.prefill_costs

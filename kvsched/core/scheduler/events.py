@@ -54,6 +54,9 @@ class Events:
     handed_off: list[Request] = field(default_factory=list)  # prefill role: prompt done, KV sent
     # prefill role: prompt done, its KV push failed: the decode side recomputes it
     hand_off_failed: list[Request] = field(default_factory=list)
+    # prefill role: prompt done, its full blocks stored in the storage tier (pd_storage.py):
+    # the decode side fetches them
+    handed_off_stored: list[Request] = field(default_factory=list)
     out_of_blocks: list[Request] = field(default_factory=list)  # a worker slot paused for blocks
     host_hits: list[Request] = field(default_factory=list)  # placed with a tier hit (host, storage)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 import kvsched.core.lifecycle as lifecycle
-from kvsched.core.config import EngineConfig, Role
+from kvsched.core.config import EngineConfig, PdTransfer, Role
 from kvsched.core.errors import ProtocolError
 from kvsched.core.kv_cache_manager import KVCacheManager
 from kvsched.core.protocol import Extension, FinishReason, StepReport
@@ -31,6 +31,7 @@ from kvsched.core.scheduler.backlog import Backlog
 from kvsched.core.scheduler.events import DecodeColumn, Events, RowTokens, SchedulerStats
 from kvsched.core.scheduler.exits import Exits
 from kvsched.core.scheduler.outbox import Outbox
+from kvsched.core.scheduler.pd_storage import StorageHandOffs
 from kvsched.core.scheduler.report_check import Columns, ReportChecker
 from kvsched.core.scheduler.step_plan import StepPlan
 from kvsched.core.scheduler.table import PlacementTable
@@ -73,6 +74,10 @@ class ReportApplier:
         self._last_applied_seq = -1  # the last Tasks seq a report said the worker applied
         self._checker = ReportChecker(table)
         self._push_failed: set[int] = set()  # handles of this report whose KV push failed
+        # Prefill role handing off through the storage tier (pd_storage.py); None: by push.
+        self.stored_hand_offs: StorageHandOffs | None = None
+        if self._prefill_role and config.cache.pd_transfer == PdTransfer.STORAGE:
+            self.stored_hand_offs = StorageHandOffs(table, kv, backlog, outbox, events)
 
     @property
     def last_report_step(self) -> int:
@@ -111,6 +116,8 @@ class ReportApplier:
                 req = live.get(int(h))
                 if req is not None and req.status == RequestStatus.RUNNING:
                     exits.preempt(req)
+            if self.stored_hand_offs is not None:  # hand-offs whose writes are all done
+                self.stored_hand_offs.poll()
             cols.match, cols.all_match = None, False  # slots may have been freed
         # The step's terms and measured time into the cost model, and the chunks it ran off
         # the outstanding ones (step_plan), before any row changes the slots.
@@ -299,16 +306,23 @@ class ReportApplier:
             )
         self._kv.cache_reported(req)
         self._backlog.charge_output(req)
-        if finish_reason:
-            exits.finish(req, FinishReason(finish_reason))
-            return
         n_out = len(out)
+        if finish_reason:
+            ho = self.stored_hand_offs
+            if ho is not None and finish_reason == FinishReason.LENGTH and ho.placed_one(req):
+                ho.begin(req, dropped=True)  # its placement's max_tokens 1, not the request's
+            else:
+                exits.finish(req, FinishReason(finish_reason))
+            return
         if n_out >= req.sampling.max_tokens:
             exits.finish(req, FinishReason.LENGTH)
             return
         table, threshold = self._table, self._outbox.threshold
         if n_out and self._prefill_role:
-            exits.hand_off(req, kv_sent=req.handle not in self._push_failed)
+            if self.stored_hand_offs is not None:
+                self.stored_hand_offs.begin(req)
+            else:
+                exits.hand_off(req, kv_sent=req.handle not in self._push_failed)
             return
         if self._prefill_role:
             table.set_check_at(req, threshold)  # its first token is a hand-off: it never decodes

@@ -276,6 +276,32 @@ class Scheduler:
         self.exits.recompute_reserved(req, output_token_ids)
         return req
 
+    def trust_stored_prefix(self, req: Request, num_blocks: int) -> None:
+        """The first `num_blocks` full blocks of req's prompt are in the shared storage tier
+        (a peer daemon stored them for a P/D hand-off): their keys into this daemon's index, so
+        req's lookup fetches them (a fetch that fails recomputes, and drops them again)."""
+        st = self.kv.storage
+        n = min(num_blocks, len(req.prompt_token_ids) // self.block_size)
+        if st is None or n <= 0:
+            return
+        self.kv.ensure_hashes(req, n)
+        st.index.add(st.keys(req.block_hashes[:n]))
+
+    def stored_prompt_blocks(self, req: Request) -> int:
+        """How many full blocks of req's prompt, from its start, the storage index holds."""
+        st = self.kv.storage
+        n = len(req.prompt_token_ids) // self.block_size
+        if st is None or n <= 0:
+            return 0
+        self.kv.ensure_hashes(req, n)
+        return len(st.run_from(req.block_hashes[:n]))
+
+    def take_stored_hand_offs(self) -> list[Request]:
+        """Prefill role handing off through the storage tier: the requests whose writes are
+        not acknowledged yet (taken: the instance is lost; the decode side recomputes them)."""
+        ho = self.reports.stored_hand_offs
+        return ho.take_pending() if ho is not None else []
+
     def pause(self) -> list[Request]:
         """Preempt everything running and hold admissions (around weight updates)."""
         return self.exits.pause()

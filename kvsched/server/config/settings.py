@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvsched.core.config import EngineConfig, Role
+from kvsched.core.config import EngineConfig, PdTransfer, Role
 from kvsched.core.errors import ConfigError
 from kvsched.core.router import OVERLOAD_POLICIES
 
@@ -188,6 +188,15 @@ class ServerConfig:
         _prefixed("[engine]", self.engine.validate)
         for instance_id, instance in self.instances.items():
             instance.validate(instance_id)
+            if (
+                instance.role == Role.PREFILL
+                and not self.storage
+                and (instance.engine.cache.pd_transfer == PdTransfer.STORAGE)
+            ):
+                raise ConfigError(
+                    f'[instances.{instance_id}] cache.pd_transfer = "storage" needs the '
+                    'storage tier: set `storage` (e.g. "mooncake"), or pd_transfer = "push"'
+                )
         return self
 
     def _validate_cluster(self) -> None:

@@ -177,6 +177,8 @@ class InstanceEngine:
         # none of this instance's blocks is used again until its workers register anew.
         self._dispatch(sched.take_events())
         self._dispatch.forget_sinks()  # let go of the lost scheduler's last batch
+        for req in sched.take_stored_hand_offs():  # their writes may not have run
+            self.listener.on_hand_off_failed(self, req)
         for req in list(sched.requests.values()):
             self.listener.requeue_lost(
                 req, f"instance {self.instance_id} lost: {reason}", worker_fault
@@ -301,6 +303,17 @@ class InstanceEngine:
         return self.sched.recompute_reserved(req_id, output_token_ids)
 
     # ---- admin ------------------------------------------------------------------------------
+    def trust_stored(self, req: Request, num_blocks: int) -> None:
+        """P/D across daemons: a peer stored the first `num_blocks` full blocks of req's
+        prompt in the shared storage tier (its Generate says so): believe them stored here."""
+        if self.sched is not None:
+            self.sched.trust_stored_prefix(req, num_blocks)
+
+    def stored_prompt_blocks(self, req: Request) -> int:
+        """Full blocks of req's prompt, from its start, the storage tier holds (0: none, or
+        no scheduler or storage tier here)."""
+        return self.sched.stored_prompt_blocks(req) if self.sched is not None else 0
+
     def drain(self) -> None:
         """Take no new requests; the running ones finish."""
         self.draining = True

@@ -45,6 +45,10 @@ class EngineListener(Protocol[E_contra]):
         """A prefill instance finished `req`'s prefill but its KV push failed: its decode
         reservation recomputes it."""
 
+    def on_handed_off_stored(self, eng: E_contra, req: Request) -> None:
+        """A prefill instance finished `req`'s prefill and its full blocks are in the storage
+        tier: its decode reservation places it and fetches them."""
+
     def on_finished(self, eng: E_contra, req: Request) -> None:
         """`req` reached a finished state (it may be a stale copy or a decode reservation)."""
 
@@ -78,5 +82,7 @@ class EventDispatch(Generic[E]):
             listener.on_handed_off(eng, req)
         for req in ev.hand_off_failed:
             listener.on_hand_off_failed(eng, req)
+        for req in ev.handed_off_stored:
+            listener.on_handed_off_stored(eng, req)
         for req in ev.finished:
             listener.on_finished(eng, req)

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 
 from kvsched import codec
 from kvsched.core import InvalidRequest, Request, Role, Unavailable
+from kvsched.core.config import PdTransfer
 from kvsched.core.errors import RequestAlreadyLive
+from kvsched.core.slots import set_output
 from kvsched.server.instances.engine import InstanceEngine
 from kvsched.server.instances.models import too_long
 from kvsched.server.requests.durable import Durability
@@ -83,6 +85,13 @@ class Acceptor:
         req = codec.request_from_proto(pb, req_id, time.monotonic(), config.default_max_tokens)
         carrier = carrier or {}
         cluster = table.cluster
+        if pb.prefilled_token_ids or pb.stored_prompt_blocks:  # a peer's P/D hand-off
+            if cluster is None or not cluster.forwarded_by(carrier):
+                raise InvalidRequest(
+                    "prefilled_token_ids and stored_prompt_blocks are set only by a peer "
+                    "daemon handing off a request it prefilled; leave them empty"
+                )
+            set_output(req, list(pb.prefilled_token_ids))
         # Choose (a value: an engine here, or a peer's instance) ...
         if cluster is None:
             eng = registry.route(req, model)
@@ -101,7 +110,10 @@ class Acceptor:
         # ... send: queue it on the engine chosen.
         tr = Tracked(req, LocalEngine(eng), sink, pb.detachable, owner, client_tag, model=model)
         if eng.role == Role.PREFILL:
-            table.reserved(tr, self._reserve_decode(req))
+            # (None: handed off to a peer's decode instance, through the storage tier)
+            table.reserved(tr, self._reserve_decode(req, eng, model), pb)
+        elif pb.stored_prompt_blocks:  # a peer stored the prompt's first blocks for it
+            eng.trust_stored(req, pb.stored_prompt_blocks)
         try:
             eng.add_request(req)
         except Exception:
@@ -111,7 +123,17 @@ class Acceptor:
         eng.wake()
         return tr
 
-    def _reserve_decode(self, req: Request) -> InstanceEngine:
+    def _reserve_decode(self, req: Request, p: InstanceEngine, model: str) -> InstanceEngine | None:
+        """A decode reservation here for the prefill instance `p`'s request (the push's target
+        blocks); None when `p` hands off through the storage tier: the decode instance (here,
+        else a peer daemon's) is chosen at the hand-off and fetches into blocks of its own, so
+        nothing is reserved (Unavailable when there is none now, here or at a peer)."""
+        if p.engine_config.cache.pd_transfer == PdTransfer.STORAGE:
+            if any(e.is_decode and e.accepting for e in self.registry.engines.values()):
+                return None
+            cluster = self.table.cluster
+            if cluster is not None and cluster.decode_peer(model, count=False) is not None:
+                return None
         d = self.registry.route_decode(req)
         got = d.preallocate(req)
         if got is None:

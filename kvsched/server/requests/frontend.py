@@ -80,7 +80,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        sink = StreamSink()
+        sink = StreamSink(len(request.prefilled_token_ids))  # a peer's P/D hand-off has them
         carrier = metadata(context)
         try:
             tr = await self.acceptor.accept(

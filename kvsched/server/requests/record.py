@@ -138,6 +138,9 @@ class Tracked:
     model: str = ""  # the model it runs on (a lost instance's request moves within it)
     losses: int = 0  # instance losses it is a suspect of (server/requests/poison.py)
     out_at_place: int = 0  # output tokens it had when last placed
+    # P/D across daemons: its GenerateRequest, kept while its prefill instance here runs it
+    # and its decode instance is to be a peer's (handed over with the prefilled tokens)
+    pd_msg: Any = None
 
     @property
     def engine(self) -> InstanceEngine | None:

@@ -183,9 +183,13 @@ class RequestTable:
             eng.sinks_changed()
         return old
 
-    def reserved(self, tr: Tracked, decode: InstanceEngine) -> None:
-        """P/D: `decode` holds `tr`'s reservation until the hand-off."""
+    def reserved(self, tr: Tracked, decode: InstanceEngine | None, msg: object = None) -> None:
+        """P/D: `decode` holds `tr`'s reservation until the hand-off; None: a peer's decode
+        instance takes it at the hand-off (P/D across daemons), forwarded as `msg` (its
+        GenerateRequest) with its prefilled tokens."""
         tr.decode_engine = decode
+        if decode is None:
+            tr.pd_msg = msg
 
     def cancel_reservation(self, tr: Tracked) -> None:
         d, tr.decode_engine = tr.decode_engine, None
@@ -260,12 +264,20 @@ class RequestTable:
         """Place parked requests."""
         self.place_parked()
 
-    def on_handed_off(self, p: InstanceEngine, req: Request, kv_sent: bool = True) -> None:
+    def on_handed_off(
+        self, p: InstanceEngine, req: Request, kv_sent: bool = True, stored: bool = False
+    ) -> None:
+        """Move a request its prefill instance handed off to its decode reservation: onto the
+        pushed KV (`kv_sent`), or placed there anew: its prompt fetched from the storage tier
+        (`stored`, as far as it is stored) or recomputed (a failed transfer)."""
         tr = req.tag
-        if not isinstance(tr, Tracked):
-            return
+        if not isinstance(tr, Tracked) or tr.finished or tr.req is not req:
+            return  # (ended while its blocks were being written: aborted, its client gone)
         d, tr.decode_engine = tr.decode_engine, None
-        failed = "" if kv_sent else "KV transfer failed and "
+        failed = "" if kv_sent or stored else "KV transfer failed and "
+        if d is None and tr.pd_msg is not None:  # through the store: no reservation
+            self._hand_to_decode(p, tr, req, stored)
+            return
         if d is None or not d.ready:
             self.finish(tr, FinishReason.ERROR, f"{failed}decode instance lost before hand-off")
             return
@@ -284,8 +296,44 @@ class RequestTable:
         self.observers.request_progressed(tr)
         d.wake()
 
+    def _hand_to_decode(self, p: InstanceEngine, tr: Tracked, req: Request, stored: bool) -> None:
+        """P/D through the storage tier (`stored`: its prompt's full blocks are there; else
+        none: the decode side recomputes them): queue `tr` with the tokens it has on a decode
+        instance here, placed like a recomputed request (its lookup fetches the stored run);
+        with none here, forward it to a peer's decode instance (P/D across daemons), whose
+        tokens are relayed to its client (the cluster's forward: one client stream)."""
+        msg, tr.pd_msg = tr.pd_msg, None
+        try:
+            d: InstanceEngine | None = self.registry.route_decode(req)
+        except Unavailable:
+            d = None
+        if d is not None:
+            dreq = fresh_copy(req)
+            dreq.tag = tr
+            lifecycle.carry_over(req, dreq)
+            d.add_request(dreq)
+            tr.req, tr.location = dreq, LocalEngine(d)
+            self.observers.request_progressed(tr)
+            d.wake()
+            return
+        cluster = self.cluster
+        remote = cluster.decode_peer(tr.model) if cluster is not None else None
+        if cluster is None or remote is None:
+            self.finish(tr, FinishReason.ERROR, "no decode instance (here or at a peer) now")
+            return
+        fwd = type(msg)()
+        fwd.CopyFrom(msg)
+        fwd.prefilled_token_ids[:] = req.output_token_ids
+        fwd.stored_prompt_blocks = p.stored_prompt_blocks(req) if stored else 0
+        tr.location = RemotePeer(remote, None)
+        self.observers.request_progressed(tr)
+        self.relay_started(tr, cluster.forward(tr, fwd, remote, {}, None))
+
     def on_hand_off_failed(self, p: InstanceEngine, req: Request) -> None:
         self.on_handed_off(p, req, kv_sent=False)
+
+    def on_handed_off_stored(self, p: InstanceEngine, req: Request) -> None:
+        self.on_handed_off(p, req, kv_sent=False, stored=True)
 
     def on_finished(self, eng: InstanceEngine, req: Request) -> None:
         tr = req.tag
