@@ -59,10 +59,19 @@ _MAX_PARKED = 1024
 # to rewind a seeded request's generator ("CPU Generator does not use offset"). The KV lands in
 # kvsched's blocks either way; the real id (and its generator) first runs the prompt's last chunk.
 _ALIAS = "\x00chunk"
-# KVSCHED_VLLM_COMPILE=1: let vLLM compile the model (its default, as its own server runs it:
-# torch.compile / inductor on CPU) instead of eager mode (kvsched's default: the mode the
-# exact-token tests cover). Slower start (minutes on 2 cores), faster small steps.
+# The model runs as vLLM's own server runs it: compiled (torch.compile / inductor on CPU, CUDA
+# graphs on GPU), vLLM's default. KVSCHED_VLLM_COMPILE=0: eager mode (a start in seconds instead
+# of a minute or more on 2 cores; the test suites use it where start-up time matters). vLLM
+# caches the compiled graphs (~/.cache/vllm/torch_compile_cache): later starts are shorter.
 COMPILE_ENV = "KVSCHED_VLLM_COMPILE"
+
+
+def compiled() -> bool:
+    """Whether the worker lets vLLM compile the model (COMPILE_ENV: "1", the default, or "0")."""
+    raw = os.environ.get(COMPILE_ENV, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{COMPILE_ENV} must be 1 (compile the model, the default) or 0 (eager)")
+    return raw == "1"
 
 
 def _unseeded(params: Any) -> Any:
@@ -142,7 +151,7 @@ class VllmModel:
             dtype=dtype,
             block_size=block_size,
             max_model_len=max_model_len or None,
-            enforce_eager=os.environ.get(COMPILE_ENV, "0") != "1",
+            enforce_eager=not compiled(),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             num_gpu_blocks_override=num_blocks + 1 if num_blocks else None,
@@ -375,9 +384,19 @@ class VllmExecutor:
         )
         self._finished = set()
         executor = self.model.executor
-        executor.execute_model(output)
-        grammar = self.grammars.bitmask(sampling, drafts) if total else None
-        result = executor.sample_tokens(grammar) if total else None
+        if total:
+            # Both calls go out at once: vLLM's worker takes sample_tokens straight after the
+            # forward pass instead of this process waiting for execute_model's empty answer
+            # and sending it then (one round trip over the shared-memory queue per step less;
+            # the grammar bitmask does not depend on the forward pass, as in EngineCore.step).
+            forward = executor.execute_model(output, non_block=True)
+            grammar = self.grammars.bitmask(sampling, drafts)
+            sampled = executor.sample_tokens(grammar, non_block=True)
+            forward.result()  # (the forward pass's error first, when it failed)
+            result = sampled.result()
+        else:
+            executor.execute_model(output)  # (the finished requests reach the runner)
+            grammar = result = None
         tokens: list[list[int]] = []
         for w in work:
             if not w.sample or result is None:
