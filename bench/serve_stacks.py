@@ -37,11 +37,13 @@ STACKS = ("vllm", "kvsched", "kvsched-grpc")
 # shared-memory readers spin as vLLM has them (kvsched.worker_vllm.spin), the path before issue
 # 33; kvsched and vllm both compile the model (vLLM's default, the worker's since issue 33);
 # kvsched-eager / vllm-eager: each in eager mode (KVSCHED_VLLM_COMPILE=0, --enforce-eager);
-# kvsched-compiled: the same as kvsched, named for the older result files.
+# kvsched-compiled: the same as kvsched, named for the older result files; kvsched-spinbatch:
+# the worker's readers spin while steps run at most 2 requests (KVSCHED_VLLM_SPIN_BATCH=2).
 VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
     "kvsched-spin": ("kvsched", {"KVSCHED_VLLM_NAP_US": "0"}, []),
     "kvsched-compiled": ("kvsched", {"KVSCHED_VLLM_COMPILE": "1"}, []),
     "kvsched-eager": ("kvsched", {"KVSCHED_VLLM_COMPILE": "0"}, []),
+    "kvsched-spinbatch": ("kvsched", {"KVSCHED_VLLM_SPIN_BATCH": "2"}, []),
     "vllm-eager": ("vllm", {}, ["--enforce-eager"]),
 }
 _KVSCHED = [sys.executable, "-m", "kvsched.cli"]

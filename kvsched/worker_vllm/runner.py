@@ -46,7 +46,7 @@ from kvsched.worker_stub.executor import SeqWork, StepResult
 from kvsched.worker_stub.lora import LoraSlots
 from kvsched.worker_vllm import logprobs, spec_decode
 from kvsched.worker_vllm import lora as vllm_lora
-from kvsched.worker_vllm.spin import nap_seconds, quiet_executor
+from kvsched.worker_vllm.spin import nap_seconds, note_batch, quiet_executor, spin_batch
 from kvsched.worker_vllm.structured import Grammars
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,8 @@ class VllmModel:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.platforms import current_platform
 
-        nap = nap_seconds()  # (a bad value fails before the model loads)
+        nap = nap_seconds()  # (bad values fail before the model loads)
+        self.spin_batch = spin_batch() if nap > 0 else 0
         if current_platform.is_cpu():
             # vLLM CPU otherwise reserves 92 % of the machine's memory for KV and refuses to
             # start when less is free; 1 GiB holds ~4k blocks of a small model.
@@ -166,7 +167,7 @@ class VllmModel:
         if getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False):
             raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER is set: this worker drives runner V1")
         self.executor = _build_executor(config)
-        quiet_executor(self.executor, nap)
+        quiet_executor(self.executor, nap, self.spin_batch)
         if self.lora_requests and current_platform.is_cpu():  # (vLLM's CPU kernels: lora.py)
             self.executor.collective_rpc(vllm_lora.mask_base_rows)
         mc, sc = config.model_config, config.scheduler_config
@@ -384,6 +385,8 @@ class VllmExecutor:
         )
         self._finished = set()
         executor = self.model.executor
+        if self.model.spin_batch:
+            note_batch(len(num_scheduled), self.model.spin_batch)  # (spin.py)
         if total:
             # Both calls go out at once: vLLM's worker takes sample_tokens straight after the
             # forward pass instead of this process waiting for execute_model's empty answer
