@@ -59,10 +59,9 @@ _MAX_PARKED = 1024
 # to rewind a seeded request's generator ("CPU Generator does not use offset"). The KV lands in
 # kvsched's blocks either way; the real id (and its generator) first runs the prompt's last chunk.
 _ALIAS = "\x00chunk"
-# The model runs as vLLM's own server runs it: compiled (torch.compile / inductor on CPU, CUDA
-# graphs on GPU), vLLM's default. KVSCHED_VLLM_COMPILE=0: eager mode (a start in seconds instead
-# of a minute or more on 2 cores; the test suites use it where start-up time matters). vLLM
-# caches the compiled graphs (~/.cache/vllm/torch_compile_cache): later starts are shorter.
+# The model runs compiled, as vLLM's own server runs it (inductor on CPU, CUDA graphs on GPU).
+# KVSCHED_VLLM_COMPILE=0: eager (starts in seconds, not a minute or more on 2 cores: tests use
+# it); vLLM caches compiled graphs (~/.cache/vllm/torch_compile_cache) for later starts.
 COMPILE_ENV = "KVSCHED_VLLM_COMPILE"
 
 
@@ -385,13 +384,11 @@ class VllmExecutor:
         )
         self._finished = set()
         executor = self.model.executor
-        if self.model.spin_batch:
-            note_batch(len(num_scheduled), self.model.spin_batch)  # (spin.py)
+        note_batch(len(num_scheduled), self.model.spin_batch)  # small steps may spin (spin.py)
         if total:
-            # Both calls go out at once: vLLM's worker takes sample_tokens straight after the
-            # forward pass instead of this process waiting for execute_model's empty answer
-            # and sending it then (one round trip over the shared-memory queue per step less;
-            # the grammar bitmask does not depend on the forward pass, as in EngineCore.step).
+            # Both calls go out at once: vLLM's worker takes sample_tokens right after the
+            # forward pass (one shared-memory round trip a step less; the bitmask does not
+            # depend on the forward pass, as in EngineCore.step).
             forward = executor.execute_model(output, non_block=True)
             grammar = self.grammars.bitmask(sampling, drafts)
             sampled = executor.sample_tokens(grammar, non_block=True)
