@@ -35,11 +35,15 @@ MAX_MODEL_LEN = "1024"
 STACKS = ("vllm", "kvsched", "kvsched-grpc")
 # Named variants: (stack, extra environment, extra vLLM server arguments). kvsched-spin: vLLM's
 # shared-memory readers spin as vLLM has them (kvsched.worker_vllm.spin), the path before issue
-# 33; kvsched-compiled: the worker lets vLLM compile the model, as vLLM's server does by default;
-# vllm-eager: vLLM's server in eager mode, as kvsched's worker runs the model by default.
+# 33; kvsched and vllm both compile the model (vLLM's default, the worker's since issue 33);
+# kvsched-eager / vllm-eager: each in eager mode (KVSCHED_VLLM_COMPILE=0, --enforce-eager);
+# kvsched-compiled: the same as kvsched, named for the older result files; kvsched-spinbatch:
+# the worker's readers spin while steps run at most 2 requests (KVSCHED_VLLM_SPIN_BATCH=2).
 VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
     "kvsched-spin": ("kvsched", {"KVSCHED_VLLM_NAP_US": "0"}, []),
     "kvsched-compiled": ("kvsched", {"KVSCHED_VLLM_COMPILE": "1"}, []),
+    "kvsched-eager": ("kvsched", {"KVSCHED_VLLM_COMPILE": "0"}, []),
+    "kvsched-spinbatch": ("kvsched", {"KVSCHED_VLLM_SPIN_BATCH": "2"}, []),
     "vllm-eager": ("vllm", {}, ["--enforce-eager"]),
 }
 _KVSCHED = [sys.executable, "-m", "kvsched.cli"]

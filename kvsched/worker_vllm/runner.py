@@ -46,7 +46,8 @@ from kvsched.worker_stub.executor import SeqWork, StepResult
 from kvsched.worker_stub.lora import LoraSlots
 from kvsched.worker_vllm import logprobs, spec_decode
 from kvsched.worker_vllm import lora as vllm_lora
-from kvsched.worker_vllm.spin import nap_seconds, quiet_executor
+from kvsched.worker_vllm.build import build_executor, compiled, tokenizer_eos
+from kvsched.worker_vllm.spin import nap_seconds, note_batch, quiet_executor, spin_batch
 from kvsched.worker_vllm.structured import Grammars
 
 log = logging.getLogger(__name__)
@@ -59,10 +60,6 @@ _MAX_PARKED = 1024
 # to rewind a seeded request's generator ("CPU Generator does not use offset"). The KV lands in
 # kvsched's blocks either way; the real id (and its generator) first runs the prompt's last chunk.
 _ALIAS = "\x00chunk"
-# KVSCHED_VLLM_COMPILE=1: let vLLM compile the model (its default, as its own server runs it:
-# torch.compile / inductor on CPU) instead of eager mode (kvsched's default: the mode the
-# exact-token tests cover). Slower start (minutes on 2 cores), faster small steps.
-COMPILE_ENV = "KVSCHED_VLLM_COMPILE"
 
 
 def _unseeded(params: Any) -> Any:
@@ -126,7 +123,8 @@ class VllmModel:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.platforms import current_platform
 
-        nap = nap_seconds()  # (a bad value fails before the model loads)
+        nap = nap_seconds()  # (bad values fail before the model loads)
+        self.spin_batch = spin_batch() if nap > 0 else 0
         if current_platform.is_cpu():
             # vLLM CPU otherwise reserves 92 % of the machine's memory for KV and refuses to
             # start when less is free; 1 GiB holds ~4k blocks of a small model.
@@ -146,7 +144,7 @@ class VllmModel:
             dtype=dtype,
             block_size=block_size,
             max_model_len=max_model_len or None,
-            enforce_eager=os.environ.get(COMPILE_ENV, "0") != "1",
+            enforce_eager=not compiled(),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             num_gpu_blocks_override=num_blocks + 1 if num_blocks else None,
@@ -160,8 +158,8 @@ class VllmModel:
         self.config = config = args.create_engine_config()
         if getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False):
             raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER is set: this worker drives runner V1")
-        self.executor = _build_executor(config)
-        quiet_executor(self.executor, nap)
+        self.executor = build_executor(config)
+        quiet_executor(self.executor, nap, self.spin_batch)
         if self.lora_requests and current_platform.is_cpu():  # (vLLM's CPU kernels: lora.py)
             self.executor.collective_rpc(vllm_lora.mask_base_rows)
         mc, sc = config.model_config, config.scheduler_config
@@ -172,7 +170,7 @@ class VllmModel:
             vocab_size=int(mc.get_vocab_size()),
             max_num_seqs=int(sc.max_num_seqs),
             max_num_batched_tokens=int(sc.max_num_batched_tokens),
-            eos_token_id=_tokenizer_eos(model),
+            eos_token_id=tokenizer_eos(model),
             generation_config=dict(mc.try_get_generation_config() or {}),
             num_speculative_tokens=num_speculative_tokens,
             max_logprobs=int(mc.get_vocab_size() if mc.max_logprobs < 0 else mc.max_logprobs),
@@ -182,79 +180,6 @@ class VllmModel:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def _build_executor(config: Any) -> Any:
-    """The executor and its KV cache, as EngineCore's __init__ / _initialize_kv_caches do."""
-    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_utils import (
-        generate_scheduler_kv_cache_config,
-        get_kv_cache_configs,
-        resolve_cache_hit_alignment_tokens,
-        resolve_kv_cache_block_sizes,
-        update_kv_cache_capacity,
-    )
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.executor import Executor
-
-    executor = Executor.get_class(config)(config)
-    try:
-        register_all_kvcache_specs(config)
-        specs = executor.get_kv_cache_specs()
-        layout = resolve_kv_cache_layout(
-            config,
-            executor.get_supported_kv_cache_layouts(),
-            [s for worker_specs in specs for s in worker_specs.values()],
-        )
-        executor.set_kv_cache_layout(layout.name)
-        available = executor.determine_available_memory()
-        before = config.model_config.max_model_len
-        kv_configs = get_kv_cache_configs(config, specs, available)
-        for kv_config in kv_configs:
-            kv_config.kv_cache_layout = config.cache_config.kv_cache_layout
-        if config.model_config.max_model_len != before:
-            executor.collective_rpc(
-                "update_max_model_len", args=(config.model_config.max_model_len,)
-            )
-        sched_config = generate_scheduler_kv_cache_config(kv_configs)
-        config.cache_config.num_gpu_blocks = sched_config.num_blocks
-        groups = sched_config.kv_cache_groups
-        if len(groups) != 1:
-            raise RuntimeError(
-                f"the model has {len(groups)} KV cache groups: this worker drives models with "
-                "one full-attention group (no sliding window / hybrid / mamba layers)"
-            )
-        config.cache_config.block_size = groups[0].kv_cache_spec.block_size
-        update_kv_cache_capacity(config, sched_config)
-        config.validate_block_size()
-        block, hash_block = resolve_kv_cache_block_sizes(sched_config, config)
-        align = resolve_cache_hit_alignment_tokens(sched_config, config, block, hash_block)
-        for kv_config in (*kv_configs, sched_config):
-            kv_config.hash_block_size = hash_block
-            kv_config.cache_hit_alignment_tokens = align
-        executor.initialize_from_config(kv_configs)
-        executor.compile_or_warm_up_model()
-    except BaseException:
-        executor.shutdown()
-        raise
-    return executor
-
-
-def _tokenizer_eos(model: str) -> int | None:
-    """The EOS id vLLM's input processor would take from the model's tokenizer (None when the
-    directory has no tokenizer files: then only generation_config.json names EOS ids)."""
-    if not any(
-        os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json")
-    ):
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        eos = AutoTokenizer.from_pretrained(model).eos_token_id
-    except Exception:  # a tokenizer vLLM could not load either: it would fail to serve text
-        log.warning("could not load the tokenizer of %s for its EOS id", model, exc_info=True)
-        return None
-    return int(eos) if eos is not None else None
 
 
 class VllmExecutor:
@@ -386,9 +311,19 @@ class VllmExecutor:
         )
         self._finished = set()
         executor = self.model.executor
-        executor.execute_model(output)
-        grammar = self.grammars.bitmask(sampling, drafts) if total else None
-        result = executor.sample_tokens(grammar) if total else None
+        note_batch(len(num_scheduled), self.model.spin_batch)  # small steps may spin (spin.py)
+        if total:
+            # Both calls go out at once: vLLM's worker takes sample_tokens right after the
+            # forward pass (one shared-memory round trip a step less; the bitmask does not
+            # depend on the forward pass, as in EngineCore.step).
+            forward = executor.execute_model(output, non_block=True)
+            grammar = self.grammars.bitmask(sampling, drafts)
+            sampled = executor.sample_tokens(grammar, non_block=True)
+            forward.result()  # (the forward pass's error first, when it failed)
+            result = sampled.result()
+        else:
+            executor.execute_model(output)  # (the finished requests reach the runner)
+            grammar = result = None
         if facts.draft_model and result is not None:  # the next step's drafts
             self.model_drafts.update(executor.take_draft_token_ids(), work)
         tokens: list[list[int]] = []

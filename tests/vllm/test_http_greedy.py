@@ -51,7 +51,8 @@ def test_openai_client_streams_what_llm_generate_produces(model: Path, tmp_path:
         ["worker", "--server", address, "--instance", "v0", "--executor", "vllm"]
         + ["--model", str(model), "--dtype", "float32", "--served-model-name", "tiny"]
         + ["--max-model-len", "1024"],
-        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        # compiled, the worker's default (tests/vllm/conftest.py makes the others eager)
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", "KVSCHED_VLLM_COMPILE": "1"},
         name="vllm-worker",
     )
     http = None
