@@ -73,6 +73,7 @@ class InstanceView:
     vocab_size: int = 0
     role: str = "mixed"  # core.config.Role's value: a decode instance takes no new request
     multimodal: bool = True  # runs requests' multimodal items (unchecked when not published)
+    structured_outputs: bool = False  # applies structured-output constraints (False: not said)
     # Its LoRA adapters (name, path) as its workers announced them, its max_loras (0: no
     # limit), the adapters running or queued there at its last publication, and the adapters
     # of the requests this daemon forwarded to it since (`ClusterRouter.commit`).
@@ -99,6 +100,7 @@ class InstanceView:
             self.role, self.model = got.role, got.model
             self.max_model_len, self.vocab_size = got.max_model_len, got.vocab_size
             self.multimodal, self.loras = got.multimodal, got.loras
+            self.structured_outputs = got.structured_outputs
             self.max_loras, self.active_loras = got.max_loras, got.active_loras
 
     def lora_affinity(self, name: str) -> int:
@@ -147,11 +149,13 @@ class PeerInfo:
     loras: tuple[tuple[str, str], ...]  # its LoRA adapters, (name, path)
     max_loras: int
     active_loras: frozenset[str]  # the adapters of its running or queued requests
+    structured_outputs: bool = False  # its workers apply structured-output constraints
 
 
 def read_info(info: dict[str, Any] | None) -> PeerInfo | None:
     """A published info's fields; None when there is none. A field a daemon does not send
-    reads as unchecked: multimodal True, no adapters."""
+    reads as unchecked: multimodal True, no adapters; structured outputs False (a peer that
+    does not say its workers apply constraints gets no such request)."""
     if not info:
         return None
     return PeerInfo(
@@ -163,6 +167,7 @@ def read_info(info: dict[str, Any] | None) -> PeerInfo | None:
         tuple((str(n), str(p)) for n, p in info.get("loras") or ()),
         int(info.get("max_loras", 0)),
         frozenset(str(n) for n in info.get("active_loras") or ()),
+        bool(info.get("structured_outputs", False)),
     )
 
 

@@ -30,10 +30,12 @@ from host memory, per block fetched from storage: `fetch_block_ms`, published on
 instance with a storage tier): peers price its hits with them.
 
 Batches and snapshots may carry the instance's `info` (what its owner's workers announced):
-`{"role", "model", "max_model_len", "vocab_size", "multimodal"}` and, for an instance with LoRA
+`{"role", "model", "max_model_len", "vocab_size", "multimodal",
+"structured_outputs"}` and, for an instance with LoRA
 adapters, `"loras": [[name, path], ...]`, `"max_loras"` (0: no limit) and `"active_loras"` (the
 adapters of its running or queued requests now: peers route LoRA requests by affinity with it).
-A field left out reads as unchecked (multimodal true, no adapters).
+A field left out reads as unchecked (multimodal true, no adapters), but `structured_outputs` as false: a
+peer that does not say its workers apply constraints gets no constrained request.
 
 `seq` counts the batches of one `epoch` (a publisher's run for one instance) from 1 without
 gaps. A consumer that sees an unknown epoch or a seq other than last + 1 asks the owner for a

@@ -323,6 +323,7 @@ class ClusterNode:
             "max_model_len": lim.max_model_len,
             "vocab_size": lim.vocab_size,
             "multimodal": lim.multimodal,
+            "structured_outputs": lim.structured_outputs,
         }
         if lim.loras:  # its adapters, and which of them run or wait there now (affinity)
             max_loras, active = eng.lora_slots()

@@ -15,7 +15,8 @@ peer at once (`HitIndex.runs`): a decision's cost follows the prompt, not the fl
 A LoRA request goes only to instances whose workers announced its adapter (a peer's as its
 info publishes them), and only to those of the best adapter-affinity tier (llm-d's order:
 the adapter running or queued there > a free adapter slot > neither); a request with
-multimodal items only to instances that announced them.
+multimodal items only to instances that announced them, and one with a structured-output
+constraint only to peers whose info says their workers apply it.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class ClusterRouter:
         self._vocab: npt.NDArray[np.int64] = np.zeros(0, np.int64)
         self._any_vocab = False
         self._multimodal: npt.NDArray[np.bool_] = np.zeros(0, bool)
+        self._structured: npt.NDArray[np.bool_] = np.zeros(0, bool)
         self._lora_masks: dict[str, npt.NDArray[np.bool_]] = {}  # adapter -> slots that have it
         self._mask_version, self._mask_at = -1, float("-inf")
 
@@ -148,6 +150,9 @@ class ClusterRouter:
         )
         self._any_vocab = bool((self._vocab > 0).any())
         self._multimodal = np.array([v is None or v.multimodal for v in index.slots], bool)
+        self._structured = np.array(
+            [v is not None and v.structured_outputs for v in index.slots], bool
+        )
         self._lora_masks = {}
         sizes = index.table.block_size[: len(ok)][self._base]
         self._sizes = sorted({int(b) for b in sizes.tolist()})
@@ -182,6 +187,7 @@ class ClusterRouter:
                 v.model or cfg.model,
                 v.max_model_len or cfg.engine.scheduler.max_model_len,
                 v.vocab_size,
+                structured_outputs=v.structured_outputs,
                 loras=v.loras,
                 multimodal=v.multimodal,
             )
@@ -192,12 +198,26 @@ class ClusterRouter:
         """InvalidRequest naming the limit when peers serve `model` but `req` fits none."""
         cfg = self.registry.config
         lims = [
-            Limits(model, v.max_model_len, v.vocab_size, multimodal=v.multimodal)
+            Limits(
+                model,
+                v.max_model_len,
+                v.vocab_size,
+                structured_outputs=v.structured_outputs,
+                multimodal=v.multimodal,
+            )
             for v in known
             if (v.model or cfg.model) == model and v.max_model_len
         ]
         if lims:
-            best = max(lims, key=lambda lim: (lim.multimodal, lim.max_model_len, lim.vocab_size))
+            best = max(
+                lims,
+                key=lambda lim: (
+                    lim.multimodal,
+                    lim.structured_outputs,
+                    lim.max_model_len,
+                    lim.vocab_size,
+                ),
+            )
             why = misfit(req, best)
             if why is not None:
                 raise InvalidRequest(f"request {req.req_id!r}: {why}")
@@ -218,6 +238,8 @@ class ClusterRouter:
             fits &= self._lora_mask(req.lora_name)
         if req.mm_ranges:  # only instances whose workers run multimodal items
             fits &= self._multimodal
+        if sp.structured is not None:  # only instances whose workers apply the constraint
+            fits &= self._structured
         if not self._any_vocab:  # no peer announced a vocabulary: skip the scan of the prompt
             return fits
         top = max(max(req.prompt_token_ids, default=-1), max(sp.stop_token_ids, default=-1))

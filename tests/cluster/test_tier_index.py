@@ -8,14 +8,17 @@ import asyncio
 import random
 import time
 
+import pytest
+
 from kvsched.cluster.hit_index import HitIndex, keys_of
 from kvsched.cluster.kv_index import ClusterIndex, decode, encode_batch, encode_snapshot
 from kvsched.cluster.kv_stream import KvStream
 from kvsched.cluster.link import connect_cluster
 from kvsched.cluster.natsd import NatsServer
 from kvsched.cluster.routing import ClusterRouter, RemoteInstance
-from kvsched.core import Scheduler
+from kvsched.core import InvalidRequest, Scheduler
 from kvsched.core.kv_events import CPU, GPU, BlockRemoved
+from kvsched.core.protocol import StructuredOutput
 from kvsched.server.config.settings import ServerConfig
 from kvsched.server.instances.registry import InstanceRegistry
 from kvsched.server.telemetry.hooks import Telemetry
@@ -246,3 +249,40 @@ def test_a_peers_decode_instance_never_takes_a_new_request() -> None:
         got = router.route(make_request(prompt, max_tokens=2))
         want = "p-other" if role == "decode" else "p-cached"
         assert isinstance(got, RemoteInstance) and got.instance_id == want, (role, got)
+
+
+def test_a_structured_output_request_goes_only_to_a_peer_that_applies_constraints() -> None:
+    """A peer's info says whether its workers apply structured-output constraints (the vLLM
+    worker's Hello.structured_outputs): a constrained request goes only to a peer that says
+    so, though another holds its prompt and is idle; an unconstrained one takes the cached
+    peer; with no peer that applies constraints the peers refuse it naming the field."""
+    s = host_sched()
+    prompt = prompts(1, seed=13)[0]
+    req = make_request(prompt, max_tokens=2)
+    s.kv.ensure_hashes(req, (req.num_tokens - 1) // BS)
+    blocks = list(req.block_hashes)
+    load = {"running": 0.0, "waiting": 0.0, "max_num_seqs": 64.0, "kv_usage": 0.0}
+    load |= {"predicted_backlog_ms": 0.0, "prefill_token_ms": 0.05, "attention_ms": 1e-6}
+    info = {"model": ServerConfig().model, "max_model_len": 4096}
+
+    def index_of(other_applies: bool) -> ClusterIndex:
+        index = ClusterIndex()
+        snap = encode_snapshot("p-cached", "peer", "e", 0, BS, load, blocks, info)
+        index.apply_snapshot(decode(snap), time.monotonic())
+        other = load | {"predicted_backlog_ms": 500.0}
+        other_info = info | {"structured_outputs": other_applies}
+        snap = encode_snapshot("p-grammar", "peer", "e", 0, BS, other, [], other_info)
+        index.apply_snapshot(decode(snap), time.monotonic())
+        return index
+
+    owners = {"p-cached": "peer", "p-grammar": "peer"}
+    router = _router(index_of(True), owners)
+    got = router.route(make_request(prompt, max_tokens=2))
+    assert isinstance(got, RemoteInstance) and got.instance_id == "p-cached"
+    constrained = make_request(prompt, max_tokens=2)
+    constrained.sampling.structured = StructuredOutput("json_object")
+    got = router.route(constrained)
+    assert isinstance(got, RemoteInstance) and got.instance_id == "p-grammar"
+    router = _router(index_of(False), owners)
+    with pytest.raises(InvalidRequest, match="structured_output"):
+        router.route(constrained)
