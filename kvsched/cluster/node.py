@@ -241,7 +241,7 @@ class ClusterNode:
             eng = self.registry.engines.get(carrier.get(FORWARD_INSTANCE, ""))
             if req.output_token_ids:  # a peer's prefill instance hands it off (P/D)
                 if eng is None or not eng.is_decode or not eng.accepting:
-                    eng = self.registry.route_decode(req)
+                    eng = self.registry.route_decode(req, model or self.registry.model_for(""))
                 self.registry.candidates(req, model or self.registry.model_for(""), [eng])
             elif eng is None or not eng.queueing or eng.is_decode:
                 eng = self.registry.route(req, model)

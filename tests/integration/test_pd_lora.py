@@ -117,3 +117,46 @@ def test_lora_hand_offs_follow_adapter_affinity_among_decode_instances(tmp_path:
     finally:
         for p in procs:
             p.stop()
+
+
+PD_MODELS = """
+[instances.p]
+role = "prefill"
+
+[instances.d-beta]
+role = "decode"
+
+[instances.d-alpha]
+role = "decode"
+"""
+
+
+def test_hand_offs_go_to_a_decode_instance_of_the_prefill_instances_model(
+    tmp_path: Path,
+) -> None:
+    """A daemon serving two models: model alpha's hand-offs go to alpha's decode instance
+    only, never to beta's (attached first: the router's tie order would take it)."""
+    path = tmp_path / "kvsched.toml"
+    path.write_text(PD_MODELS)
+    daemon, address = start_daemon("--config", str(path))
+    kv = ("--listen-kv", "127.0.0.1:0", "--zero-cost")
+    procs = [daemon, start_worker(address, "d-beta", *kv, "--served-model-name", "beta")]
+    try:
+        wait_ready(address, ["d-beta"])
+        procs.append(start_worker(address, "d-alpha", *kv, "--served-model-name", "alpha"))
+        procs.append(start_worker(address, "p", *kv, "--served-model-name", "alpha"))
+        wait_ready(address, ["p", "d-beta", "d-alpha"])
+        with Client(address, timeout=30) as c:
+            before = {i.instance_id: i.num_steps for i in status(address).instances}
+            for i in range(4):
+                s = c.generate([3 + i, 4, 5, 6], max_tokens=4, model="alpha")
+                assert len(s.tokens()) == 4 and s.finished is not None
+                assert s.finished.reason == "length"
+            steps = {
+                i.instance_id: i.num_steps - before[i.instance_id]
+                for i in status(address).instances
+            }
+            assert steps["d-beta"] == 0 and steps["d-alpha"] >= 4 * 3, steps
+    finally:
+        for p in procs[::-1]:
+            p.stop()

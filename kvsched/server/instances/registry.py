@@ -420,16 +420,20 @@ class InstanceRegistry:
             return "no instance is ready: its workers are still starting, or all are draining"
         return "no instance is ready: no worker connected (start one with `kvsched worker`)"
 
-    def route_decode(self, req: Request | None = None) -> InstanceEngine:
-        """The decode instance a prefill instance's request will be handed off to; for a LoRA
-        request, one whose workers announced its adapter, of the best adapter-affinity tier
-        (the adapter in use there > a free adapter slot > neither), then the least loaded."""
+    def route_decode(self, req: Request | None = None, model: str = "") -> InstanceEngine:
+        """The decode instance a prefill instance's request will be handed off to: one of
+        `model` (any model when ""); for a LoRA request, one whose workers announced its
+        adapter, of the best adapter-affinity tier (the adapter in use there > a free adapter
+        slot > neither), then the least loaded."""
         decodes = [e for e in self.engines.values() if e.is_decode and e.accepting]
+        if model:
+            decodes = [e for e in decodes if _limits(e, self.config.model).model == model]
         lora = "" if req is None else req.lora_name
         if lora:
             decodes = [e for e in decodes if _limits(e, self.config.model).has_lora(lora)]
         if not decodes:
-            has = f" with LoRA adapter {lora!r}" if lora else ""
+            has = f" of model {model!r}" if model else ""
+            has += f" with LoRA adapter {lora!r}" if lora else ""
             raise Unavailable(f"prefill instance has no ready decode instance{has} to hand off to")
         if lora and req is not None and len(decodes) > 1:
             tier = lora_eligible([e.lora_affinity(req) for e in decodes])

@@ -16,6 +16,7 @@ forwarded until the choice is made, and a refusal leaves nothing behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Mapping
@@ -129,12 +130,13 @@ class Acceptor:
         else a peer daemon's) is chosen at the hand-off and fetches into blocks of its own, so
         nothing is reserved (Unavailable when there is none now, here or at a peer)."""
         if p.engine_config.cache.pd_transfer == PdTransfer.STORAGE:
-            if any(e.is_decode and e.accepting for e in self.registry.engines.values()):
+            with contextlib.suppress(Unavailable):  # one here (of the model, the adapter)
+                self.registry.route_decode(req, model)
                 return None
             cluster = self.table.cluster
             if cluster is not None and cluster.decode_peer(model, count=False) is not None:
                 return None
-        d = self.registry.route_decode(req)
+        d = self.registry.route_decode(req, model)
         got = d.preallocate(req)
         if got is None:
             slot = (

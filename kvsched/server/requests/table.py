@@ -304,7 +304,7 @@ class RequestTable:
         tokens are relayed to its client (the cluster's forward: one client stream)."""
         msg, tr.pd_msg = tr.pd_msg, None
         try:
-            d: InstanceEngine | None = self.registry.route_decode(req)
+            d: InstanceEngine | None = self.registry.route_decode(req, tr.model)
         except Unavailable:
             d = None
         if d is not None:
