@@ -65,6 +65,7 @@ class ReplayResult:
     # its prompt needs); the daemon refuses them (the records say how).
     unfit: list[tuple[str, int]] = field(default_factory=list)
     daemons: list[str] = field(default_factory=list)  # names (cluster daemon id or address)
+    t0_wall_ns: int = 0  # the replay's start (arrival 0) on the wall clock, for daemon spans
 
 
 class _Run:
@@ -107,6 +108,7 @@ class _Run:
                 max_tokens=r.max_tokens,
                 ignore_eos=True,
             )
+            self.records[f"trace-{i}"].sent_s = self.now()
         for session in sessions:
             await session.close()
 
@@ -190,7 +192,7 @@ async def replay(
         if before is not None:
             result.unfit = unfit(requests, before)
             warn_unfit(result.unfit, before)
-        run.t0 = time.monotonic()
+        run.t0, result.t0_wall_ns = time.monotonic(), time.time_ns()
         sampler = (
             asyncio.ensure_future(_sample(admins, run, result, sample_every_s, progress))
             if before is not None
