@@ -133,6 +133,15 @@ class AsyncSession:
         )
         return tag
 
+    async def submit_request(self, request: rpb.GenerateRequest, *, client_tag: str = "") -> str:
+        """`submit` of a request built beforehand (`build_request`): a caller that sends at set
+        times (a replay) builds ahead, so encoding a long prompt does not delay its send."""
+        tag = client_tag or str(next(self._tags))
+        await self._write(
+            rpb.SessionRequest(submit=rpb.SessionRequest.Submit(request=request, client_tag=tag))
+        )
+        return tag
+
     async def abort(self, request_id: str, *, stop: bool = False) -> None:
         """Abort one of this session's requests; its `finished` comes in a later batch.
         `stop`: the client found a stop condition of its own (it finishes with reason stop)."""
