@@ -163,8 +163,11 @@ class WorkerEngine:
         for extension in tasks.extensions:
             self._extend(extension)
         if tasks.swap_in_gpu:  # before any chunk that reads them
-            t = tasks
-            self._stall(self._copies.swap_in(t.swap_in_handles, t.swap_in_host, t.swap_in_gpu))
+            t, ahead = tasks, None
+            if hasattr(self.executor, "swap_in_ahead"):  # a copy stream: none read this step
+                ahead = set(t.swap_in_handles).difference(c.handle for c in t.chunks)
+            copies = self._copies.swap_in(t.swap_in_handles, t.swap_in_host, t.swap_in_gpu, ahead)
+            self._stall(copies)
         self._stall(self.storage.fetch_all(tasks))  # storage_fetches: after swap_ins
         for chunk in tasks.chunks:
             self._queue_chunk(chunk)
@@ -262,6 +265,8 @@ class WorkerEngine:
             self._table.paused[s.slot] = False
 
     def _queue_chunk(self, c: Chunk) -> None:
+        if self._copies.ahead:
+            self._copies.ahead_read(c.handle)
         s = self._lookup(c.handle)
         if s is None or self._table.decoding[s.slot] or c.handle in self._stalled:
             return  # the prompt is done (a stale chunk), or its swap-in failed
@@ -309,6 +314,7 @@ class WorkerEngine:
         """
         if not self.has_runnable():
             return None
+        self._copies.ahead.clear()  # swapped in beside this step
         self.step_count += 1
         report = StepReport(step=self.step_count, applied_seq=self.applied_seq)
         self._push_kv()  # sends attached after the prompt finished, before any decode
