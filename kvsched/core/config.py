@@ -83,12 +83,13 @@ class CacheConfig:
     storage_prefetch: bool = False
     storage_prefetch_at_arrival: bool = False
     storage_prefetch_hold_ms: float = 100.0
-    # Swap-ins ahead of the first chunk (0: off): a request placed with host hits whose copy
-    # takes at least this share of a step (the cost model's per-block swap time x its blocks
-    # >= swap_in_ahead x the measured step's moving average) gets its placement and swap-ins
-    # in one Tasks message and its first chunk in the next, so the copy can run beside a step
-    # (a worker's copy stream) instead of before one that every request in the batch waits
-    # on. The request itself waits about max(one step, its copy) instead of its copy.
+    # Swap-ins and storage fetches ahead of the first chunk (0: off): a request placed with
+    # host or storage hits whose copies take at least this share of a step (the cost model's
+    # per-block times x its blocks >= swap_in_ahead x the measured step's moving average) gets
+    # its placement and copies in one Tasks message and its first chunk in the next, so the
+    # copies can run beside a step (a worker's copy stream, its NIC) instead of before one that
+    # every request in the batch waits on. The request itself waits about max(one step, its
+    # copies) instead of its copies.
     swap_in_ahead: float = 0.0
     # The worker's multimodal encoder cache (kvsched/core/encoder_cache.py), in embeddings
     # (one per placeholder token); 0: off, every chunk touching an item pays its encoder budget.

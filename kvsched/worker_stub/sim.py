@@ -115,6 +115,17 @@ class SimExecutor:
             self.num_fetched_blocks += num_blocks
             self._copy_s += num_blocks * self._storage_s_per_block
 
+    def storage_fetched_ahead(self, num_blocks: int) -> None:
+        """A storage fetch no chunk reads before the next step: beside it (the NIC)."""
+        self.num_fetched_blocks += num_blocks
+        self._write_s += num_blocks * self._storage_s_per_block
+
+    def storage_fetch_read(self, num_blocks: int) -> None:
+        """num_blocks fetched ahead are read by a chunk of the next step: before it."""
+        s = num_blocks * self._storage_s_per_block
+        self._write_s -= s
+        self._copy_s += s
+
     def storage_prefetched(self, num_blocks: int) -> None:
         """A storage -> host prefetch of num_blocks ran at this step boundary: beside the
         step, as writes (the NIC writes host memory while the GPU computes)."""

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from kvsched.core import Request, Scheduler, Tasks
+from kvsched.core import Request, Scheduler, StorageIndex, Tasks
 from kvsched.core.errors import ConfigError
 from kvsched.worker_stub.costmodel import KV_BYTES_PER_TOKEN
 from kvsched.worker_stub.engine import WorkerEngine
 from kvsched.worker_stub.sim import SimExecutor
-from tests.core.factories import make_config, make_request, make_scheduler
+from tests.core.factories import make_config, make_request
 from tests.test_worker_engine import place, prompt_chunk
 
 BS, EOS = 16, 2
@@ -27,10 +27,14 @@ A = list(range(1000, 1000 + 6 * BS))  # 6 full blocks
 class Pair:
     """One instance: the scheduler and a sim worker, one step per schedule()."""
 
-    def __init__(self, **kw: Any) -> None:
+    def __init__(self, storage: bool = False, **kw: Any) -> None:
         kw = {"block_size": BS, "num_gpu_blocks": 16, "num_host_blocks": 32, **kw}
         kw.setdefault("host_write_policy", "write_back")
-        self.s: Scheduler = make_scheduler(prealloc_threshold=0, prealloc_blocks=1, **kw)
+        kw.update(prealloc_threshold=0, prealloc_blocks=1, max_model_len=8192)
+        index = StorageIndex() if storage else None
+        self.s = Scheduler(
+            make_config(**kw), instance_id="i0", storage=index, storage_namespace="m"
+        )
         # Llama-3-8B blocks (2 MiB) over PCIe at 50 GB/s: 0.04 ms a block, priced by the sim.
         self.sim = SimExecutor(gpu="h100", block_bytes=BLOCK_BYTES, eos_token_id=EOS)
         self.w = WorkerEngine(self.sim, BS, 64, EOS, 8192)
@@ -82,8 +86,9 @@ class Pair:
         s = self.s
         assert not s.live and s.kv.pool.num_free == s.kv.pool.num_blocks
         host = s.kv.host
-        assert host is not None and host.num_in_flight == 0 and not host.has_queued()
-        assert all(n == 0 for n in host.pool.ref_cnt), "a host pin was never released"
+        if host is not None:
+            assert host.num_in_flight == 0 and not host.has_queued()
+            assert all(n == 0 for n in host.pool.ref_cnt), "a host pin was never released"
 
 
 def test_swap_ins_go_one_message_ahead_of_the_first_chunk() -> None:
@@ -106,7 +111,9 @@ def test_swap_ins_go_one_message_ahead_of_the_first_chunk() -> None:
     p.assert_all_returned()
 
 
-def _worker_step_with(ahead: bool, chunk_later: bool = False) -> tuple[float, float]:
+def _worker_step_with(
+    ahead: bool, chunk_later: bool = False, fetch: bool = False
+) -> tuple[float, float]:
     """A sim worker decoding one request gets a placement with 6 blocks of swap-ins (its
     chunk in the same message, or none: sent ahead; chunk_later: the chunk in a second
     message at the same boundary). Returns (that step's time, a plain decode step's)."""
@@ -119,16 +126,14 @@ def _worker_step_with(ahead: bool, chunk_later: bool = False) -> tuple[float, fl
     assert base is not None
     p2 = place(2, prompt_len=6 * BS + 4, num_blocks=7, num_cached=6 * BS)
     chunk = prompt_chunk(2, 6 * BS, 6 * BS + 4)
-    ins = {"swap_in_handles": [2] * 6, "swap_in_host": list(range(6))}
-    w.apply(
-        Tasks(
-            2,
-            placements=[p2],
-            chunks=[] if ahead else [chunk],
-            swap_in_gpu=p2.block_ids[:6],
-            **ins,  # type: ignore[arg-type]
-        )
-    )
+    gpu = p2.block_ids[:6]
+    if fetch:  # from the storage tier (12.5 GB/s by default)
+        keys = [f"k{i}" for i in range(6)]
+        ins: dict[str, Any] = {"storage_fetch_handles": [2] * 6, "storage_fetch_keys": keys}
+        ins["storage_fetch_gpu"] = gpu
+    else:  # from host memory (PCIe, 50 GB/s)
+        ins = {"swap_in_handles": [2] * 6, "swap_in_host": list(range(6)), "swap_in_gpu": gpu}
+    w.apply(Tasks(2, placements=[p2], chunks=[] if ahead else [chunk], **ins))
     if chunk_later:
         w.apply(Tasks(3, chunks=[chunk]))
     report = w.step()
@@ -146,6 +151,16 @@ def test_the_copy_ahead_runs_beside_the_step_and_before_it_when_read() -> None:
     assert together >= base + copy_s
     later, _ = _worker_step_with(ahead=True, chunk_later=True)
     assert later == pytest.approx(together), "read at the same boundary: before the step"
+
+
+def test_a_storage_fetch_ahead_runs_beside_the_step_and_before_it_when_read() -> None:
+    fetch_s = 6 * (8 << 20) / 12.5e9
+    ahead, base = _worker_step_with(ahead=True, fetch=True)
+    assert ahead == pytest.approx(max(base, fetch_s), rel=0.05)
+    together, _ = _worker_step_with(ahead=False, fetch=True)
+    assert together >= base + fetch_s
+    later, _ = _worker_step_with(ahead=True, chunk_later=True, fetch=True)
+    assert later == pytest.approx(together)
 
 
 def test_below_the_share_the_swap_ins_travel_with_the_chunk() -> None:
@@ -216,3 +231,27 @@ def test_a_chunk_at_the_same_boundary_pays_the_copy_before_the_step() -> None:
 def test_the_share_is_checked() -> None:
     with pytest.raises(ConfigError, match="swap_in_ahead"):
         make_config(swap_in_ahead=-1.0).validate()
+
+
+def test_storage_fetches_go_ahead_too_and_run_beside_the_step() -> None:
+    """No host tier, write_through storage from the GPU: a's blocks are written, evicted from
+    the GPU, then b's storage hits are fetched a message ahead of its first chunk; the sim
+    prices them beside that step."""
+    p = Pair(
+        storage=True, num_host_blocks=0, storage_write_policy="write_through", swap_in_ahead=0.01
+    )
+    a = make_request(A + [1], max_tokens=1)
+    p.run(a)
+    p.run(make_request(list(range(5000, 5000 + 16 * BS - 1)), max_tokens=1))
+    assert p.s.kv.pool.lookup(a.block_hashes[0]) is None, "a left the GPU"
+    b = make_request(A + list(range(9000, 9010)), max_tokens=3)
+    p.add(b)
+    t1 = p.step()
+    assert t1.storage_fetch_handles == [b.handle] * 6 and not t1.chunks
+    assert p.s.kv.storage is not None and p.s.kv.storage.stats.fetches_ahead == 6
+    assert p.sim.num_fetched_blocks == 6
+    t2 = p.step()
+    assert [c.start for c in t2.chunks if c.handle == b.handle] == [6 * BS]
+    p.run(b)
+    assert b.num_cached_tokens == 6 * BS and b.num_output_tokens == 3
+    p.assert_all_returned()

@@ -283,21 +283,25 @@ class Admitter:
                 kv.fetch(req.handle, stored, new[nh : nh + ns])
             elif declined_fetches:
                 kv.decline_fetches(declined_fetches)
-            if nh and not ns and self._swap_ahead(nh):
-                kv.host.stats.swap_ins_ahead += nh  # type: ignore[union-attr]
+            if (nh or ns) and self._copies_ahead(nh, ns):
+                if nh:
+                    kv.host.stats.swap_ins_ahead += nh  # type: ignore[union-attr]
+                if ns:
+                    kv.storage.stats.fetches_ahead += ns  # type: ignore[union-attr]
                 continue  # its first chunk goes in the next message (continue_prefills)
             self._emit_chunk(req, n)
 
-    def _swap_ahead(self, num_blocks: int) -> bool:
-        """Whether a placement's swap-ins of num_blocks go a message ahead of its first chunk
-        (`CacheConfig.swap_in_ahead`): their predicted copy time is at least that share of
-        the measured step (none measured yet: no)."""
+    def _copies_ahead(self, num_swapped: int, num_fetched: int) -> bool:
+        """Whether a placement's swap-ins and storage fetches go a message ahead of its first
+        chunk (`CacheConfig.swap_in_ahead`): their predicted copy time is at least that share
+        of the measured step (none measured yet: no)."""
         share = self.config.cache.swap_in_ahead
         if not share:
             return False
         cost = self.plan.cost
         step_ms = cost.ewma_measured_ms
-        return step_ms > 0 and cost.swap_block_ms * num_blocks >= share * step_ms
+        copy_ms = cost.swap_block_ms * num_swapped + cost.fetch_block_ms * num_fetched
+        return step_ms > 0 and copy_ms >= share * step_ms
 
     def _place(
         self,
