@@ -14,7 +14,8 @@ real time, requests over gRPC; per request the daemon's OTLP span, collected her
 Configurations: gpu-only (no host tier), host-4x (4x the GPU blocks of host memory,
 write_back), storage (host-4x + the storage tier, `--storage mooncake`, the daemon's default
 write policy, no prefetch; the sim workers simulate the store at 12.5 GB/s), storage-pf
-(storage -> host prefetch), -nohold (never wait for a prefetch), -arrival (prefetch at arrival).
+(storage -> host prefetch), -nohold (never wait for a prefetch), -arrival (prefetch at arrival);
+-ahead: swap-ins and fetches a message ahead of the first chunk (`swap_in_ahead`).
 
 Per request: hit tokens, their tier (GPU / host / storage), queue time (arrival to first
 placement) and TTFT; per configuration the two runs side by side, the per-request differences
@@ -60,6 +61,14 @@ CONFIGS: dict[str, tuple[int, bool, dict[str, Any]]] = {  # host blocks, storage
     "storage-pf": (HOST, True, PF),
     "storage-nohold": (HOST, True, {**PF, "storage_prefetch_hold_ms": 0}),
     "storage-arrival": (HOST, True, {**PF, "storage_prefetch_at_arrival": True}),
+    # Swap-ins and fetches a message ahead of the first chunk when they take >= 1/4 of a step.
+    "host-4x-ahead": (HOST, False, {"swap_in_ahead": 0.25}),
+    "storage-ahead": (HOST, True, {"swap_in_ahead": 0.25}),
+    "storage-arrival-ahead": (
+        HOST,
+        True,
+        {**PF, "storage_prefetch_at_arrival": True, "swap_in_ahead": 0.25},
+    ),
 }
 WORKER_STATS = re.compile(
     r"worker stats: (\d+) steps, .* busy ([0-9.]+) s, idle [0-9.]+ s \(([0-9.]+) s waiting"

@@ -130,20 +130,20 @@ def test_a_burst_of_arrivals_is_built_before_its_first_send_and_every_send_is_re
     encodes a whole burst before its due time, then sends it back to back, and records when
     each submit left (`RequestRecord.sent_s`, for bench.tier_rounds' split of TTFT)."""
     events: list[str] = []
-    real_build = runner.build_request
+    real_build = runner.build_submit
 
-    def build(prompt: Any, options: Any) -> Any:
-        events.append(f"build {options['request_id']}")
-        return real_build(prompt, options)
+    def build(prompt: Any, options: Any, client_tag: str) -> Any:
+        events.append(f"build {client_tag}")
+        return real_build(prompt, options, client_tag)
 
-    real_submit = AsyncSession.submit_request
+    real_submit = AsyncSession.submit_built
 
-    async def submit(self: AsyncSession, request: Any, *, client_tag: str = "") -> str:
-        events.append(f"send {client_tag}")
-        return await real_submit(self, request, client_tag=client_tag)
+    async def submit(self: AsyncSession, msg: Any) -> str:
+        events.append(f"send {msg.submit.client_tag}")
+        return await real_submit(self, msg)
 
-    monkeypatch.setattr(runner, "build_request", build)
-    monkeypatch.setattr(AsyncSession, "submit_request", submit)
+    monkeypatch.setattr(runner, "build_submit", build)
+    monkeypatch.setattr(AsyncSession, "submit_built", submit)
     reqs = [TraceRequest(0.0 if i < 6 else 0.5, list(range(100 + i, 400 + i)), 4) for i in range(9)]
     cluster = start_cluster(1, num_blocks=256, block_size=16)
     try:

@@ -22,7 +22,7 @@ from kvsched.client import (
     SessionBatch,
     Unauthenticated,
 )
-from kvsched.client.types import build_request
+from kvsched.client.types import build_submit
 from kvsched.replay.fit import unfit, warn_unfit
 from kvsched.replay.summary import RequestRecord
 from kvsched.traces import TraceRequest
@@ -109,19 +109,14 @@ class _Run:
             horizon = r.arrival_s / self.speedup + BUILD_AHEAD_S
             while ahead < len(reqs) and reqs[ahead].arrival_s / self.speedup <= horizon:
                 q = reqs[ahead]
-                built[ahead] = build_request(
-                    q.prompt_token_ids,
-                    {
-                        "request_id": f"trace-{ahead}",
-                        "max_tokens": q.max_tokens,
-                        "ignore_eos": True,
-                    },
-                )
+                tag = f"trace-{ahead}"
+                opts = {"request_id": tag, "max_tokens": q.max_tokens, "ignore_eos": True}
+                built[ahead] = build_submit(q.prompt_token_ids, opts, tag)  # type: ignore[arg-type]
                 ahead += 1
             delay = self.t0 + r.arrival_s / self.speedup - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            await sessions[i % n].submit_request(built.pop(i), client_tag=f"trace-{i}")
+            await sessions[i % n].submit_built(built.pop(i))
             self.records[f"trace-{i}"].sent_s = self.now()
         for session in sessions:
             await session.close()
