@@ -163,7 +163,7 @@ class WorkerEngine:
         for extension in tasks.extensions:
             self._extend(extension)
         t, ahead = tasks, None
-        if (t.swap_in_gpu or t.storage_fetch_keys) and hasattr(self.executor, "swap_in_ahead"):
+        if (t.swap_in_gpu or t.storage_fetch_keys) and hasattr(self.executor, "copies_ahead"):
             # A copy stream: the copies of handles with no chunk here run beside the step.
             ahead = {*t.swap_in_handles, *t.storage_fetch_handles}
             ahead.difference_update(c.handle for c in t.chunks)

@@ -47,9 +47,9 @@ class HostCopies:
     ) -> list[int]:
         """Host blocks -> GPU blocks, one batch per handle (its run is contiguous). Returns the
         handles whose copy failed. Handles in `ahead` have no chunk in their message (their
-        swap-ins went ahead of it, `CacheConfig.swap_in_ahead`): an executor with a copy
-        stream (`swap_in_ahead`) runs theirs beside the next step; `ahead_read(handle)` says a
-        chunk at the same boundary reads one after all."""
+        swap-ins went ahead of it, `CacheConfig.swap_in_ahead`): copied as any, then an
+        executor with a copy stream (`copies_ahead`) runs them beside the next step;
+        `ahead_read(handle)` says a chunk at the same boundary reads them after all."""
         self.copied = True
         failed: list[int] = []
         i, n = 0, len(handles)
@@ -58,11 +58,10 @@ class HostCopies:
             while j < n and handles[j] == handles[i]:
                 j += 1
             try:
+                self.executor.swap_in(host_ids[i:j], gpu_ids[i:j])
                 if ahead and handles[i] in ahead:
-                    self.executor.swap_in_ahead(host_ids[i:j], gpu_ids[i:j])
+                    self.executor.copies_ahead(j - i, 0)
                     self.ahead[handles[i]] = j - i
-                else:
-                    self.executor.swap_in(host_ids[i:j], gpu_ids[i:j])
             except Exception:
                 log.warning("swap-in for handle %d failed", handles[i], exc_info=True)
                 self.failed_ins[handles[i]] = None
@@ -74,7 +73,7 @@ class HostCopies:
         """A chunk at this boundary reads `handle`'s swap-ins sent ahead: before the step."""
         n = self.ahead.pop(handle, 0)
         if n:
-            self.executor.swap_in_read(n)
+            self.executor.copies_read(n, 0)
 
     def drop(self) -> None:
         """reset_prefix_cache: the daemon names no host block it knew before again."""

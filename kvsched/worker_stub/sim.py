@@ -115,17 +115,6 @@ class SimExecutor:
             self.num_fetched_blocks += num_blocks
             self._copy_s += num_blocks * self._storage_s_per_block
 
-    def storage_fetched_ahead(self, num_blocks: int) -> None:
-        """A storage fetch no chunk reads before the next step: beside it (the NIC)."""
-        self.num_fetched_blocks += num_blocks
-        self._write_s += num_blocks * self._storage_s_per_block
-
-    def storage_fetch_read(self, num_blocks: int) -> None:
-        """num_blocks fetched ahead are read by a chunk of the next step: before it."""
-        s = num_blocks * self._storage_s_per_block
-        self._write_s -= s
-        self._copy_s += s
-
     def storage_prefetched(self, num_blocks: int) -> None:
         """A storage -> host prefetch of num_blocks ran at this step boundary: beside the
         step, as writes (the NIC writes host memory while the GPU computes)."""
@@ -139,16 +128,22 @@ class SimExecutor:
     def swap_in(self, host_ids: list[int], gpu_ids: list[int]) -> None:
         self._copied(len(gpu_ids))
 
-    def swap_in_ahead(self, host_ids: list[int], gpu_ids: list[int]) -> None:
-        """A swap-in no chunk reads before the next step: on the copy stream, beside it."""
-        self.num_copied_blocks += len(gpu_ids)
-        self._ahead_s += len(gpu_ids) * self._copy_s_per_block
+    # ---- copies ahead of their chunk (CacheConfig.swap_in_ahead): a copy stream, the NIC ----
+    def copies_ahead(self, swapped: int, fetched: int) -> None:
+        """Of the copies priced at this boundary (`swap_in`, `storage_copied`), these blocks
+        are read by no chunk of the next step: they run beside it, not before it."""
+        swap_s, fetch_s = swapped * self._copy_s_per_block, fetched * self._storage_s_per_block
+        self._copy_s -= swap_s + fetch_s
+        self._ahead_s += swap_s
+        self._write_s += fetch_s
 
-    def swap_in_read(self, num_blocks: int) -> None:
-        """num_blocks swapped in ahead are read by a chunk of the next step: before it."""
-        s = num_blocks * self._copy_s_per_block
-        self._ahead_s -= s
-        self._copy_s += s
+    def copies_read(self, swapped: int, fetched: int) -> None:
+        """Blocks `copies_ahead` moved beside the step are read by a chunk of it after all
+        (a later message at the same boundary): before it again."""
+        swap_s, fetch_s = swapped * self._copy_s_per_block, fetched * self._storage_s_per_block
+        self._ahead_s -= swap_s
+        self._write_s -= fetch_s
+        self._copy_s += swap_s + fetch_s
 
     def _copied(self, n: int) -> None:
         self.num_copied_blocks += n

@@ -229,34 +229,28 @@ class StorageTasks:
             self.write(tasks.storage_write_keys, tasks.storage_write_blocks)
 
     def fetch_all(self, tasks: Tasks, ahead: set[int] | None = None) -> list[int]:
-        """`ahead`: handles with no chunk in this message (HostCopies.swap_in): the sim prices
-        their fetches beside the next step (`fetched_ahead`: blocks by handle, until a chunk
-        at the same boundary reads them, `ahead_read`, or the step runs)."""
+        """`ahead`: handles with no chunk in this message (HostCopies.swap_in): fetched as
+        any, then the sim prices theirs beside the next step (`fetched_ahead`: blocks by
+        handle, until a chunk at the same boundary reads them, `ahead_read`, or it runs)."""
         if not tasks.storage_fetch_keys:
             return []
         t = tasks
-        if ahead and self.simulated and hasattr(self.executor, "storage_fetched_ahead"):
-            mine = [h in ahead for h in t.storage_fetch_handles]
-            if any(mine):
-                self.ran = True
-                self.executor.storage_fetched_ahead(sum(mine))
-                self.num_fetched += sum(mine)
-                for h, m in zip(t.storage_fetch_handles, mine, strict=True):
-                    if m:
-                        self.fetched_ahead[h] = self.fetched_ahead.get(h, 0) + 1
-                rest = [i for i, m in enumerate(mine) if not m]
-                if not rest:
-                    return []
-                handles = [t.storage_fetch_handles[i] for i in rest]
-                keys = [t.storage_fetch_keys[i] for i in rest]
-                return self.fetch(handles, keys, [t.storage_fetch_gpu[i] for i in rest])
-        return self.fetch(t.storage_fetch_handles, t.storage_fetch_keys, t.storage_fetch_gpu)
+        failed = self.fetch(t.storage_fetch_handles, t.storage_fetch_keys, t.storage_fetch_gpu)
+        if ahead and self.simulated and hasattr(self.executor, "copies_ahead"):
+            n = 0
+            for h in t.storage_fetch_handles:
+                if h in ahead:
+                    self.fetched_ahead[h] = self.fetched_ahead.get(h, 0) + 1
+                    n += 1
+            if n:
+                self.executor.copies_ahead(0, n)
+        return failed
 
     def ahead_read(self, handle: int) -> None:
         """A chunk at this boundary reads `handle`'s fetches sent ahead: before the step."""
         n = self.fetched_ahead.pop(handle, 0)
         if n:
-            self.executor.storage_fetch_read(n)
+            self.executor.copies_read(0, n)
 
     def prefetch_all(self, tasks: Tasks) -> None:
         if tasks.storage_prefetch_keys:

@@ -294,14 +294,14 @@ class Admitter:
     def _copies_ahead(self, num_swapped: int, num_fetched: int) -> bool:
         """Whether a placement's swap-ins and storage fetches go a message ahead of its first
         chunk (`CacheConfig.swap_in_ahead`): their predicted copy time is at least that share
-        of the measured step (none measured yet: no)."""
+        of the measured step (no step measured yet, or steps that take no time: yes)."""
         share = self.config.cache.swap_in_ahead
         if not share:
             return False
         cost = self.plan.cost
         step_ms = cost.ewma_measured_ms
         copy_ms = cost.swap_block_ms * num_swapped + cost.fetch_block_ms * num_fetched
-        return step_ms > 0 and copy_ms >= share * step_ms
+        return copy_ms >= share * step_ms
 
     def _place(
         self,
