@@ -2,7 +2,7 @@
 goes beside the simulator's, request by request (issue 37).
 
     python -m bench.tier_rounds [--trace PATH] [--window 0-300] [--configs gpu-only,host-4x,storage]
-                                [--rounds 2] [--sim-latency-ms 0,2,5] [--json OUT]
+                                [--rounds 2] [--sim-latency-ms 2,5] [--json OUT] [--report]
 
 The sim runs once per configuration (virtual time: identical every run), plus once per extra
 control latency (`bench.simulate`'s `control_latency_s`: each Tasks message reaches its worker
@@ -104,6 +104,21 @@ def sim_at_daemon_arrivals(
     return {"agg": aggregate(back, prompt), "goodput": summary["goodput_rps"]}
 
 
+def send_by_position(reqs: list[TraceRequest], rrows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median send delay (ms) by a request's place among those arriving at the same instant
+    (the Mooncake traces' arrivals come every 3 s, up to 20 at once): a cost paid per request,
+    one after another, grows with the place."""
+    by: dict[int, list[float]] = {}
+    pos, prev = 0, None
+    for q, r in zip(reqs, rrows, strict=True):
+        pos = pos + 1 if q.arrival_s == prev else 1
+        prev = q.arrival_s
+        d = r.get("send_s")
+        if d is not None and not math.isnan(d):
+            by.setdefault(min(pos, 12), []).append(d)
+    return {str(p): 1e3 * statistics.median(v) for p, v in sorted(by.items())}
+
+
 def spread(xs: list[float]) -> dict[str, Any]:
     return {"median": _med(xs), "min": min(xs), "max": max(xs), "all": xs} if xs else {}
 
@@ -193,6 +208,9 @@ def report(out: dict[str, Any]) -> str:
                 )
             )
         for i, r in enumerate(out["configs"][name]["replays"]):
+            if "send_ms_by_position" in r:
+                by = ", ".join(f"{k}: {v:.0f}" for k, v in r["send_ms_by_position"].items())
+                lines.append(f"{'':9}   round {i + 1} send p50 ms by place in its burst: {by}")
             if "sim_daemon_arrivals" in r:
                 agg = r["sim_daemon_arrivals"]["agg"]
                 lines.append(
@@ -216,7 +234,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sim-latency-ms", default="", help="extra sim runs, e.g. 2,5 (ms)")
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    ap.add_argument("--report", action="store_true", help="print --json's results, run nothing")
     args = ap.parse_args(argv)
+    if args.report:  # (also a run cut short: the rounds done so far)
+        out = json.loads(args.json.read_text())
+        base = out["configs"].get("gpu-only")
+        out["summary"] = {
+            n: summarize_config(n, c, base, out["bounds"])
+            for n, c in out["configs"].items()
+            if c["replays"]
+        }
+        print(report(out))
+        return
     names = args.configs.split(",")
     if unknown := [n for n in names if n not in CONFIGS]:
         ap.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
@@ -257,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
             r["wall_s"] = time.perf_counter() - t0
             r["diff"] = differences(sims[name], rrows)
             r["gap"] = gap(sims[name], rrows)
+            r["send_ms_by_position"] = send_by_position(reqs, rrows)
             r["rows"] = {k: [_round(x[k]) for x in rrows] for k in (rrows[0] if rrows else {})}
             if rnd == 0:  # the sim fed the daemon's measured arrivals (the send part)
                 r["sim_daemon_arrivals"] = sim_at_daemon_arrivals(reqs, rrows, name, args, prompt)
