@@ -238,6 +238,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.report:  # (also a run cut short: the rounds done so far)
         out = json.loads(args.json.read_text())
+        a, b = map(float, out["window"].split("-", 1))
+        reqs = window(load_trace(out["trace"], duration_s=b), a, b)
+        for c in out["configs"].values():
+            for r in c["replays"]:
+                cols = r["rows"]
+                rows = [dict(zip(cols, v, strict=True)) for v in zip(*cols.values(), strict=True)]
+                r.setdefault("send_ms_by_position", send_by_position(reqs, rows))
         base = out["configs"].get("gpu-only")
         out["summary"] = {
             n: summarize_config(n, c, base, out["bounds"])
