@@ -47,6 +47,13 @@ VARIANTS = {
 def free_transfers(swap_ins: bool, fetches: bool) -> Iterator[None]:
     """Make the sim's swap-ins and/or storage fetches take no step time (counted still)."""
     orig_in, orig_st = SimExecutor.swap_in, SimExecutor.storage_copied
+    orig_ahead, orig_read = SimExecutor.copies_ahead, SimExecutor.copies_read
+
+    def moved(orig: Any) -> Any:  # copies ahead (`-ahead` configs): only the priced ones move
+        def move(self: SimExecutor, swapped: int, fetched: int) -> None:
+            orig(self, 0 if swap_ins else swapped, 0 if fetches else fetched)
+
+        return move
 
     def swap_in(self: SimExecutor, host_ids: list[int], gpu_ids: list[int]) -> None:
         self.num_copied_blocks += len(gpu_ids)
@@ -57,6 +64,8 @@ def free_transfers(swap_ins: bool, fetches: bool) -> Iterator[None]:
         else:
             self.num_fetched_blocks += num_blocks
 
+    SimExecutor.copies_ahead = moved(orig_ahead)  # type: ignore[method-assign]
+    SimExecutor.copies_read = moved(orig_read)  # type: ignore[method-assign]
     if swap_ins:
         SimExecutor.swap_in = swap_in  # type: ignore[method-assign]
     if fetches:
@@ -66,6 +75,7 @@ def free_transfers(swap_ins: bool, fetches: bool) -> Iterator[None]:
     finally:
         SimExecutor.swap_in = orig_in  # type: ignore[method-assign]
         SimExecutor.storage_copied = orig_st  # type: ignore[method-assign]
+        SimExecutor.copies_ahead, SimExecutor.copies_read = orig_ahead, orig_read  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> None:

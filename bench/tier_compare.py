@@ -14,7 +14,8 @@ real time, requests over gRPC; per request the daemon's OTLP span, collected her
 Configurations: gpu-only (no host tier), host-4x (4x the GPU blocks of host memory,
 write_back), storage (host-4x + the storage tier, `--storage mooncake`, the daemon's default
 write policy, no prefetch; the sim workers simulate the store at 12.5 GB/s), storage-pf
-(storage -> host prefetch), -nohold (never wait for a prefetch), -arrival (prefetch at arrival).
+(storage -> host prefetch), -nohold (never wait for a prefetch), -arrival (prefetch at arrival);
+-ahead: swap-ins and fetches a message ahead of the first chunk (`swap_in_ahead`).
 
 Per request: hit tokens, their tier (GPU / host / storage), queue time (arrival to first
 placement) and TTFT; per configuration the two runs side by side, the per-request differences
@@ -44,6 +45,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from bench.policies import BLOCK_SIZE, DEFAULT_TRACE, HOST_FACTOR, NUM_GPU_BLOCKS
 from bench.simulate import KvschedCluster, simulate
 from bench.storage import window
+from bench.tier_table import table
 from kvsched.core import EngineConfig
 from kvsched.replay.launch import start_cluster
 from kvsched.replay.runner import replay
@@ -59,6 +61,14 @@ CONFIGS: dict[str, tuple[int, bool, dict[str, Any]]] = {  # host blocks, storage
     "storage-pf": (HOST, True, PF),
     "storage-nohold": (HOST, True, {**PF, "storage_prefetch_hold_ms": 0}),
     "storage-arrival": (HOST, True, {**PF, "storage_prefetch_at_arrival": True}),
+    # Swap-ins and fetches a message ahead of the first chunk when they take >= 1/4 of a step.
+    "host-4x-ahead": (HOST, False, {"swap_in_ahead": 0.25}),
+    "storage-ahead": (HOST, True, {"swap_in_ahead": 0.25}),
+    "storage-arrival-ahead": (
+        HOST,
+        True,
+        {**PF, "storage_prefetch_at_arrival": True, "swap_in_ahead": 0.25},
+    ),
 }
 WORKER_STATS = re.compile(
     r"worker stats: (\d+) steps, .* busy ([0-9.]+) s, idle [0-9.]+ s \(([0-9.]+) s waiting"
@@ -78,18 +88,31 @@ def daemon_config(host_blocks: int, cache: dict[str, Any]) -> EngineConfig:
 
 # ---- the simulator ---------------------------------------------------------------------------
 def run_sim(
-    reqs: list[TraceRequest], name: str, instances: int, speed: float = 1.0, extra_ms: float = 0
+    reqs: list[TraceRequest],
+    name: str,
+    instances: int,
+    speed: float = 1.0,
+    extra_ms: float = 0,
+    control_latency_s: float = 0.0,
 ) -> tuple[list[Row], Any]:
     """speed < 1: every step (and copy) takes 1/speed as long, as on a slower GPU (the sim
     worker's --speed); extra_ms: every step takes that much longer (a fixed cost per step, as
-    a loaded machine's CPU adds to a real-time replay's steps)."""
+    a loaded machine's CPU adds to a real-time replay's steps); control_latency_s: each Tasks
+    message reaches its worker that much after schedule() (`bench.simulate`)."""
     host_blocks, storage, cache = CONFIGS[name]
     seen: dict[str, Any] = {}
     made: list[KvschedCluster] = []
 
     def make(loop: Any) -> KvschedCluster:
         cfg = daemon_config(host_blocks, cache)
-        cluster = KvschedCluster(loop, cfg, num_instances=instances, name=name, storage=storage)
+        cluster = KvschedCluster(
+            loop,
+            cfg,
+            num_instances=instances,
+            name=name,
+            storage=storage,
+            control_latency_s=control_latency_s,
+        )
         made.append(cluster)
         for inst in cluster.instances:  # keep each finished Request (its tier split, times)
             sim = inst.worker.executor
@@ -159,7 +182,10 @@ class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
                 for ss in rs.scope_spans:
                     for span in ss.spans:
                         attrs = {a.key: _value(a.value) for a in span.attributes}
+                        attrs["arrival_ns"] = span.start_time_unix_nano  # the daemon's clock
                         for ev in span.events:
+                            if ev.name == "first_token":
+                                attrs["first_token_ns"] = ev.time_unix_nano
                             if ev.name == "host_cache_hit":
                                 attrs.update({a.key: _value(a.value) for a in ev.attributes})
                         self.spans[str(attrs.get("gen_ai.response.id"))] = attrs
@@ -220,7 +246,7 @@ def run_replay(
     load["after"] = os.getloadavg()
     if not complete:
         print(f"  replay {name}: {len(sink.spans)} of {len(reqs)} spans arrived")
-    rows = []
+    rows, t0 = [], result.t0_wall_ns
     for rec in result.records:
         sp = sink.spans.get(rec.req_id, {})
         rows.append(
@@ -230,6 +256,14 @@ def run_replay(
                 "storage": int(sp.get("kvsched.storage_cached_tokens", 0)),
                 "queue_s": sp.get("kvsched.queue_time_s"),
                 "ttft_s": rec.ttft_s,
+                "daemon_ttft_s": sp.get("kvsched.ttft_s"),  # arrival to first token, daemon's
+                # the client's send to the daemon's arrival; the daemon's first token to the
+                # client's (wall clock, one host)
+                "client_late_s": None if rec.sent_s is None else rec.sent_s - rec.arrival_s,
+                "send_s": _since(sp.get("arrival_ns"), t0) - rec.arrival_s if t0 else None,
+                "deliver_s": (rec.first_token_s or 0) - _since(sp.get("first_token_ns"), t0)
+                if rec.first_token_s is not None and sp.get("first_token_ns")
+                else None,
                 "instance": sp.get("kvsched.instance"),
             }
         )
@@ -247,6 +281,10 @@ def run_replay(
         worker_steps=steps,
     )
     return rows, summary, load
+
+
+def _since(ns: int | None, t0_ns: int) -> float:
+    return (ns - t0_ns) / 1e9 if ns else float("nan")
 
 
 def jitter_spread(
@@ -312,58 +350,6 @@ def differences(sim: list[Row], rep: list[Row]) -> dict[str, Any]:
         "ttft_diff_p90": _q(d_ttft, 0.9),
         "queue_diff_p50": _q(d_queue, 0.5),
     }
-
-
-def _f(v: float | None, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def table(out: dict[str, Any]) -> str:
-    head = (
-        f"{'config':12} {'run':6} {'hit %':>6} {'host %':>6} {'stor %':>6} {'queue p50':>9} "
-        f"{'mean':>6} {'svc p50':>7} {'TTFT p50':>8} {'p90':>6} {'vs gpu':>7} {'goodput':>7}"
-    )
-    lines = [head, "-" * len(head)]
-    base = {run: out["configs"].get("gpu-only", {}).get(run) for run in ("sim", "replay")}
-    for name, c in out["configs"].items():
-        for run in ("sim", "replay"):
-            if run not in c:
-                continue
-            a, b = c[run]["agg"], base[run]
-            vs = "-"
-            if b and a["ttft_p50"] and b["agg"]["ttft_p50"]:
-                vs = f"{100 * (a['ttft_p50'] / b['agg']['ttft_p50'] - 1):+.0f} %"
-            lines.append(
-                f"{name:12} {run:6} {100 * a['hit']:>6.1f} {100 * a['host']:>6.1f} "
-                f"{100 * a['storage']:>6.1f} {_f(a['queue_p50'], '.3f'):>9} "
-                f"{_f(a['queue_mean'], '.2f'):>6} {_f(a['service_p50'], '.3f'):>7} "
-                f"{_f(a['ttft_p50'], '.3f'):>8} {_f(a['ttft_p90'], '.2f'):>6} {vs:>7} "
-                f"{c[run]['summary']['goodput_rps']:>7.2f}"
-            )
-        runs = [run for run in ("sim", "replay") if run in c]
-        if c["sim"]["agg"]["storage"]:
-            pf = [
-                f"{r} {100 * c[r]['summary'].get('storage_prefetched_frac', 0):.0f} %" for r in runs
-            ]
-            lines.append(f"{'':12} {'prefetched before placement':6} {' / '.join(pf)}")
-        steps = {run: c[run]["summary"].get("worker_steps") for run in runs}
-        if len(steps) == 2:
-            a, b = steps["sim"], steps["replay"]
-            lines.append(
-                f"{'':12} {'steps':6} sim {a['steps']:,} steps, {a['busy_s']:.1f} s busy; replay "
-                f"{b['steps']:,} steps, {b['busy_s']:.1f} s busy (wall), "
-                f"{b['waiting_on_daemon_s']:.1f} s waiting on the daemon"
-            )
-        if "diff" in c:
-            d = c["diff"]
-            lines.append(
-                f"{'':12} {'diff':6} same hit tokens {100 * d['same_hit_tokens']:.0f} % of "
-                f"requests (replay {d['hit_tokens_replay_minus_sim']:+,} tokens); TTFT "
-                f"replay - sim p10/p50/p90 {_f(d['ttft_diff_p10'], '+.3f')} / "
-                f"{_f(d['ttft_diff_p50'], '+.3f')} / {_f(d['ttft_diff_p90'], '+.3f')} s; "
-                f"queue p50 {_f(d['queue_diff_p50'], '+.3f')} s"
-            )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,10 +5,12 @@ blocking and the asyncio client alike (no daemon needed: nothing is sent)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
 from kvsched.client import AsyncClient, Client, InvalidArgument, KvschedClientError
+from kvsched.client.types import build_request
 
 BAD = [
     ({"max_tokens": 10**12}, "max_tokens"),
@@ -45,3 +47,19 @@ def test_aio_client_raises_the_same() -> None:
             assert e.value.message.startswith("max_tokens")
 
     asyncio.run(go())
+
+
+def test_build_submit_is_the_nested_submit_byte_for_byte() -> None:
+    """`build_submit` builds the request inside the SessionRequest (no copy of the prompt):
+    the same message a nested `Submit(request=build_request(...))` is; a bad option still
+    raises InvalidArgument naming the field."""
+    from kvsched.client.types import build_submit, rpb
+
+    prompt = list(range(7, 5000))
+    opts: Any = {"max_tokens": 5, "temperature": 0.5, "request_id": "r1", "stop_token_ids": [2]}
+    nested = rpb.SessionRequest(
+        submit=rpb.SessionRequest.Submit(request=build_request(prompt, opts), client_tag="t")
+    )
+    assert build_submit(prompt, opts, "t").SerializeToString() == nested.SerializeToString()
+    with pytest.raises(InvalidArgument, match="max_tokens"):
+        build_submit(prompt, {"max_tokens": 10**12}, "t")  # type: ignore[typeddict-item]

@@ -6,16 +6,20 @@ holds the whole trace. Real daemon, real sim worker, on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+from kvsched.client.aio import AsyncSession
 from kvsched.data import CONVERSATION_SLICE
+from kvsched.replay import runner
 from kvsched.replay.args import H100_BLOCKS
 from kvsched.replay.fit import unfit
-from kvsched.replay.launch import spawn, start_daemon
-from kvsched.traces import load_trace
+from kvsched.replay.launch import spawn, start_cluster, start_daemon
+from kvsched.traces import TraceRequest, load_trace
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.worker_stub.costmodel import default_num_blocks
 
@@ -117,3 +121,40 @@ def test_unfit_names_the_requests_the_largest_instance_cannot_hold() -> None:
         instances=[apb.InstanceStatus(ready=True, num_gpu_blocks=5120, block_size=64)]
     )
     assert unfit(whole, big) == []
+
+
+def test_a_burst_of_arrivals_is_built_before_its_first_send_and_every_send_is_recorded(
+    monkeypatch: Any,
+) -> None:
+    """The Mooncake traces' arrivals come in bursts (every 3 s, up to 20 at once): the replay
+    encodes a whole burst before its due time, then sends it back to back, and records when
+    each submit left (`RequestRecord.sent_s`, for bench.tier_rounds' split of TTFT)."""
+    events: list[str] = []
+    real_build = runner.build_submit
+
+    def build(prompt: Any, options: Any, client_tag: str) -> Any:
+        events.append(f"build {client_tag}")
+        return real_build(prompt, options, client_tag)
+
+    real_submit = AsyncSession.submit_built
+
+    async def submit(self: AsyncSession, msg: Any) -> str:
+        events.append(f"send {msg.submit.client_tag}")
+        return await real_submit(self, msg)
+
+    monkeypatch.setattr(runner, "build_submit", build)
+    monkeypatch.setattr(AsyncSession, "submit_built", submit)
+    reqs = [TraceRequest(0.0 if i < 6 else 0.5, list(range(100 + i, 400 + i)), 4) for i in range(9)]
+    cluster = start_cluster(1, num_blocks=256, block_size=16)
+    try:
+        result = asyncio.run(runner.replay(cluster.address, reqs, progress=False))
+    finally:
+        cluster.stop()
+    burst = [f"build trace-{i}" for i in range(6)]
+    assert events[:7] == [*burst, "send trace-0"], events
+    assert events.index("build trace-6") > events.index("send trace-5")
+    assert all(r.completed for r in result.records)
+    sent = [r.sent_s for r in result.records]
+    assert all(s is not None for s in sent)
+    assert all(s >= r.arrival_s for s, r in zip(sent, result.records, strict=True))  # type: ignore[operator]
+    assert sent == sorted(sent)  # type: ignore[type-var]

@@ -20,6 +20,7 @@ from kvsched.client.types import (
     SessionBatch,
     TokenLogprob,
     build_request,
+    build_submit,
     logprob_rows,
     session_abort,
 )
@@ -127,11 +128,15 @@ class AsyncSession:
         """Send a submit; returns its client tag (`client_tag`, or a fresh number). The answer
         comes in a later batch: `accepted` (with the request id) or `errors`."""
         tag = client_tag or str(next(self._tags))
-        req = build_request(prompt, options)
-        await self._write(
-            rpb.SessionRequest(submit=rpb.SessionRequest.Submit(request=req, client_tag=tag))
-        )
+        await self._write(build_submit(prompt, options, tag))
         return tag
+
+    async def submit_built(self, msg: rpb.SessionRequest) -> str:
+        """`submit` of one built beforehand (`build_submit`): a caller that sends at set times
+        (a replay) builds ahead, so encoding a long prompt does not delay its send. Returns
+        its client tag."""
+        await self._write(msg)
+        return msg.submit.client_tag
 
     async def abort(self, request_id: str, *, stop: bool = False) -> None:
         """Abort one of this session's requests; its `finished` comes in a later batch.

@@ -82,15 +82,29 @@ _REQUEST = (
 )
 
 
-def build_request(prompt: Sequence[int], options: RequestOptions) -> rpb.GenerateRequest:
-    """A GenerateRequest from a prompt and RequestOptions. A value the message cannot carry (of
-    the wrong type, or outside its field's range: max_tokens=10**12) raises InvalidArgument
-    naming the field; the daemon checks the rest and answers InvalidArgument naming the field."""
+def build_submit(
+    prompt: Sequence[int], options: RequestOptions, client_tag: str
+) -> rpb.SessionRequest:
+    """A Session submit of `prompt`, its request built in place: nesting a built
+    GenerateRequest (`Submit(request=...)`) copies it, ~10 ms for a 87k-token prompt."""
+    msg = rpb.SessionRequest()
+    msg.submit.client_tag = client_tag
+    build_request(prompt, options, into=msg.submit.request)
+    return msg
+
+
+def build_request(
+    prompt: Sequence[int], options: RequestOptions, into: rpb.GenerateRequest | None = None
+) -> rpb.GenerateRequest:
+    """A GenerateRequest from a prompt and RequestOptions (built in `into`, an empty message,
+    when given). A value the message cannot carry (of the wrong type, or outside its field's
+    range: max_tokens=10**12) raises InvalidArgument naming the field; the daemon checks the
+    rest and answers InvalidArgument naming the field."""
     extra = {"stop_token_ids", "logit_bias", "structured_output"}
     unknown = set(options) - set(_SAMPLING) - set(_REQUEST) - extra
     if unknown:
         raise TypeError(f"unknown request option(s): {', '.join(sorted(unknown))}")
-    msg = rpb.GenerateRequest()
+    msg = rpb.GenerateRequest() if into is None else into
     sampling = msg.sampling
     for key in _SAMPLING:
         if key in options:

@@ -95,6 +95,14 @@ class CacheConfig:
     # the storage tier, the decode instance fetching them; needs `storage` configured and no
     # host tier on the prefill instance, else the decode instance recomputes the prompt).
     pd_transfer: PdTransfer = PdTransfer.PUSH
+    # Swap-ins and storage fetches ahead of the first chunk (0: off): a request placed with
+    # host or storage hits whose copies take at least this share of a step (the cost model's
+    # per-block times x its blocks >= swap_in_ahead x the measured step's moving average) gets
+    # its placement and copies in one Tasks message and its first chunk in the next, so the
+    # copies can run beside a step (a worker's copy stream, its NIC) instead of before one that
+    # every request in the batch waits on. The request itself waits about max(one step, its
+    # copies) instead of its copies.
+    swap_in_ahead: float = 0.0
     # The worker's multimodal encoder cache (kvsched/core/encoder_cache.py), in embeddings
     # (one per placeholder token); 0: off, every chunk touching an item pays its encoder budget.
     encoder_cache_size: int = 0
@@ -127,6 +135,7 @@ class CacheConfig:
             ) from None
         _check_range(s, "block_size", self.block_size, 1, 4096)
         _check_range(s, "storage_prefetch_hold_ms", self.storage_prefetch_hold_ms, 0.0, 60000.0)
+        _check_range(s, "swap_in_ahead", self.swap_in_ahead, 0.0, 1000.0)
         _check_range(s, "num_gpu_blocks", self.num_gpu_blocks, 1, 1 << 31)
         _check_range(s, "prealloc_blocks", self.prealloc_blocks, 1, 1024)
         _check_range(s, "prealloc_threshold", self.prealloc_threshold, 0, 1 << 20)

@@ -72,6 +72,7 @@ class StorageStats:
     write_failures: int = 0
     fetch_failures: int = 0
     fetches_declined: int = 0  # storage hits recomputed instead (cheaper by the cost model)
+    fetches_ahead: int = 0  # fetches sent a message ahead of their request's first chunk
     writes_skipped: int = 0  # wanted, but every host block was pinned / dropped on a reset
 
 

@@ -58,6 +58,7 @@ class TierStats:
     swap_in_failures: int = 0
     swap_outs_skipped: int = 0  # wanted, but every host block was pinned
     swap_ins_declined: int = 0  # host hits recomputed instead (cheaper by the cost model)
+    swap_ins_ahead: int = 0  # swap-ins sent a message ahead of their request's first chunk
 
 
 class HostTier:

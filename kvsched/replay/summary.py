@@ -45,6 +45,7 @@ class RequestRecord:
     num_preemptions: int = 0
     finish_reason: str = ""  # stop | length | abort | error | rejected | "" (unfinished)
     message: str = ""  # why it did not complete: the daemon's refusal or finished message
+    sent_s: float | None = None  # when its submit left the client (a replay; arrival_s: due)
 
     @property
     def num_output_tokens(self) -> int:

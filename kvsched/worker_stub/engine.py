@@ -162,10 +162,15 @@ class WorkerEngine:
             self._place(placement)
         for extension in tasks.extensions:
             self._extend(extension)
+        t, ahead = tasks, None
+        if (t.swap_in_gpu or t.storage_fetch_keys) and hasattr(self.executor, "copies_ahead"):
+            # A copy stream: the copies of handles with no chunk here run beside the step.
+            ahead = {*t.swap_in_handles, *t.storage_fetch_handles}
+            ahead.difference_update(c.handle for c in t.chunks)
         if tasks.swap_in_gpu:  # before any chunk that reads them
-            t = tasks
-            self._stall(self._copies.swap_in(t.swap_in_handles, t.swap_in_host, t.swap_in_gpu))
-        self._stall(self.storage.fetch_all(tasks))  # storage_fetches: after swap_ins
+            copies = self._copies.swap_in(t.swap_in_handles, t.swap_in_host, t.swap_in_gpu, ahead)
+            self._stall(copies)
+        self._stall(self.storage.fetch_all(tasks, ahead))  # storage_fetches: after swap_ins
         for chunk in tasks.chunks:
             self._queue_chunk(chunk)
         for send in tasks.kv_sends:
@@ -262,6 +267,10 @@ class WorkerEngine:
             self._table.paused[s.slot] = False
 
     def _queue_chunk(self, c: Chunk) -> None:
+        if self._copies.ahead:
+            self._copies.ahead_read(c.handle)
+        if self.storage.fetched_ahead:
+            self.storage.ahead_read(c.handle)
         s = self._lookup(c.handle)
         if s is None or self._table.decoding[s.slot] or c.handle in self._stalled:
             return  # the prompt is done (a stale chunk), or its swap-in failed
@@ -309,6 +318,8 @@ class WorkerEngine:
         """
         if not self.has_runnable():
             return None
+        self._copies.ahead.clear()  # swapped in / fetched beside this step
+        self.storage.fetched_ahead.clear()
         self.step_count += 1
         report = StepReport(step=self.step_count, applied_seq=self.applied_seq)
         self._push_kv()  # sends attached after the prompt finished, before any decode

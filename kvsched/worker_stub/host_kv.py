@@ -27,6 +27,7 @@ class HostCopies:
         self.failed_outs: list[int] = []  # host block ids
         self.failed_ins: dict[int, None] = {}  # handles
         self.copied = False  # copies ran since the last report
+        self.ahead: dict[int, int] = {}  # handle -> blocks swapped in ahead, this boundary
 
     def swap_out(self, gpu_ids: list[int], host_ids: list[int]) -> None:
         """GPU blocks -> host blocks, one batch; a failed batch is reported."""
@@ -37,9 +38,18 @@ class HostCopies:
             log.warning("swap-out of %d blocks failed", len(gpu_ids), exc_info=True)
             self.failed_outs.extend(host_ids)
 
-    def swap_in(self, handles: list[int], host_ids: list[int], gpu_ids: list[int]) -> list[int]:
+    def swap_in(
+        self,
+        handles: list[int],
+        host_ids: list[int],
+        gpu_ids: list[int],
+        ahead: set[int] | None = None,
+    ) -> list[int]:
         """Host blocks -> GPU blocks, one batch per handle (its run is contiguous). Returns the
-        handles whose copy failed."""
+        handles whose copy failed. Handles in `ahead` have no chunk in their message (their
+        swap-ins went ahead of it, `CacheConfig.swap_in_ahead`): copied as any, then an
+        executor with a copy stream (`copies_ahead`) runs them beside the next step;
+        `ahead_read(handle)` says a chunk at the same boundary reads them after all."""
         self.copied = True
         failed: list[int] = []
         i, n = 0, len(handles)
@@ -49,12 +59,21 @@ class HostCopies:
                 j += 1
             try:
                 self.executor.swap_in(host_ids[i:j], gpu_ids[i:j])
+                if ahead and handles[i] in ahead:
+                    self.executor.copies_ahead(j - i, 0)
+                    self.ahead[handles[i]] = j - i
             except Exception:
                 log.warning("swap-in for handle %d failed", handles[i], exc_info=True)
                 self.failed_ins[handles[i]] = None
                 failed.append(handles[i])
             i = j
         return failed
+
+    def ahead_read(self, handle: int) -> None:
+        """A chunk at this boundary reads `handle`'s swap-ins sent ahead: before the step."""
+        n = self.ahead.pop(handle, 0)
+        if n:
+            self.executor.copies_read(n, 0)
 
     def drop(self) -> None:
         """reset_prefix_cache: the daemon names no host block it knew before again."""

@@ -100,6 +100,7 @@ class SimExecutor:
         self.num_copied_blocks = 0
         self._storage_s_per_block = block_bytes / (storage_gbps * 1e9)
         self._write_s = 0.0  # storage writes since the last step (they overlap it), seconds
+        self._ahead_s = 0.0  # swap-ins ahead of their chunk since the last step (overlap it)
         self.num_stored_blocks = 0  # storage tier: blocks written, blocks fetched
         self.num_fetched_blocks = 0
         self.num_prefetched_blocks = 0  # storage -> host, beside the steps
@@ -127,18 +128,35 @@ class SimExecutor:
     def swap_in(self, host_ids: list[int], gpu_ids: list[int]) -> None:
         self._copied(len(gpu_ids))
 
+    # ---- copies ahead of their chunk (CacheConfig.swap_in_ahead): a copy stream, the NIC ----
+    def copies_ahead(self, swapped: int, fetched: int) -> None:
+        """Of the copies priced at this boundary (`swap_in`, `storage_copied`), these blocks
+        are read by no chunk of the next step: they run beside it, not before it."""
+        swap_s, fetch_s = swapped * self._copy_s_per_block, fetched * self._storage_s_per_block
+        self._copy_s -= swap_s + fetch_s
+        self._ahead_s += swap_s
+        self._write_s += fetch_s
+
+    def copies_read(self, swapped: int, fetched: int) -> None:
+        """Blocks `copies_ahead` moved beside the step are read by a chunk of it after all
+        (a later message at the same boundary): before it again."""
+        swap_s, fetch_s = swapped * self._copy_s_per_block, fetched * self._storage_s_per_block
+        self._ahead_s -= swap_s
+        self._write_s -= fetch_s
+        self._copy_s += swap_s + fetch_s
+
     def _copied(self, n: int) -> None:
         self.num_copied_blocks += n
         self._copy_s += n * self._copy_s_per_block
 
     def _with_copies(self, compute_s: float) -> float:
         """A step's time with the boundary's transfers: copies and fetches before it, writes
-        alongside it."""
-        copy_s, write_s = self._copy_s, self._write_s
-        self._copy_s = self._write_s = 0.0
+        and swap-ins ahead of their chunk alongside it."""
+        copy_s, write_s, ahead_s = self._copy_s, self._write_s, self._ahead_s
+        self._copy_s = self._write_s = self._ahead_s = 0.0
         if self.zero_cost:
             return compute_s
-        return max(compute_s + copy_s / self.speed, write_s / self.speed)
+        return max(compute_s + copy_s / self.speed, max(write_s, ahead_s) / self.speed)
 
     def token_at(self, req_id: str, position: int) -> int:
         """The token the simulated model puts at `position` of `req_id`."""

@@ -215,6 +215,7 @@ class StorageTasks:
         self.write_s = 0.0
         self.fetch_s = 0.0
         self.num_prefetched = 0  # blocks got into host blocks (storage -> host prefetch)
+        self.fetched_ahead: dict[int, int] = {}  # handle -> blocks fetched ahead, this boundary
 
     @property
     def simulated(self) -> bool:
@@ -231,11 +232,29 @@ class StorageTasks:
         if tasks.storage_write_keys:
             self.write(tasks.storage_write_keys, tasks.storage_write_blocks)
 
-    def fetch_all(self, tasks: Tasks) -> list[int]:
+    def fetch_all(self, tasks: Tasks, ahead: set[int] | None = None) -> list[int]:
+        """`ahead`: handles with no chunk in this message (HostCopies.swap_in): fetched as
+        any, then the sim prices theirs beside the next step (`fetched_ahead`: blocks by
+        handle, until a chunk at the same boundary reads them, `ahead_read`, or it runs)."""
         if not tasks.storage_fetch_keys:
             return []
         t = tasks
-        return self.fetch(t.storage_fetch_handles, t.storage_fetch_keys, t.storage_fetch_gpu)
+        failed = self.fetch(t.storage_fetch_handles, t.storage_fetch_keys, t.storage_fetch_gpu)
+        if ahead and self.simulated and hasattr(self.executor, "copies_ahead"):
+            n = 0
+            for h in t.storage_fetch_handles:
+                if h in ahead:
+                    self.fetched_ahead[h] = self.fetched_ahead.get(h, 0) + 1
+                    n += 1
+            if n:
+                self.executor.copies_ahead(0, n)
+        return failed
+
+    def ahead_read(self, handle: int) -> None:
+        """A chunk at this boundary reads `handle`'s fetches sent ahead: before the step."""
+        n = self.fetched_ahead.pop(handle, 0)
+        if n:
+            self.executor.copies_read(0, n)
 
     def prefetch_all(self, tasks: Tasks) -> None:
         if tasks.storage_prefetch_keys:

@@ -247,6 +247,7 @@ class Setup:
     storage_prefetch: bool = False
     storage_prefetch_hold_ms: float = 0.0
     storage_prefetch_at_arrival: bool = False
+    swap_in_ahead: float = 0.0  # (the zero-cost sim measures no step time: every copy ahead)
 
 
 class Harness:
@@ -275,6 +276,7 @@ class Harness:
             storage_prefetch=setup.storage_prefetch,
             storage_prefetch_hold_ms=setup.storage_prefetch_hold_ms,
             storage_prefetch_at_arrival=setup.storage_prefetch_at_arrival,
+            swap_in_ahead=setup.swap_in_ahead,
         )
         self.encoder_cache_size = setup.encoder_cache_size
         ticks = itertools.count(1)
@@ -526,6 +528,7 @@ setups = st.builds(
     storage_prefetch=st.booleans(),
     storage_prefetch_hold_ms=st.sampled_from([0.0, 3000.0]),
     storage_prefetch_at_arrival=st.booleans(),
+    swap_in_ahead=st.sampled_from([0.0, 0.0, 0.5]),
 )
 delays = st.integers(0, 2)
 
@@ -661,8 +664,29 @@ test_scheduler_state_machine = SchedulerMachine.TestCase
             storage_prefetch_hold_ms=3000.0,
             storage_prefetch_at_arrival=True,
         ),
+        Setup(  # swap-ins and fetches a message ahead of the first chunk
+            num_blocks=16,
+            max_num_seqs=4,
+            eos_every=6,
+            num_host_blocks=12,
+            write_policy="write_back",
+            copy_fail_every=7,
+            storage=True,
+            storage_write_policy="write_through",
+            storage_fail_every=4,
+            swap_in_ahead=0.5,
+        ),
     ],
-    ids=["fcfs", "priority-spec", "slo", "encoder-cache", "storage", "host-storage", "prefetch"],
+    ids=[
+        "fcfs",
+        "priority-spec",
+        "slo",
+        "encoder-cache",
+        "storage",
+        "host-storage",
+        "prefetch",
+        "copies-ahead",
+    ],
 )
 def test_fixed_seed_long_run(setup: Setup) -> None:
     """~2000 steps of the same loop with a fixed seed: a regression net that needs no search."""
@@ -704,5 +728,9 @@ def test_fixed_seed_long_run(setup: Setup) -> None:
         assert pf is not None
         st = pf.stats
         assert st.prefetches > 0 and st.hits > 0 and st.failures > 0 and st.unused > 0, st
+    if setup.swap_in_ahead:  # swap-ins and fetches went ahead of their first chunk
+        kv = h.scheduler.kv
+        assert kv.host is not None and kv.storage is not None
+        assert kv.host.stats.swap_ins_ahead > 0 and kv.storage.stats.fetches_ahead > 0
     h.drain(rng)
     h.verify()

@@ -288,7 +288,25 @@ class Admitter:
                 kv.fetch(req.handle, stored, new[nh : nh + ns])
             elif declined_fetches:
                 kv.decline_fetches(declined_fetches)
+            if (nh or ns) and self._copies_ahead(nh, ns):
+                if nh:
+                    kv.host.stats.swap_ins_ahead += nh  # type: ignore[union-attr]
+                if ns:
+                    kv.storage.stats.fetches_ahead += ns  # type: ignore[union-attr]
+                continue  # its first chunk goes in the next message (continue_prefills)
             self._emit_chunk(req, n)
+
+    def _copies_ahead(self, num_swapped: int, num_fetched: int) -> bool:
+        """Whether a placement's swap-ins and storage fetches go a message ahead of its first
+        chunk (`CacheConfig.swap_in_ahead`): their predicted copy time is at least that share
+        of the measured step (no step measured yet, or steps that take no time: yes)."""
+        share = self.config.cache.swap_in_ahead
+        if not share:
+            return False
+        cost = self.plan.cost
+        step_ms = cost.ewma_measured_ms
+        copy_ms = cost.swap_block_ms * num_swapped + cost.fetch_block_ms * num_fetched
+        return copy_ms >= share * step_ms
 
     def _place(
         self,
