@@ -36,7 +36,7 @@ from kvsched.client.resumable import ATTEMPT_TIMEOUT_S, ResumableStream
 from kvsched.client.types import (
     Finished,
     TokenLogprob,
-    build_request,
+    build_submit,
     logprob_rows,
     session_abort,
 )
@@ -63,10 +63,10 @@ class SessionLink:
         self._reader = loop.create_task(self._read_loop())
 
     def submit(self, stream: RequestStream) -> None:
-        req = build_request(stream.prompt, stream.options)  # type: ignore[arg-type]
+        # Built in place: nesting a built request copies it (~10 ms for an 87k-token prompt).
+        msg = build_submit(stream.prompt, stream.options, stream.request_id)  # type: ignore[arg-type]
         self.streams[stream.request_id] = stream
-        sub = rpb.SessionRequest.Submit(request=req, client_tag=stream.request_id)
-        self._outbox.put_nowait(rpb.SessionRequest(submit=sub))
+        self._outbox.put_nowait(msg)
 
     def abort(self, request_id: str, stop: bool) -> None:
         self._outbox.put_nowait(rpb.SessionRequest(abort=session_abort(request_id, stop)))

@@ -223,7 +223,9 @@ def fitting(req: Request, model: str, candidates: Sequence[tuple[_C, Limits]]) -
             raise Unavailable(
                 f"no ready instance of model {model!r} has LoRA adapter {req.lora_name!r} now"
             )
-    fits = [c for c, lim in of_model if misfit(req, lim) is None]
+    # Once per distinct limits (instances of a model mostly share theirs): misfit scans the prompt.
+    ok = {lim: misfit(req, lim) is None for lim in {lim for _, lim in of_model}}
+    fits = [c for c, lim in of_model if ok[lim]]
     if not fits:
         # The most permissive instance's reason: the limit no instance of the model passes.
         best = max(
