@@ -403,6 +403,11 @@ class ClusterNode:
         """The peer daemon that forwarded (or relayed) this call here, or "" for a client's."""
         return carrier.get(FORWARDED_BY, "")
 
+    def from_peer(self, carrier: Mapping[str, str], caller: str) -> bool:
+        """Whether the call came from a peer daemon: forwarded, and made with the cluster's
+        token when auth is on (a client that sets the forward metadata is not a peer)."""
+        return relay_owner(dict(carrier), caller, self._cluster_principal) is not None
+
     def caller_of(self, carrier: dict[str, str], caller: str) -> str:
         """The principal a call acts for: the original client's when a peer relayed it."""
         relayed = relay_owner(carrier, caller, self._cluster_principal)

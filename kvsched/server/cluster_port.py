@@ -60,6 +60,11 @@ class ClusterPort(Protocol):
         """The peer daemon that forwarded (or relayed) this call here, or "" for a client's."""
         ...
 
+    def from_peer(self, carrier: Mapping[str, str], caller: str) -> bool:
+        """Whether the call came from a peer daemon (forwarded, with the cluster's token when
+        auth is on)."""
+        ...
+
     def hand_over_from(self, carrier: dict[str, str], caller: str) -> str:
         """The daemon handing this Resume's request over to this one (its live owner, with no
         instance to run it: adopt it here, then serve the Resume), or ""."""

@@ -125,6 +125,12 @@ def test_forwarding_with_tokens_keeps_the_clients_identity(
             assert (
                 out.finished is not None and out.finished.reason == common_pb2.FINISH_REASON_ABORT
             )
+            # Nor can it pose as a peer's P/D hand-off (tokens "prefilled" for it).
+            handed = long("au-r3")
+            handed.prefilled_token_ids.extend([5])
+            out = await generate(stubs[0], handed, forged, timeout=30)
+            assert out.code == grpc.StatusCode.INVALID_ARGUMENT, out
+            assert "prefilled_token_ids" in out.details and not out.tokens, out
             for c in ch:
                 await c.close()
 

@@ -87,7 +87,7 @@ class Acceptor:
         carrier = carrier or {}
         cluster = table.cluster
         if pb.prefilled_token_ids or pb.stored_prompt_blocks:  # a peer's P/D hand-off
-            if cluster is None or not cluster.forwarded_by(carrier):
+            if cluster is None or not cluster.from_peer(carrier, owner):
                 raise InvalidRequest(
                     "prefilled_token_ids and stored_prompt_blocks are set only by a peer "
                     "daemon handing off a request it prefilled; leave them empty"
