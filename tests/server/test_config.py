@@ -334,3 +334,13 @@ def test_storage_takes_none_mooncake_or_a_master_url() -> None:
     assert cfg.engine.cache.storage_write_policy == "write_through"
     with pytest.raises(ConfigError, match="storage_write_policy"):
         load_config(None, {}, {"engine.cache.storage_write_policy": "write_through_selective"})
+
+
+def test_the_vllm_workers_variables_are_not_the_daemons(caplog: pytest.LogCaptureFixture) -> None:
+    """One shell often starts the daemon and the vLLM worker: the worker's variables
+    (KVSCHED_VLLM_*) draw no warning from the daemon; a misspelt daemon setting still does."""
+    env = {"KVSCHED_VLLM_COMPILE": "0", "KVSCHED_VLLM_NAP_US": "50", "KVSCHED_LOG_JSN": "1"}
+    with caplog.at_level("WARNING", logger="kvsched.server.config.load"):
+        load_config(None, env, {})
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "KVSCHED_LOG_JSN" in warned[0], warned

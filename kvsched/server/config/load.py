@@ -33,6 +33,9 @@ log = logging.getLogger("kvsched.config")
 
 # KVSCHED_* names that are not daemon settings (workers, clients and tools share the prefix).
 OTHER_ENV = frozenset({"CONFIG", "TOKEN", "TRACE_DIR", "BENCH_PROFILE_DAEMON", "TAKEOVER_JSON"})
+# The vLLM worker's own variables (KVSCHED_VLLM_COMPILE, _NAP_US, _SPIN_BATCH: worker_vllm/):
+# one shell often starts the daemon and the worker, so the daemon does not warn about them.
+WORKER_ENV_PREFIX = "vllm_"
 
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -192,7 +195,7 @@ class _Layers:
                 self.set_engine(rest.split("__")[1:], text, name)
             elif rest in _SCALARS:
                 self.set_scalar(rest, _parse_text(name, text, _SCALARS[rest]), name)
-            elif rest.upper() not in OTHER_ENV:
+            elif rest.upper() not in OTHER_ENV and not rest.startswith(WORKER_ENV_PREFIX):
                 close = difflib.get_close_matches(rest, list(_SCALARS), n=1)
                 hint = f" (did you mean {ENV_PREFIX}{close[0].upper()}?)" if close else ""
                 log.warning(
