@@ -72,6 +72,24 @@ def _knows(address: str, instance: str, owner: str, timeout: float = 30.0) -> No
     raise AssertionError(f"{address} does not know instance {instance} of {owner}")
 
 
+def _hands_off(address: str, timeout: float = 30.0) -> None:
+    """Until a request through `address` is handed off to a peer's decode instance: the
+    router reads the members' addresses from a view refreshed every 0.2 s, so a peer the
+    status already lists may not be routable yet ("no ready decode instance": retry). The
+    probe is shorter than a block: it writes and fetches nothing."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = request_service_pb2_grpc.RequestServiceStub(channel)
+        for k in range(10_000):
+            try:
+                list(stub.Generate(generate_request(f"probe-{k}", [3, 4, 5], 2), timeout=30))
+                return
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.1)
+
+
 def _run(nats: str, store: MooncakeServer, tmp: Path, kill_master: bool) -> tuple[Any, ...]:
     procs: list[Proc] = []
     try:
@@ -84,6 +102,7 @@ def _run(nats: str, store: MooncakeServer, tmp: Path, kill_master: bool) -> tupl
         wait_instances(a, ["p"])
         wait_instances(b, ["d"])
         _knows(a, "d", "pdb")
+        _hands_off(a)
         if kill_master:
             store.kill_master()
         specs = varied_requests(5, seed=36 + kill_master, prefix=f"x{int(kill_master)}-")
