@@ -76,6 +76,12 @@ WORKER_STATS = re.compile(
 Row = dict[str, Any]  # per request: hit, host, storage tokens, queue s, TTFT s (None: none)
 
 
+def window_of(trace: Path | str, span: str) -> list[TraceRequest]:
+    """The trace's requests arriving in `span` ("START-END" seconds), re-timed from START."""
+    start, end = map(float, span.split("-", 1))
+    return window(load_trace(trace, duration_s=end), start, end)
+
+
 def daemon_config(host_blocks: int, cache: dict[str, Any]) -> EngineConfig:
     """What the daemon gives an instance whose workers announce these sizes."""
     cfg = EngineConfig()
@@ -383,8 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     names = args.configs.split(",")
     if unknown := [n for n in names if n not in CONFIGS]:
         ap.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
-    start, end = map(float, args.window.split("-", 1))
-    reqs = window(load_trace(args.trace, duration_s=end), start, end)
+    reqs = window_of(args.trace, args.window)
     prompt = [len(r.prompt_token_ids) for r in reqs]
     out: dict[str, Any] = {
         "trace": str(args.trace),

@@ -39,9 +39,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.policies import BLOCK_SIZE, DEFAULT_TRACE, HOST_FACTOR, NUM_GPU_BLOCKS
-from bench.storage import window
-from bench.tier_compare import CONFIGS, _round, aggregate, differences, run_replay, run_sim
-from kvsched.traces import TraceRequest, ideal_lru_hit_rate, load_trace
+from bench.tier_compare import (
+    CONFIGS,
+    _round,
+    aggregate,
+    differences,
+    run_replay,
+    run_sim,
+    window_of,
+)
+from kvsched.traces import TraceRequest, ideal_lru_hit_rate
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "tier_rounds.json"
 
@@ -238,8 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.report:  # (also a run cut short: the rounds done so far)
         out = json.loads(args.json.read_text())
-        a, b = map(float, out["window"].split("-", 1))
-        reqs = window(load_trace(out["trace"], duration_s=b), a, b)
+        reqs = window_of(out["trace"], out["window"])
         for c in out["configs"].values():
             for r in c["replays"]:
                 cols = r["rows"]
@@ -256,8 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     names = args.configs.split(",")
     if unknown := [n for n in names if n not in CONFIGS]:
         ap.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
-    start, end = map(float, args.window.split("-", 1))
-    reqs = window(load_trace(args.trace, duration_s=end), start, end)
+    reqs = window_of(args.trace, args.window)
     prompt = [len(r.prompt_token_ids) for r in reqs]
     out: dict[str, Any] = {
         "trace": str(args.trace),
