@@ -386,3 +386,59 @@ def test_default_draft_is_ngram() -> None:
     first = sim.token_at("req-1", 6)
     step(engine)
     assert sim.batches[-1][0].token_ids[0] == first
+
+
+# ---- rows an executor defers (the vLLM executor's steps launched ahead) -------------------------
+
+
+class Deferring(Recording):
+    """Defers every row the first time it is offered (by request and start)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, int]] = set()
+
+    def execute(self, work: list[SeqWork]) -> StepResult:
+        later = [j for j, w in enumerate(work) if (w.req_id, w.start) not in self.seen]
+        self.seen.update((w.req_id, w.start) for w in work)
+        run = [w for j, w in enumerate(work) if j not in later]
+        result = super().execute(run)
+        tokens = iter(result.tokens)
+        result.tokens = [[] if j in later else next(tokens) for j in range(len(work))]
+        result.deferred = later or None
+        return result
+
+
+def test_deferred_rows_are_offered_again_and_change_no_token() -> None:
+    """A deferred chunk stays queued and a deferred decode is offered again; neither advances
+    nor reports: the tokens, and the reports' rows, are those of a run without deferral."""
+
+    def run(sim: Recording) -> tuple[list[StepReport], WorkerEngine]:
+        engine = WorkerEngine(sim, BLOCK, 4, EOS, 64)
+        engine.apply(
+            Tasks(
+                1,
+                placements=[place(1, prompt_len=10, max_tokens=5), place(2, max_tokens=4)],
+                chunks=[prompt_chunk(1, 0, 4), prompt_chunk(1, 4, 10), prompt_chunk(2, 0, 6)],
+            )
+        )
+        return [r for r in run_until_idle(engine) if r.handles], engine
+
+    plain, _ = run(Recording())
+    deferring = Deferring()
+    late, engine = run(deferring)
+
+    def outputs(reports: list[StepReport]) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for r in reports:
+            for h, (_, tokens, _) in rows(r).items():
+                out.setdefault(h, []).extend(tokens)
+        return out
+
+    assert outputs(late) == outputs(plain)
+    assert [len(t) for t in outputs(late).values()] == [5, 4]
+    assert engine.num_rows_deferred > 0
+    assert engine.num_prefill_tokens == 16  # each chunk counted once, when it ran
+    # every row (a chunk, a decode) was offered twice, run once: after its deferral
+    ran = [(w.req_id, w.start) for b in deferring.batches for w in b]
+    assert len(ran) == len(set(ran)) == len(deferring.seen)

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from kvsched import heap
 from kvsched.core import Unavailable
 from kvsched.server.admin import AdminServicer
 from kvsched.server.auth import AuthInterceptor, load_auth_file
@@ -338,6 +339,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before "listening": a SIGTERM after it drains
         loop.add_signal_handler(sig, stop.set)
+    heap.freeze_after_start()
     print(f"kvsched listening on {_hostport(config.listen, port)}", flush=True)
     if metrics_port is not None:
         print(f"kvsched metrics on {_hostport(config.metrics_listen, metrics_port)}", flush=True)

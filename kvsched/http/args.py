@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+from kvsched import heap
+
 DEFAULT_LISTEN = "127.0.0.1:8000"
 
 
@@ -165,6 +167,7 @@ def _announce(server: Any, settings: Any) -> None:
 
     async def startup_and_say(sockets: Any = None) -> None:
         await startup(sockets=sockets)
+        heap.freeze_after_start()
         for s in server.servers:
             for sock in s.sockets:
                 host, port = sock.getsockname()[:2]

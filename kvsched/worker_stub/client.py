@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 
+from kvsched import heap
 from kvsched.tls import channel_credentials, worker_server_credentials
 from kvsched.worker_stub.costmodel import KV_POOL_BYTES, default_num_blocks
 from kvsched.worker_stub.factories import (
@@ -175,6 +176,7 @@ def run_worker(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         log.error("bad worker arguments: %s", e)
         return 2
+    heap.freeze_after_start()  # (the model, when it runs here, is built by now)
     return asyncio.run(_serve(worker))
 
 
@@ -199,16 +201,17 @@ async def _serve(worker: Worker) -> int:
 def _log_stats(worker: Worker) -> None:
     s = worker.stats
     log.info(
-        "worker stats: %d steps, %d tokens, %d prompt tokens computed, %d paused, "
+        "worker stats: %d steps, %d tokens, %d prompt tokens computed, %d paused, %d reports, "
         "busy %.3f s, idle %.3f s (%.3f s waiting on the daemon, idle_frac_control_plane "
         "%.3f), %d connects, %d tasks messages, tasks digest %08x, KV pushes %d (%d failed), "
         "received %d, drafts %d, accepted %d, KV pushed %d blocks in %.3f s (export %.3f s), "
         "LoRA steps by adapters %s (%d over max_loras %d), storage writes %.3f s, "
-        "fetches %.3f s",
+        "fetches %.3f s, rows of steps launched ahead %d (deferred %d, run for nothing %d)",
         s.num_steps,
         s.num_tokens,
         s.num_prefill_tokens,
         s.num_paused,
+        s.num_reports,
         s.busy_s,
         s.idle_s,
         s.idle_waiting_on_daemon_s,
@@ -229,4 +232,7 @@ def _log_stats(worker: Worker) -> None:
         worker.max_loras,
         s.storage_write_s,
         s.storage_fetch_s,
+        s.num_rows_ahead,
+        s.num_rows_deferred,
+        s.num_rows_wasted,
     )

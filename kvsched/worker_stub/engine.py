@@ -117,6 +117,9 @@ class WorkerEngine:
         self.num_accepted_drafts = 0
         self.kv_export_s = 0.0  # reading pushed KV out of the executor's cache (prefill role)
         self.num_prefill_tokens = 0  # prompt positions computed by chunks (a prefix hit: none)
+        # Rows run by a step launched ahead, deferred into one, and run ahead for nothing
+        # (the vLLM executor's: worker_vllm/ahead.py).
+        self.num_rows_ahead = self.num_rows_deferred = self.num_rows_wasted = 0
         self._num_lora_held = 0  # held handles naming a LoRA adapter
         self.step_loras = 0  # distinct LoRA adapters the last step ran
 
@@ -337,7 +340,14 @@ class WorkerEngine:
             ]
             result = self.executor.execute([w for _, w in batch])
             lps = result.logprobs is not None or result.prompt_logprobs is not None
+            deferred = set(result.deferred or ())
+            self.num_rows_ahead += result.num_ahead
+            self.num_rows_deferred += len(deferred)
+            self.num_rows_wasted += result.num_wasted
             for j, ((s, w), tokens) in enumerate(zip(batch, result.tokens, strict=True)):
+                if j in deferred:
+                    self._defer(s, w)
+                    continue
                 self._record(s, w, tokens, report)
                 if lps:  # (rows of works that asked: the vLLM executor's)
                     add_logprobs(report, s.handle, result, j)
@@ -400,6 +410,14 @@ class WorkerEngine:
             for slot in self._rows.record_columns(decodes, tokens, report).tolist():
                 self._free(self._occupant[slot])
         report.step_time_ns = round(result.step_time_s * 1e9)
+
+    def _defer(self, s: Held, w: SeqWork) -> None:
+        """A SeqWork the executor did not run this step: nothing advances; a chunk goes back to
+        the queue, to be offered first in the next step."""
+        if not self._table.decoding[s.slot]:
+            s.chunks[w.start] = w.token_ids
+            self._prefills[s.handle] = None
+            self.num_prefill_tokens -= len(w.token_ids)
 
     def _record(self, s: Held, w: SeqWork, tokens: list[int], report: StepReport) -> None:
         """Advance a handle by what its SeqWork produced (its report row), then act on it."""

@@ -50,6 +50,12 @@ class StepResult:
     # prompt's rows (positions 1..) when its last chunk ran (None otherwise).
     logprobs: list[list[LogprobRow]] | None = None
     prompt_logprobs: list[list[LogprobRow] | None] | None = None
+    # Indices of SeqWorks the executor did not run in this step (the vLLM one's, when a step
+    # runs ahead: worker_vllm/ahead.py): the engine records nothing for them and offers them
+    # again in its next step (a chunk stays queued).
+    deferred: list[int] | None = None
+    num_ahead: int = 0  # SeqWorks whose tokens came from a step launched ahead
+    num_wasted: int = 0  # rows a step launched ahead ran that no SeqWork took (a stop, a preempt)
 
 
 class Executor(Protocol):

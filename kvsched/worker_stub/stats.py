@@ -34,6 +34,11 @@ class WorkerStats:
     num_draft_tokens: int = 0  # speculative drafts verified, and of them accepted
     num_accepted_drafts: int = 0
     num_prefill_tokens: int = 0  # prompt positions computed (chunks run; prefix hits are not)
+    # Rows of steps launched ahead (worker_vllm/ahead.py): taken, deferred into one, run for
+    # nothing (a request that stopped or was preempted meanwhile).
+    num_rows_ahead: int = 0
+    num_rows_deferred: int = 0
+    num_rows_wasted: int = 0
     # Steps that ran LoRA adapters, by their number of distinct adapters (every step counted
     # as it ran), and those over the announced max_loras (the daemon's rule broken: 0).
     lora_steps: dict[int, int] = field(default_factory=dict)

@@ -243,6 +243,10 @@ class StepLoop:
             st.write_s = st.fetch_s = 0.0
         self.stats.num_prefill_tokens += engine.num_prefill_tokens
         engine.num_prefill_tokens = 0
+        self.stats.num_rows_ahead += engine.num_rows_ahead
+        self.stats.num_rows_deferred += engine.num_rows_deferred
+        self.stats.num_rows_wasted += engine.num_rows_wasted
+        engine.num_rows_ahead = engine.num_rows_deferred = engine.num_rows_wasted = 0
         self.stats.num_paused += len(report.paused)
         if self.rank == 0:
             self._report(outbox, codec.report_message(report))

@@ -44,7 +44,7 @@ from typing import Any
 
 from kvsched.worker_stub.executor import SeqWork, StepResult
 from kvsched.worker_stub.lora import LoraSlots
-from kvsched.worker_vllm import logprobs, spec_decode
+from kvsched.worker_vllm import ahead, logprobs, spec_decode
 from kvsched.worker_vllm import lora as vllm_lora
 from kvsched.worker_vllm.build import build_executor, compiled, tokenizer_eos
 from kvsched.worker_vllm.spin import nap_seconds, note_batch, quiet_executor, spin_batch
@@ -195,6 +195,10 @@ class VllmExecutor:
         self.grammars = Grammars(model.config)  # structured output (structured.py)
         self.num_steps = 0
         self.model_drafts = spec_decode.ModelDrafts()  # a draft model's proposals, if any
+        # The step running ahead of the engine's (ahead.py), and when a step's tokens last came.
+        self._ahead = ahead.enabled(model.facts.num_speculative_tokens)
+        self._launched: ahead.Launched | None = None
+        self._last_done = 0.0
 
     # ---- what the engine tells it between steps ---------------------------------------------
 
@@ -246,9 +250,9 @@ class VllmExecutor:
     # ---- Executor ---------------------------------------------------------------------------
 
     def execute(self, work: list[SeqWork]) -> StepResult:
-        from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
-
-        started = time.perf_counter()
+        """Run the step `work` (ahead.py: rows a step launched ahead already ran take its
+        tokens; with one running ahead, the others are deferred into the step launched now)."""
+        started = ahead.now()
         facts = self.model.facts
         total = sum(len(w.token_ids) for w in work)
         if total > facts.max_num_batched_tokens or len(work) > facts.max_num_seqs:
@@ -258,15 +262,83 @@ class VllmExecutor:
                 f"{facts.max_num_seqs}: start the worker with larger limits or the daemon "
                 "with smaller ones"
             )
+        if facts.num_speculative_tokens:  # (a vLLM bug: spec_decode.py)
+            spec_decode.no_drafts_unless_greedy(work, self._reqs)
+        reqs = self._reqs
+        launched, self._launched = self._launched, None
+        cover = [launched.covers(w, reqs[w.req_id]) for w in work] if launched else []
+        rest = [w for j, w in enumerate(work) if not (cover and cover[j])]
+        free = self._ahead and all(ahead.runs_ahead(reqs[w.req_id].params) for w in rest)
+        deferred: set[int] = set()
+        own = None
+        if free and any(cover):  # the covered rows' next decodes go out with the rest
+            deferred = {j for j, c in enumerate(cover) if not c}
+            nxt = [a for j, w in enumerate(work) if cover[j] and (a := self._advanced(w))]
+            if nxt or rest:
+                self._launched = self._send(nxt + rest)
+        else:
+            if rest or self._finished:
+                own = self._send(rest)
+            if free and (nxt := [a for w in work if (a := self._advanced(w))]):
+                self._launched = self._send(nxt)
+        from_launched = launched.result() if launched is not None and any(cover) else None
+        result = own.result() if own is not None else None
+        if facts.draft_model and result is not None:  # the next step's drafts
+            self.model_drafts.update(self.model.executor.take_draft_token_ids(), work)
+        tokens: list[list[int]] = []
+        results: list[Any] = []
+        for j, w in enumerate(work):
+            res = from_launched if cover and cover[j] else result
+            results.append(res)
+            if not w.sample or res is None or j in deferred:
+                tokens.append([])
+                continue
+            sampled = res.sampled_token_ids[res.req_id_to_index[w.req_id]]
+            kept = [int(t) for t in sampled]  # with drafts: the accepted ones and a bonus token
+            if w.num_draft:  # (a row without drafts was counted when sent)
+                reqs[w.req_id].num_out += len(kept)
+            if own is not None and own.grammar is not None and res is result:
+                self.grammars.accept(w.req_id, kept)
+            tokens.append(kept)
+        self.num_steps += 1
+        done = ahead.now()
+        if deferred or (launched is not None and own is None):  # the runner's time between
+            step_s = done - max(launched.sent_at if launched else started, self._last_done)
+        else:
+            step_s = done - started
+        self._last_done = done
+        out = StepResult(tokens, step_s, deferred=sorted(deferred) or None)
+        if launched is not None:
+            out.num_ahead = sum(cover)
+            out.num_wasted = len(launched.rows) - out.num_ahead
+        if any(
+            r is not None and (r.logprobs is not None or r.prompt_logprobs_dict) for r in results
+        ):
+            self._logprobs(work, tokens, results, out)  # only steps with requests that asked
+        return out
+
+    def _advanced(self, w: SeqWork) -> SeqWork | None:
+        r = self._reqs.get(w.req_id)
+        if r is None or not ahead.runs_ahead(r.params):
+            return None
+        facts = self.model.facts
+        return ahead.advanced(w, r, facts.block_size, facts.max_model_len)
+
+    def _send(self, work: list[SeqWork]) -> ahead.Launched:
+        """Build the step's SchedulerOutput (advancing what the runner is told of each request)
+        and put its forward pass and sampling on vLLM's queue, both at once."""
+        from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+        facts = self.model.facts
         new: list[Any] = []
         cached = CachedRequestData.make_empty()
         num_scheduled: dict[str, int] = {}
         drafts: dict[str, list[int]] = {}  # scheduled_spec_decode_tokens (spec_decode.py)
         sampling: list[tuple[str, list[int]]] = []  # (req_id, prompt) of the requests sampling
-        if facts.num_speculative_tokens:  # (a vLLM bug: spec_decode.py)
-            spec_decode.no_drafts_unless_greedy(work, self._reqs)
+        rows: dict[str, ahead.Row] = {}
         for w in work:
             r = self._reqs[w.req_id]
+            rows[w.req_id] = ahead.row_of(w, r)
             n = len(w.token_ids)
             end = w.start + spec_decode.split(w, drafts, self.model_drafts)  # drafts: not in it
             if end > len(r.prompt):  # a decode past the prompt: the runner samples positions
@@ -294,6 +366,8 @@ class VllmExecutor:
                 cached.num_computed_tokens.append(w.start)
                 cached.num_output_tokens.append(r.num_out)
                 cached.new_token_ids.append([])
+            if not w.num_draft:  # one token comes back (with drafts: counted when they do)
+                r.num_out += 1
             r.num_blocks_known = len(w.block_ids)
             num_scheduled[w.req_id] = n
             sampling.append((w.req_id, r.prompt))
@@ -312,53 +386,35 @@ class VllmExecutor:
         self._finished = set()
         executor = self.model.executor
         note_batch(len(num_scheduled), self.model.spin_batch)  # small steps may spin (spin.py)
-        if total:
-            # Both calls go out at once: vLLM's worker takes sample_tokens right after the
-            # forward pass (one shared-memory round trip a step less; the bitmask does not
-            # depend on the forward pass, as in EngineCore.step).
-            forward = executor.execute_model(output, non_block=True)
-            grammar = self.grammars.bitmask(sampling, drafts)
-            sampled = executor.sample_tokens(grammar, non_block=True)
-            forward.result()  # (the forward pass's error first, when it failed)
-            result = sampled.result()
-        else:
+        sent_at = ahead.now()
+        if not total:
             executor.execute_model(output)  # (the finished requests reach the runner)
-            grammar = result = None
-        if facts.draft_model and result is not None:  # the next step's drafts
-            self.model_drafts.update(executor.take_draft_token_ids(), work)
-        tokens: list[list[int]] = []
-        for w in work:
-            if not w.sample or result is None:
-                tokens.append([])
-                continue
-            sampled = result.sampled_token_ids[result.req_id_to_index[w.req_id]]
-            kept = [int(t) for t in sampled]  # with drafts: the accepted ones and a bonus token
-            self._reqs[w.req_id].num_out += len(kept)
-            if grammar is not None:
-                self.grammars.accept(w.req_id, kept)
-            tokens.append(kept)
-        self.num_steps += 1
-        out = StepResult(tokens, time.perf_counter() - started)
-        if result is not None and (result.logprobs is not None or result.prompt_logprobs_dict):
-            self._logprobs(work, tokens, result, out)  # only steps with requests that asked
-        return out
+            return ahead.Launched(rows, None, None, sent_at)
+        # Both calls go out at once: vLLM's worker takes sample_tokens right after the forward
+        # pass (one shared-memory round trip a step less; the bitmask does not depend on the
+        # forward pass, as in EngineCore.step).
+        forward = executor.execute_model(output, non_block=True)
+        grammar = self.grammars.bitmask(sampling, drafts)
+        sampled = executor.sample_tokens(grammar, non_block=True)
+        return ahead.Launched(rows, forward, sampled, sent_at, grammar)
 
     def _logprobs(
-        self, work: list[SeqWork], tokens: list[list[int]], result: Any, out: StepResult
+        self, work: list[SeqWork], tokens: list[list[int]], results: list[Any], out: StepResult
     ) -> None:
-        """The step's log-probability rows (logprobs.py) into `out`, per SeqWork."""
+        """The step's log-probability rows (logprobs.py) into `out`, per SeqWork (`results`:
+        the ModelRunnerOutput each row's tokens came from)."""
         out.logprobs = [[] for _ in work]
         out.prompt_logprobs = [None] * len(work)
-        prompt_dict = result.prompt_logprobs_dict or {}
         for j, w in enumerate(work):
             r = self._reqs.get(w.req_id)
-            if not w.sample or r is None:
+            result = results[j]
+            if not w.sample or r is None or result is None:
                 continue
             k = r.params.logprobs
             if k is not None and result.logprobs is not None and tokens[j]:
                 index = result.req_id_to_index[w.req_id]
                 out.logprobs[j] = logprobs.sample_rows(result.logprobs, index, len(tokens[j]), k)
-            got = prompt_dict.get(w.req_id)
+            got = (result.prompt_logprobs_dict or {}).get(w.req_id)
             if got is not None and r.params.prompt_logprobs is not None:
                 out.prompt_logprobs[j] = logprobs.prompt_rows(got, r.params.prompt_logprobs)
 
@@ -422,6 +478,7 @@ class VllmExecutor:
         self._finished.update(self._reqs)
         self._finished.update(r + _ALIAS for r, s in self._reqs.items() if s.alias_live)
         self._finished.update(self._parked)
+        self._launched = None  # (its answer is drained before the next call's: vLLM's order)
         self._reqs.clear()
         self._parked.clear()
         self.grammars.clear()

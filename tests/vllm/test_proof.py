@@ -16,8 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +107,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
+_WORKERS: dict[str, Proc] = {}  # the vLLM worker of each kvsched_vllm daemon
+
+
 @pytest.fixture(scope="module")
 def kvsched_vllm(model: Path):
     """A daemon and one vLLM worker on the tiny model."""
@@ -141,6 +147,7 @@ def kvsched_vllm(model: Path):
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
         name="vllm-worker",
     )
+    _WORKERS[address] = worker
     try:
         wait_ready(address, ["v0"], timeout=300)
         yield address
@@ -233,6 +240,17 @@ def test_kvsched_with_vllm_worker_gives_vllm_tokens(
     assert st.prefix_cache_host_hit_tokens > 0, "no prefix came back from the host tier"
     assert st.prefix_cache_hit_tokens >= 2 * 96, "the shared prefixes were not hit"
     assert share >= 0.99, f"only {equal}/{len(reqs)} equal"
+    # ... with steps launched ahead (worker_vllm/ahead.py): rows taken from them and rows
+    # deferred into them, the default path (the worker logs its counters on SIGUSR1).
+    worker = _WORKERS[kvsched_vllm]
+    mark = len(worker.lines)
+    worker.popen.send_signal(signal.SIGUSR1)
+    rx = re.compile(r"launched ahead (\d+) \(deferred (\d+)")
+    deadline = time.monotonic() + 30
+    while not (m := next(filter(None, map(rx.search, worker.lines[mark:])), None)):
+        assert time.monotonic() < deadline, "the worker logged no counters on SIGUSR1"
+        time.sleep(0.05)
+    assert int(m[1]) > 0 and int(m[2]) > 0, f"no step launched ahead or deferred into: {m[0]}"
     assert all(d[1] is not None for d in diffs), "a difference in length, not at a token"
     assert all(g["gap"] < NEAR_TIE for g in gaps), f"a difference that is no near-tie: {gaps}"
     wait_pool_free(kvsched_vllm, timeout=30)  # every block returned
