@@ -20,7 +20,10 @@ tokens come back.
 What it costs: a request that stops (EOS, stop id, max_tokens when not foreseen) runs one more
 decode that nobody reads (its KV lands in its own blocks, past its tokens); a new request's
 first chunk joins the step after the one already queued (one step later, as with vLLM's async
-scheduling). Rows the runner cannot run ahead keep the synchronous path: grammar-constrained
+scheduling). That step is cheap to wait for while steps are short; once the runner's steps take
+DEFER_ENV (10 ms) or more, the rows are not deferred but sent at once as a step of their own (after
+the one queued; the covered rows' next decodes follow it): an extra forward pass instead of a
+whole step of waiting. Rows the runner cannot run ahead keep the synchronous path: grammar-constrained
 requests (the bitmask needs the previous token) and seeded random sampling (a wasted sample
 would move the seeded generator); drafts turn the mode off (`enabled`). KVSCHED_VLLM_AHEAD=0
 turns it off.
@@ -36,6 +39,9 @@ from typing import Any
 from kvsched.worker_stub.executor import SeqWork
 
 ENV = "KVSCHED_VLLM_AHEAD"
+# Rows are deferred into the next launched step only while the runner's steps (EWMA) are
+# shorter than this many ms (default 10); longer steps get them as an extra step of their own.
+DEFER_ENV = "KVSCHED_VLLM_DEFER_MAX_MS"
 _GREEDY_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
 
 
@@ -46,6 +52,18 @@ def enabled(num_speculative_tokens: int) -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"{ENV} must be 1 (launch steps ahead, the default) or 0 (one at a time)")
     return raw == "1" and not num_speculative_tokens
+
+
+def defer_max_s() -> float:
+    """DEFER_ENV in seconds."""
+    raw = os.environ.get(DEFER_ENV, "10")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{DEFER_ENV} must be a number of milliseconds, got {raw!r}") from None
+    if not 0 <= value <= 1e6:
+        raise ValueError(f"{DEFER_ENV} must be in [0, 1000000] ms, got {raw!r}")
+    return value / 1e3
 
 
 def runs_ahead(params: Any) -> bool:

@@ -199,6 +199,8 @@ class VllmExecutor:
         self._ahead = ahead.enabled(model.facts.num_speculative_tokens)
         self._launched: ahead.Launched | None = None
         self._last_done = 0.0
+        self._step_s = 0.0  # the runner's recent time per step (EWMA)
+        self._defer_max_s = ahead.defer_max_s()
 
     # ---- what the engine tells it between steps ---------------------------------------------
 
@@ -271,12 +273,13 @@ class VllmExecutor:
         free = self._ahead and all(ahead.runs_ahead(reqs[w.req_id].params) for w in rest)
         deferred: set[int] = set()
         own = None
-        if free and any(cover):  # the covered rows' next decodes go out with the rest
+        if free and any(cover) and self._step_s < self._defer_max_s:
+            # the covered rows' next decodes go out with the rest: those run a step later
             deferred = {j for j, c in enumerate(cover) if not c}
             nxt = [a for j, w in enumerate(work) if cover[j] and (a := self._advanced(w))]
             if nxt or rest:
                 self._launched = self._send(nxt + rest)
-        else:
+        else:  # the rest as a step of its own, now (after the launched one, if any)
             if rest or self._finished:
                 own = self._send(rest)
             if free and (nxt := [a for w in work if (a := self._advanced(w))]):
@@ -307,6 +310,7 @@ class VllmExecutor:
         else:
             step_s = done - started
         self._last_done = done
+        self._step_s += 0.2 * (step_s - self._step_s)  # (EWMA: whether deferring is cheap)
         out = StepResult(tokens, step_s, deferred=sorted(deferred) or None)
         if launched is not None:
             out.num_ahead = sum(cover)
