@@ -193,6 +193,7 @@ def summarize_config(
     jit: dict[str, Any] = {}
     if base is not None and c.get("sim_jitter") and base.get("sim_jitter"):
         for k in ("ttft_p50", "ttft_iqm"):
+            jit[k] = c["sim_jitter"][k]
             pairs = zip(c["sim_jitter"][k], base["sim_jitter"][k], strict=False)
             jit[f"gain_{k}"] = spread([gain(x, b) for x, b in pairs])
     return {
@@ -241,11 +242,14 @@ def report(out: dict[str, Any]) -> str:
             return f"{d['median'] * scale:{f}} [{d['min'] * scale:{f}}-{d['max'] * scale:{f}}]"
 
         gain = rng(rp["gain"], "+.0f", 100) + " %" if rp["gain"] else "-"
-        for k, label in (("gain_ttft_p50", "p50"), ("gain_ttft_iqm", "IQM")):
-            if sm.get("jitter", {}).get(k):
+        for k, label in (("ttft_p50", "p50"), ("ttft_iqm", "IQM")):
+            if sm.get("jitter", {}).get(f"gain_{k}"):
                 lines.append(
-                    f"{'':9} sim, arrivals +-1 ms, TTFT {label} gain by seed: "
-                    + ", ".join(_pct(x) for x in sm["jitter"][k]["all"])
+                    f"{'':9} sim, arrivals +-1 ms, TTFT {label} by seed: "
+                    + " / ".join(f"{x:.3f}" for x in sm["jitter"][k])
+                    + " ("
+                    + " / ".join(_pct(x) for x in sm["jitter"][f"gain_{k}"]["all"])
+                    + ")"
                 )
         lines.append(
             f"{'':9} replay x{len(rp['load'])}: hit {rng(rp['hit'], '.1f', 100)} % "

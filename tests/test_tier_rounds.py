@@ -78,7 +78,8 @@ def test_requests_are_grouped_by_where_each_run_found_a_tier_hit() -> None:
 
 def test_report_of_saved_rounds_needs_no_trace(tmp_path: Path, capsys: Any) -> None:
     """--report reads what a run saved (rows included): it adds the IQM and the per-group
-    split that older results lack, without reading the trace (its path may be gone)."""
+    split that older results lack, without reading the trace (its path may be gone); the
+    sim's arrival jitters give gains seed by seed against gpu-only's same seed."""
     rows = {"gpu-only": [0.5, 0.6, 0.4, 0.9], "host-4x": [0.3, 0.6, 0.35, 0.8]}
     host = {"gpu-only": [0, 0, 0, 0], "host-4x": [640, 0, 64, 0]}
     configs: dict[str, Any] = {}
@@ -88,8 +89,12 @@ def test_report_of_saved_rounds_needs_no_trace(tmp_path: Path, capsys: Any) -> N
         rcols = {**cols, "ttft_s": [t + 0.02 for t in rows[name]], "send_s": [0.01] * 4,
                  "daemon_ttft_s": [t + 0.01 for t in rows[name]]}  # fmt: skip
         agg = {"hit": 0.1, "ttft_p50": sorted(rows[name])[2]}
+        jitter = {"ttft_p50": [0.5, 0.6], "ttft_iqm": [0.55, 0.6], "goodput": [3.0, 3.0]}
+        if name == "host-4x":
+            jitter = {**jitter, "ttft_p50": [0.4, 0.6]}
         configs[name] = {
             "sim": {"agg": agg, "summary": {"goodput_rps": 3.0}, "rows": cols},
+            "sim_jitter": jitter,
             "replays": [
                 {
                     "agg": {**agg, "ttft_p50": agg["ttft_p50"] + 0.02},
@@ -109,4 +114,5 @@ def test_report_of_saved_rounds_needs_no_trace(tmp_path: Path, capsys: Any) -> N
     out = capsys.readouterr().out
     assert "sim TTFT IQM 0.475 (-14 %)" in out
     assert "replay TTFT IQM 0.495 [0.495-0.495] (-13 [-13--13] %)" in out
+    assert "TTFT p50 by seed: 0.400 / 0.600 (-20 % / +0 %)" in out, "gains seed by seed"
     assert "tier hit in replay only" not in out and "tier hit in both: 2 requests" in out
