@@ -45,6 +45,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from bench.policies import BLOCK_SIZE, DEFAULT_TRACE, HOST_FACTOR, NUM_GPU_BLOCKS
 from bench.simulate import KvschedCluster, simulate
 from bench.storage import window
+from bench.tier_stats import iqm
 from bench.tier_table import table
 from kvsched.core import EngineConfig
 from kvsched.replay.launch import start_cluster
@@ -335,6 +336,7 @@ def aggregate(rows: list[Row], prompt: list[int]) -> dict[str, Any]:
         "queue_mean": statistics.fmean(queue) if queue else None,
         "service_p50": _q(service, 0.5),
         "ttft_p50": _q(ttft, 0.5),
+        "ttft_iqm": iqm(ttft),
         "ttft_p90": _q(ttft, 0.9),
     }
 

@@ -2,7 +2,8 @@
 goes beside the simulator's, request by request (issue 37).
 
     python -m bench.tier_rounds [--trace PATH] [--window 0-300] [--configs gpu-only,host-4x,storage]
-                                [--rounds 2] [--sim-latency-ms 2,5] [--json OUT] [--report]
+                                [--rounds 2] [--sim-latency-ms 2,5] [--sim-jitter-seeds 3]
+                                [--json OUT] [--report]
 
 The sim runs once per configuration (virtual time: identical every run), plus once per extra
 control latency (`bench.simulate`'s `control_latency_s`: each Tasks message reaches its worker
@@ -24,6 +25,11 @@ request, means and medians; the means add up):
     queue      daemon queue time (arrival to placement) - the sim's
     service    daemon placement to first token - the sim's (steps, pacing, the Tasks' and the
                reports' trips)
+The same split by where each run found a tier hit (`bench.tier_stats.by_tier_hit`: both, sim
+only, replay only, neither), and beside every TTFT p50 its interquartile mean (`iqm`): the sim's
+TTFTs sit on a ~100 ms lattice (budgeted steps, bursts of arrivals) and a p50 between two
+lattice points jumps by a step when a few requests move. `--sim-jitter-seeds N`: the sim again
+with every arrival moved by up to +-1 ms (seeded), N times: the sim's own spread.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import statistics
 import time
 from pathlib import Path
@@ -48,6 +55,7 @@ from bench.tier_compare import (
     run_sim,
     window_of,
 )
+from bench.tier_stats import by_tier_hit, gain, iqm
 from kvsched.traces import TraceRequest, ideal_lru_hit_rate
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "tier_rounds.json"
@@ -111,6 +119,33 @@ def sim_at_daemon_arrivals(
     return {"agg": aggregate(back, prompt), "goodput": summary["goodput_rps"]}
 
 
+def sim_jitter(
+    reqs: list[TraceRequest], name: str, instances: int, seeds: int
+) -> dict[str, list[float | None]]:
+    """The sim once per seed with every arrival moved by up to +-1 ms (uniform): TTFT p50,
+    its interquartile mean and goodput per seed (seed k of every configuration moves the
+    arrivals alike, so gains are taken seed by seed)."""
+    out: dict[str, list[float | None]] = {"ttft_p50": [], "ttft_iqm": [], "goodput": []}
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        moved = [
+            dataclasses.replace(q, arrival_s=max(0.0, q.arrival_s + rng.uniform(-1e-3, 1e-3)))
+            for q in reqs
+        ]
+        moved.sort(key=lambda q: q.arrival_s)
+        rows, summary = run_sim(moved, name, instances)
+        ttft = [r["ttft_s"] for r in rows]
+        out["ttft_p50"].append(summary["ttft_s"]["p50"])
+        out["ttft_iqm"].append(iqm(ttft))
+        out["goodput"].append(summary["goodput_rps"])
+    return out
+
+
+def _rows(cols: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """A saved run's columns back into one dict per request."""
+    return [dict(zip(cols, v, strict=True)) for v in zip(*cols.values(), strict=True)]
+
+
 def send_by_position(reqs: list[TraceRequest], rrows: list[dict[str, Any]]) -> dict[str, Any]:
     """Median send delay (ms) by a request's place among those arriving at the same instant
     (the Mooncake traces' arrivals come every 3 s, up to 20 at once): a cost paid per request,
@@ -126,8 +161,9 @@ def send_by_position(reqs: list[TraceRequest], rrows: list[dict[str, Any]]) -> d
     return {str(p): 1e3 * statistics.median(v) for p, v in sorted(by.items())}
 
 
-def spread(xs: list[float]) -> dict[str, Any]:
-    return {"median": _med(xs), "min": min(xs), "max": max(xs), "all": xs} if xs else {}
+def spread(xs: list[float | None]) -> dict[str, Any]:
+    v = [x for x in xs if x is not None]
+    return {"median": _med(v), "min": min(v), "max": max(v), "all": v} if v else {}
 
 
 def bounds(reqs: list[TraceRequest], instances: int) -> dict[str, float]:
@@ -144,13 +180,22 @@ def summarize_config(
     """Median and range over rounds; gains against the same round's gpu-only."""
     bound = b["gpu_host"] if CONFIGS[name][0] and not CONFIGS[name][1] else b["unbounded"]
     reps = c["replays"]
-    gains = []
+    gains: list[float | None] = []
+    gains_iqm: list[float | None] = []
     if base is not None:
         for r, g in zip(reps, base["replays"], strict=False):
-            gains.append(r["agg"]["ttft_p50"] / g["agg"]["ttft_p50"] - 1)
-    sim_gain = None
+            gains.append(gain(r["agg"]["ttft_p50"], g["agg"]["ttft_p50"]))
+            gains_iqm.append(gain(r["agg"].get("ttft_iqm"), g["agg"].get("ttft_iqm")))
+    sim_gain = sim_gain_iqm = None
     if base is not None:
-        sim_gain = c["sim"]["agg"]["ttft_p50"] / base["sim"]["agg"]["ttft_p50"] - 1
+        sim_gain = gain(c["sim"]["agg"]["ttft_p50"], base["sim"]["agg"]["ttft_p50"])
+        sim_gain_iqm = gain(c["sim"]["agg"].get("ttft_iqm"), base["sim"]["agg"].get("ttft_iqm"))
+    jit: dict[str, Any] = {}
+    if base is not None and c.get("sim_jitter") and base.get("sim_jitter"):
+        for k in ("ttft_p50", "ttft_iqm"):
+            jit[k] = c["sim_jitter"][k]
+            pairs = zip(c["sim_jitter"][k], base["sim_jitter"][k], strict=False)
+            jit[f"gain_{k}"] = spread([gain(x, b) for x, b in pairs])
     return {
         "bound": bound,
         "sim": {
@@ -158,13 +203,18 @@ def summarize_config(
             "of_bound": c["sim"]["agg"]["hit"] / bound,
             "ttft_p50": c["sim"]["agg"]["ttft_p50"],
             "gain": sim_gain,
+            "ttft_iqm": c["sim"]["agg"].get("ttft_iqm"),
+            "gain_iqm": sim_gain_iqm,
             "goodput": c["sim"]["summary"]["goodput_rps"],
+            "jitter": jit,
         },
         "replay": {
             "hit": spread([r["agg"]["hit"] for r in reps]),
             "of_bound": spread([r["agg"]["hit"] / bound for r in reps]),
             "ttft_p50": spread([r["agg"]["ttft_p50"] for r in reps]),
             "gain": spread(gains),
+            "ttft_iqm": spread([r["agg"].get("ttft_iqm") for r in reps]),
+            "gain_iqm": spread(gains_iqm),
             "goodput": spread([r["summary"]["goodput_rps"] for r in reps]),
             "prefetched": spread([r["summary"].get("storage_prefetched_frac", 0.0) for r in reps]),
             "gap_mean_s": spread([r["gap"]["total"]["mean"] for r in reps]),
@@ -185,17 +235,44 @@ def report(out: dict[str, Any]) -> str:
             f"{name:9} sim: hit {100 * sm['hit']:.1f} % ({100 * sm['of_bound']:.0f} % of bound), "
             f"TTFT p50 {sm['ttft_p50']:.3f} ({_pct(sm['gain'])}), goodput {sm['goodput']:.2f}"
         )
+        if sm.get("ttft_iqm") is not None:
+            lines.append(f"{'':9} sim TTFT IQM {sm['ttft_iqm']:.3f} ({_pct(sm['gain_iqm'])})")
 
         def rng(d: dict[str, Any], f: str, scale: float = 1.0) -> str:
             return f"{d['median'] * scale:{f}} [{d['min'] * scale:{f}}-{d['max'] * scale:{f}}]"
 
         gain = rng(rp["gain"], "+.0f", 100) + " %" if rp["gain"] else "-"
+        for k, label in (("ttft_p50", "p50"), ("ttft_iqm", "IQM")):
+            if sm.get("jitter", {}).get(f"gain_{k}"):
+                lines.append(
+                    f"{'':9} sim, arrivals +-1 ms, TTFT {label} by seed: "
+                    + " / ".join(f"{x:.3f}" for x in sm["jitter"][k])
+                    + " ("
+                    + " / ".join(_pct(x) for x in sm["jitter"][f"gain_{k}"]["all"])
+                    + ")"
+                )
         lines.append(
             f"{'':9} replay x{len(rp['load'])}: hit {rng(rp['hit'], '.1f', 100)} % "
             f"({rng(rp['of_bound'], '.0f', 100)} % of bound), TTFT p50 {rng(rp['ttft_p50'], '.3f')}"
             f" ({gain}), goodput {rng(rp['goodput'], '.2f')}, prefetched "
             f"{rng(rp['prefetched'], '.0f', 100)} %, load {rp['load']}"
         )
+        if rp.get("ttft_iqm"):
+            gi = rng(rp["gain_iqm"], "+.0f", 100) + " %" if rp.get("gain_iqm") else "-"
+            lines.append(f"{'':9} replay TTFT IQM {rng(rp['ttft_iqm'], '.3f')} ({gi})")
+        for i, r in enumerate(out["configs"][name]["replays"]):
+            for grp, v in r.get("by_tier_hit", {}).items():
+                if not v["requests"] or name == "gpu-only":
+                    continue
+                lines.append(
+                    f"{'':9}   round {i + 1} tier hit in {grp}: {v['requests']} requests, replay -"
+                    " sim mean (p50) s: "
+                    + ", ".join(
+                        f"{k} {v[k]['mean']:+.3f} ({v[k]['p50']:+.3f})"
+                        for k in ("total", "send", "queue", "service")
+                        if v[k]["mean"] is not None
+                    )
+                )
         for i, r in enumerate(out["configs"][name]["replays"]):
             g = r["gap"]
             lines.append(
@@ -240,17 +317,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--instances", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sim-latency-ms", default="", help="extra sim runs, e.g. 2,5 (ms)")
+    ap.add_argument(
+        "--sim-jitter-seeds", type=int, default=0, help="sim runs with arrivals moved +-1 ms"
+    )
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
     ap.add_argument("--report", action="store_true", help="print --json's results, run nothing")
     args = ap.parse_args(argv)
     if args.report:  # (also a run cut short: the rounds done so far)
         out = json.loads(args.json.read_text())
-        reqs = window_of(out["trace"], out["window"])
-        for c in out["configs"].values():
+        reqs: list[TraceRequest] | None = None
+        for c in out["configs"].values():  # what older results lack, from their rows
+            srows = _rows(c["sim"]["rows"])
+            c["sim"]["agg"].setdefault("ttft_iqm", iqm([x["ttft_s"] for x in srows]))
             for r in c["replays"]:
-                cols = r["rows"]
-                rows = [dict(zip(cols, v, strict=True)) for v in zip(*cols.values(), strict=True)]
-                r.setdefault("send_ms_by_position", send_by_position(reqs, rows))
+                rows = _rows(r["rows"])
+                r["agg"].setdefault("ttft_iqm", iqm([x["ttft_s"] for x in rows]))
+                r.setdefault("by_tier_hit", by_tier_hit(srows, rows))
+                if "send_ms_by_position" not in r:  # needs the trace's arrival instants
+                    reqs = reqs or window_of(out["trace"], out["window"])
+                    r["send_ms_by_position"] = send_by_position(reqs, rows)
         base = out["configs"].get("gpu-only")
         out["summary"] = {
             n: summarize_config(n, c, base, out["bounds"])
@@ -289,6 +374,8 @@ def main(argv: list[str] | None = None) -> None:
             )
             for ms in lat
         }
+        if args.sim_jitter_seeds:
+            c["sim_jitter"] = sim_jitter(reqs, name, args.instances, args.sim_jitter_seeds)
         out["configs"][name] = c
     for rnd in range(args.rounds):
         for name in names:
@@ -298,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
             r["wall_s"] = time.perf_counter() - t0
             r["diff"] = differences(sims[name], rrows)
             r["gap"] = gap(sims[name], rrows)
+            r["by_tier_hit"] = by_tier_hit(sims[name], rrows)
             r["send_ms_by_position"] = send_by_position(reqs, rrows)
             r["rows"] = {k: [_round(x[k]) for x in rrows] for k in (rrows[0] if rrows else {})}
             if rnd == 0:  # the sim fed the daemon's measured arrivals (the send part)

@@ -11,6 +11,7 @@ from kvsched.core import (
     Scheduler,
     Tasks,
 )
+from kvsched.core.scheduler.validation import token_ids_in_range
 from kvsched.core.slots import set_output
 from tests.core.factories import (
     make_request,
@@ -394,6 +395,9 @@ def test_reset_prefix_cache() -> None:
         ({"max_tokens": 0}, "max_tokens = 0 must be >= 1"),
         ({"prompt": 8000, "max_tokens": 500}, "exceeds max_model_len 8192"),
         ({"prompt": [1, -2]}, "token ids must be in"),
+        ({"prompt": [1, 2**31]}, "token ids must be in"),
+        ({"prompt": [2**32 + 1, 3]}, "token ids must be in"),
+        ({"prompt": [-(2**40)]}, "token ids must be in"),
     ],
 )
 def test_bad_input_raises_typed_errors_and_changes_nothing(kw, match) -> None:
@@ -403,6 +407,28 @@ def test_bad_input_raises_typed_errors_and_changes_nothing(kw, match) -> None:
         s.add_request(make_request(prompt, **kw))
     assert len(s.waiting) == 0 and not s.requests
     s.check_integrity()
+
+
+def test_token_ids_range_check_is_min_and_max() -> None:
+    """The packed check agrees with 0 <= min and max < 2^31 at the edges, and refuses what is
+    not an integer."""
+    cases = [
+        [0],
+        [2**31 - 1, 0, 7],
+        [2**31],
+        [-1],
+        [5, 2**32],
+        [2**32 - 1],
+        [2**64],
+        [3, 2**31 + 1],
+    ]
+    for ids in cases:
+        assert token_ids_in_range(ids) == (min(ids) >= 0 and max(ids) <= 2**31 - 1), ids
+    assert not token_ids_in_range([1, 2.0])  # type: ignore[list-item]
+    assert token_ids_in_range([True, 5]), "an int subclass is an int"
+    s = make_scheduler()
+    s.add_request(make_request([0, 2**31 - 1, 5]))
+    assert len(s.waiting) == 1
 
 
 def test_duplicate_id_unknown_abort_and_negative_priority() -> None:
