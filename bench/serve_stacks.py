@@ -39,13 +39,15 @@ STACKS = ("vllm", "kvsched", "kvsched-grpc")
 # kvsched-eager / vllm-eager: each in eager mode (KVSCHED_VLLM_COMPILE=0, --enforce-eager);
 # kvsched-compiled: the same as kvsched, named for the older result files; kvsched-spinbatch:
 # the worker's readers spin while steps run at most 2 requests (KVSCHED_VLLM_SPIN_BATCH=2);
-# kvsched-sync: one step at a time, none launched ahead (KVSCHED_VLLM_AHEAD=0, the path before).
+# kvsched-sync: one step at a time, none launched ahead (KVSCHED_VLLM_AHEAD=0, the path before);
+# kvsched-nodefer: steps launched ahead, a new request's rows never deferred (an extra step).
 VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
     "kvsched-spin": ("kvsched", {"KVSCHED_VLLM_NAP_US": "0"}, []),
     "kvsched-compiled": ("kvsched", {"KVSCHED_VLLM_COMPILE": "1"}, []),
     "kvsched-eager": ("kvsched", {"KVSCHED_VLLM_COMPILE": "0"}, []),
     "kvsched-spinbatch": ("kvsched", {"KVSCHED_VLLM_SPIN_BATCH": "2"}, []),
     "kvsched-sync": ("kvsched", {"KVSCHED_VLLM_AHEAD": "0"}, []),
+    "kvsched-nodefer": ("kvsched", {"KVSCHED_VLLM_DEFER_MAX_MS": "0"}, []),
     "vllm-eager": ("vllm", {}, ["--enforce-eager"]),
 }
 _KVSCHED = [sys.executable, "-m", "kvsched.cli"]
