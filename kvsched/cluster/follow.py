@@ -26,6 +26,7 @@ from kvsched.cluster.peer_rpc import (
     apply_finished,
 )
 from kvsched.core import lifecycle
+from kvsched.core.protocol import FinishReason
 from kvsched.core.slots import extend_output
 from kvsched.server.requests.resume import ParkedSink
 from kvsched.v1 import request_service_pb2 as rpb
@@ -60,9 +61,12 @@ class Follower:
     ) -> bool:
         """One output of the peer's stream into the local request; True at its Finished (or
         once it ended here: a stopped request's relay reads on until its peer is told)."""
-        if tr.finished:
-            return True
         req = tr.req
+        if tr.finished:
+            # Stopped here (a stop string): its peer is being told by an Abort with reason STOP
+            # (ForwardRelay._stop_there, which ends this relay once that is done). Ending the
+            # call now would reach the peer's engine as an abort, racing the STOP.
+            return req.finish_reason != FinishReason.STOP or out.WhichOneof("kind") == "finished"
         kind = out.WhichOneof("kind")
         if kind == "tokens":
             toks = list(out.tokens.token_ids)
