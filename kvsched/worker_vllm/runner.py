@@ -201,6 +201,7 @@ class VllmExecutor:
         self._last_done = 0.0
         self._step_s = 0.0  # the runner's recent time per step (EWMA)
         self._defer_max_s = ahead.defer_max_s()
+        self._ahead_rows = ahead.max_rows()
 
     # ---- what the engine tells it between steps ---------------------------------------------
 
@@ -270,7 +271,11 @@ class VllmExecutor:
         launched, self._launched = self._launched, None
         cover = [launched.covers(w, reqs[w.req_id]) for w in work] if launched else []
         rest = [w for j, w in enumerate(work) if not (cover and cover[j])]
-        free = self._ahead and all(ahead.runs_ahead(reqs[w.req_id].params) for w in rest)
+        free = (
+            self._ahead
+            and len(work) <= self._ahead_rows
+            and all(ahead.runs_ahead(reqs[w.req_id].params) for w in rest)
+        )
         deferred: set[int] = set()
         own = None
         if free and any(cover) and self._step_s < self._defer_max_s:

@@ -150,6 +150,7 @@ def kvsched_vllm(model: Path):
         env={
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "KVSCHED_VLLM_DEFER_MAX_MS": os.environ.get("KVSCHED_VLLM_DEFER_MAX_MS", "100000"),
+            "KVSCHED_VLLM_AHEAD_MAX_ROWS": "1000",  # (steps of every size run ahead here)
         },
         name="vllm-worker",
     )
