@@ -294,6 +294,17 @@ def _since(ns: int | None, t0_ns: int) -> float:
     return (ns - t0_ns) / 1e9 if ns else float("nan")
 
 
+def jittered(reqs: list[TraceRequest], seed: int) -> list[TraceRequest]:
+    """The requests with every arrival moved by up to +-1 ms (uniform, seeded), in order."""
+    rng = random.Random(seed)
+    moved = [
+        dataclasses.replace(r, arrival_s=max(0.0, r.arrival_s + rng.uniform(-1e-3, 1e-3)))
+        for r in reqs
+    ]
+    moved.sort(key=lambda r: r.arrival_s)
+    return moved
+
+
 def jitter_spread(
     reqs: list[TraceRequest], name: str, instances: int, seeds: int
 ) -> dict[str, Any]:
@@ -301,13 +312,7 @@ def jitter_spread(
     (uniform, seeded): a difference smaller than this the trace cannot tell apart."""
     p50s, goodputs = [], []
     for seed in range(seeds):
-        rng = random.Random(seed)
-        moved = [
-            dataclasses.replace(r, arrival_s=max(0.0, r.arrival_s + rng.uniform(-1e-3, 1e-3)))
-            for r in reqs
-        ]
-        moved.sort(key=lambda r: r.arrival_s)
-        _, summary = run_sim(moved, name, instances)
+        _, summary = run_sim(jittered(reqs, seed), name, instances)
         p50s.append(summary["ttft_s"]["p50"])
         goodputs.append(summary["goodput_rps"])
     return {"ttft_p50": p50s, "goodput_rps": goodputs}

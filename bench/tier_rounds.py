@@ -39,7 +39,6 @@ import dataclasses
 import json
 import math
 import os
-import random
 import statistics
 import time
 from pathlib import Path
@@ -51,6 +50,7 @@ from bench.tier_compare import (
     _round,
     aggregate,
     differences,
+    jittered,
     run_replay,
     run_sim,
     window_of,
@@ -127,13 +127,7 @@ def sim_jitter(
     arrivals alike, so gains are taken seed by seed)."""
     out: dict[str, list[float | None]] = {"ttft_p50": [], "ttft_iqm": [], "goodput": []}
     for seed in range(seeds):
-        rng = random.Random(seed)
-        moved = [
-            dataclasses.replace(q, arrival_s=max(0.0, q.arrival_s + rng.uniform(-1e-3, 1e-3)))
-            for q in reqs
-        ]
-        moved.sort(key=lambda q: q.arrival_s)
-        rows, summary = run_sim(moved, name, instances)
+        rows, summary = run_sim(jittered(reqs, seed), name, instances)
         ttft = [r["ttft_s"] for r in rows]
         out["ttft_p50"].append(summary["ttft_s"]["p50"])
         out["ttft_iqm"].append(iqm(ttft))

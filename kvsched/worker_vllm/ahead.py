@@ -31,12 +31,12 @@ turns it off.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from kvsched.worker_stub.executor import SeqWork
+from kvsched.worker_vllm import env
 
 ENV = "KVSCHED_VLLM_AHEAD"
 # Rows are deferred into the next launched step only while the runner's steps (EWMA) are
@@ -54,34 +54,18 @@ _GREEDY_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
 def enabled(num_speculative_tokens: int) -> bool:
     """Whether this worker launches steps ahead (ENV "1", the default, or "0"); never with
     speculative decoding (the number of tokens a step keeps is not known ahead)."""
-    raw = os.environ.get(ENV, "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 1 (launch steps ahead, the default) or 0 (one at a time)")
-    return raw == "1" and not num_speculative_tokens
+    on = env.switch(ENV, True, "launch steps ahead", "one at a time")
+    return on and not num_speculative_tokens
 
 
 def defer_max_s() -> float:
     """DEFER_ENV in seconds."""
-    raw = os.environ.get(DEFER_ENV, "10")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{DEFER_ENV} must be a number of milliseconds, got {raw!r}") from None
-    if not 0 <= value <= 1e6:
-        raise ValueError(f"{DEFER_ENV} must be in [0, 1000000] ms, got {raw!r}")
-    return value / 1e3
+    return env.number(DEFER_ENV, "10", 1e6, "ms") / 1e3
 
 
 def max_rows() -> int:
     """ROWS_ENV: launch ahead after steps of at most this many rows."""
-    raw = os.environ.get(ROWS_ENV, "8")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{ROWS_ENV} must be a number of rows, got {raw!r}") from None
-    if not 0 <= value <= 1 << 20:
-        raise ValueError(f"{ROWS_ENV} must be in [0, 1048576], got {raw!r}")
-    return value
+    return int(env.number(ROWS_ENV, "8", 1 << 20, "rows", integer=True))
 
 
 def runs_ahead(params: Any) -> bool:

@@ -9,6 +9,8 @@ import logging
 import os
 from typing import Any
 
+from kvsched.worker_vllm import env
+
 log = logging.getLogger(__name__)
 
 # The model runs compiled, as vLLM's own server runs it (inductor on CPU, CUDA graphs on GPU).
@@ -19,10 +21,7 @@ COMPILE_ENV = "KVSCHED_VLLM_COMPILE"
 
 def compiled() -> bool:
     """Whether the worker lets vLLM compile the model (COMPILE_ENV: "1", the default, or "0")."""
-    raw = os.environ.get(COMPILE_ENV, "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"{COMPILE_ENV} must be 1 (compile the model, the default) or 0 (eager)")
-    return raw == "1"
+    return env.switch(COMPILE_ENV, True, "compile the model", "eager")
 
 
 def build_executor(config: Any) -> Any:

@@ -269,8 +269,8 @@ class VllmExecutor:
             spec_decode.no_drafts_unless_greedy(work, self._reqs)
         reqs = self._reqs
         launched, self._launched = self._launched, None
-        cover = [launched.covers(w, reqs[w.req_id]) for w in work] if launched else []
-        rest = [w for j, w in enumerate(work) if not (cover and cover[j])]
+        cover = [launched is not None and launched.covers(w, reqs[w.req_id]) for w in work]
+        rest = [w for w, c in zip(work, cover, strict=True) if not c]
         free = (
             self._ahead
             and len(work) <= self._ahead_rows
@@ -283,12 +283,12 @@ class VllmExecutor:
             deferred = {j for j, c in enumerate(cover) if not c}
             nxt = [a for j, w in enumerate(work) if cover[j] and (a := self._advanced(w))]
             if nxt or rest:
-                self._launched = self._send(nxt + rest)
+                self._launched = self._send(nxt + rest, track=True)
         else:  # the rest as a step of its own, now (after the launched one, if any)
             if rest or self._finished:
                 own = self._send(rest)
             if free and (nxt := [a for w in work if (a := self._advanced(w))]):
-                self._launched = self._send(nxt)
+                self._launched = self._send(nxt, track=True)
         from_launched = launched.result() if launched is not None and any(cover) else None
         result = own.result() if own is not None else None
         if facts.draft_model and result is not None:  # the next step's drafts
@@ -296,7 +296,7 @@ class VllmExecutor:
         tokens: list[list[int]] = []
         results: list[Any] = []
         for j, w in enumerate(work):
-            res = from_launched if cover and cover[j] else result
+            res = from_launched if cover[j] else result
             results.append(res)
             if not w.sample or res is None or j in deferred:
                 tokens.append([])
@@ -333,9 +333,10 @@ class VllmExecutor:
         facts = self.model.facts
         return ahead.advanced(w, r, facts.block_size, facts.max_model_len)
 
-    def _send(self, work: list[SeqWork]) -> ahead.Launched:
+    def _send(self, work: list[SeqWork], track: bool = False) -> ahead.Launched:
         """Build the step's SchedulerOutput (advancing what the runner is told of each request)
-        and put its forward pass and sampling on vLLM's queue, both at once."""
+        and put its forward pass and sampling on vLLM's queue, both at once. `track`: a step
+        launched ahead, whose rows a later step may take (the others keep none)."""
         from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
         facts = self.model.facts
@@ -347,7 +348,8 @@ class VllmExecutor:
         rows: dict[str, ahead.Row] = {}
         for w in work:
             r = self._reqs[w.req_id]
-            rows[w.req_id] = ahead.row_of(w, r)
+            if track:
+                rows[w.req_id] = ahead.row_of(w, r)
             n = len(w.token_ids)
             end = w.start + spec_decode.split(w, drafts, self.model_drafts)  # drafts: not in it
             if end > len(r.prompt):  # a decode past the prompt: the runner samples positions

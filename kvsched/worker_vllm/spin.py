@@ -27,9 +27,10 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import os
 import time
 from typing import Any
+
+from kvsched.worker_vllm import env
 
 log = logging.getLogger(__name__)
 
@@ -43,25 +44,11 @@ SPIN_WINDOW_S = 0.005
 
 
 def nap_seconds() -> float:
-    raw = os.environ.get(ENV, "100")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV} must be a number of microseconds, got {raw!r}") from None
-    if not 0 <= value <= 100_000:
-        raise ValueError(f"{ENV} must be in [0, 100000] microseconds, got {raw!r}")
-    return value / 1e6
+    return env.number(ENV, "100", 100_000, "microseconds") / 1e6
 
 
 def spin_batch() -> int:
-    raw = os.environ.get(SPIN_ENV, "0")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{SPIN_ENV} must be a number of requests, got {raw!r}") from None
-    if not 0 <= value <= 1 << 16:
-        raise ValueError(f"{SPIN_ENV} must be in [0, 65536] requests, got {raw!r}")
-    return value
+    return int(env.number(SPIN_ENV, "0", 1 << 16, "requests", integer=True))
 
 
 def note_batch(num_requests: int, limit: int) -> None:
