@@ -7,10 +7,12 @@ high: the engine only reserves the draft positions (placeholder token 0, almost 
 and the prompts are random tokens (prompt lookup would find little), so acceptance comes from
 the draft model's proposals. A small KV pool preempts requests mid-decode (recompute): their
 draft-model KV must be rebuilt with their target KV, or the proposals after a re-placement
-would be wrong and the acceptance would drop. Four seeded random-sampling requests run beside
-them: vLLM 0.32's CPU build garbles the greedy requests of a step that mixes them with a draft
+would be wrong and the acceptance would drop. Four short seeded random-sampling requests start first
+and run beside the greedy ones' first steps: vLLM 0.32's CPU build garbles the greedy requests of a step that mixes them with a draft
 model (its own `LLM.generate` too), so the worker verifies no drafts in such a step
-(spec_decode.no_drafts_unless_greedy); without that guard the greedy texts here differ. The
+(spec_decode.no_drafts_unless_greedy); without that guard the greedy texts here differ. (With
+all 18 sent at once, preemptions kept a sampled request in nearly every step: about 20 drafts
+were verified in a run, and none in one CI run.) The
 sampled ones are not compared with vLLM (its seeded streams differ with and without
 speculation), only checked to finish with their max_tokens tokens. Real processes on loopback: one daemon with
 engine.speculative.num_speculative_tokens = 3, one `kvsched worker --executor vllm
@@ -60,18 +62,31 @@ def draft_requests(n: int, temperature: float = 0.0, seed: int = 7) -> list[dict
     return reqs
 
 
-async def run_at_once(address: str, reqs: list[dict[str, Any]]) -> dict[str, tuple[list[int], str]]:
-    """Every request in flight at once (more than the KV pool holds: preemptions)."""
+async def run_staged(
+    address: str, first: list[dict[str, Any]], then: list[dict[str, Any]]
+) -> dict[str, tuple[list[int], str]]:
+    """`first` in flight, and once each has its first token every request of `then` at once
+    (more than the KV pool holds: preemptions)."""
 
-    async def one(client: AsyncClient, r: dict[str, Any]) -> tuple[list[int], str]:
+    async def one(
+        client: AsyncClient, r: dict[str, Any], started: asyncio.Event | None = None
+    ) -> tuple[list[int], str]:
         stream = await client.generate(r["prompt"], request_id=r["id"], **r["params"])
-        tokens = [t async for batch in stream for t in batch]
+        tokens: list[int] = []
+        async for batch in stream:
+            tokens += batch
+            if started is not None and tokens:
+                started.set()
         assert stream.finished is not None
         return tokens, stream.finished.reason + ":" + stream.finished.message
 
     async with AsyncClient(address, timeout=600) as client:
-        done = await asyncio.gather(*(one(client, r) for r in reqs))
-    return {r["id"]: d for r, d in zip(reqs, done, strict=True)}
+        events = [asyncio.Event() for _ in first]
+        early = [asyncio.create_task(one(client, r, e)) for r, e in zip(first, events, strict=True)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), timeout=300)
+        done = await asyncio.gather(*(one(client, r) for r in then))
+        done_first = await asyncio.gather(*early)
+    return {r["id"]: d for r, d in zip(first + then, done_first + done, strict=True)}
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +99,8 @@ def test_draft_model_drafts_through_vllms_rejection_sampler_equal_plain_greedy(
 ) -> None:
     reqs = draft_requests(14)
     sampled = draft_requests(4, temperature=1.0, seed=8)
+    for r in sampled:  # short: they share the greedy requests' first steps, not all of them
+        r["params"]["max_tokens"] = 20
     daemon, address = start_daemon(
         env={
             "KVSCHED_ENGINE__SPECULATIVE__NUM_SPECULATIVE_TOKENS": str(K),
@@ -103,7 +120,7 @@ def test_draft_model_drafts_through_vllms_rejection_sampler_equal_plain_greedy(
     )
     try:
         wait_ready(address, ["v0"], timeout=300)
-        got = asyncio.run(run_at_once(address, reqs + sampled))
+        got = asyncio.run(run_staged(address, sampled, reqs))
         st = status(address).instances[0]
         wait_pool_free(address, timeout=30)
     finally:
