@@ -42,11 +42,14 @@ ENV = "KVSCHED_VLLM_AHEAD"
 # Rows are deferred into the next launched step only while the runner's steps (EWMA) are
 # shorter than this many ms (default 10); longer steps get them as an extra step of their own.
 DEFER_ENV = "KVSCHED_VLLM_DEFER_MAX_MS"
-# Steps are launched ahead only after a step of at most this many rows (default 8). Measured on a
-# quiet 2-core box (BENCHMARKS 19), tiny model: batch 1 gains 0.55x -> 0.94x vLLM's tok/s; at
-# 16 requests the same tok/s with longer tails; at 64 fewer rows per step (17 vs 49: new
-# requests wait a step, and the control plane, now sharing a core with a child that never
-# idles, admits them later) and 0.86x the tok/s of one step at a time.
+# Steps are launched ahead only after a step of at most this many rows (default 16). Measured on
+# a quiet 2-core box (BENCHMARKS 19, tiny model, where the runner's child shares the cores with
+# the control plane): batch 1 gains 0.55x -> 0.94x vLLM's tok/s; 16 requests +16-19 % tok/s
+# (the child waited ~1.3 ms of a ~3.8 ms step for this process); 32 requests +12 % tok/s but
+# TTFT p50 +50 %; 64 requests fewer rows per step (17 vs 49: new requests wait a step, and the
+# control plane, sharing a core with a child that never idles, admits them later) and 0.86x
+# the tok/s of one step at a time. On a GPU box the child does not take the control plane's
+# core: raise it there.
 ROWS_ENV = "KVSCHED_VLLM_AHEAD_MAX_ROWS"
 _GREEDY_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
 
@@ -65,7 +68,7 @@ def defer_max_s() -> float:
 
 def max_rows() -> int:
     """ROWS_ENV: launch ahead after steps of at most this many rows."""
-    return int(env.number(ROWS_ENV, "8", 1 << 20, "rows", integer=True))
+    return int(env.number(ROWS_ENV, "16", 1 << 20, "rows", integer=True))
 
 
 def runs_ahead(params: Any) -> bool:
