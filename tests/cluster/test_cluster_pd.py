@@ -22,7 +22,14 @@ from kvsched.storage.server import MooncakeServer
 from kvsched.v1 import request_service_pb2_grpc
 from tests.e2e.harness import generate_request
 from tests.e2e.test_model_worker import assert_matches_reference, collect, varied_requests
-from tests.integration.harness import Proc, start_daemon, start_worker, status, wait_pool_free
+from tests.integration.harness import (
+    Proc,
+    start_daemon,
+    start_worker,
+    status,
+    wait_hands_off,
+    wait_pool_free,
+)
 from tests.integration.harness import wait_ready as wait_instances
 from tests.storage.conftest import fresh_mooncake  # noqa: F401 (fixture)
 
@@ -72,24 +79,6 @@ def _knows(address: str, instance: str, owner: str, timeout: float = 30.0) -> No
     raise AssertionError(f"{address} does not know instance {instance} of {owner}")
 
 
-def _hands_off(address: str, timeout: float = 30.0) -> None:
-    """Until a request through `address` is handed off to a peer's decode instance: the
-    router reads the members' addresses from a view refreshed every 0.2 s, so a peer the
-    status already lists may not be routable yet ("no ready decode instance": retry). The
-    probe is shorter than a block: it writes and fetches nothing."""
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = request_service_pb2_grpc.RequestServiceStub(channel)
-        for k in range(10_000):
-            try:
-                list(stub.Generate(generate_request(f"probe-{k}", [3, 4, 5], 2), timeout=30))
-                return
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
-            time.sleep(0.1)
-
-
 def _run(nats: str, store: MooncakeServer, tmp: Path, kill_master: bool) -> tuple[Any, ...]:
     procs: list[Proc] = []
     try:
@@ -102,7 +91,7 @@ def _run(nats: str, store: MooncakeServer, tmp: Path, kill_master: bool) -> tupl
         wait_instances(a, ["p"])
         wait_instances(b, ["d"])
         _knows(a, "d", "pdb")
-        _hands_off(a)
+        wait_hands_off(a)
         if kill_master:
             store.kill_master()
         specs = varied_requests(5, seed=36 + kill_master, prefix=f"x{int(kill_master)}-")

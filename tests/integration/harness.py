@@ -16,7 +16,8 @@ from pathlib import Path
 import grpc
 
 from kvsched.v1 import admin_service_pb2 as apb
-from kvsched.v1 import admin_service_pb2_grpc
+from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
+from kvsched.v1 import request_service_pb2 as rpb
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -155,3 +156,27 @@ def wait_pool_free(address: str, timeout: float = 10.0) -> apb.GetStatusResponse
             return st
         time.sleep(0.05)
     raise AssertionError(f"KV pool not free / requests left: {st}")
+
+
+def wait_hands_off(address: str, timeout: float = 30.0) -> None:
+    """Until a request through `address` (a daemon whose prefill instance hands off to a peer's
+    decode instance) is served: the router reads the members' addresses from a view refreshed
+    every 0.2 s, so a peer the status already lists may not be routable yet ("no ready decode
+    instance": UNAVAILABLE, retried). The probe (3 tokens, 2 out) is shorter than a block: it
+    writes and fetches nothing."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = request_service_pb2_grpc.RequestServiceStub(channel)
+        for k in range(10_000):
+            probe = rpb.GenerateRequest(
+                request_id=f"probe-{k}",
+                prompt_token_ids=[3, 4, 5],
+                sampling=common_pb2.SamplingParams(max_tokens=2, ignore_eos=True),
+            )
+            try:
+                list(stub.Generate(probe, timeout=30))
+                return
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.1)

@@ -27,7 +27,14 @@ from kvsched.cluster.natsd import NatsServer
 from kvsched.storage import mooncake_available
 from kvsched.storage.server import MooncakeServer
 from kvsched.tinymodel.model import make_model
-from tests.integration.harness import Proc, start_daemon, status, wait_pool_free, wait_ready
+from tests.integration.harness import (
+    Proc,
+    start_daemon,
+    status,
+    wait_hands_off,
+    wait_pool_free,
+    wait_ready,
+)
 from tests.vllm.test_pd import compare, pd_requests, run_all
 from tests.vllm.vllm_kit import reference_outputs, vllm_worker, worker_kv_counts
 
@@ -168,6 +175,7 @@ def test_prefill_on_one_daemon_decode_on_another(
             wait_ready(a, ["p"], timeout=300)
             wait_ready(b, ["d"], timeout=300)
             _knows(a, "d", "pd-b")
+            wait_hands_off(a, timeout=120)  # (a flake before: the router's view lagged)
             got = _serve(a, reqs, store)
             st_a, st_b = wait_pool_free(a, timeout=30), wait_pool_free(b, timeout=30)
         finally:
