@@ -40,7 +40,9 @@ STACKS = ("vllm", "kvsched", "kvsched-grpc")
 # kvsched-compiled: the same as kvsched, named for the older result files; kvsched-spinbatch:
 # the worker's readers spin while steps run at most 2 requests (KVSCHED_VLLM_SPIN_BATCH=2);
 # kvsched-sync: one step at a time, none launched ahead (KVSCHED_VLLM_AHEAD=0, the path before);
-# kvsched-nodefer: steps launched ahead, a new request's rows never deferred (an extra step).
+# kvsched-nodefer: steps launched ahead, a new request's rows never deferred (an extra step);
+# kvsched-rows8 / kvsched-rowsall: launched ahead only after steps of at most 8 rows (the limit
+# before) / after every step.
 VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
     "kvsched-spin": ("kvsched", {"KVSCHED_VLLM_NAP_US": "0"}, []),
     "kvsched-compiled": ("kvsched", {"KVSCHED_VLLM_COMPILE": "1"}, []),
@@ -48,6 +50,8 @@ VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
     "kvsched-spinbatch": ("kvsched", {"KVSCHED_VLLM_SPIN_BATCH": "2"}, []),
     "kvsched-sync": ("kvsched", {"KVSCHED_VLLM_AHEAD": "0"}, []),
     "kvsched-nodefer": ("kvsched", {"KVSCHED_VLLM_DEFER_MAX_MS": "0"}, []),
+    "kvsched-rows8": ("kvsched", {"KVSCHED_VLLM_AHEAD_MAX_ROWS": "8"}, []),
+    "kvsched-rowsall": ("kvsched", {"KVSCHED_VLLM_AHEAD_MAX_ROWS": "100000"}, []),
     "vllm-eager": ("vllm", {}, ["--enforce-eager"]),
 }
 _KVSCHED = [sys.executable, "-m", "kvsched.cli"]
@@ -64,6 +68,7 @@ class Stack:
     procs: Procs
     url: str
     env: dict[str, str] = field(default_factory=dict)
+    metrics_url: str = ""  # the kvsched daemon's Prometheus endpoint (started with metrics)
 
     def cpu_s(self) -> dict[str, float]:
         """CPU seconds so far of each started process's group (its children included)."""
@@ -133,9 +138,11 @@ def started(
     logs: Path,
     env: dict[str, str] | None = None,
     engine_args: list[str] | None = None,
+    metrics: bool = False,
 ) -> Iterator[Stack]:
     """Start one stack, wait until it serves, stop it on exit. `env` goes to every process;
-    `engine_args` to vLLM's server or to the kvsched worker (flags both take, e.g. LoRA's)."""
+    `engine_args` to vLLM's server or to the kvsched worker (flags both take, e.g. LoRA's);
+    `metrics`: the kvsched daemon serves its Prometheus metrics (`Stack.metrics_url`)."""
     kind, extra, server_args = VARIANTS.get(kind, (kind, {}, []))
     server_args = [*server_args, *(engine_args or [])]
     env = {**(env or {}), **extra}
@@ -151,22 +158,34 @@ def started(
             procs.start("vllm_server", argv, env)
             url = f"http://127.0.0.1:{port}"
             wait_http(procs, f"{url}/health")
+            metrics_url = f"{url}/metrics"
         elif kind in ("kvsched", "kvsched-grpc"):
+            metrics_url = f"http://127.0.0.1:{free_port()}/metrics" if metrics else ""
             url = _start_kvsched(
-                procs, model_dir, env, http=kind == "kvsched", worker_args=engine_args or []
+                procs,
+                model_dir,
+                env,
+                http=kind == "kvsched",
+                worker_args=engine_args or [],
+                metrics_listen=metrics_url.removeprefix("http://").removesuffix("/metrics"),
             )
         else:
             raise ValueError(f"unknown stack {kind!r}: one of {', '.join([*STACKS, *VARIANTS])}")
-        yield Stack(kind, procs, url, env)
+        yield Stack(kind, procs, url, env, metrics_url)
 
 
 def _start_kvsched(
-    procs: Procs, model_dir: Path, env: dict[str, str], http: bool, worker_args: list[str]
+    procs: Procs,
+    model_dir: Path,
+    env: dict[str, str],
+    http: bool,
+    worker_args: list[str],
+    metrics_listen: str = "",
 ) -> str:
     daemon = f"127.0.0.1:{free_port()}"
     procs.start(
         "kvsched_daemon",
-        [*_KVSCHED, "serve", "--listen", daemon, "--metrics-listen", "off"],
+        [*_KVSCHED, "serve", "--listen", daemon, "--metrics-listen", metrics_listen or "off"],
         {"KVSCHED_ENGINE__SCHEDULER__MAX_MODEL_LEN": MAX_MODEL_LEN, "KVSCHED_MODEL": NAME, **env},
     )
     worker = [*_KVSCHED, "worker", "--server", daemon, "--instance", "v0", "--executor", "vllm"]
