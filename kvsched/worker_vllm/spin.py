@@ -36,6 +36,12 @@ log = logging.getLogger(__name__)
 
 ENV = "KVSCHED_VLLM_NAP_US"
 SPIN_ENV = "KVSCHED_VLLM_SPIN_BATCH"
+# "0": vLLM's worker child keeps vLLM's spinning reader (only this process naps). vLLM's CPU
+# build binds the child to its own cores (VLLM_CPU_OMP_THREADS_BIND=auto leaves the others to
+# the serving processes); a child that naps leaves its core looking idle, the scheduler puts the
+# control plane's threads there, and the child's forward pass runs ~2x slower for it (session 5,
+# BENCHMARKS 19). Spinning holds the core, as under vLLM's own server.
+CHILD_ENV = "KVSCHED_VLLM_CHILD_NAPS"
 # This process's last step ran at most the spin batch: its readers spin (vLLM's own wait), for
 # at most SPIN_WINDOW_S after their last read (an idle worker's child then naps: spinning for
 # vLLM's whole 1 s window took the core the next request's tokenizing and scheduling need).
@@ -45,6 +51,10 @@ SPIN_WINDOW_S = 0.005
 
 def nap_seconds() -> float:
     return env.number(ENV, "100", 100_000, "microseconds") / 1e6
+
+
+def child_naps() -> bool:
+    return env.switch(CHILD_ENV, True, "vLLM's worker child naps", "it spins as vLLM has it")
 
 
 def spin_batch() -> int:
@@ -101,7 +111,7 @@ def quiet_executor(executor: Any, nap_s: float, spin_limit: int = 0) -> None:
     if nap_s <= 0:
         return
     here = nap_readers(None, nap_s)
-    there = executor.collective_rpc(nap_readers, args=(nap_s,))
+    there = executor.collective_rpc(nap_readers, args=(nap_s,)) if child_naps() else "none"
     if spin_limit:
         executor.collective_rpc(watch_batches, args=(spin_limit,))
     log.info(
