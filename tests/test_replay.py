@@ -158,3 +158,28 @@ def test_a_burst_of_arrivals_is_built_before_its_first_send_and_every_send_is_re
     assert all(s is not None for s in sent)
     assert all(s >= r.arrival_s for s, r in zip(sent, result.records, strict=True))  # type: ignore[operator]
     assert sent == sorted(sent)  # type: ignore[type-var]
+
+
+def test_a_worker_that_never_joins_leaves_no_process_behind(monkeypatch: Any) -> None:
+    """`replay --embedded`'s start: when a sim worker never joins (here it exits at once on an
+    unknown --gpu), start_cluster raises saying why and stops the daemon and the workers it had
+    started (before, they ran on with nobody to stop them)."""
+    from kvsched.replay import launch
+
+    started: list[Any] = []
+    real_spawn = launch.spawn
+
+    def spawn_and_keep(name: str, *args: str) -> Any:
+        child = real_spawn(name, *args)
+        started.append(child)
+        return child
+
+    monkeypatch.setattr(launch, "spawn", spawn_and_keep)
+    try:
+        start_cluster(2, gpu="no-such-gpu", num_blocks=64, block_size=16)
+    except RuntimeError as exc:
+        assert "w0: no line matching 'welcomed'" in str(exc)
+    else:
+        raise AssertionError("start_cluster joined a worker that cannot start")
+    assert [c.name for c in started] == ["daemon", "w0", "w1"]
+    assert all(c.popen.poll() is not None for c in started), [c.name for c in started]
