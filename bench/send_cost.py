@@ -87,7 +87,9 @@ def slope_ms(reqs: list[TraceRequest], values: list[float | None]) -> float:
     return sum((p - mx) * (v - my) for p, v in pts) / den if den else float("nan")
 
 
-def one_round(reqs: list[TraceRequest], instances: int, spy: Path | None) -> dict[str, Any]:
+def one_round(
+    reqs: list[TraceRequest], instances: int, spy: Path | None, streams: int = 1
+) -> dict[str, Any]:
     sink = SpanSink()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
@@ -118,7 +120,7 @@ def one_round(reqs: list[TraceRequest], instances: int, spy: Path | None) -> dic
         )
     load = {"before": os.getloadavg()}
     try:
-        result = asyncio.run(replay(cluster.address, reqs, progress=False))
+        result = asyncio.run(replay(cluster.address, reqs, progress=False, streams=streams))
         sink.wait_for(len(reqs), 30.0)
     finally:
         if spy_proc is not None:
@@ -263,6 +265,7 @@ def main() -> None:
     ap.add_argument("--window", default="0-60")
     ap.add_argument("--instances", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=1, help="Session streams the replay uses")
     ap.add_argument("--stages", action="store_true", help="the pieces in one process, no daemon")
     ap.add_argument("--py-spy", type=Path, help="profile the daemon in round 1 (folded stacks)")
     ap.add_argument("--json", type=Path)
@@ -273,7 +276,7 @@ def main() -> None:
     else:
         rounds = []
         for i in range(args.rounds):
-            r = one_round(reqs, args.instances, args.py_spy if i == 0 else None)
+            r = one_round(reqs, args.instances, args.py_spy if i == 0 else None, args.streams)
             rounds.append(r)
             print(
                 f"round {i + 1}: send p50 {r['send'].get('p50', math.nan):.1f} ms "
