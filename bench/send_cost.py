@@ -1,7 +1,7 @@
 """Where a request's send goes: the replay's client to the daemon's arrival stamp (issue 37).
 
     python -m bench.send_cost [--trace PATH] [--window 0-60] [--instances 4] [--rounds 3]
-                              [--py-spy OUT.txt] [--json OUT]
+                              [--streams 1] [--py-spy OUT.txt] [--json OUT]
     python -m bench.send_cost --stages [--trace PATH] [--window 0-300]
 
 The replay (`kvsched replay --embedded`'s path: a real `kvsched serve`, N sim worker processes,
@@ -90,6 +90,8 @@ def slope_ms(reqs: list[TraceRequest], values: list[float | None]) -> float:
 def one_round(
     reqs: list[TraceRequest], instances: int, spy: Path | None, streams: int = 1
 ) -> dict[str, Any]:
+    """One replay of `reqs` (gpu-only, `instances` sim workers, `streams` Sessions): send and
+    client_late per request (s; None where no span came), their summaries and the load."""
     sink = SpanSink()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
@@ -104,6 +106,9 @@ def one_round(
     os.environ.update(env)  # the daemon (a child process) inherits them
     try:
         cluster = start_cluster(instances, num_blocks=NUM_GPU_BLOCKS, block_size=BLOCK_SIZE)
+    except BaseException:
+        server.stop(None)
+        raise
     finally:
         for k, v in saved.items():
             if v is None:
