@@ -205,7 +205,7 @@ class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 def run_replay(
-    reqs: list[TraceRequest], name: str, instances: int
+    reqs: list[TraceRequest], name: str, instances: int, streams: int = 1
 ) -> tuple[list[Row], dict[str, Any], dict[str, Any]]:
     host_blocks, storage, cache = CONFIGS[name]
     sink = SpanSink()
@@ -237,7 +237,7 @@ def run_replay(
             else:
                 os.environ[k] = v
     try:
-        result = asyncio.run(replay(cluster.address, reqs, progress=False))
+        result = asyncio.run(replay(cluster.address, reqs, progress=False, streams=streams))
         complete = sink.wait_for(len(reqs), 30.0)
     finally:
         cluster.stop()

@@ -309,6 +309,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window", default="0-300", help="START-END in trace seconds")
     ap.add_argument("--configs", default="gpu-only,host-4x,storage", help=f"from {list(CONFIGS)}")
     ap.add_argument("--instances", type=int, default=4)
+    ap.add_argument(
+        "--streams", type=int, default=1, help="the replay's Session streams (`replay --streams`)"
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sim-latency-ms", default="", help="extra sim runs, e.g. 2,5 (ms)")
     ap.add_argument(
@@ -348,6 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         "window": args.window,
         "num_requests": len(reqs),
         "instances": args.instances,
+        "streams": args.streams,
         "bounds": bounds(reqs, args.instances),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpus": os.cpu_count(),
@@ -374,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     for rnd in range(args.rounds):
         for name in names:
             t0 = time.perf_counter()
-            rrows, rsummary, load = run_replay(reqs, name, args.instances)
+            rrows, rsummary, load = run_replay(reqs, name, args.instances, args.streams)
             r = {"agg": aggregate(rrows, prompt), "summary": rsummary, "load_avg": load}
             r["wall_s"] = time.perf_counter() - t0
             r["diff"] = differences(sims[name], rrows)

@@ -158,3 +158,59 @@ def test_a_burst_of_arrivals_is_built_before_its_first_send_and_every_send_is_re
     assert all(s is not None for s in sent)
     assert all(s >= r.arrival_s for s, r in zip(sent, result.records, strict=True))  # type: ignore[operator]
     assert sent == sorted(sent)  # type: ignore[type-var]
+
+
+def test_a_worker_that_never_joins_leaves_no_process_behind(monkeypatch: Any) -> None:
+    """`replay --embedded`'s start: when a sim worker never joins (here it exits at once on an
+    unknown --gpu), start_cluster raises saying why and stops the daemon and the workers it had
+    started (before, they ran on with nobody to stop them)."""
+    from kvsched.replay import launch
+
+    started: list[Any] = []
+    real_spawn = launch.spawn
+
+    def spawn_and_keep(name: str, *args: str) -> Any:
+        child = real_spawn(name, *args)
+        started.append(child)
+        return child
+
+    monkeypatch.setattr(launch, "spawn", spawn_and_keep)
+    try:
+        start_cluster(2, gpu="no-such-gpu", num_blocks=64, block_size=16)
+    except RuntimeError as exc:
+        assert "w0: no line matching 'welcomed'" in str(exc)
+    else:
+        raise AssertionError("start_cluster joined a worker that cannot start")
+    assert [c.name for c in started] == ["daemon", "w0", "w1"]
+    assert all(c.popen.poll() is not None for c in started), [c.name for c in started]
+
+
+def test_requests_spread_over_the_streams_and_all_complete(monkeypatch: Any) -> None:
+    """`streams=3`: three Sessions to the one daemon, request i written on stream i mod 3 (a
+    burst reaches the daemon on three streams at once), every request completes and is read
+    back on its own stream; fewer than one stream is refused before anything starts."""
+    wrote: list[tuple[int, str]] = []
+    real_submit = AsyncSession.submit_built
+
+    async def submit(self: AsyncSession, msg: Any) -> str:
+        wrote.append((id(self), msg.submit.client_tag))
+        return await real_submit(self, msg)
+
+    monkeypatch.setattr(AsyncSession, "submit_built", submit)
+    reqs = [TraceRequest(0.0 if i < 5 else 0.2, list(range(50 + i, 250 + i)), 3) for i in range(7)]
+    cluster = start_cluster(1, num_blocks=256, block_size=16)
+    try:
+        result = asyncio.run(runner.replay(cluster.address, reqs, progress=False, streams=3))
+    finally:
+        cluster.stop()
+    assert [tag for _, tag in wrote] == [f"trace-{i}" for i in range(7)]
+    streams = [s for s, _ in wrote]
+    assert len(set(streams)) == 3
+    assert all(streams[i] == streams[i % 3] for i in range(7)), streams
+    assert all(r.completed and len(r.token_times_s) == 3 for r in result.records)
+    try:
+        asyncio.run(runner.replay(cluster.address, reqs, progress=False, streams=0))
+    except ValueError as exc:
+        assert "streams = 0" in str(exc)
+    else:
+        raise AssertionError("streams=0 was accepted")

@@ -32,6 +32,7 @@ import numpy.typing as npt
 from kvsched.cluster.hit_index import price_runs
 from kvsched.core import InvalidRequest, KVCacheManager, KvschedError, Request, Unavailable
 from kvsched.core.block_hash import use_hashes
+from kvsched.core.request import prompt_max_id
 from kvsched.core.router import choose
 from kvsched.core.step_cost import priced_hit_tokens
 from kvsched.server.instances.engine import InstanceEngine
@@ -242,7 +243,7 @@ class ClusterRouter:
             fits &= self._structured
         if not self._any_vocab:  # no peer announced a vocabulary: skip the scan of the prompt
             return fits
-        top = max(max(req.prompt_token_ids, default=-1), max(sp.stop_token_ids, default=-1))
+        top = max(prompt_max_id(req), max(sp.stop_token_ids, default=-1))
         return fits & ((vocab <= 0) | (top < vocab))
 
     def _lora_mask(self, name: str) -> npt.NDArray[np.bool_]:

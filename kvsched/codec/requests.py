@@ -3,6 +3,8 @@ out."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvsched.codec.common import finish_reason_to_proto, mm_ranges_from_proto, sampling_from_proto
 from kvsched.core.request import Request
 from kvsched.v1 import common_pb2, request_service_pb2
@@ -16,9 +18,13 @@ def request_from_proto(
 ) -> Request:
     """A core request from a GenerateRequest; an absent max_tokens takes `default_max_tokens`
     (None: the core's default). Field ranges are checked by the scheduler."""
+    # The prompt packed once (int32, as the message holds it; a C copy), then a list from the
+    # array (cheaper than from the message): the core keeps both (Request.prompt_array).
+    ids = np.array(pb.prompt_token_ids, dtype=np.int32)
     return Request(
         req_id=req_id,
-        prompt_token_ids=pb.prompt_token_ids[:],
+        prompt_token_ids=ids.tolist(),
+        prompt_array=ids,
         sampling=sampling_from_proto(pb.sampling, default_max_tokens),
         priority=pb.priority,
         arrival_time=arrival_time,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from kvsched.core.request import Request
+from kvsched.core.request import Request, packed_prompt
 from kvsched.core.slots import packed_output
 
 
@@ -63,13 +63,17 @@ class BlockHasher:
         if not (req.lora_name or req.cache_salt or req.mm_ranges):
             # No extra keys (the common case, and the decode path): a tight loop. Output blocks
             # a placed request decoded lately are read from its slot's ring as packed bytes
-            # (the same bytes `pack` makes), without touching 64 Python ints per block.
+            # (the same bytes `pack` makes), without touching 64 Python ints per block; so are
+            # the prompt blocks of a request that came with its packed prompt (`prompt_array`).
             parent = hashes[-1] if hashes else b""
             blake2b = hashlib.blake2b
-            data = packed_output(req, k * bs - p, num_blocks * bs - p) if k * bs >= p else None
+            start, end = k * bs, num_blocks * bs
+            data = packed_output(req, start - p, end - p) if start >= p else None
+            if data is None and end <= p:  # prompt blocks of a request off the wire: packed
+                data = packed_prompt(req, start, end)
             if data is None:
                 pack = self._pack_block
-                tokens = req.token_ids(k * bs, num_blocks * bs)
+                tokens = req.token_ids(start, end)
                 data = b"".join([pack(*tokens[j : j + bs]) for j in range(0, len(tokens), bs)])
             width = 8 * bs  # bytes per block
             for j in range(0, len(data), width):

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvsched.core.logprobs import RequestLogprobs
 from kvsched.core.protocol import FinishReason, MultimodalRange, SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 
 class RequestStatus(IntEnum):
@@ -132,6 +136,11 @@ class Request:
     # Its log-probabilities so far, only when its sampling asks (`with_logprobs`); the report
     # path puts rows in, the daemon's sinks read them.
     logprobs: RequestLogprobs | None = None
+    # The prompt as the wire carried it, packed (int32 ids, the message's own): set by the
+    # codec from a request message, None otherwise; always equal to prompt_token_ids (nothing
+    # changes a prompt). A new request's id checks and block hashes read it (`prompt_max_id`,
+    # `packed_prompt`): one C loop each instead of passes over the list's Python ints.
+    prompt_array: npt.NDArray[np.int32] | None = None
 
     def __post_init__(self) -> None:
         sp = self.sampling
@@ -178,3 +187,19 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+
+def prompt_max_id(req: Request) -> int:
+    """The largest token id of req's prompt (-1 when it is empty): from the packed prompt when
+    the request has it (a C loop), else from the list."""
+    arr = req.prompt_array
+    if arr is not None:
+        return int(arr.max()) if len(arr) else -1
+    return max(req.prompt_token_ids, default=-1)
+
+
+def packed_prompt(req: Request, start: int, end: int) -> bytes | None:
+    """Prompt tokens [start, end) as little-endian int64 bytes (the bytes the block hashes pack
+    a block's tokens into), from the packed prompt; None when the request has none."""
+    arr = req.prompt_array
+    return None if arr is None else arr[start:end].astype("<i8").tobytes()

@@ -38,6 +38,15 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     p.add_argument(
+        "--streams",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Session streams per daemon, request i on stream i mod N: like N clients, a burst "
+        "of arrivals reaches the daemon on N streams at once instead of one message after "
+        "another (default: 1)",
+    )
+    p.add_argument(
         "--time-scale",
         type=float,
         default=1.0,

@@ -141,31 +141,34 @@ def start_cluster(
         raise
     n = len(addresses)
     servers = [",".join(addresses[i % n :] + addresses[: i % n]) for i in range(num_workers)]
-    workers = [
-        spawn(
-            f"w{i}",
-            "worker",
-            "--server",
-            servers[i],
-            "--instance",
-            f"w{i}",
-            "--executor",
-            "sim",
-            "--gpu",
-            gpu,
-            "--speed",
-            str(speed),
-            "--num-blocks",
-            str(num_blocks),
-            "--block-size",
-            str(block_size),
-            "--num-slots",
-            str(num_slots),
-            "--host-blocks",
-            str(host_blocks),
-        )
-        for i in range(num_workers)
-    ]
+    workers: list[Child] = []
+    try:
+        _start_workers(workers, servers, gpu, speed, num_blocks, block_size, num_slots, host_blocks)
+    except BaseException:  # a worker that never joins: stop what was started, then raise
+        Cluster(daemons, ",".join(addresses), workers, nats).stop()
+        raise
+    return Cluster(daemons, ",".join(addresses), workers, nats)
+
+
+def _start_workers(
+    workers: list[Child],
+    servers: list[str],
+    gpu: str,
+    speed: float,
+    num_blocks: int,
+    block_size: int,
+    num_slots: int,
+    host_blocks: int,
+) -> None:
+    """Sim worker i on servers[i], appended to `workers` as it starts; returns once every one
+    was welcomed."""
+    for i, server in enumerate(servers):
+        args = (
+            "worker", "--server", server, "--instance", f"w{i}", "--executor", "sim",
+            "--gpu", gpu, "--speed", str(speed), "--num-blocks", str(num_blocks),
+            "--block-size", str(block_size), "--num-slots", str(num_slots),
+            "--host-blocks", str(host_blocks),
+        )  # fmt: skip
+        workers.append(spawn(f"w{i}", *args))
     for w in workers:
         w.wait_for(r"welcomed")
-    return Cluster(daemons, ",".join(addresses), workers, nats)

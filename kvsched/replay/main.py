@@ -21,6 +21,9 @@ def run_replay(args: argparse.Namespace) -> int:
     if not requests:
         print(f"kvsched replay: no requests in {args.trace} for that duration", file=sys.stderr)
         return 2
+    if args.streams < 1:
+        print(f"kvsched replay: --streams {args.streams}: at least 1", file=sys.stderr)
+        return 2
     creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)  # before any launch
     cluster = None
     address = args.server
@@ -49,6 +52,7 @@ def run_replay(args: argparse.Namespace) -> int:
                 token=args.token,
                 credentials=creds,
                 admin_token=args.admin_token or None,
+                streams=args.streams,
             )
         )
     except KvschedClientError as exc:  # refused (credentials, TLS) or unreachable

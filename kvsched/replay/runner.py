@@ -1,4 +1,5 @@
-"""Replay trace requests against a daemon over one Session stream, at their arrival times.
+"""Replay trace requests against a daemon over Session streams (one by default), at their
+arrival times.
 
 Wall times are divided by `time_scale` (pair it with the sim worker's `--speed`), so every
 measured latency is multiplied back by it: figures are in simulated GPU seconds.
@@ -98,7 +99,7 @@ class _Run:
 
     async def submit_all(self, sessions: Sequence[AsyncSession]) -> None:
         """Submit every request at its arrival time (request i on session i mod n: spread
-        over a cluster's daemons), then half-close the sessions. Requests are built (their
+        over a cluster's daemons, session j being on daemon j mod their number), then half-close the sessions. Requests are built (their
         prompts encoded) before the wait for the first of them due within BUILD_AHEAD_S, so a
         burst of arrivals (the Mooncake traces' arrivals come every 3 s, up to 20 at once)
         goes out back to back, not behind each other's encoding."""
@@ -166,13 +167,18 @@ async def replay(
     credentials: Any = None,
     sample_every_s: float = 1.0,
     admin_token: str | None = None,
+    streams: int = 1,
 ) -> ReplayResult:
-    """Replay `requests` over one Session per daemon (`address`: one HOST:PORT, or a
-    cluster's daemons comma-separated; requests spread round-robin), with `token`: the
-    client's. Status figures (preemptions, KV usage, the timeline) come from AdminService with
+    """Replay `requests` over `streams` Sessions per daemon (`address`: one HOST:PORT, or a
+    cluster's daemons comma-separated; requests spread round-robin over the daemons, then over
+    each daemon's streams), with `token`: the client's. One stream carries a burst of arrivals
+    one message after another, each read in its own turn of the daemon's event loop (between
+    them the daemon serves everything else); N streams, like N clients, reach it together. Status figures (preemptions, KV usage, the timeline) come from AdminService with
     `admin_token` (default: `token`), summed over the daemons; a daemon that refuses those
     credentials there gets a replay without them. KvschedClientError when a daemon refuses the
     session or cannot be reached."""
+    if streams < 1:
+        raise ValueError(f"streams = {streams}: at least 1")
     run = _Run(requests, rate_scale, time_scale)
     admin_tok = token if admin_token is None else admin_token
     addresses = [a.strip() for a in address.split(",") if a.strip()]
@@ -207,7 +213,10 @@ async def replay(
             if before is not None
             else None
         )
-        sessions = [c.session() for c in clients]
+        # `streams` Sessions per daemon, session j on daemon j % n: request i goes to session
+        # i mod len(sessions), so still to daemon i mod n.
+        n_daemons = len(clients)
+        sessions = [clients[j % n_daemons].session() for j in range(n_daemons * streams)]
         submitter = asyncio.ensure_future(run.submit_all(sessions))
 
         async def read(session: AsyncSession, daemon: int) -> None:
@@ -216,7 +225,7 @@ async def replay(
                 if run.finished.is_set():
                     return
 
-        readers = [asyncio.ensure_future(read(s, k)) for k, s in enumerate(sessions)]
+        readers = [asyncio.ensure_future(read(s, k % n_daemons)) for k, s in enumerate(sessions)]
         try:
             finished = asyncio.ensure_future(run.finished.wait())
             gathered = asyncio.ensure_future(asyncio.gather(*readers, return_exceptions=True))

@@ -35,6 +35,15 @@ def token_ids_in_range(ids: Sequence[int]) -> bool:
     return not packed or int(np.frombuffer(packed, dtype=np.uint32).max()) <= _MAX_TOKEN_ID
 
 
+def prompt_ids_in_range(req: Request) -> bool:
+    """`token_ids_in_range` of req's prompt: from its packed prompt when it has one (int32
+    ids, below 2^31 by their type: only the smallest is checked, one C loop), else the list."""
+    arr = req.prompt_array
+    if arr is None or arr.dtype != np.int32:
+        return token_ids_in_range(req.prompt_token_ids)
+    return not len(arr) or int(arr.min()) >= 0
+
+
 def validate(req: Request, config: EngineConfig, live: Container[str], num_blocks: int) -> None:
     """Raise InvalidRequest naming the first field out of range. `live`: the request ids in
     use; `num_blocks`: the instance's KV pool."""
@@ -64,7 +73,7 @@ def validate(req: Request, config: EngineConfig, live: Container[str], num_block
             f"request {rid!r}: prompt ({n} tokens) + max_tokens ({sp.max_tokens}) = "
             f"{n + sp.max_tokens} exceeds max_model_len {sc.max_model_len}"
         )
-    if not token_ids_in_range(req.prompt_token_ids):
+    if not prompt_ids_in_range(req):
         raise InvalidRequest(f"request {rid!r}: token ids must be in [0, 2^31)")
     if req.priority < 0 and sc.policy == QueuePolicy.PRIORITY:
         raise InvalidRequest(f"request {rid!r}: priority = {req.priority} must be >= 0")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from kvsched.core import InvalidRequest, ProtocolError, Request, RequestNotFound, Unavailable
+from kvsched.core.request import prompt_max_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +143,8 @@ def misfit(req: Request, lim: Limits) -> str | None:
         )
     vocab = lim.vocab_size
     if vocab > 0:
-        if n and max(req.prompt_token_ids) >= vocab:
-            bad = max(req.prompt_token_ids)
+        bad = prompt_max_id(req)
+        if bad >= vocab:
             return (
                 f"prompt token id {bad} is outside the vocabulary of model {lim.model!r} "
                 f"(vocab_size {vocab}: ids 0..{vocab - 1})"
