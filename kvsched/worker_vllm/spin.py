@@ -38,9 +38,10 @@ ENV = "KVSCHED_VLLM_NAP_US"
 SPIN_ENV = "KVSCHED_VLLM_SPIN_BATCH"
 # "0": vLLM's worker child keeps vLLM's spinning reader (only this process naps). vLLM's CPU
 # build binds the child to its own cores (VLLM_CPU_OMP_THREADS_BIND=auto leaves the others to
-# the serving processes); a child that naps leaves its core looking idle, the scheduler puts the
-# control plane's threads there, and the child's forward pass runs ~2x slower for it (session 5,
-# BENCHMARKS 19). Spinning holds the core, as under vLLM's own server.
+# the serving processes). A child that naps ran its forward pass ~2x slower than one that spins
+# (session 5, BENCHMARKS 19; pinning the control plane off its core did not change that: the
+# idle core between steps is the likelier cause); spinning holds the core, as under vLLM's own
+# server, and on 2 cores takes it from the control plane (it lost at 16 and 64 requests).
 CHILD_ENV = "KVSCHED_VLLM_CHILD_NAPS"
 # This process's last step ran at most the spin batch: its readers spin (vLLM's own wait), for
 # at most SPIN_WINDOW_S after their last read (an idle worker's child then naps: spinning for
