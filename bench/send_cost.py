@@ -30,16 +30,11 @@ import statistics
 import subprocess
 import time
 from collections import Counter
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
-
 from bench.policies import BLOCK_SIZE, DEFAULT_TRACE, NUM_GPU_BLOCKS
-from bench.tier_compare import SpanSink, window_of
-from kvsched.replay.launch import start_cluster
+from bench.tier_compare import traced_cluster, window_of
 from kvsched.replay.runner import replay
 from kvsched.traces import TraceRequest
 
@@ -92,29 +87,9 @@ def one_round(
 ) -> dict[str, Any]:
     """One replay of `reqs` (gpu-only, `instances` sim workers, `streams` Sessions): send and
     client_late per request (s; None where no span came), their summaries and the load."""
-    sink = SpanSink()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    env = {
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-        "OTEL_BSP_SCHEDULE_DELAY": "500",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the daemon (a child process) inherits them
-    try:
-        cluster = start_cluster(instances, num_blocks=NUM_GPU_BLOCKS, block_size=BLOCK_SIZE)
-    except BaseException:
-        server.stop(None)
-        raise
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    sink, server, cluster = traced_cluster(
+        instances, num_blocks=NUM_GPU_BLOCKS, block_size=BLOCK_SIZE
+    )
     spy_proc = None
     if spy is not None and shutil.which("py-spy"):
         pid = str(cluster.daemons[0].popen.pid)

@@ -204,10 +204,12 @@ class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
             return self.cond.wait_for(lambda: len(self.spans) >= n, timeout_s)
 
 
-def run_replay(
-    reqs: list[TraceRequest], name: str, instances: int, streams: int = 1
-) -> tuple[list[Row], dict[str, Any], dict[str, Any]]:
-    host_blocks, storage, cache = CONFIGS[name]
+def traced_cluster(
+    instances: int, extra_env: dict[str, str] | None = None, **cluster_args: Any
+) -> tuple[SpanSink, grpc.Server, Any]:
+    """An OTLP span sink on loopback and a replay cluster (`start_cluster`) whose daemon exports
+    its spans to it: the OTel variables (and `extra_env`) are set only while the cluster's
+    processes start (they inherit them). The sink's server is stopped if the cluster fails."""
     sink = SpanSink()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
@@ -217,25 +219,37 @@ def run_replay(
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
         "OTEL_BSP_SCHEDULE_DELAY": "500",
-        **{f"KVSCHED_ENGINE__CACHE__{k.upper()}": str(v) for k, v in cache.items()},
+        **(extra_env or {}),
     }
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the daemon (a child process) inherits them
-    load = {"before": os.getloadavg()}
+    os.environ.update(env)
     try:
-        cluster = start_cluster(
-            instances,
-            num_blocks=NUM_GPU_BLOCKS,
-            block_size=BLOCK_SIZE,
-            host_blocks=host_blocks,
-            serve_args=("--storage", "mooncake") if storage else (),
-        )
+        cluster = start_cluster(instances, **cluster_args)
+    except BaseException:
+        server.stop(None)
+        raise
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    return sink, server, cluster
+
+
+def run_replay(
+    reqs: list[TraceRequest], name: str, instances: int, streams: int = 1
+) -> tuple[list[Row], dict[str, Any], dict[str, Any]]:
+    host_blocks, storage, cache = CONFIGS[name]
+    load = {"before": os.getloadavg()}
+    sink, server, cluster = traced_cluster(
+        instances,
+        {f"KVSCHED_ENGINE__CACHE__{k.upper()}": str(v) for k, v in cache.items()},
+        num_blocks=NUM_GPU_BLOCKS,
+        block_size=BLOCK_SIZE,
+        host_blocks=host_blocks,
+        serve_args=("--storage", "mooncake") if storage else (),
+    )
     try:
         result = asyncio.run(replay(cluster.address, reqs, progress=False, streams=streams))
         complete = sink.wait_for(len(reqs), 30.0)
