@@ -49,7 +49,7 @@ DEFER_ENV = "KVSCHED_VLLM_DEFER_MAX_MS"
 # TTFT p50 +50 %; 64 requests fewer rows per step (17 vs 49: new requests wait a step, and the
 # control plane, sharing a core with a child that never idles, admits them later) and 0.86x
 # the tok/s of one step at a time. On a GPU box the child does not take the control plane's
-# core: raise it there.
+# core, so a higher limit may pay off there (not measured: no GPU was lent).
 ROWS_ENV = "KVSCHED_VLLM_AHEAD_MAX_ROWS"
 _GREEDY_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
 
