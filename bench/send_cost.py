@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.policies import BLOCK_SIZE, DEFAULT_TRACE, NUM_GPU_BLOCKS
-from bench.tier_compare import traced_cluster, window_of
+from bench.spans import traced_cluster
+from bench.tier_compare import window_of
 from kvsched.replay.runner import replay
 from kvsched.traces import TraceRequest
 

@@ -33,22 +33,17 @@ import os
 import random
 import re
 import statistics
-import threading
 import time
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-
 from bench.policies import BLOCK_SIZE, DEFAULT_TRACE, HOST_FACTOR, NUM_GPU_BLOCKS
 from bench.simulate import KvschedCluster, simulate
+from bench.spans import traced_cluster
 from bench.storage import window
 from bench.tier_stats import iqm
 from bench.tier_table import table
 from kvsched.core import EngineConfig
-from kvsched.replay.launch import start_cluster
 from kvsched.replay.runner import replay
 from kvsched.replay.summary import DEFAULT_SLO_TPOT_S, DEFAULT_SLO_TTFT_S, summarize
 from kvsched.traces import TraceRequest, ideal_lru_hit_rate, load_trace
@@ -168,73 +163,6 @@ def run_sim(
     stored = sum(x.prefix_cache_storage_hit_tokens for x in snaps)
     pf = sum(x.prefix_cache_prefetched_hit_tokens for x in snaps) / stored if stored else 0.0
     return rows, {**summary, "worker_steps": steps, "storage_prefetched_frac": pf}
-
-
-# ---- the product: an OTLP receiver for the daemon's request spans ----------------------------
-def _value(v: Any) -> Any:
-    kind = v.WhichOneof("value")
-    return getattr(v, kind) if kind else None
-
-
-class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
-    """Keeps, per request id, its span's attributes and its host_cache_hit event's."""
-
-    def __init__(self) -> None:
-        self.spans: dict[str, dict[str, Any]] = {}
-        self.cond = threading.Condition()
-
-    def Export(self, request: Any, context: Any) -> trace_service_pb2.ExportTraceServiceResponse:
-        with self.cond:
-            for rs in request.resource_spans:
-                for ss in rs.scope_spans:
-                    for span in ss.spans:
-                        attrs = {a.key: _value(a.value) for a in span.attributes}
-                        attrs["arrival_ns"] = span.start_time_unix_nano  # the daemon's clock
-                        for ev in span.events:
-                            if ev.name == "first_token":
-                                attrs["first_token_ns"] = ev.time_unix_nano
-                            if ev.name == "host_cache_hit":
-                                attrs.update({a.key: _value(a.value) for a in ev.attributes})
-                        self.spans[str(attrs.get("gen_ai.response.id"))] = attrs
-            self.cond.notify_all()
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def wait_for(self, n: int, timeout_s: float) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: len(self.spans) >= n, timeout_s)
-
-
-def traced_cluster(
-    instances: int, extra_env: dict[str, str] | None = None, **cluster_args: Any
-) -> tuple[SpanSink, grpc.Server, Any]:
-    """An OTLP span sink on loopback and a replay cluster (`start_cluster`) whose daemon exports
-    its spans to it: the OTel variables (and `extra_env`) are set only while the cluster's
-    processes start (they inherit them). The sink's server is stopped if the cluster fails."""
-    sink = SpanSink()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    env = {
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-        "OTEL_BSP_SCHEDULE_DELAY": "500",
-        **(extra_env or {}),
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        cluster = start_cluster(instances, **cluster_args)
-    except BaseException:
-        server.stop(None)
-        raise
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return sink, server, cluster
 
 
 def run_replay(
