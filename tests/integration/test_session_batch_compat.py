@@ -81,18 +81,23 @@ def test_submit_many_built_sends_single_submits_to_the_old_daemon(old_daemon: st
     async def main() -> tuple[int, tuple[int, int], dict[str, list[int]]]:
         tokens: dict[str, list[int]] = {}
         async with AsyncClient(old_daemon, timeout=60) as client, client.session() as session:
-            limit = await session.header_read(0.5)  # the old daemon sends none before answers
+            # A first request answered: the old daemon's initial metadata has come (with it).
             opts = {"max_tokens": 4, "ignore_eos": True}
+            await session.submit(PROMPT, client_tag="first", **opts)  # type: ignore[misc]
+            reading = aiter(session)
+            while not (await anext(reading)).finished:
+                pass
+            limit = await session.header_read(5.0)
             await session.submit_many_built(
                 [build_submit(PROMPT, {**opts, "request_id": r}, r) for r in ids]  # type: ignore[arg-type]
             )
             await session.close()
-            async for batch in session:
+            async for batch in reading:
                 for rid, new in batch.tokens.items():
                     tokens.setdefault(rid, []).extend(new)
             return limit, (session.batches_sent, session.batched_submits), tokens
 
-    limit, counts, tokens = asyncio.run(main())
+    limit, counts, tokens = asyncio.run(asyncio.wait_for(main(), 60))
     assert (limit, counts) == (0, (0, 0))
     assert tokens == {r: expected_tokens(r, len(PROMPT), 4, []) for r in ids}
 
