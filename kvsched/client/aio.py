@@ -167,15 +167,15 @@ class AsyncSession:
 
     async def submit_many_built(self, msgs: Sequence[rpb.SessionRequest]) -> list[str]:
         """Several built submits (`build_submit`) at once, in order: in one message
-        (SessionRequest.batch, or a few when they exceed `batch_limit`) once the daemon said
-        it takes batches, else one message each. Each is answered as a single submit would
-        be. Returns their client tags."""
+        (SessionRequest.batch; a few past batch.PART_BYTES or `batch_limit`) once the daemon
+        said it takes batches, else one message each. Each is answered as a single submit
+        would be. Returns their client tags."""
         if len(msgs) < 2 or not self.batch_limit:
             for msg in msgs:
                 await self._write(msg)
             return [msg.submit.client_tag for msg in msgs]
-        singles = [msg.SerializeToString() for msg in msgs]
-        for run in batching.groups(singles, self.batch_limit):
+        singles = (msg.SerializeToString() for msg in msgs)
+        for run in batching.groups(singles, min(self.batch_limit, batching.PART_BYTES)):
             if len(run) == 1:
                 await self._write(run[0])
             else:

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from kvsched.client import AsyncClient
+from kvsched.client import batch as batching
 from kvsched.client.types import build_request, build_submit
 from kvsched.v1 import common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
@@ -162,3 +163,31 @@ def test_submit_many_built_sends_a_burst_in_one_message_each_answered_alone(
     assert counts == (1, 4)
     assert accepted == [ids]  # one message in: all four accepted in the first answer
     assert tokens == {r: expected_tokens(r, len(PROMPT), 4, []) for r in ids}
+
+
+def test_a_burst_over_part_bytes_goes_in_several_batches_all_answered(address: str) -> None:
+    # 4 prompts of ~120 KB each (40k ids of 3 bytes): two batches of two (batch.PART_BYTES),
+    # every submit accepted; the session is then dropped (its requests aborted).
+    prompt = [1 + i % 31_000 for i in range(40_000)]
+    ids = [f"p{i}" for i in range(4)]
+
+    async def main() -> tuple[list[str], tuple[int, int]]:
+        accepted: list[str] = []
+        async with AsyncClient(address, timeout=60) as client:
+            session = client.session()
+            assert await session.header_read(10.0) > 0
+            opts = {"max_tokens": 1, "ignore_eos": True}
+            msgs = [build_submit(prompt, {**opts, "request_id": r}, r) for r in ids]  # type: ignore[arg-type]
+            assert 2 * msgs[0].ByteSize() < batching.PART_BYTES < 3 * msgs[0].ByteSize()
+            await session.submit_many_built(msgs)
+            async for batch in session:
+                accepted.extend(a.request_id for a in batch.accepted)
+                assert not batch.errors, [e.exception() for e in batch.errors]
+                if len(accepted) == len(ids):
+                    break
+            session.cancel()
+            return accepted, (session.batches_sent, session.batched_submits)
+
+    accepted, counts = asyncio.run(asyncio.wait_for(main(), 60))
+    assert accepted == ids
+    assert counts == (2, 4)
