@@ -41,8 +41,11 @@ def old_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     except (subprocess.CalledProcessError, FileNotFoundError):
         pytest.skip(f"commit {OLD[:10]} is not in this checkout's history")
     old = tmp_path_factory.mktemp("old-kvsched")
-    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
-        archive.extractall(old, filter="data")
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:  # this repository's own files
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4
+            archive.extractall(old, filter="data")
+        else:
+            archive.extractall(old)
     env = {"PYTHONPATH": str(old)}
     daemon = Proc(
         ["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "off"], env, "old-daemon", old
