@@ -10,6 +10,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,24 @@ from kvsched.replay.fit import unfit
 from kvsched.replay.launch import spawn, start_cluster, start_daemon
 from kvsched.traces import TraceRequest, load_trace
 from kvsched.v1 import admin_service_pb2 as apb
+from kvsched.v1 import request_service_pb2 as rpb
 from kvsched.worker_stub.costmodel import default_num_blocks
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _spy_on_writes(monkeypatch: Any, seen: Callable[[AsyncSession, list[str]], None]) -> None:
+    """Call `seen(session, client tags)` for every message a session writes (a batch: its
+    submits' tags, in order)."""
+    real_write = AsyncSession._write
+
+    async def write(self: AsyncSession, msg: rpb.SessionRequest | bytes) -> None:
+        m = rpb.SessionRequest.FromString(msg) if isinstance(msg, bytes) else msg
+        batch = m.WhichOneof("kind") == "batch"
+        seen(self, [s.client_tag for s in m.batch.submits] if batch else [m.submit.client_tag])
+        await real_write(self, msg)
+
+    monkeypatch.setattr(AsyncSession, "_write", write)
 
 
 def _replay(address: str, out: Path, requests: int) -> subprocess.CompletedProcess[str]:
@@ -130,20 +146,19 @@ def test_a_burst_of_arrivals_is_built_before_its_first_send_and_every_send_is_re
     encodes a whole burst before its due time, then sends it back to back, and records when
     each submit left (`RequestRecord.sent_s`, for bench.tier_rounds' split of TTFT)."""
     events: list[str] = []
+    writes: list[list[str]] = []
     real_build = runner.build_submit
 
     def build(prompt: Any, options: Any, client_tag: str) -> Any:
         events.append(f"build {client_tag}")
         return real_build(prompt, options, client_tag)
 
-    real_submit = AsyncSession.submit_built
-
-    async def submit(self: AsyncSession, msg: Any) -> str:
-        events.append(f"send {msg.submit.client_tag}")
-        return await real_submit(self, msg)
+    def wrote(session: AsyncSession, tags: list[str]) -> None:
+        events.extend(f"send {tag}" for tag in tags)
+        writes.append(tags)
 
     monkeypatch.setattr(runner, "build_submit", build)
-    monkeypatch.setattr(AsyncSession, "submit_built", submit)
+    _spy_on_writes(monkeypatch, wrote)
     reqs = [TraceRequest(0.0 if i < 6 else 0.5, list(range(100 + i, 400 + i)), 4) for i in range(9)]
     cluster = start_cluster(1, num_blocks=256, block_size=16)
     try:
@@ -158,6 +173,9 @@ def test_a_burst_of_arrivals_is_built_before_its_first_send_and_every_send_is_re
     assert all(s is not None for s in sent)
     assert all(s >= r.arrival_s for s, r in zip(sent, result.records, strict=True))  # type: ignore[operator]
     assert sent == sorted(sent)  # type: ignore[type-var]
+    # Each burst in one message (SessionRequest.batch): the daemon reads it at once.
+    assert writes == [[f"trace-{i}" for i in range(6)], [f"trace-{i}" for i in range(6, 9)]]
+    assert sent[:6] == [sent[0]] * 6 and sent[6:] == [sent[6]] * 3
 
 
 def test_a_worker_that_never_joins_leaves_no_process_behind(monkeypatch: Any) -> None:
@@ -188,25 +206,23 @@ def test_a_worker_that_never_joins_leaves_no_process_behind(monkeypatch: Any) ->
 def test_requests_spread_over_the_streams_and_all_complete(monkeypatch: Any) -> None:
     """`streams=3`: three Sessions to the one daemon, request i written on stream i mod 3 (a
     burst reaches the daemon on three streams at once), every request completes and is read
-    back on its own stream; fewer than one stream is refused before anything starts."""
-    wrote: list[tuple[int, str]] = []
-    real_submit = AsyncSession.submit_built
-
-    async def submit(self: AsyncSession, msg: Any) -> str:
-        wrote.append((id(self), msg.submit.client_tag))
-        return await real_submit(self, msg)
-
-    monkeypatch.setattr(AsyncSession, "submit_built", submit)
+    back on its own stream; fewer than one stream is refused before anything starts. The
+    requests due together on one stream go in one message."""
+    wrote: list[tuple[int, list[str]]] = []
+    _spy_on_writes(monkeypatch, lambda session, tags: wrote.append((id(session), tags)))
     reqs = [TraceRequest(0.0 if i < 5 else 0.2, list(range(50 + i, 250 + i)), 3) for i in range(7)]
     cluster = start_cluster(1, num_blocks=256, block_size=16)
     try:
         result = asyncio.run(runner.replay(cluster.address, reqs, progress=False, streams=3))
     finally:
         cluster.stop()
-    assert [tag for _, tag in wrote] == [f"trace-{i}" for i in range(7)]
+    # The burst of 5 at 0: trace-0 and 3 on stream 0 in one message, 1 and 4 on stream 1,
+    # 2 alone on stream 2; then 5 (stream 2) and 6 (stream 0), due together at 0.2.
+    tags = [[int(t.removeprefix("trace-")) for t in ts] for _, ts in wrote]
+    assert tags == [[0, 3], [1, 4], [2], [5], [6]], tags
     streams = [s for s, _ in wrote]
     assert len(set(streams)) == 3
-    assert all(streams[i] == streams[i % 3] for i in range(7)), streams
+    assert streams[3] == streams[2] and streams[4] == streams[0], streams
     assert all(r.completed and len(r.token_times_s) == 3 for r in result.records)
     try:
         asyncio.run(runner.replay(cluster.address, reqs, progress=False, streams=0))

@@ -11,6 +11,7 @@ from typing import Any, Unpack
 import grpc
 import grpc.aio
 
+from kvsched.client import batch as batching
 from kvsched.client.connection import Connection
 from kvsched.client.errors import Cancelled, KvschedClientError, NoAnswer, from_rpc_error
 from kvsched.client.types import (
@@ -27,6 +28,10 @@ from kvsched.client.types import (
 from kvsched.v1 import admin_service_pb2 as apb
 from kvsched.v1 import admin_service_pb2_grpc, common_pb2, request_service_pb2_grpc
 from kvsched.v1 import request_service_pb2 as rpb
+
+
+def _serialize(msg: rpb.SessionRequest | bytes) -> bytes:
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
 class AsyncGenerateStream:
@@ -107,14 +112,36 @@ class AsyncSession:
     while one task does `async for batch in session` (SessionBatch). `await close()`
     half-closes: the iteration ends once every accepted request has finished. Leaving an
     `async with` block closes; `cancel()` drops the stream, aborting its unfinished requests
-    (detachable ones excepted)."""
+    (detachable ones excepted).
+
+    `batch_limit`: 0 until the daemon's initial metadata said it takes several submits in one
+    message (kvsched.client.batch), then the largest such message in bytes; `batches_sent`
+    and `batched_submits` count the batches `submit_many_built` wrote and the submits in
+    them."""
 
     def __init__(self, call: Any) -> None:
         self._call = call
         self._tags = itertools.count()
         self._closed = False
+        self.batch_limit = 0
+        self.batches_sent = 0
+        self.batched_submits = 0
+        self._header: asyncio.Future[Any] = asyncio.ensure_future(call.initial_metadata())
+        self._header.add_done_callback(self._read_header)
 
-    async def _write(self, msg: rpb.SessionRequest) -> None:
+    def _read_header(self, fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.batch_limit = batching.limit_from(fut.result())
+
+    async def header_read(self, timeout: float) -> int:
+        """Wait at most `timeout` seconds for the daemon's initial metadata (a current daemon
+        sends it as the stream opens; an older one only with its first answer); then
+        `batch_limit`."""
+        if not self._header.done():
+            await asyncio.wait([self._header], timeout=timeout)
+        return self.batch_limit
+
+    async def _write(self, msg: rpb.SessionRequest | bytes) -> None:
         if self._closed:
             raise Cancelled("session closed")
         try:
@@ -137,6 +164,25 @@ class AsyncSession:
         its client tag."""
         await self._write(msg)
         return msg.submit.client_tag
+
+    async def submit_many_built(self, msgs: Sequence[rpb.SessionRequest]) -> list[str]:
+        """Several built submits (`build_submit`) at once, in order: in one message
+        (SessionRequest.batch; a few past batch.PART_BYTES or `batch_limit`) once the daemon
+        said it takes batches, else one message each. Each is answered as a single submit
+        would be. Returns their client tags."""
+        if len(msgs) < 2 or not self.batch_limit:
+            for msg in msgs:
+                await self._write(msg)
+            return [msg.submit.client_tag for msg in msgs]
+        singles = (msg.SerializeToString() for msg in msgs)
+        for run in batching.groups(singles, min(self.batch_limit, batching.PART_BYTES)):
+            if len(run) == 1:
+                await self._write(run[0])
+            else:
+                await self._write(batching.encode(run))
+                self.batches_sent += 1
+                self.batched_submits += len(run)
+        return [msg.submit.client_tag for msg in msgs]
 
     async def abort(self, request_id: str, *, stop: bool = False) -> None:
         """Abort one of this session's requests; its `finished` comes in a later batch.
@@ -161,6 +207,7 @@ class AsyncSession:
     def cancel(self) -> None:
         self._closed = True
         self._call.cancel()
+        self._header.cancel()
 
     async def __aenter__(self) -> AsyncSession:
         return self
@@ -203,6 +250,14 @@ class AsyncClient:
         stubs: Any = (request_service_pb2_grpc, admin_service_pb2_grpc)  # generated: untyped
         self._requests: Any = stubs[0].RequestServiceStub(self._channel)
         self._admin: Any = stubs[1].AdminServiceStub(self._channel)
+        # RequestService.Session, writing messages or bytes already serialized (a batch of
+        # submits is assembled from theirs: kvsched.client.batch).
+        self._session_call: Any = self._channel.stream_stream(
+            "/kvsched.v1.RequestService/Session",
+            request_serializer=_serialize,
+            response_deserializer=rpb.SessionResponse.FromString,
+            _registered_method=True,  # as the generated stub's
+        )
 
     async def generate(
         self,
@@ -256,7 +311,7 @@ class AsyncClient:
         self, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()
     ) -> AsyncSession:
         """Open a Session stream (see AsyncSession)."""
-        call = self._requests.Session(
+        call = self._session_call(
             timeout=self._conn.deadline(timeout), metadata=self._conn.metadata(metadata)
         )
         return AsyncSession(call)

@@ -253,6 +253,7 @@ def build_server(daemon: Daemon, config: ServerConfig) -> grpc.aio.Server:
         daemon.durable,
         daemon.requests,
         config.max_session_requests,
+        max_message_bytes=receive,
     )
     request_service_pb2_grpc.add_RequestServiceServicer_to_server(  # type: ignore[no-untyped-call]
         front, server

@@ -77,10 +77,30 @@ class SessionLink:
             del self.streams[stream.request_id]
 
     async def _write_loop(self) -> None:
+        """Writes what is queued, in order. Whatever else is queued already when one message
+        is taken goes with it (no waiting for more): consecutive submits in one message
+        (SessionRequest.batch, once the daemon said it takes them), so a burst of requests is
+        read by the daemon at once; an abort ends the run of submits before it."""
+        outbox, session = self._outbox, self._session
         with contextlib.suppress(KvschedClientError):  # the reader sees the break too
             while True:
-                msg = await self._outbox.get()
-                await self._session._write(msg)
+                queued = [await outbox.get()]
+                while not outbox.empty():
+                    queued.append(outbox.get_nowait())
+                run: list[rpb.SessionRequest] = []
+                for msg in queued:
+                    if msg.HasField("abort"):
+                        await session.submit_many_built(run)
+                        run = []
+                        await session._write(msg)
+                    else:
+                        run.append(msg)
+                await session.submit_many_built(run)
+
+    @property
+    def batched_submits(self) -> int:
+        """Submits this link sent inside batches (several in one message)."""
+        return self._session.batched_submits
 
     async def _read_loop(self) -> None:
         why: KvschedClientError = Unavailable("the daemon ended the Session stream")

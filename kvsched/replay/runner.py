@@ -30,6 +30,7 @@ from kvsched.traces import TraceRequest
 from kvsched.v1 import admin_service_pb2 as apb
 
 BUILD_AHEAD_S = 0.05  # wall seconds: requests due this soon after the next are built with it
+HEADER_WAIT_S = 2.0  # at most, for a Session's initial metadata before the replay starts
 
 
 @dataclass
@@ -99,28 +100,46 @@ class _Run:
 
     async def submit_all(self, sessions: Sequence[AsyncSession]) -> None:
         """Submit every request at its arrival time (request i on session i mod n: spread
-        over a cluster's daemons, session j being on daemon j mod their number), then half-close the sessions. Requests are built (their
-        prompts encoded) before the wait for the first of them due within BUILD_AHEAD_S, so a
-        burst of arrivals (the Mooncake traces' arrivals come every 3 s, up to 20 at once)
-        goes out back to back, not behind each other's encoding."""
+        over a cluster's daemons, session j being on daemon j mod their number), then
+        half-close the sessions. Requests are built (their prompts encoded) before the wait for
+        the first of them due within BUILD_AHEAD_S, so a burst of arrivals (the Mooncake
+        traces' arrivals come every 3 s, up to 20 at once) goes out back to back, not behind
+        each other's encoding; and every request due by then (a burst arriving together, or
+        any the submitter fell behind on) goes out at once, those of one session in one
+        message (AsyncSession.submit_many_built), read by the daemon at once."""
         n, reqs = len(sessions), self.requests
         built: dict[int, Any] = {}
         ahead = 0  # the next request to build
-        for i, r in enumerate(reqs):
-            horizon = r.arrival_s / self.speedup + BUILD_AHEAD_S
+        i = 0  # the next request to send
+        while i < len(reqs):
+            horizon = reqs[i].arrival_s / self.speedup + BUILD_AHEAD_S
             while ahead < len(reqs) and reqs[ahead].arrival_s / self.speedup <= horizon:
-                q = reqs[ahead]
-                tag = f"trace-{ahead}"
-                opts = {"request_id": tag, "max_tokens": q.max_tokens, "ignore_eos": True}
-                built[ahead] = build_submit(q.prompt_token_ids, opts, tag)  # type: ignore[arg-type]
+                built[ahead] = self._build(ahead)
                 ahead += 1
-            delay = self.t0 + r.arrival_s / self.speedup - time.monotonic()
+            delay = self.t0 + reqs[i].arrival_s / self.speedup - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            await sessions[i % n].submit_built(built.pop(i))
-            self.records[f"trace-{i}"].sent_s = self.now()
+            due, now = i + 1, time.monotonic()
+            while due < len(reqs) and self.t0 + reqs[due].arrival_s / self.speedup <= now:
+                due += 1
+            by_session: dict[int, list[int]] = {}
+            for k in range(i, due):
+                by_session.setdefault(k % n, []).append(k)
+            for j, ks in by_session.items():
+                msgs = [built.pop(k) if k in built else self._build(k) for k in ks]
+                await sessions[j].submit_many_built(msgs)
+                sent = self.now()
+                for k in ks:
+                    self.records[f"trace-{k}"].sent_s = sent
+            i, ahead = due, max(ahead, due)
         for session in sessions:
             await session.close()
+
+    def _build(self, i: int) -> Any:
+        """Request i's submit, its prompt encoded."""
+        q, tag = self.requests[i], f"trace-{i}"
+        opts = {"request_id": tag, "max_tokens": q.max_tokens, "ignore_eos": True}
+        return build_submit(q.prompt_token_ids, opts, tag)  # type: ignore[arg-type]
 
     def absorb(self, batch: SessionBatch, daemon: int = 0) -> None:
         now = self.now()
@@ -207,16 +226,19 @@ async def replay(
         if before is not None:
             result.unfit = unfit(requests, before)
             warn_unfit(result.unfit, before)
+        # `streams` Sessions per daemon, session j on daemon j % n: request i goes to session
+        # i mod len(sessions), so still to daemon i mod n. Opened before the start, so that
+        # each daemon has said whether it takes batches of submits (an older daemon says it
+        # with its first answer only: the start waits HEADER_WAIT_S for it at most).
+        n_daemons = len(clients)
+        sessions = [clients[j % n_daemons].session() for j in range(n_daemons * streams)]
+        await asyncio.gather(*(s.header_read(HEADER_WAIT_S) for s in sessions))
         run.t0, result.t0_wall_ns = time.monotonic(), time.time_ns()
         sampler = (
             asyncio.ensure_future(_sample(admins, run, result, sample_every_s, progress))
             if before is not None
             else None
         )
-        # `streams` Sessions per daemon, session j on daemon j % n: request i goes to session
-        # i mod len(sessions), so still to daemon i mod n.
-        n_daemons = len(clients)
-        sessions = [clients[j % n_daemons].session() for j in range(n_daemons * streams)]
         submitter = asyncio.ensure_future(run.submit_all(sessions))
 
         async def read(session: AsyncSession, daemon: int) -> None:

@@ -438,23 +438,53 @@ class SessionRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SubmitBatch(_message.Message):
+        """Several submits in one message, for a client that has more than one ready to send (a
+        burst). Each is handled as a single `submit` would be, in order: answered in `accepted`
+        or in `errors` by its own client_tag (one refused submit does not refuse the others;
+        the errors of one batch may come before or after its acceptances), counted one by one
+        against `max_session_requests`. An empty batch is refused in `errors` (INVALID_ARGUMENT,
+        no client tag). Send only to a daemon that announced it (see the service comment).
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        SUBMITS_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def submits(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionRequest.Submit]: ...
+        def __init__(
+            self,
+            *,
+            submits: _abc.Iterable[Global___SessionRequest.Submit] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["submits", b"submits"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SUBMIT_FIELD_NUMBER: _builtins.int
     ABORT_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def submit(self) -> Global___SessionRequest.Submit: ...
     @_builtins.property
     def abort(self) -> Global___SessionRequest.Abort: ...
+    @_builtins.property
+    def batch(self) -> Global___SessionRequest.SubmitBatch: ...
     def __init__(
         self,
         *,
         submit: Global___SessionRequest.Submit | None = ...,
         abort: Global___SessionRequest.Abort | None = ...,
+        batch: Global___SessionRequest.SubmitBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "kind", b"kind", "submit", b"submit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "batch", b"batch", "kind", b"kind", "submit", b"submit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "kind", b"kind", "submit", b"submit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "batch", b"batch", "kind", b"kind", "submit", b"submit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["submit", "abort"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["submit", "abort", "batch"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

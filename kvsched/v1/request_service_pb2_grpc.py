@@ -57,7 +57,13 @@ class RequestServiceStub:
 
     Session, many requests over one bidirectional stream, outputs batched (one or more steps):
     1. The client opens the stream and sends SessionRequests: `submit` (a GenerateRequest with a
-    client_tag of its choosing) or `abort` (by request id) at any time.
+    client_tag of its choosing), `batch` (several submits in one message) or `abort` (by
+    request id) at any time. The daemon reads one message per turn of its event loop: a
+    burst of submits sent as one `batch` is read at once, not one message per turn.
+    A daemon that takes `batch` says so in the stream's initial metadata, sent as the
+    stream opens: `kvsched-session-batch: 1`. A client sends `batch` only after seeing it
+    (an older daemon answers a batch with one INVALID_ARGUMENT error naming no submit and
+    never runs its submits); until then, or without it, it sends single submits.
     2. The daemon answers with SessionResponses, each batching what happened since the previous
     one (so one message may hold several engine steps' tokens): `accepted` submits (request
     id, client tag, instance), token deltas (columnar), `finished` requests, and `errors` (a
@@ -199,7 +205,13 @@ class RequestServiceServicer:
 
     Session, many requests over one bidirectional stream, outputs batched (one or more steps):
     1. The client opens the stream and sends SessionRequests: `submit` (a GenerateRequest with a
-    client_tag of its choosing) or `abort` (by request id) at any time.
+    client_tag of its choosing), `batch` (several submits in one message) or `abort` (by
+    request id) at any time. The daemon reads one message per turn of its event loop: a
+    burst of submits sent as one `batch` is read at once, not one message per turn.
+    A daemon that takes `batch` says so in the stream's initial metadata, sent as the
+    stream opens: `kvsched-session-batch: 1`. A client sends `batch` only after seeing it
+    (an older daemon answers a batch with one INVALID_ARGUMENT error naming no submit and
+    never runs its submits); until then, or without it, it sends single submits.
     2. The daemon answers with SessionResponses, each batching what happened since the previous
     one (so one message may hold several engine steps' tokens): `accepted` submits (request
     id, client tag, instance), token deltas (columnar), `finished` requests, and `errors` (a
@@ -380,7 +392,13 @@ class RequestService:
 
     Session, many requests over one bidirectional stream, outputs batched (one or more steps):
     1. The client opens the stream and sends SessionRequests: `submit` (a GenerateRequest with a
-    client_tag of its choosing) or `abort` (by request id) at any time.
+    client_tag of its choosing), `batch` (several submits in one message) or `abort` (by
+    request id) at any time. The daemon reads one message per turn of its event loop: a
+    burst of submits sent as one `batch` is read at once, not one message per turn.
+    A daemon that takes `batch` says so in the stream's initial metadata, sent as the
+    stream opens: `kvsched-session-batch: 1`. A client sends `batch` only after seeing it
+    (an older daemon answers a batch with one INVALID_ARGUMENT error naming no submit and
+    never runs its submits); until then, or without it, it sends single submits.
     2. The daemon answers with SessionResponses, each batching what happened since the previous
     one (so one message may hold several engine steps' tokens): `accepted` submits (request
     id, client tag, instance), token deltas (columnar), `finished` requests, and `errors` (a

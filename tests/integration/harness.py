@@ -36,7 +36,13 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 class Proc:
     """A child process whose output lines are collected by a thread."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, name: str = "") -> None:
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        name: str = "",
+        cwd: Path = REPO,  # where `python -m kvsched.cli` finds kvsched (another checkout's)
+    ) -> None:
         self.name = name or args[0]
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "kvsched.cli", *args],
@@ -44,7 +50,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             text=True,
             env=child_env(env),
-            cwd=REPO,
+            cwd=cwd,
         )
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()

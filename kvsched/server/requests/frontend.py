@@ -37,6 +37,10 @@ from kvsched.v1 import request_service_pb2_grpc
 
 log = logging.getLogger("kvsched.frontend")
 
+# Sent as a Session opens: this daemon takes SessionRequest.batch, messages up to this many
+# bytes (request_service.proto; kvsched.client.batch).
+BATCH_HEADER = "kvsched-session-batch"
+
 
 def metadata(context: Any) -> dict[str, str]:
     """The call's metadata as a dict (trace context travels here)."""
@@ -70,12 +74,14 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         durable: Durability,
         requests: RequestTable,
         max_session_requests: int,
+        max_message_bytes: int = 4 << 20,
     ) -> None:
         self.acceptor = acceptor
         self.resumer = resumer
         self.durable = durable
         self.requests = requests
         self.max_session_requests = max_session_requests
+        self.batch_header = ((BATCH_HEADER, str(max_message_bytes)),)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -259,6 +265,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         request_iterator: AsyncIterator[pb.SessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.SessionResponse]:
+        await context.send_initial_metadata(self.batch_header)
         sink = SessionSink()
         owner = principal(context)
         carrier = metadata(context)
@@ -303,6 +310,17 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     # With the journal, submits wait for it concurrently: one round trip each,
                     # overlapped (no task each: the acknowledgement's callback tells the client).
                     self._submit(msg.submit, sink, owner, limit, carrier)
+                elif kind == "batch":  # a burst in one read: each as if sent alone, in order
+                    for submit in msg.batch.submits:
+                        self._submit(submit, sink, owner, limit, carrier)
+                    if not msg.batch.submits:
+                        sink.errors.append(
+                            pb.SessionResponse.Error(
+                                code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                message="SessionRequest.batch holds no submit: put at least "
+                                "one in `submits` (or send a single `submit`)",
+                            )
+                        )
                 elif kind == "abort":
                     rid = msg.abort.request_id
                     tr = sink.open.get(rid) or sink.held.get(rid)
@@ -320,7 +338,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     sink.errors.append(
                         pb.SessionResponse.Error(
                             code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                            message="SessionRequest must set `submit` or `abort`",
+                            message="SessionRequest must set `submit`, `batch` or `abort`",
                         )
                     )
                 sink.event.set()
