@@ -345,6 +345,11 @@ def main(argv: list[str] | None = None) -> None:
     if unknown := [n for n in names if n not in CONFIGS]:
         ap.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
     reqs = window_of(args.trace, args.window)
+    if not reqs:  # (the shipped slice holds the first 300 s only)
+        ap.error(
+            f"no request of {args.trace} arrives in window {args.window} s: pass the full "
+            "trace with --trace, or set KVSCHED_TRACE_DIR to the folder that holds it"
+        )
     prompt = [len(r.prompt_token_ids) for r in reqs]
     out: dict[str, Any] = {
         "trace": str(args.trace),

@@ -116,3 +116,19 @@ def test_report_of_saved_rounds_needs_no_trace(tmp_path: Path, capsys: Any) -> N
     assert "replay TTFT IQM 0.495 [0.495-0.495] (-13 [-13--13] %)" in out
     assert "TTFT p50 by seed: 0.400 / 0.600 (-20 % / +0 %)" in out, "gains seed by seed"
     assert "tier hit in replay only" not in out and "tier hit in both: 2 requests" in out
+
+
+def test_a_window_with_no_request_is_refused_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The shipped slice holds the first 300 s only: a later window used to run empty replays
+    and then fail dividing by a zero hit bound."""
+    from bench.policies import CONVERSATION_SLICE
+
+    out = tmp_path / "rounds.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["--trace", str(CONVERSATION_SLICE), "--window", "1800-2100", "--json", str(out)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "no request of" in err and "window 1800-2100" in err and "--trace" in err
+    assert not out.exists(), "nothing ran, nothing was written"
