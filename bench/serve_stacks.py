@@ -43,7 +43,8 @@ STACKS = ("vllm", "kvsched", "kvsched-grpc")
 # kvsched-nodefer: steps launched ahead, a new request's rows never deferred (an extra step);
 # kvsched-rows8 / kvsched-rowsall: launched ahead only after steps of at most 8 rows (the limit
 # before) / after every step; kvsched-childspin: vLLM's worker child spins as vLLM has it (holds
-# the core vLLM binds it to), the worker alone naps (KVSCHED_VLLM_CHILD_NAPS=0).
+# the core vLLM binds it to), the worker alone naps (KVSCHED_VLLM_CHILD_NAPS=0); kvsched-uvloop:
+# the daemon and the worker on uvloop (KVSCHED_EVENT_LOOP=uvloop, kvsched/event_loop.py).
 VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
     "kvsched-spin": ("kvsched", {"KVSCHED_VLLM_NAP_US": "0"}, []),
     "kvsched-compiled": ("kvsched", {"KVSCHED_VLLM_COMPILE": "1"}, []),
@@ -54,6 +55,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
     "kvsched-rows8": ("kvsched", {"KVSCHED_VLLM_AHEAD_MAX_ROWS": "8"}, []),
     "kvsched-rowsall": ("kvsched", {"KVSCHED_VLLM_AHEAD_MAX_ROWS": "100000"}, []),
     "kvsched-childspin": ("kvsched", {"KVSCHED_VLLM_CHILD_NAPS": "0"}, []),
+    "kvsched-uvloop": ("kvsched", {"KVSCHED_EVENT_LOOP": "uvloop"}, []),
     "vllm-eager": ("vllm", {}, ["--enforce-eager"]),
 }
 _KVSCHED = [sys.executable, "-m", "kvsched.cli"]

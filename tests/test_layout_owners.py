@@ -304,7 +304,7 @@ def test_locations_are_tagged_values() -> None:
 # docs/ARCHITECTURE.md section 1, bottom to top: a package imports only packages of lower levels.
 LEVELS = [
     {"core"},
-    {"codec", "tls", "heap", "data", "traces", "tinymodel", "storage"},
+    {"codec", "tls", "heap", "event_loop", "data", "traces", "tinymodel", "storage"},
     {"durability", "client"},
     {"server", "worker_stub", "replay", "http"},
     {"worker_vllm"},

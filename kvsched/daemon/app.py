@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from kvsched import heap
+from kvsched import event_loop, heap
 from kvsched.core import Unavailable
 from kvsched.server.admin import AdminServicer
 from kvsched.server.auth import AuthInterceptor, load_auth_file
@@ -341,6 +341,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
     for sig in (signal.SIGTERM, signal.SIGINT):  # before "listening": a SIGTERM after it drains
         loop.add_signal_handler(sig, stop.set)
     heap.freeze_after_start()
+    log.info("event loop: %s", event_loop.name())
     print(f"kvsched listening on {_hostport(config.listen, port)}", flush=True)
     if metrics_port is not None:
         print(f"kvsched metrics on {_hostport(config.metrics_listen, metrics_port)}", flush=True)
@@ -373,7 +374,13 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
 
 def run_server(config: ServerConfig) -> int:
     try:
-        return asyncio.run(serve(config))
+        loop_factory = event_loop.factory()
+    except ValueError as exc:
+        print(f"kvsched: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(serve(config))
     except Unavailable as exc:
         print(f"kvsched: {exc}", file=sys.stderr)
         return 2

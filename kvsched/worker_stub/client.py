@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 
-from kvsched import heap
+from kvsched import event_loop, heap
 from kvsched.tls import channel_credentials, worker_server_credentials
 from kvsched.worker_stub.costmodel import KV_POOL_BYTES, default_num_blocks
 from kvsched.worker_stub.factories import (
@@ -176,8 +176,14 @@ def run_worker(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         log.error("bad worker arguments: %s", e)
         return 2
+    try:
+        loop_factory = event_loop.factory()
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     heap.freeze_after_start()  # (the model, when it runs here, is built by now)
-    return asyncio.run(_serve(worker))
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(_serve(worker))
 
 
 async def _serve(worker: Worker) -> int:
@@ -186,6 +192,7 @@ async def _serve(worker: Worker) -> int:
         loop.add_signal_handler(sig, worker.stop)
     # SIGUSR1: log the counters so far (benchmarks read them before and after a run)
     loop.add_signal_handler(signal.SIGUSR1, _log_stats, worker)
+    log.info("event loop: %s", event_loop.name())
     try:
         await worker.run()
     except WorkerError as e:

@@ -32,7 +32,9 @@ __all__ = ["load_config"]
 log = logging.getLogger("kvsched.config")
 
 # KVSCHED_* names that are not daemon settings (workers, clients and tools share the prefix).
-OTHER_ENV = frozenset({"CONFIG", "TOKEN", "TRACE_DIR", "BENCH_PROFILE_DAEMON", "TAKEOVER_JSON"})
+OTHER_ENV = frozenset(
+    {"CONFIG", "TOKEN", "TRACE_DIR", "BENCH_PROFILE_DAEMON", "TAKEOVER_JSON", "EVENT_LOOP"}
+)
 # The vLLM worker's own variables (KVSCHED_VLLM_COMPILE, _NAP_US, _SPIN_BATCH: worker_vllm/):
 # one shell often starts the daemon and the worker, so the daemon does not warn about them.
 WORKER_ENV_PREFIX = "vllm_"
