@@ -44,7 +44,9 @@ STACKS = ("vllm", "kvsched", "kvsched-grpc")
 # kvsched-rows8 / kvsched-rowsall: launched ahead only after steps of at most 8 rows (the limit
 # before) / after every step; kvsched-childspin: vLLM's worker child spins as vLLM has it (holds
 # the core vLLM binds it to), the worker alone naps (KVSCHED_VLLM_CHILD_NAPS=0); kvsched-uvloop:
-# the daemon and the worker on uvloop (KVSCHED_EVENT_LOOP=uvloop, kvsched/event_loop.py).
+# the daemon and the worker on uvloop (KVSCHED_EVENT_LOOP=uvloop, kvsched/event_loop.py);
+# kvsched-itl57: steps with prefill chunks predicted under 57 ms (1.5x the step-bound model's
+# decode step at c=16) and chunks as small as 16 tokens (the default floor is 256).
 VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
     "kvsched-spin": ("kvsched", {"KVSCHED_VLLM_NAP_US": "0"}, []),
     "kvsched-compiled": ("kvsched", {"KVSCHED_VLLM_COMPILE": "1"}, []),
@@ -56,6 +58,14 @@ VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
     "kvsched-rowsall": ("kvsched", {"KVSCHED_VLLM_AHEAD_MAX_ROWS": "100000"}, []),
     "kvsched-childspin": ("kvsched", {"KVSCHED_VLLM_CHILD_NAPS": "0"}, []),
     "kvsched-uvloop": ("kvsched", {"KVSCHED_EVENT_LOOP": "uvloop"}, []),
+    "kvsched-itl57": (
+        "kvsched",
+        {
+            "KVSCHED_ENGINE__SCHEDULER__ITL_TARGET_MS": "57",
+            "KVSCHED_ENGINE__SCHEDULER__MIN_PREFILL_CHUNK": "16",
+        },
+        [],
+    ),
     "vllm-eager": ("vllm", {}, ["--enforce-eager"]),
 }
 _KVSCHED = [sys.executable, "-m", "kvsched.cli"]
