@@ -55,17 +55,10 @@ def test_daemon_and_worker_on_uvloop_serve_exact_tokens() -> None:
 
 
 def test_a_bad_event_loop_is_refused_naming_the_variable() -> None:
-    daemon = Proc(
+    for args in (
         ["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "off"],
-        {"KVSCHED_EVENT_LOOP": "tokio"},
-        "daemon",
-    )
-    assert daemon.popen.wait(30) == 2
-    assert any("KVSCHED_EVENT_LOOP must be one of" in line for line in daemon.lines)
-    worker = Proc(
         ["worker", "--server", "127.0.0.1:9", "--executor", "sim"],
-        {"KVSCHED_EVENT_LOOP": "tokio"},
-        "worker",
-    )
-    assert worker.popen.wait(30) == 2
-    assert any("KVSCHED_EVENT_LOOP must be one of" in line for line in worker.lines)
+    ):
+        proc = Proc(args, {"KVSCHED_EVENT_LOOP": "tokio"}, args[0])
+        assert proc.popen.wait(30) == 2, args[0]
+        assert any("KVSCHED_EVENT_LOOP must be one of" in line for line in proc.lines), args[0]
