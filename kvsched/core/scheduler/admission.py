@@ -433,7 +433,12 @@ class Admitter:
                 budget.floor_ms = 0.0
             n_time = plan.fit_time(start, n, own_tokens, own_attn, budget.slack_ms)
             if budget.floor and (budget.floor_for is None or budget.floor_for is req):
-                n_time = max(n_time, min(n, budget.floor))  # never starve: the oldest progresses
+                # Never starve: the oldest progresses, by one floor chunk per worker step. The
+                # floor is the step's, not this call's: when another request's chunk already
+                # lands in the coming steps, prompts move there and this one waits for slack
+                # (each arrival's schedule() used to send one more whole prompt into one step).
+                if plan.outstanding_tokens() <= own_tokens:
+                    n_time = max(n_time, min(n, budget.floor))
                 budget.floor = 0
             n = n_time
         if req.mm_ranges:
