@@ -75,16 +75,17 @@ class Generation:
             raise from_client_error(exc) from None
 
     async def deltas(self) -> AsyncIterator[str]:
-        """The text as it comes, each piece once; ends when the request finished. Tokens are
-        gathered by the request's stream as its session delivers them: a caller that falls
-        behind (its HTTP client, or this process's CPU) gets every token that arrived
-        meanwhile in one piece."""
+        """The text as it comes, each piece once, one piece per batch of tokens (empty while
+        the detokenizer or a stop string holds the text back); ends when the request finished.
+        Tokens are gathered by the request's stream as its session delivers them: a caller
+        that falls behind (its HTTP client, or this process's CPU) gets every token that
+        arrived meanwhile in one piece."""
         try:
             batch = self._first or []
             while True:
                 piece = self._take(batch)
-                if piece:
-                    yield piece
+                if piece or batch:  # (tokens whose text is held back: an empty piece, as
+                    yield piece  # vLLM's server sends a chunk for every batch of tokens)
                 if self._stops.hit is not None:
                     await self._stop_early()
                     break

@@ -84,6 +84,27 @@ def test_streamed_completion_equals_the_whole_text(live: Stack, tok: Any) -> Non
     assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # really streamed
 
 
+def test_tokens_whose_text_is_held_back_still_get_their_chunk(live: Stack, tok: Any) -> None:
+    # vLLM's server sends a chunk for every batch of tokens, its text empty while the
+    # detokenizer holds back an incomplete character; kvsched skipped those chunks, so its
+    # tokens came late in the next chunk (a client's inter-token gaps doubled: issue 33).
+    # The sim's steps take milliseconds, each token its own batch unless the client lags.
+    rid, prompt, n = "c-held", [1, 300, 301, 302], 64
+    want = sim_tokens(rid, len(prompt), n)
+    held = [k for k in range(1, n + 1) if text_of(tok, want[:k]) == text_of(tok, want[: k - 1])]
+    assert len(held) >= 5  # the premise: several tokens add no text of their own
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "stream": True}
+    body |= {"request_id": rid, "return_token_ids": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    pieces = [e["choices"][0] for e in events if e["choices"][0]["finish_reason"] is None]
+    assert all(p["token_ids"] for p in pieces)  # a chunk per batch of tokens, none without
+    assert [t for e in events for t in e["choices"][0].get("token_ids") or []] == want
+    assert "".join(e["choices"][0]["text"] for e in events) == text_of(tok, want)
+    assert any(p["text"] == "" for p in pieces[1:])  # sent with its tokens, its text held
+
+
 def test_chat_streamed_and_not_with_the_models_template(live: Stack, tok: Any) -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
