@@ -167,7 +167,8 @@ class SchedulerConfig:
     # token budget applies. With nothing decoding only the token budget applies.
     itl_target_ms: float = 100.0
     # Never starve a prompt: the oldest prefilling request may take a chunk of this many
-    # tokens even when the time target leaves none (decoding alone may fill the target).
+    # tokens even when the time target leaves none (decoding alone may fill the target), in a
+    # worker step that carries no other request's chunk (one floor per step).
     min_prefill_chunk: int = 256
     # Distinct LoRA adapters placed at once (vLLM's max_loras: a worker step runs every placed
     # request, so this bounds the adapters of every step): a request naming another adapter
