@@ -19,7 +19,8 @@ Workloads (models made here, random weights, BPE vocabulary 512, float32):
           here: the control plane must hide behind the step)
 
 Each run: vLLM's serving benchmark (vllm.benchmarks.serve, random dataset, /v1/completions,
---ignore-eos, --max-concurrency c, num prompts 4c clamped to [16, 128] unless --num-prompts);
+--ignore-eos, --max-concurrency c, num prompts 4c clamped to [16, 128] unless --num-prompts;
+lengths all equal unless --range-ratio);
 the load average (1 min) before and after; CPU seconds (user + sys, children included) of each
 process group from /proc, per 1,000 output tokens; output tokens per engine step (the kvsched
 worker's counters; vLLM's generation / iteration counters) and vLLM's iteration tokens per step
@@ -74,7 +75,8 @@ def measure(stack: Stack, model_dir: Path, c: int, n: int, a: argparse.Namespace
     if stack.kind == "kvsched-grpc":
         out = asyncio.run(grpc_bench(stack.url, c, ns))
     else:
-        out = bench(stack.url, model_dir, c, ns)
+        ratio = ("--random-range-ratio", str(a.range_ratio)) if a.range_ratio else ()
+        out = bench(stack.url, model_dir, c, ns, ratio)
     wall = time.monotonic() - t0
     cpu1, cnt1 = stack.cpu_s(), stack.counters()
     tokens = max(1, int(out.get("total_output_tokens") or 0))
@@ -262,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=0, help="per run; 0: 4c in [16, 128]")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths drawn in [len (1 - r), len (1 + r)] (vLLM's --random-range-ratio; 0: all "
+        "equal, a closed loop then runs in waves); not with kvsched-grpc",
+    )
     p.add_argument("--env", action="append", default=[], help="K=V for every stack's processes")
     p.add_argument("--kvsched-env", action="append", default=[], help="K=V for kvsched's only")
     p.add_argument("--json", default=str(REPO / "bench/results/serve_ab.json"))
@@ -281,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.merge:
         return merge(a.merge.split(","), Path(a.json))
+    if a.range_ratio and "kvsched-grpc" in a.stacks.split(","):
+        p.error("--range-ratio: the kvsched-grpc stack's client sends equal lengths only")
     work = Path(tempfile.mkdtemp(prefix="kvsched-serve-ab-"))
     print(f"models and logs in {work}", flush=True)
     command = "python -m bench.serve_ab " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -292,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "kvsched.client.AsyncClient",
         "input_len": a.input_len,
         "output_len": a.output_len,
+        "range_ratio": a.range_ratio,
         "env": a.env,
         "kvsched_env": a.kvsched_env,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
