@@ -46,7 +46,9 @@ STACKS = ("vllm", "kvsched", "kvsched-grpc")
 # the core vLLM binds it to), the worker alone naps (KVSCHED_VLLM_CHILD_NAPS=0); kvsched-uvloop:
 # the daemon and the worker on uvloop (KVSCHED_EVENT_LOOP=uvloop, kvsched/event_loop.py);
 # kvsched-itl57: steps with prefill chunks predicted under 57 ms (1.5x the step-bound model's
-# decode step at c=16) and chunks as small as 16 tokens (the default floor is 256).
+# decode step at c=16) and chunks as small as 16 tokens (the default floor is 256);
+# kvsched-itl250: steps with prefill predicted under 250 ms (the step-bound model at c=64, whose
+# decodes alone fill most of the default 100 ms).
 VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
     "kvsched-spin": ("kvsched", {"KVSCHED_VLLM_NAP_US": "0"}, []),
     "kvsched-compiled": ("kvsched", {"KVSCHED_VLLM_COMPILE": "1"}, []),
@@ -66,6 +68,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
         },
         [],
     ),
+    "kvsched-itl250": ("kvsched", {"KVSCHED_ENGINE__SCHEDULER__ITL_TARGET_MS": "250"}, []),
     "vllm-eager": ("vllm", {}, ["--enforce-eager"]),
 }
 _KVSCHED = [sys.executable, "-m", "kvsched.cli"]
