@@ -84,8 +84,8 @@ class Generation:
             batch = self._first or []
             while True:
                 piece = self._take(batch)
-                if piece or batch:  # (tokens whose text is held back: an empty piece, as
-                    yield piece  # vLLM's server sends a chunk for every batch of tokens)
+                if piece or batch:  # (empty while held back: vLLM sends that chunk too)
+                    yield piece
                 if self._stops.hit is not None:
                     await self._stop_early()
                     break
