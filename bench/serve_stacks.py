@@ -69,6 +69,9 @@ VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
         [],
     ),
     "kvsched-itl250": ("kvsched", {"KVSCHED_ENGINE__SCHEDULER__ITL_TARGET_MS": "250"}, []),
+    "kvsched-drain0": ("kvsched", {"KVSCHED_ENGINE__SCHEDULER__QUEUE_DRAIN_STEPS": "0"}, []),
+    "kvsched-drain2": ("kvsched", {"KVSCHED_ENGINE__SCHEDULER__QUEUE_DRAIN_STEPS": "2"}, []),
+    "kvsched-drain8": ("kvsched", {"KVSCHED_ENGINE__SCHEDULER__QUEUE_DRAIN_STEPS": "8"}, []),
     "vllm-eager": ("vllm", {}, ["--enforce-eager"]),
 }
 _KVSCHED = [sys.executable, "-m", "kvsched.cli"]

@@ -170,6 +170,14 @@ class SchedulerConfig:
     # tokens even when the time target leaves none (decoding alone may fill the target), in a
     # worker step that carries no other request's chunk (one floor per step).
     min_prefill_chunk: int = 256
+    # While prompts wait, a step may run past itl_target_ms so that the waiting prompts start
+    # within about this many steps: the step target becomes the decodes' predicted time plus
+    # the queue's prefill / queue_drain_steps, where each waiting or prefilling prompt counts
+    # at most one min_prefill_chunk (one long prompt still runs in chunks under the target; a
+    # burst of many is taken in a few long steps instead of one prompt per step, and prompts
+    # enter at least as fast as requests finish when decodes alone fill the target). The token
+    # budget still bounds every step. 0: off (the target holds; prompts move by the floor).
+    queue_drain_steps: int = 4
     # Distinct LoRA adapters placed at once (vLLM's max_loras: a worker step runs every placed
     # request, so this bounds the adapters of every step): a request naming another adapter
     # waits (it is skipped, the requests behind it may go) while this many are placed. 0: no
@@ -181,6 +189,7 @@ class SchedulerConfig:
         _check_range(s, "max_loras", self.max_loras, 0, 1 << 16)
         _check_range(s, "itl_target_ms", self.itl_target_ms, 0.0, 3.6e6)
         _check_range(s, "min_prefill_chunk", self.min_prefill_chunk, 1, 1 << 24)
+        _check_range(s, "queue_drain_steps", self.queue_drain_steps, 0, 1 << 20)
         _check_range(s, "max_num_seqs", self.max_num_seqs, 1, 1 << 20)
         _check_range(s, "max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
         _check_range(s, "max_model_len", self.max_model_len, 2, 1 << 24)

@@ -161,12 +161,15 @@ def drive(
     raise AssertionError("the requests did not finish")
 
 
-def make(itl_ms: float, budget: int = 8192, **step_cost: float) -> Scheduler:
+def make(itl_ms: float, budget: int = 8192, drain: int = 4, **step_cost: float) -> Scheduler:
     return Scheduler(
         EngineConfig(
             cache=CacheConfig(block_size=64, num_gpu_blocks=4096),
             scheduler=SchedulerConfig(
-                max_num_seqs=64, max_num_batched_tokens=budget, itl_target_ms=itl_ms
+                max_num_seqs=64,
+                max_num_batched_tokens=budget,
+                itl_target_ms=itl_ms,
+                queue_drain_steps=drain,
             ),
             step_cost=StepCostConfig(**step_cost),
         )
@@ -225,7 +228,9 @@ def test_no_worker_step_runs_more_than_the_token_budget() -> None:
 
 
 def test_a_long_prompt_progresses_when_decoding_alone_fills_the_target() -> None:
-    s = make(5.0)  # below the decode step itself: only the floor chunk is left for prefill
+    # Below the decode step itself, and no stretch for waiting prompts: only the floor chunk
+    # is left for prefill.
+    s = make(5.0, drain=0)
     arrivals = {0: [req(i, 1024, 60) for i in range(8)], 10: [req(9, 6000, 4)]}
     out = drive(s, arrivals)
     chunks = [c for cs, d in out.steps for c, _ in cs if d]
@@ -252,7 +257,7 @@ def test_prompts_arriving_between_reports_share_one_floor_per_step() -> None:
     # floor is per worker step, not per call (each call's floor used to send one more whole
     # prompt into the same step: at c=16 on the step-bound model, 3-4 prompts in a step, ITL
     # p99 444 ms against a 100 ms target).
-    s = make(5.0)
+    s = make(5.0, drain=0)
     floor = s.config.scheduler.min_prefill_chunk
     arrivals = {0: [req(i, 1024, 80) for i in range(8)]}
     arrivals |= {10 + 3 * k: [req(100 + 4 * k + j, 200, 8) for j in range(4)] for k in range(6)}
@@ -260,3 +265,46 @@ def test_prompts_arriving_between_reports_share_one_floor_per_step() -> None:
     beside_decodes = [sum(c for c, _ in cs) for cs, d in out.steps if d and cs]
     assert beside_decodes and max(beside_decodes) <= floor
     assert sum(s.stats.num_finished.values()) == 8 + 24 and not s.requests  # none starved
+
+
+def _steps_to_start(drain: int) -> tuple[int, int, list[int]]:
+    """8 requests decode (the 5 ms target is below their decode step), then 24 short prompts
+    arrive at once. Returns (worker steps from the burst until every one of them was
+    prefilled, the largest prefill of a step beside decodes then, the chunks beside decodes
+    of one long prompt arriving alone later)."""
+    s = make(5.0, drain=drain)
+    burst_at, long_at = 30, 200
+    arrivals = {0: [req(i, 1024, 400) for i in range(8)]}
+    arrivals[burst_at] = [req(100 + j, 200, 4) for j in range(24)]
+    arrivals[long_at] = [req(200, 6000, 4)]
+    out = drive(s, arrivals)
+    assert sum(s.stats.num_finished.values()) == 8 + 24 + 1 and not s.requests
+    after = out.steps[burst_at:long_at]
+    done = 0
+    last = 0
+    for i, (chunks, _) in enumerate(after):
+        done += sum(c for c, _ in chunks)
+        if done >= 24 * 200:
+            last = i
+            break
+    assert done >= 24 * 200
+    biggest = max(sum(c for c, _ in chunks) for chunks, d in after if d)
+    long_chunks = [c for chunks, d in out.steps[long_at + 2 :] if d for c, _ in chunks]
+    return last, biggest, long_chunks
+
+
+def test_a_burst_of_prompts_behind_full_decodes_starts_within_a_few_steps() -> None:
+    # Decodes alone fill the target: without the stretch prompts enter one floor chunk per
+    # step (24 steps for 24 prompts), slower than requests finish on a loaded instance. With
+    # queue_drain_steps=4 each step takes a quarter of the queue's claim beside the decodes, so
+    # the burst is taken in steps that shrink as the queue empties (11 here); each prompt
+    # claims at most one floor chunk, so one long prompt alone still moves by floor chunks.
+    floor = make(5.0).config.scheduler.min_prefill_chunk
+    slow, _, _ = _steps_to_start(drain=0)
+    fast, biggest, long_chunks = _steps_to_start(drain=4)
+    assert slow >= 20
+    assert fast <= slow // 2
+    # stretched, and bounded: the claim / 4 (24 x 200 tokens / 4) beside the floor, not the
+    # token budget (8192)
+    assert 2 * floor < biggest <= 24 * 200 // 4 + floor
+    assert long_chunks and max(long_chunks) <= floor

@@ -407,7 +407,7 @@ class Admitter:
     def _slack_bound(self, budget: StepBudget) -> bool:
         """The time target limits this step's prefill (computed once per step)."""
         if budget.slack_ms is None:
-            budget.slack_ms = self.plan.time_slack_ms()
+            budget.slack_ms = self.plan.time_slack_ms(self.backlog.drain_claim_ms())
         return budget.slack_ms != float("inf")
 
     # ==== chunks ==============================================================================
@@ -427,7 +427,7 @@ class Admitter:
             return 0
         if n > 0:
             if budget.slack_ms is None:
-                budget.slack_ms = plan.time_slack_ms()
+                budget.slack_ms = plan.time_slack_ms(self.backlog.drain_claim_ms())
             if req is budget.floor_for:
                 budget.slack_ms += budget.floor_ms  # its floor was held back for it
                 budget.floor_ms = 0.0

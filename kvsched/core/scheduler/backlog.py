@@ -131,14 +131,27 @@ class Backlog:
         the queued prefill at the share of each step the decodes leave it (for routing)."""
         return self.queued_prefill_ms / self._prefill_share()
 
+    def drain_claim_ms(self) -> float:
+        """The waiting and prefilling prompts' claim on the coming steps (`StepPlan.
+        step_target_ms`): their queued prefill, each prompt counted up to one floor chunk
+        (min_prefill_chunk tokens), by their mean: many short prompts claim all of theirs, one
+        long prompt one chunk (it still runs in chunks under the target). Waiting prompts
+        count only while slots are free for them: longer steps would not admit the others."""
+        table = self._table
+        n = min(len(self.waiting), len(table.free_slots)) + len(table.prefilling)
+        if not n:
+            return 0.0
+        floor_ms = self._prefill_ms(0, self._config.scheduler.min_prefill_chunk)
+        return min(self.queued_prefill_ms, n * floor_ms)
+
     def _prefill_share(self) -> float:
-        """The share of a worker step the decodes leave to prefill under the time target."""
+        """The share of a worker step the decodes leave to prefill under the step target."""
         plan = self._plan
-        target = plan.itl_target_ms
         d = self._table.num_decoding
-        if target <= 0 or d <= 0:
+        if plan.itl_target_ms <= 0 or d <= 0:
             return 1.0
         decode_ms = plan.cost.predict_ms(d * self._spec_k, d, plan.decode_ctx, 0)
+        target = plan.step_target_ms(decode_ms, self.drain_claim_ms())
         return max(_MIN_PREFILL_SHARE, 1.0 - decode_ms / target)
 
     def predicted_prefill_ms(self, req: Request, num_hit: int) -> float:

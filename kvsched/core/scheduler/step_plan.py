@@ -80,6 +80,7 @@ class StepPlan:
         self.cost = StepCostModel(scc.seed(), scc.forgetting)
         # Whole prompts (disable_chunked_prefill) cannot be cut to a time: tokens only.
         self.itl_target_ms = 0.0 if sc.disable_chunked_prefill else sc.itl_target_ms
+        self._drain_steps = sc.queue_drain_steps
         self._out: dict[int, Outstanding] = {}  # handle -> its outstanding chunks
         self._out_slot = np.full(table.slots.size, -1, dtype=np.int64)  # slot -> handle in _out
         self._out_tokens = 0  # sum of Outstanding.tokens
@@ -126,18 +127,34 @@ class StepPlan:
             return 0, 0, 0
         return len(rec.chunks), rec.tokens, rec.attn
 
-    def time_slack_ms(self) -> float:
-        """Milliseconds the time target leaves for new prefill in the steps being planned;
-        inf when the target is off or nothing decodes (then only the token budget applies)."""
+    def step_target_ms(self, decode_ms: float, claim_ms: float) -> float:
+        """The time a coming step may take: `itl_target_ms`, or, while prompts wait
+        (claim_ms: their prefill, each counted up to one floor chunk, `Backlog.drain_claim_ms`),
+        the decodes' time (decode_ms) plus the claim spread over `queue_drain_steps` steps,
+        when that is longer. Without it, decodes that fill the target leave prompts one floor
+        chunk per step, slower than requests finish: the decode batch shrinks and the queue
+        grows (step-bound model, c=64: 43 of 64 rows decoding)."""
+        target = self.itl_target_ms
+        if self._drain_steps and claim_ms > 0:
+            return max(target, decode_ms + claim_ms / self._drain_steps)
+        return target
+
+    def time_slack_ms(self, claim_ms: float = 0.0) -> float:
+        """Milliseconds the step target (`step_target_ms`, claim_ms: the waiting prompts'
+        claim) leaves for new prefill in the steps being planned; inf when the target is off
+        or nothing decodes (then only the token budget applies)."""
         d = self._table.num_decoding
         if self.itl_target_ms <= 0 or d <= 0:
             return float("inf")
         ctx = self._decode_ctx + self._out_final_ctx + LOOKAHEAD_STEPS * d
         copies = self._kv.num_queued_copies  # they run at the step's boundary
         fetches = self._kv.num_queued_fetches
-        return self.itl_target_ms - self.cost.predict_ms(
+        predict = self.cost.predict_ms
+        decode_ms = predict(d * self._spec_k, d, ctx, 0, copies, fetches)
+        step_ms = predict(
             self._out_tokens + d * self._spec_k, d, ctx, self._out_attn, copies, fetches
         )
+        return self.step_target_ms(decode_ms, claim_ms) - step_ms
 
     def storage_write_budget(self) -> int:
         """Storage writes a step hides: they run beside it (the worker's NIC reads pinned host
