@@ -269,42 +269,36 @@ def test_prompts_arriving_between_reports_share_one_floor_per_step() -> None:
 
 def _steps_to_start(drain: int) -> tuple[int, int, list[int]]:
     """8 requests decode (the 5 ms target is below their decode step), then 24 short prompts
-    arrive at once. Returns (worker steps from the burst until every one of them was
-    prefilled, the largest prefill of a step beside decodes then, the chunks beside decodes
-    of one long prompt arriving alone later)."""
+    arrive at once. Returns (worker steps from the burst until all 32 decode, the largest
+    prefill of a step beside decodes then, the chunks beside decodes of one long prompt
+    arriving alone later)."""
     s = make(5.0, drain=drain)
     burst_at, long_at = 30, 200
     arrivals = {0: [req(i, 1024, 400) for i in range(8)]}
-    arrivals[burst_at] = [req(100 + j, 200, 4) for j in range(24)]
+    arrivals[burst_at] = [req(100 + j, 200, 60) for j in range(24)]
     arrivals[long_at] = [req(200, 6000, 4)]
     out = drive(s, arrivals)
     assert sum(s.stats.num_finished.values()) == 8 + 24 + 1 and not s.requests
     after = out.steps[burst_at:long_at]
-    done = 0
-    last = 0
-    for i, (chunks, _) in enumerate(after):
-        done += sum(c for c, _ in chunks)
-        if done >= 24 * 200:
-            last = i
-            break
-    assert done >= 24 * 200
+    started = next(i for i, (_, d) in enumerate(after) if len(d) == 8 + 24)
     biggest = max(sum(c for c, _ in chunks) for chunks, d in after if d)
     long_chunks = [c for chunks, d in out.steps[long_at + 2 :] if d for c, _ in chunks]
-    return last, biggest, long_chunks
+    return started, biggest, long_chunks
 
 
 def test_a_burst_of_prompts_behind_full_decodes_starts_within_a_few_steps() -> None:
     # Decodes alone fill the target: without the stretch prompts enter one floor chunk per
     # step (24 steps for 24 prompts), slower than requests finish on a loaded instance. With
-    # queue_drain_steps=4 each step takes a quarter of the queue's claim beside the decodes, so
-    # the burst is taken in steps that shrink as the queue empties (11 here); each prompt
-    # claims at most one floor chunk, so one long prompt alone still moves by floor chunks.
+    # queue_drain_steps=2 each step takes half of the queue's claim beside the decodes (all of
+    # it once it is no more than a floor chunk), so the burst is taken in steps that shrink as
+    # the queue empties (7 here); each prompt claims at most one floor chunk, so one long
+    # prompt alone still moves by floor chunks.
     floor = make(5.0).config.scheduler.min_prefill_chunk
     slow, _, _ = _steps_to_start(drain=0)
-    fast, biggest, long_chunks = _steps_to_start(drain=4)
+    fast, biggest, long_chunks = _steps_to_start(drain=2)
     assert slow >= 20
     assert fast <= slow // 2
-    # stretched, and bounded: the claim / 4 (24 x 200 tokens / 4) beside the floor, not the
+    # stretched, and bounded: half the claim (24 x 200 tokens / 2) beside the floor, not the
     # token budget (8192)
-    assert 2 * floor < biggest <= 24 * 200 // 4 + floor
+    assert 2 * floor < biggest <= 24 * 200 // 2 + floor
     assert long_chunks and max(long_chunks) <= floor

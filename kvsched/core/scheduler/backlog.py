@@ -141,8 +141,7 @@ class Backlog:
         n = min(len(self.waiting), len(table.free_slots)) + len(table.prefilling)
         if not n:
             return 0.0
-        floor_ms = self._prefill_ms(0, self._config.scheduler.min_prefill_chunk)
-        return min(self.queued_prefill_ms, n * floor_ms)
+        return min(self.queued_prefill_ms, n * self._plan.floor_ms)
 
     def _prefill_share(self) -> float:
         """The share of a worker step the decodes leave to prefill under the step target."""

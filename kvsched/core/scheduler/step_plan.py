@@ -81,6 +81,7 @@ class StepPlan:
         # Whole prompts (disable_chunked_prefill) cannot be cut to a time: tokens only.
         self.itl_target_ms = 0.0 if sc.disable_chunked_prefill else sc.itl_target_ms
         self._drain_steps = sc.queue_drain_steps
+        self._floor = sc.min_prefill_chunk
         self._out: dict[int, Outstanding] = {}  # handle -> its outstanding chunks
         self._out_slot = np.full(table.slots.size, -1, dtype=np.int64)  # slot -> handle in _out
         self._out_tokens = 0  # sum of Outstanding.tokens
@@ -128,16 +129,24 @@ class StepPlan:
         return len(rec.chunks), rec.tokens, rec.attn
 
     def step_target_ms(self, decode_ms: float, claim_ms: float) -> float:
-        """The time a coming step may take: `itl_target_ms`, or, while prompts wait
-        (claim_ms: their prefill, each counted up to one floor chunk, `Backlog.drain_claim_ms`),
-        the decodes' time (decode_ms) plus the claim spread over `queue_drain_steps` steps,
-        when that is longer. Without it, decodes that fill the target leave prompts one floor
-        chunk per step, slower than requests finish: the decode batch shrinks and the queue
-        grows (step-bound model, c=64: 43 of 64 rows decoding)."""
+        """The time a coming step may take: `itl_target_ms`, or, while prompts wait, the
+        decodes' time (decode_ms) plus a share of the waiting prompts' claim (claim_ms: their
+        prefill, each counted up to one floor chunk, `Backlog.drain_claim_ms`), when longer:
+        1/`queue_drain_steps` of it, and all of it once it is no more than a floor chunk. So a
+        burst is taken in a few steps that shrink as the queue empties, its last prompts
+        together, and a lone prompt goes in whole. Without it, decodes that fill the target
+        left prompts one floor chunk per step, slower than requests finish: the decode batch
+        shrank and the queue grew (step-bound model, c=64: 43 of 64 rows decoding)."""
         target = self.itl_target_ms
         if self._drain_steps and claim_ms > 0:
-            return max(target, decode_ms + claim_ms / self._drain_steps)
+            take = max(claim_ms / self._drain_steps, min(claim_ms, self.floor_ms))
+            return max(target, decode_ms + take)
         return target
+
+    @property
+    def floor_ms(self) -> float:
+        """Predicted milliseconds of a floor chunk (min_prefill_chunk tokens from position 0)."""
+        return self.chunk_extra_ms(0, self._floor, 0, 0)
 
     def time_slack_ms(self, claim_ms: float = 0.0) -> float:
         """Milliseconds the step target (`step_target_ms`, claim_ms: the waiting prompts'
