@@ -161,12 +161,19 @@ def drive(
     raise AssertionError("the requests did not finish")
 
 
-def make(itl_ms: float, budget: int = 8192, drain: int = 4, **step_cost: float) -> Scheduler:
+def make(
+    itl_ms: float,
+    budget: int = 8192,
+    drain: int = 2,
+    seqs: int = 64,
+    blocks: int = 4096,
+    **step_cost: float,
+) -> Scheduler:
     return Scheduler(
         EngineConfig(
-            cache=CacheConfig(block_size=64, num_gpu_blocks=4096),
+            cache=CacheConfig(block_size=64, num_gpu_blocks=blocks),
             scheduler=SchedulerConfig(
-                max_num_seqs=64,
+                max_num_seqs=seqs,
                 max_num_batched_tokens=budget,
                 itl_target_ms=itl_ms,
                 queue_drain_steps=drain,
@@ -302,3 +309,18 @@ def test_a_burst_of_prompts_behind_full_decodes_starts_within_a_few_steps() -> N
     # token budget (8192)
     assert 2 * floor < biggest <= 24 * 200 // 2 + floor
     assert long_chunks and max(long_chunks) <= floor
+
+
+def test_prompts_that_cannot_be_placed_do_not_stretch_the_step() -> None:
+    # Every slot is taken (8 decoding, one long prompt prefilling): the 24 prompts waiting
+    # behind them cannot start however long the step, so they claim nothing, and the long
+    # prompt keeps floor-sized chunks beside the decodes (counted, they would stretch its
+    # chunks to several floors and lengthen every decoder's gap for nothing).
+    s = make(5.0, seqs=9)
+    floor = s.config.scheduler.min_prefill_chunk
+    arrivals = {0: [req(i, 1024, 300) for i in range(8)]}
+    arrivals[30] = [req(50, 6000, 4)] + [req(100 + j, 600, 8) for j in range(24)]
+    out = drive(s, arrivals)
+    assert sum(s.stats.num_finished.values()) == 8 + 1 + 24 and not s.requests
+    beside = [c for chunks, d in out.steps[32:] if len(d) == 8 for c, _ in chunks]
+    assert len(beside) > 10 and max(beside) <= floor

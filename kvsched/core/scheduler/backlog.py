@@ -136,12 +136,27 @@ class Backlog:
         step_target_ms`): their queued prefill, each prompt counted up to one floor chunk
         (min_prefill_chunk tokens), by their mean: many short prompts claim all of theirs, one
         long prompt one chunk (it still runs in chunks under the target). Waiting prompts
-        count only while slots are free for them: longer steps would not admit the others."""
-        table = self._table
-        n = min(len(self.waiting), len(table.free_slots)) + len(table.prefilling)
+        count only while the queue's head could be placed (a free slot, free blocks for its
+        whole prompt beside the admitted prompts'): longer steps would not admit them."""
+        table, waiting = self._table, self._waiting_admissible()
+        n = waiting + len(table.prefilling)
         if not n:
             return 0.0
-        return min(self.queued_prefill_ms, n * self._plan.floor_ms)
+        queued = self._prefill_backlog_ms + (self.waiting.queued_ms if waiting else 0.0)
+        return min(queued, n * self._plan.floor_ms)
+
+    def _waiting_admissible(self) -> int:
+        """How many waiting prompts could start now, judged by the head alone (O(1))."""
+        table, waiting = self._table, self.waiting
+        if not waiting or not table.free_slots:
+            return 0
+        head = waiting.peek()
+        if head is None:
+            return 0
+        blocks = -(-head.num_tokens // table.block_size)
+        if blocks + table.prefill_debt > self._kv.num_free_blocks:
+            return 0
+        return min(len(waiting), len(table.free_slots))
 
     def _prefill_share(self) -> float:
         """The share of a worker step the decodes leave to prefill under the step target."""
