@@ -324,3 +324,18 @@ def test_prompts_that_cannot_be_placed_do_not_stretch_the_step() -> None:
     assert sum(s.stats.num_finished.values()) == 8 + 1 + 24 and not s.requests
     beside = [c for chunks, d in out.steps[32:] if len(d) == 8 for c, _ in chunks]
     assert len(beside) > 10 and max(beside) <= floor
+
+
+def test_a_waiting_prompt_without_room_in_the_pool_claims_nothing() -> None:
+    # One 2,000-token prompt placed; a second waits. With room for it, it claims a stretch of
+    # the coming steps; when the pool cannot hold its whole prompt beside the first, a longer
+    # step would not place it, so it claims nothing.
+    claims = []
+    for blocks in (4096, 40):  # 40 blocks of 64 tokens: the first prompt's 32 and 8 more
+        s = make(5.0, blocks=blocks)
+        s.add_request(req(0, 2000, 50))
+        s.schedule()
+        s.add_request(req(1, 2000, 50))
+        assert len(s.backlog.waiting) == 1
+        claims.append(s.backlog.drain_claim_ms())
+    assert claims[0] > 0 and claims[1] == 0
