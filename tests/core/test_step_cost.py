@@ -296,10 +296,9 @@ def _steps_to_start(drain: int) -> tuple[int, int, list[int]]:
 def test_a_burst_of_prompts_behind_full_decodes_starts_within_a_few_steps() -> None:
     # Decodes alone fill the target: without the stretch prompts enter one floor chunk per
     # step (24 steps for 24 prompts), slower than requests finish on a loaded instance. With
-    # queue_drain_steps=2 each step takes half of the queue's claim beside the decodes (all of
-    # it once it is no more than a floor chunk), so the burst is taken in steps that shrink as
-    # the queue empties (7 here); each prompt claims at most one floor chunk, so one long
-    # prompt alone still moves by floor chunks.
+    # queue_drain_steps=2 each step takes half of the queue's claim beside the decodes, so the
+    # burst is taken in steps that shrink as the queue empties (7 here); each prompt claims at
+    # most one floor chunk, so one long prompt alone still moves by floor chunks.
     floor = make(5.0).config.scheduler.min_prefill_chunk
     slow, _, _ = _steps_to_start(drain=0)
     fast, biggest, long_chunks = _steps_to_start(drain=2)
