@@ -426,8 +426,8 @@ class Admitter:
         if sc.disable_chunked_prefill and n < remaining:
             return 0
         if n > 0:
-            if budget.slack_ms is None:
-                budget.slack_ms = plan.time_slack_ms(self.backlog.drain_claim_ms())
+            self._slack_bound(budget)  # (sets budget.slack_ms once per call)
+            assert budget.slack_ms is not None
             if req is budget.floor_for:
                 budget.slack_ms += budget.floor_ms  # its floor was held back for it
                 budget.floor_ms = 0.0

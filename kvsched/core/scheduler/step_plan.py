@@ -157,11 +157,11 @@ class StepPlan:
         ctx = self._decode_ctx + self._out_final_ctx + LOOKAHEAD_STEPS * d
         copies = self._kv.num_queued_copies  # they run at the step's boundary
         fetches = self._kv.num_queued_fetches
-        predict = self.cost.predict_ms
-        decode_ms = predict(d * self._spec_k, d, ctx, 0, copies, fetches)
-        step_ms = predict(
+        step_ms = self.cost.predict_ms(
             self._out_tokens + d * self._spec_k, d, ctx, self._out_attn, copies, fetches
         )
+        a_tok, a_attn = self.cost.prefill_costs  # the model is linear: the decodes' share
+        decode_ms = step_ms - a_tok * self._out_tokens - a_attn * self._out_attn
         return self.step_target_ms(decode_ms, claim_ms) - step_ms
 
     def storage_write_budget(self) -> int:
