@@ -34,6 +34,7 @@ from kvsched.core.errors import (
 
 __all__ = [
     "ERROR_TYPE_KEY",
+    "DeadlinePassed",
     "ErrorInterceptor",
     "PermissionDenied",
     "Unauthenticated",
@@ -54,6 +55,11 @@ class PermissionDenied(KvschedError):
     """The caller is known but may not do this, e.g. a front-end token on AdminService."""
 
 
+class DeadlinePassed(KvschedError):
+    """The call's own gRPC deadline passed and its request was aborted for it: the stream ends
+    with DEADLINE_EXCEEDED, as the client's runtime reports it, never with a Finished."""
+
+
 _CODES: dict[type[BaseException], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -63,6 +69,7 @@ _CODES: dict[type[BaseException], grpc.StatusCode] = {
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
     DecodeError: grpc.StatusCode.INVALID_ARGUMENT,  # bytes that are not the RPC's message
 }
 
@@ -74,6 +81,7 @@ _DEFAULT_MESSAGES: dict[grpc.StatusCode, str] = {
     grpc.StatusCode.UNAVAILABLE: "unavailable; retry later",
     grpc.StatusCode.UNAUTHENTICATED: "authentication required",
     grpc.StatusCode.PERMISSION_DENIED: "permission denied",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "deadline exceeded",
 }
 
 

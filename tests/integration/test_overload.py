@@ -59,15 +59,13 @@ def test_queue_limit_queue_timeout_and_deadline() -> None:
                     assert out.finished.reason == ABORT and "queue timeout" in out.finished.message
                 hog.cancel()
                 # A gRPC deadline is honoured: the request ends and its blocks come back. The
-                # daemon's own timer and the client's deadline race: either the call fails with
-                # DEADLINE_EXCEEDED or it gets Finished(ABORT, "deadline exceeded ...") first.
+                # daemon's own timer and the client's deadline race, and either way the call
+                # ends DEADLINE_EXCEEDED: the daemon never answers a request it aborted past
+                # its call's deadline with a Finished (the client has stopped waiting).
                 late = await generate(stub, Spec("deadline", [5] * 20, 5000).message(), timeout=0.5)
-                if late.finished is None:
-                    assert late.code == grpc.StatusCode.DEADLINE_EXCEEDED, late
-                else:
-                    assert late.finished.reason == ABORT, late.finished
-                    assert "deadline exceeded" in late.finished.message
-                    assert len(late.tokens) < 5000
+                assert late.finished is None, late.finished
+                assert late.code == grpc.StatusCode.DEADLINE_EXCEEDED, late
+                assert len(late.tokens) < 5000
 
         run(go())
         wait_pool_free(address)

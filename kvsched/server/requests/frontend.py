@@ -17,7 +17,7 @@ import grpc
 from kvsched import codec
 from kvsched.core import FinishReason, InvalidRequest, KvschedError, RequestNotFound, Unavailable
 from kvsched.server.auth import current_principal
-from kvsched.server.errors import status_for
+from kvsched.server.errors import DeadlinePassed, status_for
 from kvsched.server.requests.accept import Acceptor, relayed_from_caller
 from kvsched.server.requests.durable import Durability
 from kvsched.server.requests.record import RemotePeer, Tracked
@@ -99,7 +99,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         except KvschedError as exc:
             self._refused(request, exc, carrier)
             raise
-        async for msg in self._follow(tr, sink, pb.GenerateResponse):
+        async for msg in self._follow(tr, sink, pb.GenerateResponse, context):
             yield msg
 
     async def Resume(
@@ -135,7 +135,9 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 if request.request_id in self.requests.tracked:
                     got = await self.resumer.resume(request, owner, sink)
                     if isinstance(got, Tracked):
-                        async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse):
+                        async for msg in self._follow(
+                            got, sink, pb.RequestServiceResumeResponse, context
+                        ):
                             yield msg
                         return
             if mine or (giver and giver == exc.daemon_id):
@@ -152,7 +154,9 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     await self.resumer.recover("" if mine else exc.daemon_id, only=rid)
                 got = await self.resumer.resume(request, owner, sink)
                 if isinstance(got, Tracked):
-                    async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse):
+                    async for msg in self._follow(
+                        got, sink, pb.RequestServiceResumeResponse, context
+                    ):
                         yield msg
                     return
                 raise Unavailable(
@@ -165,7 +169,7 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                 await context.abort(err.code(), err.details() or "")
             return
         if isinstance(got, Tracked):
-            async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse):
+            async for msg in self._follow(got, sink, pb.RequestServiceResumeResponse, context):
                 yield msg
             return
         # Finished: the rest of its outputs and its Finished, from the journal's record.
@@ -178,9 +182,14 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
             yield pb.RequestServiceResumeResponse(tokens=pb.GenerateResponse.Tokens(token_ids=rest))
         yield pb.RequestServiceResumeResponse(finished=got.finished)
 
-    async def _follow(self, tr: Tracked, sink: StreamSink, kind: Any) -> AsyncIterator[Any]:
+    async def _follow(
+        self, tr: Tracked, sink: StreamSink, kind: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
         """A request's stream: queued, its tokens past `sink.sent`, its one finished. Ends
-        quietly when a Resume took the request over (`tr.sink` is another sink)."""
+        quietly when a Resume took the request over (`tr.sink` is another sink), and with
+        DEADLINE_EXCEEDED when the request was aborted once the call's deadline had passed (the
+        watchdog's deadline timer, or any abort racing it): the client's runtime reports its
+        deadline so, whichever of the two sides notices first."""
         done = False
         self.requests.streams.add(sink)
         try:
@@ -205,6 +214,10 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
                     yield kind(tokens=toks)
                 if finished:
                     done = True
+                    if tr.req.finish_reason is FinishReason.ABORT and _deadline_passed(context):
+                        raise DeadlinePassed(
+                            f"request {tr.req.req_id!r}: {tr.req.finish_message or 'aborted'}"
+                        )
                     yield kind(finished=codec.finished_to_proto(tr.req))
                     return
         finally:
@@ -477,3 +490,9 @@ class RequestServicer(request_service_pb2_grpc.RequestServiceServicer):
         if errors:
             msg.errors.extend(errors)
         return msg
+
+
+def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    """Whether the call had a deadline and it has passed."""
+    left = context.time_remaining()
+    return left is not None and left <= 0
