@@ -48,7 +48,8 @@ STACKS = ("vllm", "kvsched", "kvsched-grpc")
 # kvsched-itl57: steps with prefill chunks predicted under 57 ms (1.5x the step-bound model's
 # decode step at c=16) and chunks as small as 16 tokens (the default floor is 256);
 # kvsched-itl250: steps with prefill predicted under 250 ms (the step-bound model at c=64, whose
-# decodes alone fill most of the default 100 ms).
+# decodes alone fill most of the default 100 ms); kvsched-itl66: prefill under 66 ms (1.5x the
+# step-bound model's 44 ms decode step at c=16) in chunks of at least 32 tokens.
 VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
     "kvsched-spin": ("kvsched", {"KVSCHED_VLLM_NAP_US": "0"}, []),
     "kvsched-compiled": ("kvsched", {"KVSCHED_VLLM_COMPILE": "1"}, []),
@@ -69,6 +70,14 @@ VARIANTS: dict[str, tuple[str, dict[str, str], list[str]]] = {
         [],
     ),
     "kvsched-itl250": ("kvsched", {"KVSCHED_ENGINE__SCHEDULER__ITL_TARGET_MS": "250"}, []),
+    "kvsched-itl66": (
+        "kvsched",
+        {
+            "KVSCHED_ENGINE__SCHEDULER__ITL_TARGET_MS": "66",
+            "KVSCHED_ENGINE__SCHEDULER__MIN_PREFILL_CHUNK": "32",
+        },
+        [],
+    ),
     "kvsched-drain0": ("kvsched", {"KVSCHED_ENGINE__SCHEDULER__QUEUE_DRAIN_STEPS": "0"}, []),
     "kvsched-drain2": ("kvsched", {"KVSCHED_ENGINE__SCHEDULER__QUEUE_DRAIN_STEPS": "2"}, []),
     "kvsched-drain8": ("kvsched", {"KVSCHED_ENGINE__SCHEDULER__QUEUE_DRAIN_STEPS": "8"}, []),

@@ -6,6 +6,7 @@ time than the ITL target, however arrivals and reports interleave."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -102,6 +103,7 @@ class Executed:
     """What each executed worker step held: (prefill chunks as (c, prefix), decode contexts)."""
 
     steps: list[tuple[list[tuple[int, int]], list[int]]] = field(default_factory=list)
+    times_ms: list[float] = field(default_factory=list)  # each step's time, as reported
 
 
 class RecordingSim(SimExecutor):
@@ -114,7 +116,9 @@ class RecordingSim(SimExecutor):
     def execute(self, work: list[SeqWork]) -> StepResult:
         chunks, contexts, _ = _split_work(work)
         self.out.steps.append((chunks, contexts))
-        return super().execute(work)
+        result = super().execute(work)
+        self.out.times_ms.append(result.step_time_s * 1e3)
+        return result
 
 
 def drive(
@@ -122,11 +126,13 @@ def drive(
     arrivals: dict[int, list[Request]],
     zero_cost: bool = True,
     max_steps: int = 5000,
+    on_step: Callable[[int], None] | None = None,
 ) -> Executed:
     """Run `s` against a WorkerEngine as the daemon and the worker interleave: at a step's end
     the worker starts its next step with what it holds, then the daemon applies the report and
     schedules (its Tasks land a step later); arrivals between reports each schedule() at once.
-    check_integrity() after every daemon step. Returns what each worker step executed."""
+    check_integrity() after every daemon step; on_step(i) before worker step i. Returns what
+    each worker step executed."""
     out = Executed()
     sc = s.config.scheduler
     worker = WorkerEngine(
@@ -144,6 +150,8 @@ def drive(
 
     prev: StepReport | None = None
     for step in range(max_steps):
+        if on_step is not None:
+            on_step(step)
         for tasks in inbox:
             worker.apply(tasks)
         inbox.clear()
@@ -338,3 +346,22 @@ def test_a_waiting_prompt_without_room_in_the_pool_claims_nothing() -> None:
         assert len(s.backlog.waiting) == 1
         claims.append(s.backlog.drain_claim_ms())
     assert claims[0] > 0 and claims[1] == 0
+
+
+def test_the_step_target_in_force_and_the_steps_past_the_itl_target_are_shown() -> None:
+    # The burst above on the H100 cost fit (the 5 ms target is below 8 decodes' step): while
+    # the 24 prompts wait behind the decodes the snapshot shows the stretched step target,
+    # then the target itself once they all decode; every worker step with decodes that took
+    # longer than the target counts, as the sim worker timed them.
+    s = make(5.0)
+    targets: list[float] = []
+    arrivals = {0: [req(i, 1024, 400) for i in range(8)]}
+    arrivals[30] = [req(100 + j, 200, 60) for j in range(24)]
+    out = drive(
+        s, arrivals, zero_cost=False, on_step=lambda _: targets.append(s.snapshot().step_target_ms)
+    )
+    assert sum(s.stats.num_finished.values()) == 8 + 24 and not s.requests
+    assert max(targets[30:40]) > 5.0  # stretched while the burst waits
+    assert targets[-1] == 5.0 and min(targets) == 5.0
+    over = sum(1 for (_, d), ms in zip(out.steps, out.times_ms, strict=True) if d and ms > 5.0)
+    assert over > 0 and s.snapshot().num_steps_over_target == over

@@ -202,6 +202,12 @@ class SchedulerSnapshot:
     step_measured_ewma_ms: float = 0.0
     step_cost_coefficients: tuple[float, ...] = ()
     itl_target_ms: float = 0.0  # 0: time-budgeted steps off
+    # The step target last planned to: itl_target_ms, or longer while prompts wait behind
+    # decodes that fill it (scheduler.queue_drain_steps); and the measured worker steps with
+    # decodes that ran past itl_target_ms (single-step reports; whatever the cause: the
+    # stretch, the min_prefill_chunk floor, a misprediction).
+    step_target_ms: float = 0.0
+    num_steps_over_target: int = 0
     # The host-memory KV tier (0 blocks: none). Hit tokens above count either tier; these count
     # those from host memory. Swaps are blocks copied (sent), failures those the worker failed.
     num_host_blocks: int = 0

@@ -133,6 +133,7 @@ class Scheduler:
         tasks = Tasks(seq=0)  # numbered by the outbox if it is to be sent
         exits = self.exits
         self.hold_until = None
+        self.plan.new_pass()
         if not exits.paused:
             table = self.table
             # No decoder out of room, no prompt in, no chunk in flight and nothing admissible

@@ -80,6 +80,8 @@ class StepPlan:
         self.cost = StepCostModel(scc.seed(), scc.forgetting)
         # Whole prompts (disable_chunked_prefill) cannot be cut to a time: tokens only.
         self.itl_target_ms = 0.0 if sc.disable_chunked_prefill else sc.itl_target_ms
+        self.target_now_ms = self.itl_target_ms  # the step target last planned to (stretched?)
+        self.num_steps_over_target = 0  # measured steps with decodes longer than itl_target_ms
         self._drain_steps = sc.queue_drain_steps
         self._floor = sc.min_prefill_chunk
         self._out: dict[int, Outstanding] = {}  # handle -> its outstanding chunks
@@ -103,6 +105,8 @@ class StepPlan:
             "step_measured_ewma_ms": cost.ewma_measured_ms,
             "step_cost_coefficients": cost.coefficients,
             "itl_target_ms": self.itl_target_ms,
+            "step_target_ms": self.target_now_ms,
+            "num_steps_over_target": self.num_steps_over_target,
         }
 
     # ==== admission's side ====================================================================
@@ -142,6 +146,11 @@ class StepPlan:
             return max(target, decode_ms + claim_ms / self._drain_steps)
         return target
 
+    def new_pass(self) -> None:
+        """A schedule() pass begins: its step target is itl_target_ms unless the pass
+        stretches it (`time_slack_ms`, called only when prompts are to be placed)."""
+        self.target_now_ms = self.itl_target_ms
+
     @property
     def floor_ms(self) -> float:
         """Predicted milliseconds of a floor chunk (min_prefill_chunk tokens from position 0)."""
@@ -162,7 +171,8 @@ class StepPlan:
         )
         a_tok, a_attn = self.cost.prefill_costs  # the model is linear: the decodes' share
         decode_ms = step_ms - a_tok * self._out_tokens - a_attn * self._out_attn
-        return self.step_target_ms(decode_ms, claim_ms) - step_ms
+        self.target_now_ms = target = self.step_target_ms(decode_ms, claim_ms)
+        return target - step_ms
 
     def storage_write_budget(self) -> int:
         """Storage writes a step hides: they run beside it (the worker's NIC reads pinned host
@@ -289,9 +299,10 @@ class StepPlan:
         self._decode_ctx = ctx + completed_ctx
         self.last_step_terms = (prefill, decodes, ctx, attn)
         if report.step_time_ns > 0:
-            self.cost.observe(
-                prefill, decodes, ctx, attn, swaps, report.step_time_ns / 1e6, fetches
-            )
+            ms = report.step_time_ns / 1e6
+            self.cost.observe(prefill, decodes, ctx, attn, swaps, ms, fetches)
+            if decodes and 0 < self.itl_target_ms < ms:
+                self.num_steps_over_target += 1  # a decode stall past the target, whatever why
 
     def _shrink(self, h: int, rec: Outstanding, applied_seq: int) -> None:
         """Recompute a record's largest chunks after a report (some ran, the oldest may be

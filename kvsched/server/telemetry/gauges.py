@@ -98,15 +98,33 @@ def step_cost_families(
             "Time budget of a worker step while requests decode (0: off).",
             labels=labels,
         ),
+        GaugeMetricFamily(
+            "kvsched_step_target_seconds",
+            "Time the scheduler last planned a worker step to: the ITL target, or longer while "
+            "prompts wait behind decodes that fill it (scheduler.queue_drain_steps).",
+            labels=labels,
+        ),
     ]
+    over = CounterMetricFamily(
+        "kvsched_steps_over_itl_target",
+        "Worker steps with decodes whose measured time passed the ITL target.",
+        labels=labels,
+    )
     for iid, f in facts.items():
         snap = f.snapshot
         if snap is None:
             continue
-        values = (snap.step_predicted_ewma_ms, snap.step_measured_ewma_ms, snap.itl_target_ms)
+        values = (
+            snap.step_predicted_ewma_ms,
+            snap.step_measured_ewma_ms,
+            snap.itl_target_ms,
+            snap.step_target_ms,
+        )
         for family, ms in zip(families, values, strict=True):
             family.add_metric([iid, model], ms / 1e3)
+        over.add_metric([iid, model], snap.num_steps_over_target)
     yield from families
+    yield over
 
 
 def lora_families(facts: Mapping[str, InstanceFacts], model: str) -> Iterator[Metric]:
