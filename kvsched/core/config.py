@@ -172,11 +172,12 @@ class SchedulerConfig:
     min_prefill_chunk: int = 256
     # While prompts wait, a step may run past itl_target_ms: its target becomes the decodes'
     # predicted time plus 1/queue_drain_steps of the waiting prompts' prefill, each waiting or
-    # prefilling prompt counted up to one min_prefill_chunk (waiting ones only while the
-    # queue's head could be placed). A burst is taken in a few long steps that shrink as the
-    # queue empties instead of one prompt per step, and prompts enter at least as fast as
-    # requests finish when decodes alone fill the target; one long prompt alone still runs in
-    # chunks under the target. The token budget still bounds every step. 0: off (the target
+    # prefilling prompt counted up to one min_prefill_chunk, less one prompt's share (the
+    # floor serves one a step anyway; waiting ones only while the queue's head could be
+    # placed). A burst is taken in a few long steps that shrink as the queue empties instead
+    # of one prompt per step, and prompts enter at least as fast as requests finish when
+    # decodes alone fill the target; one long prompt alone still runs in chunks under the
+    # target. The token budget still bounds every step. 0: off (the target
     # holds; prompts move by the floor).
     queue_drain_steps: int = 2
     # Distinct LoRA adapters placed at once (vLLM's max_loras: a worker step runs every placed

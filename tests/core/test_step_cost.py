@@ -334,18 +334,33 @@ def test_prompts_that_cannot_be_placed_do_not_stretch_the_step() -> None:
 
 
 def test_a_waiting_prompt_without_room_in_the_pool_claims_nothing() -> None:
-    # One 2,000-token prompt placed; a second waits. With room for it, it claims a stretch of
-    # the coming steps; when the pool cannot hold its whole prompt beside the first, a longer
-    # step would not place it, so it claims nothing.
+    # One 2,000-token prompt placed; two more wait. With room for them, they claim a stretch
+    # of the coming steps; when the pool cannot hold the head's whole prompt beside the first,
+    # a longer step would not place it, so they claim nothing.
     claims = []
     for blocks in (4096, 40):  # 40 blocks of 64 tokens: the first prompt's 32 and 8 more
         s = make(5.0, blocks=blocks)
         s.add_request(req(0, 2000, 50))
         s.schedule()
         s.add_request(req(1, 2000, 50))
-        assert len(s.backlog.waiting) == 1
+        s.add_request(req(2, 2000, 50))
+        assert len(s.backlog.waiting) == 2
         claims.append(s.backlog.drain_claim_ms())
     assert claims[0] > 0 and claims[1] == 0
+
+
+def test_one_waiting_prompt_alone_stretches_nothing() -> None:
+    # The floor serves one prompt a step anyway: the claim is the others', so one prompt
+    # waiting alone claims nothing, and two claim half of what both would.
+    s = make(5.0)
+    s.add_request(req(0, 2000, 50))
+    s.schedule()
+    s.add_request(req(1, 200, 50))
+    assert len(s.backlog.waiting) == 1 and not s.table.prefilling
+    assert s.backlog.drain_claim_ms() == 0
+    s.add_request(req(2, 200, 50))
+    both = s.backlog.waiting.queued_ms
+    assert s.backlog.drain_claim_ms() == pytest.approx(both / 2)
 
 
 def test_the_step_target_in_force_and_the_steps_past_the_itl_target_are_shown() -> None:

@@ -135,15 +135,17 @@ class Backlog:
         """The waiting and prefilling prompts' claim on the coming steps (`StepPlan.
         step_target_ms`): their queued prefill, each prompt counted up to one floor chunk
         (min_prefill_chunk tokens), by their mean: many short prompts claim all of theirs, one
-        long prompt one chunk (it still runs in chunks under the target). Waiting prompts
-        count only while the queue's head could be placed (a free slot, free blocks for its
-        whole prompt beside the admitted prompts'): longer steps would not admit them."""
+        long prompt one chunk (it still runs in chunks under the target); less one prompt's
+        share, the one the floor serves each step anyway (one prompt alone stretches nothing;
+        two claim half of theirs). Waiting prompts count only while the queue's head could be
+        placed (a free slot, free blocks for its whole prompt beside the admitted prompts'):
+        longer steps would not admit them."""
         table, waiting = self._table, self._waiting_admissible()
         n = waiting + len(table.prefilling)
-        if not n:
+        if n < 2:
             return 0.0
         queued = self._prefill_backlog_ms + (self.waiting.queued_ms if waiting else 0.0)
-        return min(queued, n * self._plan.floor_ms)
+        return min(queued, n * self._plan.floor_ms) * (n - 1) / n
 
     def _waiting_admissible(self) -> int:
         """How many waiting prompts could start now, judged by the head alone (O(1))."""
