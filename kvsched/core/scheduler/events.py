@@ -155,6 +155,7 @@ SNAPSHOT_COUNTERS = (
     "encoder_cache_misses",
     "num_draft_tokens",
     "num_accepted_drafts",
+    "num_steps_over_target",
 )
 
 

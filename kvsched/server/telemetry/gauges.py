@@ -81,7 +81,8 @@ def step_cost_families(
     facts: Mapping[str, InstanceFacts], model: str, labels: list[str]
 ) -> Iterator[Metric]:
     """Each instance's step-cost model: a worker step's time as predicted and as measured
-    (moving averages), and the time target in force."""
+    (moving averages), the ITL target and the step target in force (its steps past the
+    ITL target are a counter with the others, metrics.py)."""
     families = [
         GaugeMetricFamily(
             "kvsched_step_time_predicted_seconds",
@@ -105,11 +106,6 @@ def step_cost_families(
             labels=labels,
         ),
     ]
-    over = CounterMetricFamily(
-        "kvsched_steps_over_itl_target",
-        "Worker steps with decodes whose measured time passed the ITL target.",
-        labels=labels,
-    )
     for iid, f in facts.items():
         snap = f.snapshot
         if snap is None:
@@ -122,9 +118,7 @@ def step_cost_families(
         )
         for family, ms in zip(families, values, strict=True):
             family.add_metric([iid, model], ms / 1e3)
-        over.add_metric([iid, model], snap.num_steps_over_target)
     yield from families
-    yield over
 
 
 def lora_families(facts: Mapping[str, InstanceFacts], model: str) -> Iterator[Metric]:

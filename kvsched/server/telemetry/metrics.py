@@ -100,6 +100,10 @@ _COUNTERS = (
     ("encoder_cache_misses", "Multimodal items the worker had to encode."),
     ("spec_decode_num_draft_tokens", "Speculative draft tokens the worker verified."),
     ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."),
+    (
+        "steps_over_itl_target",
+        "Worker steps with decodes whose measured time passed the ITL target.",
+    ),
 )
 
 
