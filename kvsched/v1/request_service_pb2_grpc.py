@@ -121,6 +121,9 @@ class RequestServiceStub:
     shutting down, or no instance of the model is ready
     UNAUTHENTICATED *   no token or an unknown one (with an auth file)
     PERMISSION_DENIED * a token whose role may not call RequestService (a worker's)
+    DEADLINE_EXCEEDED   the call's deadline passed: the daemon aborts the request
+    (its record ends ABORT "deadline exceeded") and ends the
+    stream so, never with a Finished; Resume alike (test_overload.py)
     Abort       OK *                also for a request that already finished (no effect)
     NOT_FOUND *         no live or recently finished request by that id (also one
     submitted with other credentials)
@@ -269,6 +272,9 @@ class RequestServiceServicer:
     shutting down, or no instance of the model is ready
     UNAUTHENTICATED *   no token or an unknown one (with an auth file)
     PERMISSION_DENIED * a token whose role may not call RequestService (a worker's)
+    DEADLINE_EXCEEDED   the call's deadline passed: the daemon aborts the request
+    (its record ends ABORT "deadline exceeded") and ends the
+    stream so, never with a Finished; Resume alike (test_overload.py)
     Abort       OK *                also for a request that already finished (no effect)
     NOT_FOUND *         no live or recently finished request by that id (also one
     submitted with other credentials)
@@ -456,6 +462,9 @@ class RequestService:
     shutting down, or no instance of the model is ready
     UNAUTHENTICATED *   no token or an unknown one (with an auth file)
     PERMISSION_DENIED * a token whose role may not call RequestService (a worker's)
+    DEADLINE_EXCEEDED   the call's deadline passed: the daemon aborts the request
+    (its record ends ABORT "deadline exceeded") and ends the
+    stream so, never with a Finished; Resume alike (test_overload.py)
     Abort       OK *                also for a request that already finished (no effect)
     NOT_FOUND *         no live or recently finished request by that id (also one
     submitted with other credentials)
