@@ -19,7 +19,8 @@ Workloads (models made here, random weights, BPE vocabulary 512, float32):
           here: the control plane must hide behind the step)
 
 Each run: vLLM's serving benchmark (vllm.benchmarks.serve, random dataset, /v1/completions,
---ignore-eos, --max-concurrency c, num prompts 4c clamped to [16, 128] unless --num-prompts;
+--ignore-eos, --max-concurrency c, num prompts 4c clamped to [16, 128] (step) or 16c clamped
+to [64, 512] (tiny) unless --num-prompts;
 lengths all equal unless --range-ratio);
 the load average (1 min) before and after; CPU seconds (user + sys, children included) of each
 process group from /proc, per 1,000 output tokens; output tokens per engine step (the kvsched
@@ -61,8 +62,15 @@ SHOWN = [
 ]
 
 
-def num_prompts(a: argparse.Namespace, c: int) -> int:
-    return a.num_prompts or min(128, max(16, 4 * c))
+# Prompts per run: (per unit of concurrency, at least, at most). The tiny model's runs need
+# more than the step-bound one's to last a few seconds (16 prompts at c=1 or 64 at c=16 ran
+# 1-3 s, and their ratios flipped between sittings); each run is then 5-10 s here.
+PROMPTS = {"tiny": (16, 64, 512), "step": (4, 16, 128)}
+
+
+def num_prompts(a: argparse.Namespace, c: int, workload: str = "step") -> int:
+    per, lo, hi = PROMPTS[workload]
+    return a.num_prompts or min(hi, max(lo, per * c))
 
 
 def measure(stack: Stack, model_dir: Path, c: int, n: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -129,7 +137,7 @@ def run_workload(name: str, a: argparse.Namespace, work: Path, save: Any = None)
             with started(kind, model_dir, logs, env=_stack_env(a, kind)) as stack:
                 warm_up(stack, model_dir, a)
                 for c in levels:
-                    rec = measure(stack, model_dir, c, num_prompts(a, c), a)
+                    rec = measure(stack, model_dir, c, num_prompts(a, c, name), a)
                     rec["round"] = r
                     runs[kind].setdefault(str(c), []).append(rec)
                     print(f"   c={c}: {_line(rec)}", flush=True)
@@ -261,7 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", default="", help=f"levels for every workload {CONCURRENCY}")
-    p.add_argument("--num-prompts", type=int, default=0, help="per run; 0: 4c in [16, 128]")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=0,
+        help="per run; 0: PROMPTS (step 4c in [16, 128], tiny 16c in [64, 512])",
+    )
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument(
