@@ -81,6 +81,9 @@ def test_an_unknown_adapter_is_not_found_naming_it_and_the_known_ones(lora_daemo
         assert all(repr(n) in e.value.message for n in ADAPTERS)
         with pytest.raises(NotFound):  # an unknown model is still a model
             client.generate([1, 2, 3], max_tokens=2, model="poetry")
+        with pytest.raises(NotFound) as e3:  # the same unknown name as model and lora_name
+            client.generate([1, 2, 3], max_tokens=2, model="poetry", lora_name="poetry")
+        assert "unknown model 'poetry'" in e3.value.message  # (was INTERNAL: a KeyError)
         with pytest.raises(InvalidArgument) as e2:  # two different adapters named
             client.generate([1, 2, 3], max_tokens=2, model="sql", lora_name="chat")
         assert "'sql'" in e2.value.message and "'chat'" in e2.value.message
