@@ -68,7 +68,7 @@ SHOWN = [
 PROMPTS = {"tiny": (16, 64, 512), "step": (4, 16, 128)}
 
 
-def num_prompts(a: argparse.Namespace, c: int, workload: str = "step") -> int:
+def num_prompts(a: argparse.Namespace, c: int, workload: str) -> int:
     per, lo, hi = PROMPTS[workload]
     return a.num_prompts or min(hi, max(lo, per * c))
 

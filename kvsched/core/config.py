@@ -177,8 +177,8 @@ class SchedulerConfig:
     # placed). A burst is taken in a few long steps that shrink as the queue empties instead
     # of one prompt per step, and prompts enter at least as fast as requests finish when
     # decodes alone fill the target; one long prompt alone still runs in chunks under the
-    # target. The token budget still bounds every step. 0: off (the target
-    # holds; prompts move by the floor).
+    # target. The token budget still bounds every step. 0: off (the target holds; prompts
+    # move by the floor).
     queue_drain_steps: int = 2
     # Distinct LoRA adapters placed at once (vLLM's max_loras: a worker step runs every placed
     # request, so this bounds the adapters of every step): a request naming another adapter

@@ -136,8 +136,8 @@ class StepPlan:
         """The time a coming step may take: `itl_target_ms`, or, while prompts wait, the
         decodes' time (decode_ms) plus 1/`queue_drain_steps` of the waiting prompts' claim
         (claim_ms: their prefill, each counted up to one floor chunk, less the one prompt the
-        floor serves anyway, `Backlog.drain_claim_ms`), when longer. So a burst is taken in a few steps that shrink as the
-        queue empties. Without it, decodes that fill the target left prompts one floor chunk
+        floor serves anyway, `Backlog.drain_claim_ms`), when longer. So a burst is taken in a
+        few steps that shrink as the queue empties. Without it, decodes that fill the target left prompts one floor chunk
         per step, slower than requests finish: the decode batch shrank and the queue grew
         (step-bound model, c=64: 43 of 64 rows decoding). (Taking all of a claim no larger
         than a floor chunk at once as well was tried: worse at c=16 and no better at c=64.)"""

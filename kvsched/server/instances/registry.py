@@ -312,11 +312,9 @@ class InstanceRegistry:
         models = self.models()  # (a model's own name is never read as an adapter's)
         adapters = {n: lim.model for lim in limits for n, _ in lim.loras if n not in models}
         lora = resolve_lora(requested, lora_name, adapters)
-        # `requested` names an adapter only if one is announced by that name (model "x" with
-        # lora_name "x" for an unknown "x" is an unknown model, not a lookup of adapter "x").
-        model = self.model_for(
-            adapters.get(requested, requested) if lora == requested else requested
-        )
+        # An announced adapter's name runs on its base model (resolve_lora took it as the
+        # adapter); any other name is a model's (an unknown one: NOT_FOUND, whatever lora_name).
+        model = self.model_for(adapters.get(requested, requested))
         check_lora_known(lora, model, limits)
         return model, lora
 
